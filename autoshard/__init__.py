@@ -1,0 +1,1 @@
+"""autoshard: auto-parallel FSDP+TP planning for PyTorch."""

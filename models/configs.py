@@ -1,0 +1,62 @@
+"""Named llama3-style model shapes, from a test-sized toy to the published 8B and 70B."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    """Shape of a llama3-style decoder. `n_kv_heads < n_heads` gives grouped-query attention."""
+
+    name: str
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    vocab_size: int
+    ffn_hidden: int
+    rope_theta: float = 500000.0
+    norm_eps: float = 1e-5
+    max_seq_len: int = 8192
+
+    def __post_init__(self) -> None:
+        if self.dim % self.n_heads:
+            raise ValueError(f"{self.name}: dim {self.dim} is not divisible by n_heads {self.n_heads}")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(
+                f"{self.name}: n_heads {self.n_heads} is not divisible by n_kv_heads {self.n_kv_heads}"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"{self.name}: head_dim {self.head_dim} must be even for rotary embeddings")
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    def with_(self, **changes) -> "LlamaConfig":
+        """A copy with some fields changed (e.g. a shorter max_seq_len for tests)."""
+        return replace(self, **changes)
+
+
+CONFIGS: dict[str, LlamaConfig] = {
+    c.name: c
+    for c in (
+        LlamaConfig("llama3-tiny", dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=256,
+                    ffn_hidden=192, max_seq_len=256),
+        LlamaConfig("llama3-debug", dim=256, n_layers=6, n_heads=16, n_kv_heads=16, vocab_size=2048,
+                    ffn_hidden=768, max_seq_len=2048),
+        LlamaConfig("llama3-8b", dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=128256,
+                    ffn_hidden=14336),
+        LlamaConfig("llama3-70b", dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, vocab_size=128256,
+                    ffn_hidden=28672),
+    )
+}
+
+
+def get_config(name: str) -> LlamaConfig:
+    """Look a config up by name; unknown names raise ValueError listing the valid ones."""
+    try:
+        return CONFIGS[name]
+    except KeyError:
+        raise ValueError(f"unknown model config {name!r}; valid names: {', '.join(CONFIGS)}") from None

@@ -1,0 +1,173 @@
+"""A llama3-style decoder written like a reference implementation.
+
+Plain `nn.Module`s and plain tensor ops only (no fused kernels beyond
+`scaled_dot_product_attention`), so the traced graph contains ops that sharding rules know.
+Rotary embeddings use the real-valued rotate-half form: complex tensors have poor sharding support.
+Module and parameter names follow the common llama3 layout (`layers.N.attention.wq.weight`, ...) so
+that hand-written parallel plans and logs read the same.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .configs import LlamaConfig
+
+
+def rope_tables(head_dim: int, max_seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables of shape [max_seq_len, head_dim] for the rotate-half rotary form."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float32), inv_freq)
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos(), angles.sin()
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    first, second = x.chunk(2, dim=-1)
+    return torch.cat([-second, first], dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [batch, seq, heads, head_dim]; cos/sin: [seq, head_dim]."""
+    cos = cos[None, :, None, :]
+    sin = sin[None, :, None, :]
+    return x * cos + rotate_half(x) * sin
+
+
+def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
+    """Repeat each key/value head n_rep times: [b, s, kv_heads, d] -> [b, s, kv_heads * n_rep, d]."""
+    if n_rep == 1:
+        return x
+    b, s, kv_heads, d = x.shape
+    return x[:, :, :, None, :].expand(b, s, kv_heads, n_rep, d).reshape(b, s, kv_heads * n_rep, d)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.n_heads = cfg.n_heads
+        self.n_kv_heads = cfg.n_kv_heads
+        self.head_dim = cfg.head_dim
+        self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        # -1 for the head count keeps the views valid when heads are split across ranks.
+        q = self.wq(x).view(b, s, -1, self.head_dim)
+        k = self.wk(x).view(b, s, -1, self.head_dim)
+        v = self.wv(x).view(b, s, -1, self.head_dim)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        n_rep = self.n_heads // self.n_kv_heads
+        k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
+        )
+        return self.wo(out.transpose(1, 2).reshape(b, s, -1))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attention = Attention(cfg)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.feed_forward = FeedForward(cfg.dim, cfg.ffn_hidden)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Transformer(nn.Module):
+    """Token ids [batch, seq] -> logits [batch, seq, vocab]."""
+
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleList(TransformerBlock(cfg) for _ in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
+        # Not persistent: derived from the config, so checkpoints carry only learned weights.
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        seq_len = tokens.shape[1]
+        if seq_len > self.cfg.max_seq_len:
+            raise ValueError(f"sequence length {seq_len} exceeds max_seq_len {self.cfg.max_seq_len}")
+        cos, sin = self.rope_cos[:seq_len], self.rope_sin[:seq_len]
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers:
+            h = layer(h, cos, sin)
+        return self.output(self.norm(h))
+
+    @torch.no_grad()
+    def init_weights(self, seed: int = 0) -> None:
+        """Deterministic init from `seed`, independent of the global RNG and of the device.
+
+        Values are drawn on CPU in `named_parameters()` order and copied in, so a model built on
+        `meta` and materialized with `to_empty(device=...)` gets exactly the same weights.
+        """
+        gen = torch.Generator(device="cpu").manual_seed(seed)
+        residual_std = 0.02 / (2 * self.cfg.n_layers) ** 0.5
+        for name, param in self.named_parameters():
+            if name.endswith("norm.weight"):
+                values = torch.ones(param.shape)
+            else:
+                if name == "tok_embeddings.weight":
+                    std = 1.0
+                elif name == "output.weight":
+                    std = self.cfg.dim ** -0.5
+                elif name.endswith(("wo.weight", "w2.weight")):
+                    std = residual_std
+                else:
+                    std = 0.02
+                values = torch.empty(param.shape).normal_(0.0, std, generator=gen)
+            param.copy_(values.to(dtype=param.dtype))
+        cos, sin = rope_tables(self.cfg.head_dim, self.cfg.max_seq_len, self.cfg.rope_theta)
+        self.rope_cos.copy_(cos)
+        self.rope_sin.copy_(sin)
+
+
+def cross_entropy_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy over all positions, computed in fp32."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+def build_model(cfg: LlamaConfig, device: str | torch.device = "cpu", seed: int | None = 0) -> Transformer:
+    """Build a model on `device`; on a real device, initialize it from `seed` (None: leave as built)."""
+    with torch.device(device):
+        model = Transformer(cfg)
+    if torch.device(device).type != "meta" and seed is not None:
+        model.init_weights(seed)
+    return model

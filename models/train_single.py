@@ -1,0 +1,89 @@
+"""Single-device AdamW training: the numerical reference the parallel runs are compared against.
+
+    python -m models.train_single --model llama3-tiny --steps 50
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from .configs import get_config
+from .data import MarkovTokens
+from .llama import build_model, cross_entropy_loss
+
+
+@dataclass
+class TrainSettings:
+    model: str = "llama3-tiny"
+    steps: int = 50
+    batch: int = 8
+    seq: int = 64
+    lr: float = 3e-3
+    weight_decay: float = 0.0
+    seed: int = 0
+    data_seed: int = 0
+
+
+@dataclass
+class TrainResult:
+    losses: list[float] = field(default_factory=list)
+    tokens_per_s: float = 0.0
+
+
+def make_optimizer(params, settings: TrainSettings) -> torch.optim.AdamW:
+    """The optimizer every run (single-device or parallel) uses, so their numbers can match."""
+    return torch.optim.AdamW(params, lr=settings.lr, weight_decay=settings.weight_decay, foreach=False)
+
+
+def train_single(settings: TrainSettings, log=None) -> TrainResult:
+    """Train `settings.model` on one device; returns the per-step losses."""
+    cfg = get_config(settings.model)
+    if settings.seq > cfg.max_seq_len:
+        cfg = cfg.with_(max_seq_len=settings.seq)
+    model = build_model(cfg, seed=settings.seed)
+    optim = make_optimizer(model.parameters(), settings)
+    data = MarkovTokens(cfg.vocab_size, seed=settings.data_seed)
+    result = TrainResult()
+    start = time.perf_counter()
+    for step in range(settings.steps):
+        batch = data.batch(step, settings.batch, settings.seq)
+        loss = cross_entropy_loss(model(batch.inputs), batch.targets)
+        loss.backward()
+        optim.step()
+        optim.zero_grad(set_to_none=True)
+        result.losses.append(loss.item())
+        if log is not None:
+            log(f"step {step + 1:4d}/{settings.steps}  loss {loss.item():.4f}")
+    elapsed = time.perf_counter() - start
+    result.tokens_per_s = settings.steps * settings.batch * settings.seq / max(elapsed, 1e-9)
+    return result
+
+
+def main(argv: list[str] | None = None) -> None:
+    defaults = TrainSettings()
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=defaults.model)
+    parser.add_argument("--steps", type=int, default=defaults.steps)
+    parser.add_argument("--batch", type=int, default=defaults.batch, help="global batch size")
+    parser.add_argument("--seq", type=int, default=defaults.seq, help="sequence length")
+    parser.add_argument("--lr", type=float, default=defaults.lr)
+    parser.add_argument("--seed", type=int, default=defaults.seed)
+    args = parser.parse_args(argv)
+    settings = TrainSettings(model=args.model, steps=args.steps, batch=args.batch, seq=args.seq,
+                             lr=args.lr, seed=args.seed)
+    try:
+        get_config(settings.model)
+    except ValueError as err:
+        parser.exit(2, f"error: {err}\n")
+    result = train_single(settings, log=print)
+    first, last = result.losses[0], result.losses[-1]
+    print(f"done: loss {first:.4f} -> {last:.4f} ({100 * (1 - last / first):.1f}% lower), "
+          f"{result.tokens_per_s:,.0f} tokens/s on one device")
+
+
+if __name__ == "__main__":
+    main()
