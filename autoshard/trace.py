@@ -1,0 +1,177 @@
+"""Trace one training step (forward + loss + backward) into a joint FX graph on fake tensors.
+
+The graph is the unit every later stage works on: strategies are chosen per node, the parallel
+module runs it on local shards. Tracing uses fake tensors, so an 8B model on `meta` costs no memory:
+the model's parameters are swapped for fake ones for the duration of the trace and restored after.
+Each node is tagged with the module path it came from (backward nodes inherit their forward node's
+path), which the sharding log shows and repeated-layer detection keys on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import fx, nn
+
+from . import _compat_trace as tc
+
+MODULE_KEY = "autoshard_module"
+
+
+@dataclass
+class JointGraph:
+    """A traced training step and the meaning of its inputs and outputs."""
+
+    gm: fx.GraphModule
+    params: dict[str, fx.Node]  # parameter FQN -> placeholder
+    buffers: dict[str, fx.Node]  # buffer FQN -> placeholder
+    inputs: list[fx.Node]  # user inputs, in call order
+    tangents: list[fx.Node]  # seed gradient of the loss
+    loss: fx.Node  # the loss value (first output)
+    grads: dict[str, fx.Node]  # parameter FQN -> node computing its gradient
+    joint: Any = field(repr=False)  # torch's JointWithDescriptors, kept for lowering later
+
+    @property
+    def nodes(self) -> list[fx.Node]:
+        return list(self.gm.graph.nodes)
+
+    def module_path(self, node: fx.Node) -> str:
+        """Dotted module path the node was produced in ('' = the step function itself)."""
+        return (node.meta.get("custom") or {}).get(MODULE_KEY, "")
+
+    def is_backward(self, node: fx.Node) -> bool:
+        return node.meta.get("partitioner_tag") == "is_backward"
+
+
+class _StepModule(nn.Module):
+    """Wraps `step_fn(model, *args) -> loss` so the tracer sees one module whose output is the loss."""
+
+    def __init__(self, model: nn.Module, step_fn: Callable[..., torch.Tensor]):
+        super().__init__()
+        self.model = model
+        self.step_fn = step_fn
+
+    def forward(self, *args):
+        loss = self.step_fn(self.model, *args)
+        if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+            got = type(loss).__name__ if not isinstance(loss, torch.Tensor) else f"shape {tuple(loss.shape)}"
+            raise ValueError(f"the loss function must return a scalar tensor, got {got}")
+        return loss
+
+
+@contextlib.contextmanager
+def _module_path_annotations(model: nn.Module):
+    """Tag every node traced inside a submodule's forward with that submodule's path."""
+    open_scopes: list[contextlib.AbstractContextManager] = []
+
+    def enter(path: str):
+        def hook(module, args):
+            scope = fx.traceback.annotate({MODULE_KEY: path})
+            scope.__enter__()
+            open_scopes.append(scope)
+
+        return hook
+
+    def leave(module, args, output):
+        open_scopes.pop().__exit__(None, None, None)
+
+    handles = []
+    for path, module in model.named_modules():
+        handles.append(module.register_forward_pre_hook(enter(path)))
+        handles.append(module.register_forward_hook(leave))
+    try:
+        with fx.traceback.preserve_node_meta():
+            yield
+    finally:
+        for handle in handles:
+            handle.remove()
+        while open_scopes:  # an exception inside forward leaves scopes open
+            open_scopes.pop().__exit__(None, None, None)
+
+
+@contextlib.contextmanager
+def _fake_parameters(model: nn.Module, fake_mode, device: torch.device):
+    """Temporarily replace every parameter and buffer by a fake tensor of the same shape/dtype."""
+    saved: list[tuple[nn.Module, str, str, Any]] = []
+    try:
+        for module in model.modules():
+            for kind in ("_parameters", "_buffers"):
+                table = getattr(module, kind)
+                for name, value in list(table.items()):
+                    if value is None:
+                        continue
+                    saved.append((module, kind, name, value))
+                    with fake_mode:
+                        fake = torch.empty(value.shape, dtype=value.dtype, device=device)
+                    table[name] = nn.Parameter(fake, requires_grad=value.requires_grad) if kind == "_parameters" else fake
+        yield
+    finally:
+        for module, kind, name, value in reversed(saved):
+            getattr(module, kind)[name] = value
+
+
+def _fake_input(value: Any, fake_mode, device: torch.device) -> Any:
+    if isinstance(value, torch.Tensor):
+        with fake_mode:
+            return torch.empty(value.shape, dtype=value.dtype, device=device)
+    return value
+
+
+def trace_joint(
+    model: nn.Module,
+    step_fn: Callable[..., torch.Tensor],
+    example_args: Sequence[Any],
+    stack: contextlib.ExitStack,
+) -> JointGraph:
+    """Trace `step_fn(model, *example_args)` and its backward into one joint graph.
+
+    `example_args` carry global shapes and dtypes only (real, meta or fake tensors all work).
+    `stack` must stay open while the returned graph is compiled into a runnable step.
+    """
+    device = torch.device("cpu")
+    fake_mode = tc.new_fake_mode()
+    args = tuple(_fake_input(a, fake_mode, device) for a in example_args)
+    wrapper = _StepModule(model, step_fn)
+    with _fake_parameters(model, fake_mode, device), _module_path_annotations(model):
+        joint = tc.export_joint(stack, wrapper, args)
+    return _describe(joint)
+
+
+def _strip(fqn: str) -> str:
+    prefix = "model."
+    return fqn[len(prefix):] if fqn.startswith(prefix) else fqn
+
+
+def _describe(joint) -> JointGraph:
+    gm = joint.graph_module
+    params, buffers, inputs, tangents = {}, {}, [], []
+    for node in gm.graph.find_nodes(op="placeholder"):
+        kind, target = tc.describe_input(node.meta.get("desc"))
+        if kind == "param":
+            params[_strip(target)] = node
+        elif kind == "buffer":
+            buffers[_strip(target)] = node
+        elif kind == "input":
+            inputs.append(node)
+        elif kind == "tangent":
+            tangents.append(node)
+        else:
+            raise NotImplementedError(f"traced graph has an input autoshard does not understand: {node.meta.get('desc')}")
+    (output,) = gm.graph.find_nodes(op="output")
+    loss, grads = None, {}
+    for value, desc in zip(output.args[0], output.meta["desc"]):
+        kind, target = tc.describe_output(desc)
+        if kind == "output":
+            if loss is not None:
+                raise ValueError("the step function must return exactly one tensor (the loss)")
+            loss = value
+        elif kind == "grad" and value is not None:
+            grads[_strip(target)] = value
+    missing = sorted(set(params) - set(grads))
+    if missing:
+        raise ValueError(f"these parameters get no gradient from the loss: {', '.join(missing)}")
+    return JointGraph(gm=gm, params=params, buffers=buffers, inputs=inputs, tangents=tangents,
+                      loss=loss, grads=grads, joint=joint)
