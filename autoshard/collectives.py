@@ -1,0 +1,205 @@
+"""Run a RedistributePlan on one rank's local tensor with torch functional collectives.
+
+Every step is built from differentiable pieces (functional collectives carry their own autograd,
+and the local reshapes/narrows are ordinary ops), so the backward of each step is its dual, the
+gradient of a replicated value being a partial sum (R <-> P): all-gather <-> reduce-scatter,
+all-to-all <-> all-to-all, permute <-> inverse permute, all-reduce <-> all-reduce, and the local
+chunk / R->P steps <-> local zero-fill / mask (a partial gradient needs no communication).
+
+Collectives always run on dim 0 of a contiguous buffer; gathering or scattering another tensor dim
+is a reshape/movedim around that. A step over several mesh dims runs on the flattened mesh of those
+dims (ascending, as torch builds it); when the step's split order is not ascending, the chunks are
+permuted locally so that chunk index = row-major over the split order.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from autoshard import _torch_compat as tc
+from autoshard.planner import RedistributePlan, Step
+
+
+def execute(plan: RedistributePlan, local_tensor: torch.Tensor, mesh: Any) -> torch.Tensor:
+    """Apply `plan` to this rank's shard of a tensor in layout `plan.src` on `mesh`
+    (a DeviceMesh of the plan's mesh shape); return the shard in layout `plan.dst`."""
+    if tuple(mesh.shape) != plan.mesh_shape:
+        raise ValueError(f"plan was made for mesh shape {plan.mesh_shape}, got a mesh of shape {tuple(mesh.shape)}")
+    expected = plan.src.local_shape(plan.shape, plan.mesh_shape)
+    if tuple(local_tensor.shape) != expected:
+        raise ValueError(
+            f"local tensor has shape {tuple(local_tensor.shape)}, but a {plan.shape} tensor in "
+            f"layout {plan.src} on mesh {plan.mesh_shape} has local shape {expected}"
+        )
+    coord = mesh.get_coordinate()
+    if coord is None:
+        raise ValueError("this rank is not part of the mesh; it has no shard to redistribute")
+    x = local_tensor
+    for step in plan.steps:
+        x = _RUN[step.kind](step, x, mesh, coord)
+    return x
+
+
+# ---------------------------------------------------------------------------- helpers
+def _group(mesh: Any, dims: tuple[int, ...]) -> Any:
+    return (mesh, dims[0]) if len(dims) == 1 else tc.flattened_mesh(mesh, dims)
+
+
+def _reindex(chunks: torch.Tensor, mesh_shape: Sequence[int], src: Sequence[int], dst: Sequence[int]) -> torch.Tensor:
+    """`chunks` is [N, ...] indexed row-major over mesh dims `src`; return it indexed row-major
+    over the same mesh dims in order `dst`."""
+    if tuple(src) == tuple(dst):
+        return chunks
+    k = len(src)
+    rest = list(chunks.shape[1:])
+    grid = chunks.reshape([mesh_shape[m] for m in src] + rest)
+    grid = grid.permute([list(src).index(m) for m in dst] + list(range(k, k + len(rest))))
+    return grid.reshape([-1] + rest)
+
+
+def _split(x: torch.Tensor, dim: int, n: int) -> torch.Tensor:
+    """[n, ...]: the n chunks of `x` along `dim`."""
+    shape = list(x.shape)
+    return x.reshape(shape[:dim] + [n, shape[dim] // n] + shape[dim + 1 :]).movedim(dim, 0)
+
+
+def _merge(chunks: torch.Tensor, dim: int) -> torch.Tensor:
+    """Inverse of `_split`: concatenate the leading chunk axis into `dim`."""
+    moved = chunks.movedim(0, dim)
+    shape = list(moved.shape)
+    return moved.reshape(shape[:dim] + [shape[dim] * shape[dim + 1]] + shape[dim + 2 :])
+
+
+def _stacked(x: torch.Tensor) -> torch.Tensor:
+    """[N, a, b, ...] -> contiguous [N*a, b, ...], the dim-0 buffer collectives take."""
+    return x.reshape([x.shape[0] * x.shape[1]] + list(x.shape[2:]))
+
+
+def _reduce_op(step: Step) -> str:
+    return step.src.placements[step.mesh_dims[0]].op
+
+
+# ---------------------------------------------------------------------------- steps
+def _all_gather(step: Step, x: torch.Tensor, mesh: Any, coord: Any) -> torch.Tensor:
+    (d,) = step.tensor_dims
+    phys = tuple(sorted(step.mesh_dims))
+    n = math.prod(mesh.shape[m] for m in phys)
+    gathered = tc.wait(tc.funcol.all_gather_single(x.contiguous(), 0, _group(mesh, phys)))
+    chunks = _reindex(gathered.reshape([n] + list(x.shape)), mesh.shape, phys, step.mesh_dims)
+    return _merge(chunks, d)
+
+
+def _reduce_scatter(step: Step, x: torch.Tensor, mesh: Any, coord: Any) -> torch.Tensor:
+    (d,) = step.tensor_dims
+    phys = tuple(sorted(step.mesh_dims))
+    n = math.prod(mesh.shape[m] for m in phys)
+    chunks = _reindex(_split(x, d, n), mesh.shape, step.mesh_dims, phys)
+    out = tc.wait(tc.funcol.reduce_scatter_single(_stacked(chunks), "sum", 0, _group(mesh, phys)))
+    out = out.reshape(chunks.shape[1:])
+    return out / n if _reduce_op(step) == "avg" else out
+
+
+def _all_reduce(step: Step, x: torch.Tensor, mesh: Any, coord: Any) -> torch.Tensor:
+    phys = tuple(sorted(step.mesh_dims))
+    n = math.prod(mesh.shape[m] for m in phys)
+    out = tc.wait(tc.funcol.all_reduce(x.contiguous(), "sum", _group(mesh, phys)))
+    return out / n if _reduce_op(step) == "avg" else out
+
+
+def _all_to_all(step: Step, x: torch.Tensor, mesh: Any, coord: Any) -> torch.Tensor:
+    a, b = step.tensor_dims
+    phys = tuple(sorted(step.mesh_dims))
+    n = math.prod(mesh.shape[m] for m in phys)
+    send = _reindex(_split(x, b, n), mesh.shape, step.mesh_dims, phys)
+    recv = tc.wait(tc.funcol.all_to_all_single(_stacked(send), None, None, _group(mesh, phys)))
+    recv = _reindex(recv.reshape(send.shape), mesh.shape, phys, step.mesh_dims)
+    return _merge(recv, a)
+
+
+def _permute(step: Step, x: torch.Tensor, mesh: Any, coord: Any) -> torch.Tensor:
+    (d,) = step.tensor_dims
+    phys = step.mesh_dims
+    n = math.prod(mesh.shape[m] for m in phys)
+    src_order, dst_order = dict(step.src.order)[d], dict(step.dst.order)[d]
+    splits = _permute_splits(tuple(coord[m] for m in phys), tuple(mesh.shape), phys, src_order, dst_order, x.numel())
+    out = tc.funcol.all_to_all_single(x.contiguous().reshape(-1), splits[n:], splits[:n], _group(mesh, phys))
+    return tc.wait(out).reshape(x.shape)
+
+
+@tc.per_rank
+def _permute_splits(
+    coords: tuple[int, ...],
+    mesh_shape: tuple[int, ...],
+    phys: tuple[int, ...],
+    src_order: tuple[int, ...],
+    dst_order: tuple[int, ...],
+    numel: int,
+) -> list[int]:
+    """all_to_all split sizes (input splits, then output splits) for this rank's permute: send the
+    whole shard to the rank that holds the same chunk in the destination order, receive from the
+    rank that holds our destination chunk in the source order."""
+    mine = dict(zip(phys, coords))
+
+    def index(order: tuple[int, ...], c: dict[int, int]) -> int:
+        return _ravel([c[m] for m in order], [mesh_shape[m] for m in order])
+
+    def rank_with(order: tuple[int, ...], chunk: int) -> int:
+        c = dict(zip(order, _unravel(chunk, [mesh_shape[m] for m in order])))
+        return _ravel([c[m] for m in phys], [mesh_shape[m] for m in phys])
+
+    n = math.prod(mesh_shape[m] for m in phys)
+    send, recv = [0] * n, [0] * n
+    send[rank_with(dst_order, index(src_order, mine))] = numel
+    recv[rank_with(src_order, index(dst_order, mine))] = numel
+    return send + recv
+
+
+def _ravel(coords: Sequence[int], sizes: Sequence[int]) -> int:
+    i = 0
+    for c, s in zip(coords, sizes):
+        i = i * s + c
+    return i
+
+
+def _unravel(i: int, sizes: Sequence[int]) -> list[int]:
+    out = []
+    for s in reversed(sizes):
+        out.append(i % s)
+        i //= s
+    return out[::-1]
+
+
+def _chunk(step: Step, x: torch.Tensor, mesh: Any, coord: Any) -> torch.Tensor:
+    (d,), (m,) = step.tensor_dims, step.mesh_dims
+    size = x.shape[d] // mesh.shape[m]
+    return torch.narrow(x, d, coord[m] * size, size).contiguous()
+
+
+def _to_partial(step: Step, x: torch.Tensor, mesh: Any, coord: Any) -> torch.Tensor:
+    """R -> P: sum keeps the value on coordinate 0 and zeros elsewhere (exact, unlike v/n);
+    avg keeps the value everywhere."""
+    (m,) = step.mesh_dims
+    if step.dst.placements[m].op == "avg":
+        return x
+    keep = (torch.arange(mesh.shape[m], device=x.device) == 0).to(x.dtype)
+    return x * torch.narrow(keep, 0, coord[m], 1).reshape(())
+
+
+def _reorder(step: Step, x: torch.Tensor, mesh: Any, coord: Any) -> torch.Tensor:
+    return x
+
+
+_RUN = {
+    "all_gather": _all_gather,
+    "reduce_scatter": _reduce_scatter,
+    "all_reduce": _all_reduce,
+    "all_to_all": _all_to_all,
+    "permute": _permute,
+    "chunk": _chunk,
+    "to_partial": _to_partial,
+    "reorder": _reorder,
+}

@@ -1,0 +1,283 @@
+"""Graph redistribute planner: the cheapest sequence of collectives turning one Layout into another.
+
+States are layouts; edges are the steps below, priced by `NetworkProfile` on the local bytes of the
+state they leave (so a gather of a smaller shard is cheaper). Dijkstra (networkx) runs once per
+(source, shape, itemsize) and answers every destination, so the ILP's many cost queries for one
+edge share one search; shortest-path costs satisfy the triangle inequality by construction.
+
+Steps (a tensor dim's order is a stack: only its last mesh dims can be popped; new ones are pushed):
+  all_gather      pop the last k mesh dims of a tensor dim's order (k > 1: one flattened group)
+  all_to_all      move the last k mesh dims of S(a)'s order to the end of S(b)'s order
+  all_reduce      P -> R on one or several P mesh dims of the same reduce op
+  reduce_scatter  P -> S(d) on one or several P mesh dims, pushed onto d's order in any order
+  chunk           R -> S(d) on one mesh dim, pushed onto d's order (local)
+  to_partial      R -> P (local; only useful toward a partial destination)
+  permute         reorder a tensor dim's mesh dims in place: one point-to-point exchange
+  reorder         relabel only (positions of size-1 mesh dims, which move no data)
+Multi-dim steps are valid because a flattened group's rank is row-major over its mesh dims: taken
+in the order the dims split the tensor dim, that is exactly the nested chunk index (the executor
+permutes chunks when that order is not ascending). Mesh dims of size 1 never take part: layouts
+are planned in a "physical" form where those dims are R.
+
+Only even splits are planned: a layout (source, destination or intermediate) that splits a dim
+unevenly raises ValueError (source/destination) or is avoided (intermediate).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from itertools import combinations, permutations, pairwise
+from typing import Any
+
+import networkx as nx
+
+from autoshard.costs import COLLECTIVE_KINDS, NetworkProfile, wire_bytes
+from autoshard.layout import Layout, P, Placement, R, S
+
+
+@dataclass(frozen=True)
+class Step:
+    """One redistribution step. `mesh_dims` of a grouped step are in the order whose row-major
+    index is the chunk index (split order); `tensor_dims` are the dims it gathers/splits
+    ((a, b) for all_to_all: from a to b)."""
+
+    kind: str
+    mesh_dims: tuple[int, ...]
+    src: Layout
+    dst: Layout
+    tensor_dims: tuple[int, ...]
+    cost_s: float
+    bytes: float
+
+    def __str__(self) -> str:
+        return f"{self.kind}{list(self.mesh_dims)} {self.src} -> {self.dst}"
+
+
+@dataclass(frozen=True)
+class RedistributePlan:
+    steps: tuple[Step, ...]
+    cost_s: float
+    bytes_per_rank: float
+    collective_counts: dict[str, int]
+    src: Layout
+    dst: Layout
+    shape: tuple[int, ...]
+    itemsize: int
+    mesh_shape: tuple[int, ...]
+
+    def __str__(self) -> str:
+        body = "; ".join(str(s) for s in self.steps) or "no-op"
+        return f"{self.src} -> {self.dst} ({self.cost_s * 1e6:.1f} us): {body}"
+
+
+# move = (per-byte coefficient of the total tensor bytes, fixed seconds, kind, mesh_dims,
+#         tensor_dims, group size)
+_Move = tuple[float, float, str, tuple[int, ...], tuple[int, ...], int]
+
+
+class _Space:
+    """The state graph for one tensor rank and set of partial ops, grown lazily from sources."""
+
+    def __init__(self, planner: Planner, ndim: int, ops: tuple[str, ...]):
+        self.planner, self.ndim, self.ops = planner, ndim, ops
+        self.graph = nx.DiGraph()
+        self.splits: dict[Layout, tuple[tuple[int, int], ...]] = {}  # (tensor dim, #shards)
+        self.shards: dict[Layout, int] = {}  # total shards = global bytes / local bytes
+        self._expanded: set[Layout] = set()
+
+    def ensure(self, source: Layout) -> None:
+        self._node(source)
+        todo = [source]
+        while todo:
+            u = todo.pop()
+            if u in self._expanded:
+                continue
+            self._expanded.add(u)
+            for move, v in self.planner._successors(u, self.ndim, self.ops):
+                if v not in self.splits:
+                    self._node(v)
+                    todo.append(v)
+                kind, mesh_dims, tensor_dims, n = move
+                per_byte, fixed = self.planner.profile.linear_cost(kind, mesh_dims, n)
+                entry = (per_byte / self.shards[u], fixed, kind, mesh_dims, tensor_dims, n)
+                if self.graph.has_edge(u, v):
+                    self.graph[u][v]["moves"].append(entry)
+                else:
+                    self.graph.add_edge(u, v, moves=[entry])
+
+    def _node(self, lay: Layout) -> None:
+        mesh = self.planner.mesh_shape
+        splits = tuple((td, math.prod(mesh[m] for m in mds)) for td, mds in lay.order)
+        self.splits[lay] = splits
+        self.shards[lay] = math.prod(n for _, n in splits)
+        self.graph.add_node(lay)
+
+
+class Planner:
+    """Plans and prices redistributions on one mesh shape under one network profile.
+
+    Results are memoized per planner on (src, dst, shape, itemsize). `one_shot=False` disables
+    steps over flattened groups of several mesh dims (for meshes without dim names)."""
+
+    def __init__(self, mesh_shape: Sequence[int], profile: NetworkProfile | str = "h100-node", *, one_shot: bool = True):
+        self.mesh_shape = tuple(int(s) for s in mesh_shape)
+        if not self.mesh_shape or min(self.mesh_shape) < 1:
+            raise ValueError(f"bad mesh shape {mesh_shape}")
+        if isinstance(profile, str):
+            profile = NetworkProfile.preset(profile, len(self.mesh_shape))
+        if profile.mesh_ndim != len(self.mesh_shape):
+            raise ValueError(f"profile {profile.name!r} has {profile.mesh_ndim} mesh dims, mesh is {self.mesh_shape}")
+        self.profile = profile
+        self.one_shot = one_shot
+        self._active = tuple(m for m, s in enumerate(self.mesh_shape) if s > 1)
+        self._unit = frozenset(m for m, s in enumerate(self.mesh_shape) if s == 1)
+        self._spaces: dict[tuple[int, tuple[str, ...]], _Space] = {}
+        self._runs: dict[tuple, tuple[dict, dict]] = {}
+        self._costs: dict[tuple, float] = {}
+        self._plans: dict[tuple, RedistributePlan] = {}
+
+    # ------------------------------------------------------------------ public API
+    def cost(self, src: Layout | str, dst: Layout | str, shape: Sequence[int], itemsize: Any) -> float:
+        """Seconds for the cheapest plan (the fast path the ILP calls)."""
+        key = (src, dst, shape if type(shape) is tuple else tuple(shape), itemsize if type(itemsize) is int else _itemsize(itemsize))
+        c = self._costs.get(key)
+        if c is None:
+            c = self._costs[key] = self._search(*key)[0]
+        return c
+
+    def plan(self, src: Layout | str, dst: Layout | str, shape: Sequence[int], dtype_or_itemsize: Any) -> RedistributePlan:
+        key = (_layout(src), _layout(dst), tuple(shape), _itemsize(dtype_or_itemsize))
+        p = self._plans.get(key)
+        if p is None:
+            p = self._plans[key] = self._build_plan(*key)
+        return p
+
+    # ------------------------------------------------------------------ search
+    def _search(self, src: Layout | str, dst: Layout | str, shape: tuple[int, ...], itemsize: int):
+        """(cost, physical src, physical dst, space, run) after validating the request."""
+        src, dst = _layout(src), _layout(dst)
+        for lay in (src, dst):
+            lay.local_shape(shape, self.mesh_shape)  # validates rank, mesh and even splits
+        ops = tuple(sorted({"sum"} | {p.op for p in src.placements + dst.placements if p.kind == "P"}))
+        ps, pd = self._physical(src), self._physical(dst)
+        space = self._spaces.get((len(shape), ops))
+        if space is None:
+            space = self._spaces[(len(shape), ops)] = _Space(self, len(shape), ops)
+        run_key = (ps, shape, itemsize, ops)
+        run = self._runs.get(run_key)
+        if run is None:
+            space.ensure(ps)
+            run = self._runs[run_key] = self._dijkstra(space, ps, shape, itemsize)
+        pred, dist = run
+        if pd not in dist:  # cannot happen for even layouts; guard against silent nonsense
+            raise ValueError(f"no redistribution from {src} to {dst} for shape {shape}")
+        return dist[pd], ps, pd, space, run
+
+    def _dijkstra(self, space: _Space, source: Layout, shape: tuple[int, ...], itemsize: int):
+        total = math.prod(shape) * itemsize
+        even: dict[Layout, bool] = {}
+        splits = space.splits
+
+        def weight(u: Layout, v: Layout, data: dict) -> float | None:
+            ok = even.get(v)
+            if ok is None:
+                ok = even[v] = all(shape[td] % n == 0 for td, n in splits[v])
+            if not ok:
+                return None
+            return min(a * total + b for a, b, *_ in data["moves"])
+
+        return nx.dijkstra_predecessor_and_distance(space.graph, source, weight=weight)
+
+    def _build_plan(self, src: Layout, dst: Layout, shape: tuple[int, ...], itemsize: int) -> RedistributePlan:
+        cost, ps, pd, space, (pred, _) = self._search(src, dst, shape, itemsize)
+        path = [pd]
+        while path[-1] != ps:
+            path.append(pred[path[-1]][0])
+        path.reverse()
+        total = math.prod(shape) * itemsize
+        steps = []
+        for u, v in pairwise(path):
+            a, b, kind, mesh_dims, tensor_dims, n = min(space.graph[u][v]["moves"], key=lambda mv: mv[0] * total + mv[1])
+            in_bytes = total / space.shards[u]
+            steps.append(Step(kind, mesh_dims, u, v, tensor_dims, a * total + b, wire_bytes(kind, n, in_bytes)))
+        if not steps and src != dst:
+            steps.append(Step("reorder", (), src, dst, (), 0.0, 0.0))
+        elif steps:  # relabel the ends from/to the physical forms
+            if src != ps:
+                steps.insert(0, Step("reorder", (), src, ps, (), 0.0, 0.0))
+            if dst != pd:
+                steps.append(Step("reorder", (), pd, dst, (), 0.0, 0.0))
+        counts: dict[str, int] = {}
+        for s in steps:
+            if s.kind in COLLECTIVE_KINDS:
+                counts[s.kind] = counts.get(s.kind, 0) + 1
+        return RedistributePlan(
+            tuple(steps), cost, sum(s.bytes for s in steps), counts, src, dst, shape, itemsize, self.mesh_shape
+        )
+
+    def _physical(self, lay: Layout) -> Layout:
+        """The layout with size-1 mesh dims replicated: same data on every rank, no size-1 groups."""
+        if not self._unit or all(lay.placements[m] == R for m in self._unit):
+            return lay
+        placements = tuple(R if m in self._unit else p for m, p in enumerate(lay.placements))
+        order = tuple((td, kept) for td, mds in lay.order if (kept := tuple(m for m in mds if m not in self._unit)))
+        return Layout._raw(placements, order)
+
+    # ------------------------------------------------------------------ transitions
+    def _successors(self, u: Layout, ndim: int, ops: tuple[str, ...]):
+        """Yield ((kind, mesh_dims, tensor_dims, group size), next layout) for every step from u."""
+        pl, order = u.placements, dict(u.order)
+        size = self.mesh_shape
+        max_k = len(self._active) if self.one_shot else 1
+
+        def state(changes: dict[int, Placement], new_order: dict[int, tuple[int, ...]]) -> Layout:
+            placements = tuple(changes.get(m, p) for m, p in enumerate(pl))
+            return Layout._raw(placements, tuple(sorted((td, mds) for td, mds in new_order.items() if mds)))
+
+        for a, mds in order.items():
+            for k in range(1, min(len(mds), max_k) + 1):
+                moved, rest = mds[-k:], mds[:-k]
+                n = math.prod(size[m] for m in moved)
+                yield ("all_gather", moved, (a,), n), state(dict.fromkeys(moved, R), {**order, a: rest})
+                for b in range(ndim):
+                    if b != a:
+                        new_order = {**order, a: rest, b: order.get(b, ()) + moved}
+                        yield ("all_to_all", moved, (a, b), n), state(dict.fromkeys(moved, S(b)), new_order)
+            if len(mds) > 1:
+                n = math.prod(size[m] for m in mds)
+                for perm in permutations(mds):
+                    if perm != mds:
+                        yield ("permute", tuple(sorted(mds)), (a,), n), state({}, {**order, a: perm})
+
+        for op in ops:
+            partial = [m for m in self._active if pl[m] == P(op)]
+            for k in range(1, min(len(partial), max_k) + 1):
+                for group in combinations(partial, k):
+                    n = math.prod(size[m] for m in group)
+                    yield ("all_reduce", group, (), n), state(dict.fromkeys(group, R), order)
+                    for perm in permutations(group):
+                        for d in range(ndim):
+                            new_order = {**order, d: order.get(d, ()) + perm}
+                            yield ("reduce_scatter", perm, (d,), n), state(dict.fromkeys(perm, S(d)), new_order)
+
+        for m in self._active:
+            if pl[m] == R:
+                for d in range(ndim):
+                    yield ("chunk", (m,), (d,), size[m]), state({m: S(d)}, {**order, d: order.get(d, ()) + (m,)})
+                for op in ops:
+                    yield ("to_partial", (m,), (), size[m]), state({m: P(op)}, order)
+
+
+def _layout(x: Layout | str) -> Layout:
+    return Layout.parse(x) if isinstance(x, str) else x
+
+
+def _itemsize(x: Any) -> int:
+    """Accept an int itemsize or anything with `.itemsize` (torch.dtype)."""
+    if isinstance(x, int):
+        if x < 1:
+            raise ValueError(f"itemsize must be >= 1, got {x}")
+        return x
+    return int(x.itemsize)
