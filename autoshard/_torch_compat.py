@@ -6,11 +6,22 @@ Everything here may move between torch releases; keeping it in one file means on
 from __future__ import annotations
 
 import contextlib
+import functools
+import math
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
+from torch._functorch._aot_autograd import descriptors as _desc
+from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._op_schema import OpSchema, OpSpec, OpStrategy, TupleStrategy
+from torch.distributed.tensor._ops import utils as _ops_utils
+from torch.distributed.tensor._ops.single_dim_strategy import _PreparedSingleDimStrategy
+from torch.utils._python_dispatch import _disable_current_modes
 from torch.distributed._local_tensor import (
     LocalTensor,
     LocalTensorMode,
@@ -25,27 +36,6 @@ from torch.distributed.tensor.placement_types import (
     Shard,
     _StridedShard,
 )
-
-__all__ = [
-    "DTensorSpec",
-    "LocalTensorMode",
-    "Partial",
-    "Replicate",
-    "Shard",
-    "ShardOrderEntry",
-    "TensorMeta",
-    "_StridedShard",
-    "fake_process_group",
-    "flattened_mesh",
-    "funcol",
-    "local_tensor",
-    "per_rank",
-    "rank_values",
-    "spec_to_order",
-    "strided_placements",
-    "torch_redistribute_steps",
-    "wait",
-]
 
 # Rank-specific helper code: run once per simulated rank under LocalTensorMode (returning
 # per-rank ints as SymInts), and plainly in a real process.
@@ -137,3 +127,91 @@ def torch_redistribute_steps(src: DTensorSpec, dst: DTensorSpec, use_graph: bool
     infos = rd._gen_transform_infos_non_cached(src, dst, use_graph)
     infos = rd._optimize_transform_infos(infos, src.mesh, src.placements, dst.placements)
     return [(tuple(getattr(i, "original_mesh_dims", (i.mesh_dim,))), *i.src_dst_placements) for i in infos]
+
+
+# ---------------------------------------------------------------- tracing (trace.py)
+def new_fake_mode() -> FakeTensorMode:
+    return FakeTensorMode(allow_non_fake_inputs=False)
+
+
+def export_joint(stack, module, args):
+    """torch's joint forward+backward export with input/output descriptors."""
+    return aot_export_joint_with_descriptors(stack, module, args)
+
+
+def describe_input(desc) -> tuple[str, str | int | None]:
+    """('param'|'buffer'|'input'|'tangent'|'other', name or index) for a placeholder descriptor."""
+    if isinstance(desc, _desc.ParamAOTInput):
+        return "param", desc.target
+    if isinstance(desc, _desc.BufferAOTInput):
+        return "buffer", desc.target
+    if isinstance(desc, _desc.PlainAOTInput):
+        return "input", desc.idx
+    if isinstance(desc, _desc.TangentAOTInput):
+        return "tangent", None
+    return "other", None
+
+
+def describe_output(desc) -> tuple[str, str | int | None]:
+    """('output'|'grad'|'other', name or index) for an output descriptor."""
+    if isinstance(desc, _desc.PlainAOTOutput):
+        return "output", desc.idx
+    if isinstance(desc, _desc.GradAOTOutput):
+        inner = desc.grad_of
+        if isinstance(inner, _desc.ParamAOTInput):
+            return "grad", inner.target
+        return "other", None
+    return "other", None
+
+
+# ---------------------------------------------------------------- DTensor's strategy registry (strategies.py)
+@functools.cache
+def strategy_mesh(mesh_shape: tuple[int, ...]) -> DeviceMesh:
+    """A DeviceMesh of `mesh_shape` that needs no process group: strategy functions only ask a
+    mesh for its shape, so planning can use any number of mesh shapes in one process."""
+    with no_dispatch_modes():
+        ranks = torch.arange(max(1, math.prod(mesh_shape)), dtype=torch.int).reshape(mesh_shape)
+        return DeviceMesh("cpu", ranks, _init_backend=False, _rank=0)
+
+
+def no_dispatch_modes() -> contextlib.AbstractContextManager:
+    """Leave any active fake/local tensor mode (a traced graph's fake mode stays active while its
+    ExitStack is open): strategy functions and meshes need plain tensors."""
+    return _disable_current_modes()
+
+
+def tensor_meta(t: torch.Tensor) -> TensorMeta:
+    return TensorMeta(t.shape, t.stride(), t.dtype)
+
+
+def registry_entry(op: Any) -> tuple[str, Any, Any]:
+    """("single" | "multi" | "none", strategy, RuntimeSchemaInfo) for an aten overload. DTensor
+    prefers the single-dim registration when an op has both; so do we."""
+    prop = DTensor._op_dispatcher.sharding_propagator
+    info = prop.op_single_dim_strategy_funcs.get(op)
+    if info is not None:
+        return "single", info, prop.op_to_schema_info_for_single_dim_strategy.get(op)
+    func = prop.op_strategy_funcs.get(op)
+    if func is not None:
+        return "multi", func, prop.op_to_schema_info.get(op)
+    return "none", None, None
+
+
+def single_dim_rules(info: Any, schema: OpSchema, out_meta: Any) -> list[list[Any]]:
+    """torch's own per-mesh-dim rule list ([outputs..., inputs...] placements, placeholders
+    filled, the all-Replicate rule inserted) for one op call. Placeholders are filled from the
+    input placements in `schema`, so give at least one input a `Shard` placement."""
+    return _PreparedSingleDimStrategy(info, schema, out_meta).expanded_strategies
+
+
+@contextlib.contextmanager
+def no_redistribute_costs() -> Iterator[None]:
+    """Strategy functions price every (candidate -> required) redistribution with DTensor's own
+    cost model, quadratic in the candidate count. autoshard prices edges with its planner instead,
+    so while we enumerate, that price is a constant 0."""
+    saved = _ops_utils.redistribute_cost
+    _ops_utils.redistribute_cost = lambda src, dst: 0.0
+    try:
+        yield
+    finally:
+        _ops_utils.redistribute_cost = saved

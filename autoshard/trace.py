@@ -16,7 +16,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import fx, nn
 
-from . import _compat_trace as tc
+from . import _torch_compat as tc
 
 MODULE_KEY = "autoshard_module"
 
