@@ -1,7 +1,8 @@
 """Graph redistribute planner: the cheapest sequence of collectives turning one Layout into another.
 
 States are layouts; edges are the steps below, priced by `NetworkProfile` on the local bytes of the
-state they leave (so a gather of a smaller shard is cheaper). Dijkstra (networkx) runs once per
+state they leave (so a gather of a smaller shard is cheaper), plus the local copy a collective on a
+tensor dim other than the outermost needs (what the executor runs: gather, then move into place). Dijkstra (networkx) runs once per
 (source, shape, itemsize) and answers every destination, so the ILP's many cost queries for one
 edge share one search; shortest-path costs satisfy the triangle inequality by construction.
 
@@ -75,6 +76,15 @@ class RedistributePlan:
 # move = (per-byte coefficient of the total tensor bytes, fixed seconds, kind, mesh_dims,
 #         tensor_dims, group size)
 _Move = tuple[float, float, str, tuple[int, ...], tuple[int, ...], int]
+
+# kind -> local copy passes (in units of the step's local input bytes) per tensor dim it touches
+# that is not outermost: a gather writes n times its input into place, a scatter/all-to-all
+# reads its input once to lay the chunks out.
+_COPY_PASSES = {
+    "all_gather": lambda n: float(n),
+    "reduce_scatter": lambda n: 1.0,
+    "all_to_all": lambda n: 1.0,
+}
 
 
 class _Space:
@@ -186,9 +196,37 @@ class Planner:
                 ok = even[v] = all(shape[td] % n == 0 for td, n in splits[v])
             if not ok:
                 return None
-            return min(a * total + b for a, b, *_ in data["moves"])
+            return min(self._move_cost(space, u, move, shape, total) for move in data["moves"])
 
         return nx.dijkstra_predecessor_and_distance(space.graph, source, weight=weight)
+
+    def _move_cost(self, space: _Space, u: Layout, move: _Move, shape: tuple[int, ...], total: float) -> float:
+        a, b, kind, _, tensor_dims, n = move
+        cost = a * total + b
+        if kind in _COPY_PASSES:
+            split = dict(space.splits[u])
+            local = [shape[d] // split.get(d, 1) for d in range(len(shape))]
+            cost += self._copy_s(kind, tensor_dims, n, local, total / space.shards[u])
+        return cost
+
+    def _copy_s(self, kind: str, tensor_dims: Sequence[int], n: int, local: Sequence[int], in_bytes: float) -> float:
+        """The local copy that puts a gathered/scattered tensor dim in place when it is not the
+        outermost one: dim-0 collectives work in place, any other dim needs a pass at mem_bw."""
+        passes = _COPY_PASSES[kind](n)
+        return sum(passes * in_bytes / self.profile.mem_bw
+                   for td in tensor_dims if any(size > 1 for size in local[:td]))
+
+    def step_cost(self, kind: str, mesh_dims: Sequence[int], tensor_dims: Sequence[int], src: Layout,
+                  shape: Sequence[int], itemsize: int) -> float:
+        """Seconds of one step applied to a tensor in layout `src`, priced exactly as plans are
+        (collective + local copy): for comparing other planners' step lists on equal terms."""
+        local = src.local_shape(shape, self.mesh_shape)
+        in_bytes = math.prod(local) * itemsize
+        n = math.prod(self.mesh_shape[m] for m in mesh_dims)
+        cost = self.profile.cost(kind, mesh_dims, n, in_bytes)
+        if kind in _COPY_PASSES:
+            cost += self._copy_s(kind, tensor_dims, n, local, in_bytes)
+        return cost
 
     def _build_plan(self, src: Layout, dst: Layout, shape: tuple[int, ...], itemsize: int) -> RedistributePlan:
         cost, ps, pd, space, (pred, _) = self._search(src, dst, shape, itemsize)
@@ -199,9 +237,10 @@ class Planner:
         total = math.prod(shape) * itemsize
         steps = []
         for u, v in pairwise(path):
-            a, b, kind, mesh_dims, tensor_dims, n = min(space.graph[u][v]["moves"], key=lambda mv: mv[0] * total + mv[1])
+            costs = [(self._move_cost(space, u, mv, shape, total), mv) for mv in space.graph[u][v]["moves"]]
+            cost_s, (_, _, kind, mesh_dims, tensor_dims, n) = min(costs, key=lambda c: c[0])
             in_bytes = total / space.shards[u]
-            steps.append(Step(kind, mesh_dims, u, v, tensor_dims, a * total + b, wire_bytes(kind, n, in_bytes)))
+            steps.append(Step(kind, mesh_dims, u, v, tensor_dims, cost_s, wire_bytes(kind, n, in_bytes)))
         if not steps and src != dst:
             steps.append(Step("reorder", (), src, dst, (), 0.0, 0.0))
         elif steps:  # relabel the ends from/to the physical forms

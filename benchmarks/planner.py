@@ -43,14 +43,14 @@ def torch_cost(planner: Planner, mesh, src: Layout, dst: Layout, use_graph: bool
     meta = tc.TensorMeta(torch.Size(SHAPE), (SHAPE[1], 1), DTYPE)
     steps = tc.torch_redistribute_steps(src.to_spec(mesh, meta), dst.to_spec(mesh, meta), use_graph)
     placements, order = list(src.placements), {td: list(mds) for td, mds in src.order}
-    total, cost = math.prod(SHAPE) * DTYPE.itemsize, 0.0
+    cost = 0.0
     for mesh_dims, before, after in steps:
         kind = _KIND.get((type(before).__name__, type(after).__name__))
         if kind is None:  # e.g. greedy's S -> P, which torch's forward redistribute rejects
             raise RuntimeError(f"torch plans {before} -> {after}, which it cannot run forward")
-        shards = math.prod(planner.mesh_shape[m] for mds in order.values() for m in mds)
-        n = math.prod(planner.mesh_shape[m] for m in mesh_dims)
-        cost += planner.profile.cost(kind, mesh_dims, n, total / shards)
+        here = Layout(tuple(placements), tuple((td, tuple(mds)) for td, mds in order.items() if mds))
+        tensor_dims = tuple(p.dim for p in (before, after) if isinstance(p, tc.Shard))
+        cost += planner.step_cost(kind, mesh_dims, tensor_dims, here, SHAPE, DTYPE.itemsize)
         if isinstance(before, tc.Shard):
             for _ in mesh_dims:
                 order[before.dim].pop()
