@@ -1,0 +1,18 @@
+"""Torch-free ILP that picks one choice per node: node costs + pairwise edge costs + constraints.
+
+    p = Problem()
+    p.add_node("a", ["R", "S0"]); p.add_node("b", ["R", "S0"])
+    p.add_edge("a", "b", [[0, 3], [5, 0]])
+    sol = solve(p)          # sol.choice == {"a": 0, "b": 0}, sol.label("a") == "R"
+"""
+
+from .model import available_backends
+from .problem import (Allowed, Choice, Constraint, Edge, Fixed, InfeasibleError, MemoryBudget,
+                      Node, Problem, RepeatedRegion, SameChoice)
+from .solve import Solution, SolveError, SolveStats, solve
+
+__all__ = [
+    "Allowed", "Choice", "Constraint", "Edge", "Fixed", "InfeasibleError", "MemoryBudget", "Node",
+    "Problem", "RepeatedRegion", "SameChoice", "Solution", "SolveError", "SolveStats",
+    "available_backends", "solve",
+]

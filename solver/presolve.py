@@ -1,0 +1,332 @@
+"""Presolve: shrink a Problem to the small core that actually needs the ILP.
+
+Nodes tied together (SameChoice groups, positions of a RepeatedRegion) become one *class* with one
+set of variables; their node costs add up, and parallel edges between two classes add up into one
+matrix, so 32 copies of a block cost no more variables than one. An edge whose endpoints fall in the
+same class can only take its diagonal, which becomes a node cost. Then, to a fixpoint:
+
+- choices with no finite partner on some edge are removed (arc consistency on `inf` entries);
+- dominated choices are removed (dead-end elimination: another choice is no worse whatever
+  the neighbours choose, and needs no more memory);
+- classes with a single choice are fixed and their edge rows folded into the neighbours' costs;
+- classes with at most two neighbours (and no say in a memory budget) are eliminated exactly by
+  min-sum dynamic programming, remembering the best choice for each neighbour assignment;
+- edges whose cost splits as a[k] + b[l] are folded into the two node costs.
+
+Every step keeps at least one optimal assignment, so solving the core and back-substituting
+(`Reduction.assign`) gives an optimum of the original problem.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from dataclasses import dataclass
+
+import numpy as np
+
+from .problem import Allowed, Edge, Fixed, MemoryBudget, Problem, SameChoice
+
+
+class Conflict(Exception):
+    """A class lost its last choice (or a budget cannot be met); `cause` says what removed it."""
+
+    def __init__(self, node: str | None, cause):
+        super().__init__(node, cause)
+        self.node = node
+        self.cause = cause
+
+
+@dataclass
+class Counts:
+    classes: int = 0           # variable groups after sharing (SameChoice + regions)
+    removed_inf: int = 0       # choices removed because an edge forbids all their partners
+    removed_dominated: int = 0
+    fixed: int = 0             # classes left with a single choice
+    eliminated: int = 0        # classes removed by dynamic programming (degree <= 2)
+    folded_edges: int = 0      # separable edges folded into node costs
+
+
+class Reduction:
+    """Class-space view of a Problem under a given subset of constraints and regions."""
+
+    def __init__(self, problem: Problem, constraints, regions, *, reduce: bool = True,
+                 dominance: bool = True):
+        """reduce=False only shares variables and applies pins (to test the ILP on its own)."""
+        self.dominance = dominance
+        self.counts = Counts()
+        index = problem.index()
+        self.names = [n.name for n in problem.nodes]
+        parent = list(range(len(problem.nodes)))
+
+        def find(i):
+            while parent[i] != i:
+                parent[i] = parent[parent[i]]
+                i = parent[i]
+            return i
+
+        def union(names):
+            roots = [find(index[n]) for n in names]
+            for r in roots[1:]:
+                if r != roots[0]:
+                    parent[r] = roots[0]
+
+        for con in constraints:
+            if isinstance(con, SameChoice):
+                union(con.nodes)
+        for region in regions:
+            for names in zip(*region.copies):
+                union(names)
+        self.node_class = [find(i) for i in range(len(parent))]
+        self.members: dict[int, list[int]] = {}
+        for i, c in enumerate(self.node_class):
+            self.members.setdefault(c, []).append(i)
+        self.counts.classes = len(self.members)
+
+        self.cost = {c: np.zeros(len(problem.nodes[c].choices)) for c in self.members}
+        for i, node in enumerate(problem.nodes):
+            self.cost[self.node_class[i]] += [ch.cost for ch in node.choices]
+        self.alive = {c: np.ones(len(v), bool) for c, v in self.cost.items()}
+        self.adj: dict[int, set[int]] = {c: set() for c in self.members}
+        self.mat: dict[tuple[int, int], np.ndarray] = {}
+        self.origin: dict[tuple[int, int], object] = {}  # an original Edge, for messages
+        self.fixed: dict[int, int] = {}
+        self.elim: list[tuple[int, tuple[int, ...], np.ndarray]] = []
+
+        for c, v in self.cost.items():
+            self._restrict(c, np.isfinite(v), "every choice has infinite cost")
+        for con in constraints:
+            if isinstance(con, (Fixed, Allowed)):
+                ids = [con.choice_index] if isinstance(con, Fixed) else con.indices
+                c = self.node_class[index[con.node]]
+                mask = np.zeros(len(self.alive[c]), bool)
+                mask[list(ids)] = True
+                self._restrict(c, mask, con)
+        for e in problem.edges:
+            a, b = self.node_class[index[e.src]], self.node_class[index[e.dst]]
+            m = np.array(e.cost, dtype=float)
+            if a == b:  # both ends share variables: only the diagonal can happen
+                self.cost[a] += np.diagonal(m)
+                self._restrict(a, np.isfinite(self.cost[a]), e)
+            else:
+                self._add_edge(a, b, m, e)
+
+        # budgets: (constraint, class -> memory per choice, remaining limit)
+        self.budgets: list[tuple[MemoryBudget, dict[int, np.ndarray], float]] = []
+        for con in constraints:
+            if isinstance(con, MemoryBudget):
+                mem: dict[int, np.ndarray] = {}
+                for i in {index[n] for n in con.nodes}:
+                    c = self.node_class[i]
+                    row = np.array([ch.memory for ch in problem.nodes[i].choices])
+                    mem[c] = mem[c] + row if c in mem else row
+                self.budgets.append((con, mem, con.limit))
+        if reduce:
+            self._reduce()
+
+    # ---- results ----------------------------------------------------------------------------
+    @property
+    def core(self) -> list[int]:
+        """Classes the ILP still has to decide."""
+        return sorted(self.adj)
+
+    def restricted(self, pins: dict[int, int]) -> "Reduction":
+        """A copy with class c pinned to choice pins[c] and presolved again: the small
+        sub-problem left when the pinned classes are taken as given. Raises Conflict."""
+        sub = copy.copy(self)
+        sub.counts = dataclasses.replace(self.counts)
+        sub.alive, sub.cost, sub.mat = dict(self.alive), dict(self.cost), dict(self.mat)
+        sub.origin, sub.fixed, sub.elim = dict(self.origin), dict(self.fixed), list(self.elim)
+        sub.adj = {c: set(nbrs) for c, nbrs in self.adj.items()}
+        sub.budgets = [(con, dict(mem), limit) for con, mem, limit in self.budgets]
+        for c, k in pins.items():
+            mask = np.zeros(len(sub.alive[c]), bool)
+            mask[k] = True
+            sub._restrict(c, mask, "pinned")
+        sub._reduce()
+        return sub
+
+    def oriented(self, a: int, b: int) -> np.ndarray:
+        """Edge matrix between classes a and b with a's choices as rows."""
+        return self.mat[(a, b)] if a < b else self.mat[(b, a)].T
+
+    def assign(self, core_choice: dict[int, int]) -> dict[str, int]:
+        """Back-substitute fixed and eliminated classes; return node name -> choice index."""
+        choice = dict(self.fixed)
+        choice.update(core_choice)
+        for c, nbrs, table in reversed(self.elim):
+            choice[c] = int(table[tuple(choice[n] for n in nbrs)])
+        return {name: choice[self.node_class[i]] for i, name in enumerate(self.names)}
+
+    # ---- building blocks --------------------------------------------------------------------
+    def _restrict(self, c: int, mask: np.ndarray, cause) -> bool:
+        """alive[c] &= mask; raise Conflict if nothing is left. Returns whether it changed."""
+        new = self.alive[c] & mask
+        removed = int(self.alive[c].sum() - new.sum())
+        if removed:
+            self.alive[c] = new
+            if isinstance(cause, Edge):
+                self.counts.removed_inf += removed
+            if not new.any():
+                raise Conflict(self.names[c], cause)
+        return bool(removed)
+
+    def _add_edge(self, a: int, b: int, m: np.ndarray, origin) -> None:
+        if a > b:
+            a, b, m = b, a, m.T
+        key = (a, b)
+        if key in self.mat:
+            self.mat[key] = self.mat[key] + m
+        else:
+            self.mat[key] = m
+            self.origin[key] = origin
+            self.adj[a].add(b)
+            self.adj[b].add(a)
+
+    def _drop_edge(self, a: int, b: int) -> None:
+        key = (min(a, b), max(a, b))
+        del self.mat[key], self.origin[key]
+        self.adj[a].discard(b)
+        self.adj[b].discard(a)
+
+    def _drop_class(self, c: int) -> None:
+        for nb in list(self.adj[c]):
+            self._drop_edge(c, nb)
+        del self.adj[c]
+
+    def _affects_budget(self, c: int) -> bool:
+        """Whether c's choice changes some budget's load (constant loads are taken off the limit)."""
+        alive = self.alive[c]
+        varying = False
+        for i, (con, mem, limit) in enumerate(self.budgets):
+            if c in mem:
+                m = mem[c][alive]
+                if m.max() > m.min():
+                    varying = True
+                else:
+                    self.budgets[i] = (con, mem, limit - m[0])
+                    del mem[c]
+        return varying
+
+    # ---- the fixpoint -----------------------------------------------------------------------
+    def _reduce(self) -> None:
+        dirty = set(self.adj)
+        while dirty:
+            c = dirty.pop()
+            if c not in self.adj:
+                continue
+            touched = self._step(c)
+            dirty.update(touched)
+        for con, mem, limit in self.budgets:
+            least = sum(m[self.alive[c]].min() for c, m in mem.items())
+            if least > limit * (1 + 1e-12) + 1e-9:
+                raise Conflict(None, con)
+
+    def _step(self, c: int) -> set[int]:
+        """Apply every reduction to class c; return the classes whose neighbourhood changed."""
+        before = int(self.alive[c].sum())
+        for nb in list(self.adj[c]):
+            m = self.oriented(c, nb)
+            ok = np.isfinite(m[:, self.alive[nb]]).any(axis=1)
+            self._restrict(c, ok, self.origin[(min(c, nb), max(c, nb))])
+        if self.dominance and self.alive[c].sum() > 1:
+            self._dominance(c)
+        nbrs = set(self.adj[c])
+        changed = int(self.alive[c].sum()) != before
+        if self.alive[c].sum() == 1:
+            self._fix(c)
+        elif len(nbrs) <= 2 and not self._affects_budget(c):
+            self._eliminate(c, sorted(nbrs))
+        else:
+            for nb in nbrs:
+                if self._fold_separable(c, nb):
+                    changed = True
+            return nbrs | {c} if changed else set()
+        return nbrs
+
+    def _dominance(self, c: int) -> None:
+        """Dead-end elimination (Goldstein): drop choice k if some j is no worse in every context,
+        i.e. cost[k] - cost[j] + sum over edges of min_l (M[k, l] - M[j, l]) >= 0 and j needs
+        no more memory. Ties go to the lower index, so no two choices remove each other."""
+        idx = np.flatnonzero(self.alive[c])
+        cost = self.cost[c][idx]
+        gain = cost[:, None] - cost[None, :]  # gain[k, j]: least saving when switching k -> j
+        scale = float(np.abs(cost).max())
+        for nb in self.adj[c]:
+            m = self.oriented(c, nb)[idx][:, self.alive[nb]]
+            with np.errstate(invalid="ignore"):
+                diff = m[:, None, :] - m[None, :, :]
+            diff[np.isnan(diff)] = np.inf  # l forbidden for both: a context that cannot happen
+            gain += diff.min(axis=2)
+            scale += float(np.abs(m, where=np.isfinite(m), out=np.zeros_like(m)).max())
+        for _, mem, _ in self.budgets:
+            if c in mem:
+                load = mem[c][idx]
+                gain[load[:, None] < load[None, :]] = -np.inf
+        tol = 1e-12 * scale
+        order = np.arange(len(idx))
+        beats = (gain > tol) | ((gain >= -tol) & (order[None, :] < order[:, None]))
+        np.fill_diagonal(beats, False)
+        dead = beats.any(axis=1)
+        if dead.any():
+            mask = self.alive[c].copy()
+            mask[idx[dead]] = False
+            self.alive[c] = mask
+            self.counts.removed_dominated += int(dead.sum())
+
+    def _fix(self, c: int) -> None:
+        k = int(np.flatnonzero(self.alive[c])[0])
+        self.fixed[c] = k
+        self.counts.fixed += 1
+        for i, (con, mem, limit) in enumerate(self.budgets):
+            if c in mem:
+                self.budgets[i] = (con, mem, limit - mem.pop(c)[k])
+        for nb in list(self.adj[c]):
+            row = self.oriented(c, nb)[k]
+            origin = self.origin[(min(c, nb), max(c, nb))]
+            self.cost[nb] = self.cost[nb] + row
+            self._drop_edge(c, nb)
+            self._restrict(nb, np.isfinite(row), origin)
+        del self.adj[c]
+
+    def _eliminate(self, c: int, nbrs: list[int]) -> None:
+        """Min out class c given its (at most two) neighbours' choices."""
+        idx = np.flatnonzero(self.alive[c])
+        cost = self.cost[c][idx]
+        self.counts.eliminated += 1
+        if not nbrs:
+            self.fixed[c] = int(idx[np.argmin(cost)])
+        elif len(nbrs) == 1:
+            (a,) = nbrs
+            table = cost[:, None] + self.oriented(c, a)[idx]  # [c choice, a choice]
+            origin = self.origin[(min(a, c), max(a, c))]
+            self.elim.append((c, (a,), idx[table.argmin(axis=0)]))
+            best = table.min(axis=0)
+            self.cost[a] = self.cost[a] + best
+            self._restrict(a, np.isfinite(best), origin)
+        else:
+            a, b = nbrs
+            left = self.oriented(a, c)[:, idx] + cost[None, :]   # [a, c]
+            right = self.oriented(c, b)[idx]                     # [c, b]
+            table = left[:, :, None] + right[None, :, :]         # [a, c, b]
+            self.elim.append((c, (a, b), idx[table.argmin(axis=1)]))
+            self._add_edge(a, b, table.min(axis=1), self.origin[(min(a, c), max(a, c))])
+        self._drop_class(c)
+
+    def _fold_separable(self, c: int, nb: int) -> bool:
+        """Fold an edge whose live block is a[k] + b[l] (incl. constant) into node costs."""
+        ic, inb = np.flatnonzero(self.alive[c]), np.flatnonzero(self.alive[nb])
+        block = self.oriented(c, nb)[np.ix_(ic, inb)]
+        if not np.isfinite(block).all():
+            return False
+        a, b = block[:, 0], block[0, :] - block[0, 0]
+        scale = max(float(np.abs(block).max()), 1.0)
+        if np.abs(block - a[:, None] - b[None, :]).max() > 1e-12 * scale:
+            return False
+        self.cost[c] = self.cost[c].copy()  # arrays may be shared with a restricted() copy
+        self.cost[c][ic] += a
+        self.cost[nb] = self.cost[nb].copy()
+        self.cost[nb][inb] += b
+        self._drop_edge(c, nb)
+        self.counts.folded_edges += 1
+        return True

@@ -1,0 +1,238 @@
+"""Problem description: nodes with choices, pairwise edge costs, constraints, repeated regions.
+
+Plain dataclasses holding numbers and names only; the solver never sees tensors. `math.inf` in an
+edge matrix (or as a choice cost) forbids that combination (or that choice).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Sequence, Union
+
+import numpy as np
+
+
+@dataclass
+class Choice:
+    """One option of a node: its own cost, its memory (bytes per rank) and free-form tags."""
+
+    label: str
+    cost: float = 0.0
+    memory: float = 0.0
+    tags: tuple[str, ...] = ()
+
+
+@dataclass
+class Node:
+    name: str
+    choices: list[Choice]
+
+
+@dataclass
+class Edge:
+    """Pairwise cost between producer `src` and consumer `dst`: cost[src choice][dst choice]."""
+
+    src: str
+    dst: str
+    cost: list[list[float]]
+
+
+@dataclass
+class Fixed:
+    node: str
+    choice_index: int
+
+    def describe(self) -> str:
+        return f"Fixed({self.node!r}, {self.choice_index})"
+
+
+@dataclass
+class Allowed:
+    node: str
+    indices: list[int]
+
+    def describe(self) -> str:
+        return f"Allowed({self.node!r}, {list(self.indices)})"
+
+
+@dataclass
+class SameChoice:
+    """Nodes that must take the same choice index (their choice lists are aligned)."""
+
+    nodes: list[str]
+    name: str = ""
+
+    def describe(self) -> str:
+        return f"SameChoice({self.name or '-'!s}: {', '.join(map(repr, self.nodes))})"
+
+
+@dataclass
+class MemoryBudget:
+    """Sum of the chosen `memory` over `nodes` must not exceed `limit`."""
+
+    nodes: list[str]
+    limit: float
+    name: str = ""
+
+    def describe(self) -> str:
+        return f"MemoryBudget({self.name or '-'!s}: {len(self.nodes)} nodes <= {self.limit:g})"
+
+
+@dataclass
+class RepeatedRegion:
+    """Positionally isomorphic copies of one region (e.g. transformer blocks).
+
+    copies[c][i] is the i-th node of copy c; all copies take the same choice position by position,
+    which lets the solver keep one set of variables for all copies.
+    """
+
+    copies: list[list[str]]
+
+    def describe(self) -> str:
+        n = len(self.copies[0]) if self.copies else 0
+        return f"RepeatedRegion({len(self.copies)} copies x {n} nodes)"
+
+
+Constraint = Union[Fixed, Allowed, SameChoice, MemoryBudget]
+
+
+class InfeasibleError(ValueError):
+    """No assignment satisfies the problem; the message names the conflicting pieces.
+
+    `constraints` holds the conflicting constraints/regions (an irreducible set), `node`/`edge`
+    the node left without choices and the edge that forbade them when the conflict is structural.
+    """
+
+    def __init__(self, message: str, constraints=(), node: str | None = None, edge=None):
+        super().__init__(message)
+        self.constraints = list(constraints)
+        self.node = node
+        self.edge = edge
+
+
+@dataclass
+class Problem:
+    nodes: list[Node] = field(default_factory=list)
+    edges: list[Edge] = field(default_factory=list)
+    constraints: list[Constraint] = field(default_factory=list)
+    regions: list[RepeatedRegion] = field(default_factory=list)
+
+    # ---- building helpers -------------------------------------------------------------------
+    def add_node(self, name: str, choices: Sequence[Choice | str]) -> Node:
+        node = Node(name, [c if isinstance(c, Choice) else Choice(c) for c in choices])
+        self.nodes.append(node)
+        return node
+
+    def add_edge(self, src: str, dst: str, cost: Sequence[Sequence[float]]) -> Edge:
+        edge = Edge(src, dst, [list(map(float, row)) for row in cost])
+        self.edges.append(edge)
+        return edge
+
+    def fix(self, node: str, choice_index: int) -> Fixed:
+        return self._add(Fixed(node, choice_index))
+
+    def allow(self, node: str, indices: Sequence[int]) -> Allowed:
+        return self._add(Allowed(node, list(indices)))
+
+    def same_choice(self, nodes: Sequence[str], name: str = "") -> SameChoice:
+        return self._add(SameChoice(list(nodes), name))
+
+    def memory_budget(self, nodes: Sequence[str], limit: float, name: str = "") -> MemoryBudget:
+        return self._add(MemoryBudget(list(nodes), float(limit), name))
+
+    def add_region(self, copies: Sequence[Sequence[str]]) -> RepeatedRegion:
+        region = RepeatedRegion([list(c) for c in copies])
+        self.regions.append(region)
+        return region
+
+    def _add(self, constraint):
+        self.constraints.append(constraint)
+        return constraint
+
+    # ---- queries ----------------------------------------------------------------------------
+    def index(self) -> dict[str, int]:
+        """Node name -> position in `nodes`."""
+        return {n.name: i for i, n in enumerate(self.nodes)}
+
+    def cost(self, choice: dict[str, int]) -> tuple[float, float]:
+        """(node cost, edge cost) of a full assignment name -> choice index."""
+        nodes = sum(n.choices[choice[n.name]].cost for n in self.nodes)
+        edges = sum(e.cost[choice[e.src]][choice[e.dst]] for e in self.edges)
+        return nodes, edges
+
+    # ---- validation -------------------------------------------------------------------------
+    def validate(self) -> None:
+        """Raise ValueError naming the first malformed piece of input."""
+        index: dict[str, int] = {}
+        for node in self.nodes:
+            if node.name in index:
+                raise ValueError(f"duplicate node name {node.name!r}")
+            index[node.name] = len(index)
+            if not node.choices:
+                raise ValueError(f"node {node.name!r} has no choices")
+            for c in node.choices:
+                if not (c.cost >= 0 and 0 <= c.memory < math.inf):  # False for NaN too
+                    _check_cost(c.cost, f"node {node.name!r} choice {c.label!r} cost")
+                    raise ValueError(f"node {node.name!r} choice {c.label!r}: memory must be "
+                                     f"finite and >= 0, got {c.memory!r}")
+        count = {n.name: len(n.choices) for n in self.nodes}
+
+        def known(name, what):
+            if name not in count:
+                raise ValueError(f"{what} refers to unknown node {name!r}")
+            return count[name]
+
+        for e in self.edges:
+            what = f"edge {e.src!r}->{e.dst!r}"
+            rows, cols = known(e.src, what), known(e.dst, what)
+            if len(e.cost) != rows or any(len(r) != cols for r in e.cost):
+                shape = f"{len(e.cost)}x{[len(r) for r in e.cost]}"
+                raise ValueError(f"{what}: cost matrix must be {rows}x{cols}, got {shape}")
+            m = np.asarray(e.cost, dtype=float)
+            if not (m >= 0).all():  # also catches NaN
+                _check_cost(float(m[~(m >= 0)][0]), f"{what} cost")
+        for con in self.constraints:
+            what = con.describe()
+            if isinstance(con, (Fixed, Allowed)):
+                k = known(con.node, what)
+                ids = [con.choice_index] if isinstance(con, Fixed) else con.indices
+                if any(not 0 <= i < k for i in ids):
+                    raise ValueError(f"{what}: choice index out of range 0..{k - 1}")
+            elif isinstance(con, SameChoice):
+                sizes = {known(n, what) for n in con.nodes}
+                if len(sizes) > 1:
+                    raise ValueError(f"{what}: nodes have different numbers of choices {sizes}")
+            elif isinstance(con, MemoryBudget):
+                for n in con.nodes:
+                    known(n, what)
+                if math.isnan(con.limit):
+                    raise ValueError(f"{what}: limit is NaN")
+            else:
+                raise ValueError(f"unknown constraint type {type(con).__name__}")
+        for region in self.regions:
+            what = region.describe()
+            if not region.copies or len({len(c) for c in region.copies}) != 1:
+                raise ValueError(f"{what}: copies must be non-empty and of equal length")
+            for pos, names in enumerate(zip(*region.copies)):
+                sizes = {known(n, what) for n in names}
+                if len(sizes) > 1:
+                    raise ValueError(f"{what}: position {pos} ({names[0]!r}...) has different "
+                                     f"numbers of choices {sizes}")
+
+    # ---- JSON -------------------------------------------------------------------------------
+    def to_json(self, **kwargs) -> str:
+        from .io import problem_to_json
+
+        return problem_to_json(self, **kwargs)
+
+    @classmethod
+    def from_json(cls, text: str) -> "Problem":
+        from .io import problem_from_json
+
+        return problem_from_json(text)
+
+
+def _check_cost(v: float, what: str) -> None:
+    if math.isnan(v) or v < 0:
+        raise ValueError(f"{what} must be >= 0 (or inf), got {v!r}")
