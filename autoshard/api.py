@@ -1,0 +1,145 @@
+"""The user-facing entry point: describe the training step and the mesh, get a sharding plan.
+
+    with AutoShard(model, input_fn, mesh, loss_fn=cross_entropy_loss) as auto:
+        auto.pin({"layers.*.attention.wq.weight": "S(0)S(0)[1,0]"})
+        plan = auto.optimize()
+
+The step traced is `loss_fn(model(*inputs[:n_model_inputs]), *inputs[n_model_inputs:])` (or just
+`model(*inputs)` when it returns the loss itself), with `inputs = input_fn()` in GLOBAL shapes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import time
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+from torch import nn
+
+import solver
+
+from .costs import NetworkProfile
+from .devices import DeviceProfile
+from .layout import Layout
+from .plan import Plan, decode
+from .planner import Planner
+from .problem import ProblemSpec, build_problem
+from .trace import trace_joint
+
+log = logging.getLogger("autoshard")
+
+
+def _mesh_shape(mesh: Any) -> tuple[int, ...]:
+    shape = tuple(int(s) for s in (mesh.shape if hasattr(mesh, "shape") else mesh))
+    if not shape or min(shape) < 1:
+        raise ValueError(f"mesh shape must be non-empty with sizes >= 1, got {shape}")
+    world = _world_size()
+    if world is not None and math.prod(shape) != world:
+        raise ValueError(f"mesh {shape} has {math.prod(shape)} devices but the world size is {world}")
+    return shape
+
+
+def _world_size() -> int | None:
+    dist = torch.distributed
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else None
+
+
+def _as_layout(value: Layout | str) -> Layout:
+    return Layout.parse(value) if isinstance(value, str) else value
+
+
+class AutoShard:
+    """Collects constraints, then traces, builds the ILP, solves it and decodes a `Plan`.
+
+    `mesh` is a DeviceMesh or a mesh shape (planning needs no process group). `network` and
+    `device` are preset names or profiles: they price communication and compute.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        input_fn: Callable[[], Any],
+        mesh: Any,
+        *,
+        loss_fn: Callable[..., torch.Tensor] | None = None,
+        n_model_inputs: int = 1,
+        network: NetworkProfile | str = "h100-node",
+        device: DeviceProfile | str = "h100",
+    ):
+        self.model = model
+        self.input_fn = input_fn
+        self.mesh = mesh
+        self.mesh_shape = _mesh_shape(mesh)
+        self.loss_fn = loss_fn
+        self.n_model_inputs = n_model_inputs
+        self.network = network if isinstance(network, NetworkProfile) else NetworkProfile.preset(network, len(self.mesh_shape))
+        self.device = device if isinstance(device, DeviceProfile) else DeviceProfile.preset(device)
+        self.spec = ProblemSpec()
+        self.timings: dict[str, float] = {}
+
+    def __enter__(self) -> "AutoShard":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        return None
+
+    # ------------------------------------------------------------------ constraints
+    def constrain_inputs(self, *layouts: Layout | str | None) -> None:
+        """Layout of each user input (None = let the solver choose)."""
+        self.spec.input_layouts = {i: _as_layout(lay) for i, lay in enumerate(layouts) if lay is not None}
+
+    def memory_budget(self, param_bytes_per_rank: float | None) -> None:
+        """Cap on parameter bytes per rank (None = total / world size, i.e. fully sharded)."""
+        if param_bytes_per_rank is not None and param_bytes_per_rank <= 0:
+            raise ValueError(f"memory budget must be positive, got {param_bytes_per_rank}")
+        self.spec.param_memory_bytes = param_bytes_per_rank
+
+    def pin(self, pins: Mapping[str, Layout | str] | str, layout: Layout | str | None = None) -> None:
+        """Fix the layout of parameters matching an FQN pattern (`fnmatch`, e.g. `layers.*.wq.weight`)."""
+        items = {pins: layout} if isinstance(pins, str) else dict(pins)
+        for pattern, lay in items.items():
+            if lay is None:
+                raise ValueError(f"pin {pattern!r} needs a layout")
+            self.spec.pins[pattern] = _as_layout(lay)
+
+    # ------------------------------------------------------------------ planning
+    def _step(self, model: nn.Module, *inputs: Any) -> torch.Tensor:
+        if self.loss_fn is None:
+            return model(*inputs)
+        k = self.n_model_inputs
+        return self.loss_fn(model(*inputs[:k]), *inputs[k:])
+
+    def optimize(self, *, backend: str = "auto", time_limit: float | None = None) -> Plan:
+        inputs = self.input_fn()
+        inputs = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
+        for index, layout in self.spec.input_layouts.items():
+            if index >= len(inputs):
+                raise ValueError(f"input constraint for input {index}, but input_fn returns {len(inputs)} inputs")
+            shape = tuple(inputs[index].shape)
+            try:
+                layout.validate(len(shape), self.mesh_shape)
+            except ValueError as err:
+                raise ValueError(f"input {index} (shape {shape}): {err}") from None
+        planner = Planner(self.mesh_shape, self.network)
+        with contextlib.ExitStack() as stack:  # the tracer's fake mode ends with this block
+            start = time.perf_counter()
+            graph = trace_joint(self.model, self._step, inputs, stack)
+            self._timed("trace", start)
+            start = time.perf_counter()
+            sharding = build_problem(graph, self.mesh_shape, planner, self.device, self.spec)
+            self._timed("build", start)
+            start = time.perf_counter()
+            solution = solver.solve(sharding.problem, backend=backend, time_limit=time_limit)
+            self._timed("solve", start)
+            start = time.perf_counter()
+            plan = decode(sharding, solution, planner)
+            self._timed("decode", start)
+        log.info("autoshard plan: %s", plan.summary())
+        return plan
+
+    def _timed(self, stage: str, start: float) -> None:
+        self.timings[stage] = time.perf_counter() - start
+        log.info("autoshard: %s took %.2f s", stage, self.timings[stage])

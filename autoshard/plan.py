@@ -1,0 +1,107 @@
+"""A solved sharding problem, read back in terms of the model: what every node and parameter does.
+
+The plan's figures are recomputed from the chosen strategies and the planner's redistribute plans,
+not copied from the solver, so a test can check the two agree (one cost model, priced once).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+import solver
+
+from .costs import COLLECTIVE_KINDS
+from .layout import Layout
+from .planner import Planner, RedistributePlan
+from .problem import LOSS_SINK, ShardingProblem, grad_sink
+from .strategies import Strategy
+
+
+@dataclass(frozen=True)
+class Redistribution:
+    """One edge whose producer layout differs from what the consumer needs, and how it is done."""
+
+    producer: str  # graph node name (the producing op, parameter or input)
+    consumer: str  # graph node name, or a sink name (`sink:loss`, `sink:grad:<fqn>`)
+    slot: int  # which input slot of the consumer
+    plan: RedistributePlan
+
+
+@dataclass
+class Plan:
+    mesh_shape: tuple[int, ...]
+    strategies: dict[str, Strategy]  # ILP node name (graph node name or sink) -> chosen strategy
+    param_layouts: dict[str, Layout]  # parameter FQN -> layout (its gradient's layout too)
+    input_layouts: list[Layout]  # one per user input
+    redistributions: list[Redistribution]
+    module_paths: dict[str, str]  # graph node name -> module path
+    solution: solver.Solution
+    compute_s: float = 0.0
+    comm_s: float = 0.0
+    bytes_by_collective: dict[str, float] = field(default_factory=dict)
+    count_by_collective: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def step_time_s(self) -> float:
+        """Modeled time of one training step: compute + communication, no overlap assumed."""
+        return self.compute_s + self.comm_s
+
+    @property
+    def comm_bytes(self) -> float:
+        return sum(self.bytes_by_collective.values())
+
+    def strategy(self, node_name: str) -> Strategy:
+        return self.strategies[node_name]
+
+    def non_default_order_params(self) -> list[str]:
+        return [fqn for fqn, lay in self.param_layouts.items() if not lay.is_default_order]
+
+    def summary(self) -> str:
+        kinds = ", ".join(f"{k} x{self.count_by_collective[k]} ({self.bytes_by_collective[k] / 1e6:.2f} MB)"
+                          for k in sorted(self.count_by_collective)) or "none"
+        return (f"mesh {self.mesh_shape}: modeled step {self.step_time_s * 1e3:.3f} ms "
+                f"(compute {self.compute_s * 1e3:.3f} ms, comm {self.comm_s * 1e3:.3f} ms); "
+                f"collectives per rank: {kinds}; "
+                f"{len(self.non_default_order_params())}/{len(self.param_layouts)} parameters in non-default device order")
+
+
+def decode(sp: ShardingProblem, solution: solver.Solution, planner: Planner) -> Plan:
+    """Turn the solver's choice per ILP node into a Plan, with a redistribute plan per changed edge."""
+    chosen = {name: sp.strategies[name][solution.choice[name]] for name in sp.strategies}
+    graph = sp.graph
+    params = {fqn: chosen[node.name].outputs[0] for fqn, node in graph.params.items()}
+    for fqn, layout in params.items():  # the SameChoice constraint, double-checked
+        assert chosen[grad_sink(fqn)].inputs[0] == layout, fqn
+    inputs = [chosen[node.name].outputs[0] for node in graph.inputs]
+
+    redistributions = []
+    bytes_by, count_by = Counter(), Counter()
+    comm_s = 0.0
+    for consumer, producers in sp.inputs.items():
+        for slot, producer in enumerate(producers):
+            src = chosen[producer.node].outputs[producer.output]
+            dst = chosen[consumer].inputs[slot]
+            if src is None or dst is None or src == dst:
+                continue
+            shape, dtype = sp.tensor_meta(producer)
+            plan = planner.plan(src, dst, shape, dtype)
+            redistributions.append(Redistribution(producer.node, consumer, slot, plan))
+            comm_s += plan.cost_s
+            for step in plan.steps:
+                if step.kind in COLLECTIVE_KINDS:
+                    bytes_by[step.kind] += step.bytes
+            count_by.update(plan.collective_counts)
+    return Plan(
+        mesh_shape=sp.mesh_shape,
+        strategies=chosen,
+        param_layouts=params,
+        input_layouts=inputs,
+        redistributions=redistributions,
+        module_paths={n.name: graph.module_path(n) for n in graph.nodes},
+        solution=solution,
+        compute_s=sum(s.compute_s for name, s in chosen.items() if name != LOSS_SINK),
+        comm_s=comm_s,
+        bytes_by_collective={k: float(v) for k, v in bytes_by.items()},
+        count_by_collective=dict(count_by),
+    )

@@ -1,0 +1,229 @@
+"""Joint graph + strategies + planner costs + user constraints -> solver.Problem, and back.
+
+Every ILP node is either a graph node (an op, a parameter, an input) or a *sink*: the loss (must be
+replicated) and one per parameter gradient (must land in its parameter's layout, SameChoice). Every
+edge is priced by the redistribute planner for that tensor's shape and dtype: the only cost model.
+`getitem` nodes are not ILP nodes: they alias one output of their producer.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+import operator
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+from torch import fx
+
+import solver
+
+from .devices import DeviceProfile
+from .layout import Layout
+from .planner import Planner
+from .regions import find_repeated_blocks
+from .strategies import Strategy, input_slots, layouts_for, node_strategies
+from .trace import JointGraph
+
+LOSS_SINK = "sink:loss"
+
+
+def grad_sink(fqn: str) -> str:
+    return f"sink:grad:{fqn}"
+
+
+@dataclass(frozen=True)
+class Producer:
+    """Where an input slot's value comes from: ILP node name and which of its outputs."""
+
+    node: str
+    output: int
+
+
+@dataclass
+class ProblemSpec:
+    """User constraints on top of the graph (layouts are text or Layout)."""
+
+    input_layouts: dict[int, Layout] = field(default_factory=dict)  # user input index -> layout
+    pins: dict[str, Layout] = field(default_factory=dict)  # parameter FQN pattern -> layout
+    param_memory_bytes: float | None = None  # per rank; None = total / world size (FSDP level)
+
+
+@dataclass
+class ShardingProblem:
+    """The ILP in terms of the graph: what each solver choice index means."""
+
+    graph: JointGraph
+    mesh_shape: tuple[int, ...]
+    strategies: dict[str, list[Strategy]]  # ILP node name -> its choices
+    fx_nodes: dict[str, fx.Node]  # ILP node name -> graph node (sinks: the node they consume)
+    inputs: dict[str, list[Producer]]  # ILP node name -> producer of each input slot
+    problem: solver.Problem
+
+    def tensor_meta(self, producer: Producer) -> tuple[tuple[int, ...], torch.dtype]:
+        val = self.fx_nodes[producer.node].meta["val"]
+        if isinstance(val, (tuple, list)):
+            val = val[producer.output]
+        return tuple(val.shape), val.dtype
+
+
+def _val(node: fx.Node, index: int = 0):
+    val = node.meta.get("val")
+    return val[index] if isinstance(val, (tuple, list)) else val
+
+
+def _placeholder_strategies(node: fx.Node, mesh_shape, allowed: Layout | None) -> list[Strategy]:
+    val = node.meta["val"]
+    layouts = layouts_for(tuple(val.shape), mesh_shape, allow_partial=False)
+    if allowed is not None:
+        layouts = [lay for lay in layouts if lay == allowed]
+    return [Strategy(outputs=(lay,), inputs=(), compute_s=0.0) for lay in layouts]
+
+
+def _local_bytes(layout: Layout, val, mesh_shape) -> float:
+    return math.prod(layout.local_shape(tuple(val.shape), mesh_shape)) * val.dtype.itemsize
+
+
+def build_problem(graph: JointGraph, mesh_shape: tuple[int, ...], planner: Planner, device: DeviceProfile,
+                  spec: ProblemSpec) -> ShardingProblem:
+    """Price every choice and edge; the returned problem is ready for `solver.solve`."""
+    strategies: dict[str, list[Strategy]] = {}
+    fx_nodes: dict[str, fx.Node] = {}
+    inputs: dict[str, list[Producer]] = {}
+    alias: dict[fx.Node, Producer] = {}
+
+    param_fqn = {node: fqn for fqn, node in graph.params.items()}
+    user_inputs = {node: i for i, node in enumerate(graph.inputs)}
+    pins = _resolve_pins(graph, spec.pins, mesh_shape)
+
+    for node in graph.nodes:
+        if node.op == "placeholder":
+            if node in param_fqn:
+                fixed = pins.get(param_fqn[node])
+            elif node in user_inputs:
+                fixed = spec.input_layouts.get(user_inputs[node])
+            else:
+                fixed = None
+            strategies[node.name] = _placeholder_strategies(node, mesh_shape, fixed)
+            if not strategies[node.name]:
+                raise ValueError(f"{node.name}: no valid layout {fixed} for shape {tuple(node.meta['val'].shape)}")
+        elif node.op == "call_function":
+            if node.target is operator.getitem:
+                parent, index = node.args
+                alias[node] = Producer(alias[parent].node if parent in alias else parent.name, index)
+                continue
+            strategies[node.name] = node_strategies(node, mesh_shape, device)
+        else:
+            continue
+        fx_nodes[node.name] = node
+        alias[node] = Producer(node.name, 0)
+        inputs[node.name] = [alias[slot] for slot in input_slots(node)] if node.op == "call_function" else []
+
+    # Sinks: the loss stays replicated; each gradient lands in its parameter's layout.
+    loss = alias[graph.loss]
+    strategies[LOSS_SINK] = [Strategy(outputs=(), inputs=(Layout.replicate(len(mesh_shape)),), compute_s=0.0)]
+    fx_nodes[LOSS_SINK], inputs[LOSS_SINK] = graph.loss, [loss]
+    for fqn, grad in graph.grads.items():
+        name = grad_sink(fqn)
+        param_choices = strategies[graph.params[fqn].name]
+        strategies[name] = [Strategy(outputs=(), inputs=s.outputs, compute_s=0.0) for s in param_choices]
+        fx_nodes[name], inputs[name] = grad, [alias[grad]]
+
+    sharding = ShardingProblem(graph, mesh_shape, strategies, fx_nodes, inputs, solver.Problem())
+    _fill_solver_problem(sharding, planner, spec, param_fqn)
+    return sharding
+
+
+def _resolve_pins(graph: JointGraph, pins: dict[str, Layout], mesh_shape) -> dict[str, Layout]:
+    """Parameter FQN -> pinned layout; two patterns pinning one parameter differently is an error."""
+    chosen: dict[str, tuple[str, Layout]] = {}
+    for pattern, layout in pins.items():
+        layout = Layout.parse(layout) if isinstance(layout, str) else layout
+        matched = [fqn for fqn in graph.params if fnmatch.fnmatchcase(fqn, pattern)]
+        if not matched:
+            raise ValueError(f"pin {pattern!r} matches no parameter")
+        for fqn in matched:
+            shape = tuple(graph.params[fqn].meta["val"].shape)
+            layout.validate(len(shape), mesh_shape)
+            if fqn in chosen and chosen[fqn][1] != layout:
+                raise ValueError(f"conflicting pins for {fqn}: {chosen[fqn][0]!r} -> {chosen[fqn][1]} "
+                                 f"and {pattern!r} -> {layout}")
+            chosen[fqn] = (pattern, layout)
+    return {fqn: layout for fqn, (_, layout) in chosen.items()}
+
+
+def _fill_solver_problem(sp: ShardingProblem, planner: Planner, spec: ProblemSpec, param_fqn) -> None:
+    problem = sp.problem
+    mesh_shape = sp.mesh_shape
+    for name, choices in sp.strategies.items():
+        node = sp.fx_nodes[name]
+        memory = [0.0] * len(choices)
+        if node in param_fqn and name == node.name:
+            memory = [_local_bytes(s.outputs[0], node.meta["val"], mesh_shape) for s in choices]
+        problem.add_node(name, [solver.Choice(label=_label(s), cost=s.compute_s, memory=m)
+                                for s, m in zip(choices, memory)])
+
+    # One edge per (producer, consumer) pair; several slots fed by one producer add up.
+    matrix_cache: dict = {}
+    for consumer, producers in sp.inputs.items():
+        merged: dict[str, list[list[float]]] = {}
+        for slot, producer in enumerate(producers):
+            shape, dtype = sp.tensor_meta(producer)
+            srcs = tuple(s.outputs[producer.output] for s in sp.strategies[producer.node])
+            dsts = tuple(s.inputs[slot] for s in sp.strategies[consumer])
+            key = (srcs, dsts, shape, dtype.itemsize)
+            if key not in matrix_cache:
+                matrix_cache[key] = _cost_matrix(planner, srcs, dsts, shape, dtype.itemsize)
+            matrix = matrix_cache[key]
+            if producer.node in merged:
+                merged[producer.node] = [[a + b for a, b in zip(r1, r2)]
+                                         for r1, r2 in zip(merged[producer.node], matrix)]
+            else:
+                merged[producer.node] = matrix
+        for producer, matrix in merged.items():
+            problem.add_edge(producer, consumer, matrix)
+
+    for fqn, node in sp.graph.params.items():
+        problem.same_choice([node.name, grad_sink(fqn)], name=f"grad of {fqn} in its parameter's layout")
+    total = sum(_val(node).numel() * _val(node).dtype.itemsize for node in sp.graph.params.values())
+    limit = spec.param_memory_bytes if spec.param_memory_bytes is not None else total / math.prod(mesh_shape)
+    problem.memory_budget([node.name for node in sp.graph.params.values()], limit * (1 + 1e-9),
+                          name="parameter bytes per rank")
+
+    for copies in find_repeated_blocks(sp.graph):
+        problem.add_region([_ilp_names(sp, copy) for copy in copies])
+
+
+def _ilp_names(sp: ShardingProblem, copy: Sequence[fx.Node]) -> list[str]:
+    """ILP nodes of one block copy, in position order: its ops and params, then its params' grad sinks."""
+    names = [n.name for n in copy if n.name in sp.strategies]
+    fqns = {node.name: fqn for fqn, node in sp.graph.params.items()}
+    return names + [grad_sink(fqns[n]) for n in names if n in fqns]
+
+
+def _cost_matrix(planner: Planner, srcs, dsts, shape, itemsize) -> list[list[float]]:
+    """cost[i][j] = planner cost of srcs[i] -> dsts[j]; inf where the planner finds no way."""
+    table: dict[tuple[Layout, Layout], float] = {}
+    rows = []
+    for src in srcs:
+        row = []
+        for dst in dsts:
+            if dst is None or src is None:
+                row.append(0.0)
+                continue
+            key = (src, dst)
+            if key not in table:
+                try:
+                    table[key] = planner.cost(src, dst, shape, itemsize)
+                except ValueError:
+                    table[key] = math.inf
+            row.append(table[key])
+        rows.append(row)
+    return rows
+
+
+def _label(strategy: Strategy) -> str:
+    ins = ",".join(str(x) if x is not None else "-" for x in strategy.inputs)
+    outs = ",".join(str(x) if x is not None else "-" for x in strategy.outputs)
+    return f"{ins}->{outs}" if ins else outs

@@ -1,0 +1,32 @@
+"""Hand-written parallel plans expressed as parameter pins, to compare autoshard's plans against.
+
+Pins fix parameter layouts only; the solver still picks the best activation layouts around them, so
+a pinned recipe's modeled cost is a lower bound on that recipe as hand-written frameworks run it.
+"""
+
+from __future__ import annotations
+
+# torchtitan's llama3 FSDP+TP recipe on a (dp, tp) mesh (see shared ANCHORS.md): column-wise
+# weights, embedding and output are sharded on dim 0 by tp first, then by FSDP on dp; row-wise wo/w2
+# have dim 1 on tp and dim 0 on dp; norms are sharded by FSDP only.
+FSDP_TP_2D = {
+    "tok_embeddings.weight": "S(0)S(0)[1,0]",
+    "output.weight": "S(0)S(0)[1,0]",
+    "layers.*.attention.w[qkv].weight": "S(0)S(0)[1,0]",
+    "layers.*.feed_forward.w[13].weight": "S(0)S(0)[1,0]",
+    "layers.*.attention.wo.weight": "S(0)S(1)",
+    "layers.*.feed_forward.w2.weight": "S(0)S(1)",
+    "*norm.weight": "S(0)R",
+}
+
+# Pure FSDP over every rank of a 2D mesh: each parameter split on dim 0 over both mesh dims.
+FSDP_2D = {"*": "S(0)S(0)[0,1]"}
+
+RECIPES = {"fsdp-tp": FSDP_TP_2D, "fsdp": FSDP_2D}
+
+
+def recipe_pins(name: str) -> dict[str, str]:
+    try:
+        return dict(RECIPES[name])
+    except KeyError:
+        raise ValueError(f"unknown recipe {name!r}; known: {', '.join(RECIPES)}") from None
