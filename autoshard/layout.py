@@ -163,6 +163,17 @@ class Layout:
             shape[td] //= n
         return tuple(shape)
 
+    def shard_of(self, full: Any, mesh_shape: Sequence[int], coord: Sequence[int]) -> Any:
+        """The shard of the global tensor `full` that the rank at mesh coordinate `coord` holds:
+        each sharded tensor dim split over its mesh dims in order (partial dims hold the whole)."""
+        self.local_shape(tuple(full.shape), mesh_shape)  # validates even splits
+        out = full
+        for td, mds in self.order:
+            for m in mds:
+                size = out.shape[td] // mesh_shape[m]
+                out = out.narrow(td, coord[m] * size, size)
+        return out
+
     # ----------------------------------------------------------------- torch conversion
     def _plain_torch_placements(self) -> tuple[Any, ...]:
         out = []

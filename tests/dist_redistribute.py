@@ -23,14 +23,6 @@ CASES = [  # (src, dst, step kinds the plan must contain)
 ]
 
 
-def chunk_of(full, layout, mesh_shape, coord):
-    out = full
-    for td, mds in layout.order:
-        for m in mds:
-            size = out.shape[td] // mesh_shape[m]
-            out = out.narrow(td, coord[m] * size, size)
-    return out
-
 
 def main() -> None:
     dist.init_process_group("gloo")
@@ -45,12 +37,12 @@ def main() -> None:
         if kinds is not None:
             assert [s.kind for s in plan.steps] == kinds and len(plan.steps[0].mesh_dims) >= 1, str(plan)
         src, dst = plan.src, plan.dst
-        x = chunk_of(full, src, mesh.shape, coord).clone()
+        x = src.shard_of(full, mesh.shape, coord).clone()
         if any(p.kind == "P" for p in src.placements):  # only fully partial sources here
             x = x * weight
         x.requires_grad_()
         y = execute(plan, x, mesh)
-        want = chunk_of(full, dst, mesh.shape, coord)
+        want = dst.shard_of(full, mesh.shape, coord)
         if any(p.kind == "P" for p in dst.placements):
             total = y.detach().clone()
             for m, p in enumerate(dst.placements):
@@ -64,12 +56,12 @@ def main() -> None:
         replicas = 1
         for m, p in enumerate(dst.placements):
             replicas *= mesh.shape[m] if p.kind == "R" else 1
-        (y * (chunk_of(cot, dst, mesh.shape, coord) / replicas)).sum().backward()
+        (y * (dst.shard_of(cot, mesh.shape, coord) / replicas)).sum().backward()
         grad = x.grad.clone()
         for m, p in enumerate(src.placements):
             if p.kind == "R":  # dual of R is a partial sum over that mesh dim
                 dist.all_reduce(grad, group=mesh.get_group(m))
-        torch.testing.assert_close(grad, chunk_of(cot, src, mesh.shape, coord), msg=lambda m: f"{plan}: grad {m}")
+        torch.testing.assert_close(grad, src.shard_of(cot, mesh.shape, coord), msg=lambda m: f"{plan}: grad {m}")
         if dist.get_rank() == 0:
             print("ok", plan, flush=True)
     dist.barrier()

@@ -33,22 +33,13 @@ def coords(rank: int, mesh_shape) -> list[int]:
     return out[::-1]
 
 
-def chunk_of(full: torch.Tensor, layout: Layout, mesh_shape, coord) -> torch.Tensor:
-    """The shard a rank at `coord` holds: split each tensor dim over its mesh dims in order."""
-    out = full
-    for td, mds in layout.order:
-        for m in mds:
-            size = out.shape[td] // mesh_shape[m]
-            out = out.narrow(td, coord[m] * size, size)
-    return out
-
 
 def make_locals(full, layout, mesh_shape, split, scale, gen) -> dict[int, torch.Tensor]:
     """Per-rank values representing `full`: shards along S dims; along mesh dims in `split`, a
     random additive split (values + noise with zero mean over those dims); times `scale[m]`."""
     world = math.prod(mesh_shape)
     factor = math.prod(scale.get(m, 1.0) for m in range(len(mesh_shape)))
-    base = {r: chunk_of(full, layout, mesh_shape, coords(r, mesh_shape)) * factor for r in range(world)}
+    base = {r: layout.shard_of(full, mesh_shape, coords(r, mesh_shape)) * factor for r in range(world)}
     if not split:
         return base
     noise = {r: torch.randn(base[r].shape, generator=gen, dtype=full.dtype) for r in range(world)}
@@ -76,7 +67,7 @@ def check(values, full, layout, mesh_shape, reduce, scale, what):
         n_avg = math.prod(mesh_shape[m] for m, op in reduce.items() if op == "avg")
         for r in members:
             got = total / n_avg if reduce else values[r]
-            want = chunk_of(full, layout, mesh_shape, coords(r, mesh_shape)) * scale
+            want = layout.shard_of(full, mesh_shape, coords(r, mesh_shape)) * scale
             assert got.shape == want.shape, (what, r, got.shape, want.shape)
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=lambda m: f"{what} rank {r}: {m}")
 
@@ -244,7 +235,7 @@ def test_reference_matches_dtensor():
                 with sim._mode.disable():
                     shards = tc.rank_values(dt.to_local())
                     for r in range(sim.world):
-                        want = chunk_of(full, lay, mesh_shape, coords(r, mesh_shape))
+                        want = lay.shard_of(full, mesh_shape, coords(r, mesh_shape))
                         assert torch.equal(shards[r], want), (lay, r)
 
 
