@@ -107,7 +107,9 @@ def build_problem(graph: JointGraph, mesh_shape: tuple[int, ...], planner: Plann
                 fixed = None
             strategies[node.name] = _placeholder_strategies(node, mesh_shape, fixed)
             if not strategies[node.name]:
-                raise ValueError(f"{node.name}: no valid layout {fixed} for shape {tuple(node.meta['val'].shape)}")
+                what = param_fqn.get(node) or f"input {user_inputs.get(node, node.name)}"
+                raise ValueError(f"{what}: layout {fixed} does not split shape {tuple(node.meta['val'].shape)} "
+                                 f"evenly on mesh {mesh_shape}")
         elif node.op == "call_function":
             if node.target is operator.getitem:
                 parent, index = node.args

@@ -107,6 +107,13 @@ def test_pin_matching_nothing_is_an_error():
         plan_for((2, 2), pins={"layers.*.attn.weight": "S(0)R"})
 
 
+def test_pin_that_cannot_split_the_parameter_is_named():
+    # wk of llama3-tiny is [32, 64]: its 32 rows cannot be split over the 64 ranks of (4, 4, 4).
+    with pytest.raises(ValueError, match=r"layers\.0\.attention\.wk\.weight: layout S\(0\)S\(0\)S\(0\)\[0,1,2\] "
+                                         r"does not split shape \(32, 64\) evenly"):
+        plan_for((4, 4, 4), pins={"layers.0.attention.wk.weight": "S(0)S(0)S(0)"})
+
+
 def test_input_constraint_on_a_missing_tensor_dim():
     with pytest.raises(ValueError, match=r"input 0 \(shape \(8, 64\)\).*shards tensor dim 2"):
         plan_for((2, 2), inputs=["S(2)R"])
