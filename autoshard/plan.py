@@ -51,9 +51,6 @@ class Plan:
     def comm_bytes(self) -> float:
         return sum(self.bytes_by_collective.values())
 
-    def strategy(self, node_name: str) -> Strategy:
-        return self.strategies[node_name]
-
     def non_default_order_params(self) -> list[str]:
         return [fqn for fqn, lay in self.param_layouts.items() if not lay.is_default_order]
 

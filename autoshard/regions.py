@@ -81,19 +81,9 @@ def _path(graph: JointGraph, node: fx.Node) -> str:
 
 
 def _flat_args(node: fx.Node) -> list:
+    """Every leaf of (args, kwargs): graph nodes and constants, in order."""
     flat: list = []
-
-    def visit(a):
-        if isinstance(a, (list, tuple)):
-            for x in a:
-                visit(x)
-        elif isinstance(a, dict):
-            for x in a.values():
-                visit(x)
-        else:
-            flat.append(a)
-
-    visit((node.args, node.kwargs))
+    fx.node.map_aggregate((node.args, node.kwargs), flat.append)
     return flat
 
 
