@@ -9,19 +9,22 @@ conflicts on its own) and, where presolve cannot decide, a small ILP without obj
 from __future__ import annotations
 
 from .model import Model, run
-from .presolve import Conflict, Reduction
+from .presolve import Arrays, Conflict, Reduction
 from .problem import Edge, InfeasibleError, Problem, RepeatedRegion
 
 
 def explain(problem: Problem, backend: str) -> InfeasibleError:
-    items = list(problem.constraints) + list(problem.regions)
+    # regions first: QuickXplain then keeps them in the background of most checks, and a
+    # check with the regions shared is much smaller than one without
+    items = list(problem.regions) + list(problem.constraints)
+    arrays = Arrays.of(problem, costs=False)
 
     def check(subset) -> Conflict | bool:
         """True if feasible, else False or the presolve Conflict that proved it is not."""
         regions = [r for r in subset if isinstance(r, RepeatedRegion)]
         constraints = [c for c in subset if not isinstance(c, RepeatedRegion)]
         try:
-            red = Reduction(problem, constraints, regions, dominance=False)
+            red = Reduction(problem, constraints, regions, arrays=arrays)
         except Conflict as conflict:
             return conflict
         if not red.core:
@@ -42,7 +45,8 @@ def explain(problem: Problem, backend: str) -> InfeasibleError:
             where = f" (node {detail.node!r} is left without a choice)"
         names = "; ".join(c.describe() for c in found)
         return InfeasibleError(f"infeasible: these constraints conflict{where}: {names}. "
-                               f"(Irreducible: without any one of them the rest is satisfiable.)", found)
+                               "(Irreducible: without any one of them the rest is satisfiable.)",
+                               found)
     return InfeasibleError("infeasible: the inf entries of the edge matrices admit no assignment "
                            "even without constraints (a cycle of incompatible edges)")
 

@@ -47,13 +47,33 @@ class Counts:
     folded_edges: int = 0      # separable edges folded into node costs
 
 
+@dataclass
+class Arrays:
+    """A problem's numbers as numpy arrays, converted once for repeated reductions (never
+    modified in place). costs=False keeps only what is forbidden (inf): every finite cost
+    becomes 0, which presolves a feasibility question down to almost nothing."""
+
+    cost: list[np.ndarray]     # per node, per choice
+    memory: list[np.ndarray]
+    edges: list[np.ndarray]    # per edge, [src choice, dst choice]
+
+    @classmethod
+    def of(cls, problem: Problem, costs: bool = True) -> "Arrays":
+        def keep(m):
+            return m if costs else np.where(np.isfinite(m), 0.0, m)
+
+        return cls([keep(np.array([c.cost for c in n.choices], float)) for n in problem.nodes],
+                   [np.array([c.memory for c in n.choices], float) for n in problem.nodes],
+                   [keep(np.array(e.cost, float)) for e in problem.edges])
+
+
 class Reduction:
     """Class-space view of a Problem under a given subset of constraints and regions."""
 
     def __init__(self, problem: Problem, constraints, regions, *, reduce: bool = True,
-                 dominance: bool = True):
+                 arrays: Arrays | None = None):
         """reduce=False only shares variables and applies pins (to test the ILP on its own)."""
-        self.dominance = dominance
+        arrays = arrays or Arrays.of(problem)
         self.counts = Counts()
         index = problem.index()
         self.names = [n.name for n in problem.nodes]
@@ -84,8 +104,8 @@ class Reduction:
         self.counts.classes = len(self.members)
 
         self.cost = {c: np.zeros(len(problem.nodes[c].choices)) for c in self.members}
-        for i, node in enumerate(problem.nodes):
-            self.cost[self.node_class[i]] += [ch.cost for ch in node.choices]
+        for i, row in enumerate(arrays.cost):
+            self.cost[self.node_class[i]] += row
         self.alive = {c: np.ones(len(v), bool) for c, v in self.cost.items()}
         self.adj: dict[int, set[int]] = {c: set() for c in self.members}
         self.mat: dict[tuple[int, int], np.ndarray] = {}
@@ -102,9 +122,8 @@ class Reduction:
                 mask = np.zeros(len(self.alive[c]), bool)
                 mask[list(ids)] = True
                 self._restrict(c, mask, con)
-        for e in problem.edges:
+        for e, m in zip(problem.edges, arrays.edges):
             a, b = self.node_class[index[e.src]], self.node_class[index[e.dst]]
-            m = np.array(e.cost, dtype=float)
             if a == b:  # both ends share variables: only the diagonal can happen
                 self.cost[a] += np.diagonal(m)
                 self._restrict(a, np.isfinite(self.cost[a]), e)
@@ -118,7 +137,7 @@ class Reduction:
                 mem: dict[int, np.ndarray] = {}
                 for i in {index[n] for n in con.nodes}:
                     c = self.node_class[i]
-                    row = np.array([ch.memory for ch in problem.nodes[i].choices])
+                    row = arrays.memory[i]
                     mem[c] = mem[c] + row if c in mem else row
                 self.budgets.append((con, mem, con.limit))
         if reduce:
@@ -130,19 +149,20 @@ class Reduction:
         """Classes the ILP still has to decide."""
         return sorted(self.adj)
 
-    def restricted(self, pins: dict[int, int]) -> "Reduction":
-        """A copy with class c pinned to choice pins[c] and presolved again: the small
-        sub-problem left when the pinned classes are taken as given. Raises Conflict."""
+    def narrowed(self, keep: dict[int, np.ndarray], forbid=None) -> "Reduction":
+        """A copy with the choices outside keep[c] removed and the edge entries where
+        forbid[(a, b)] is True made inf, presolved again: what is left of the problem once
+        those are ruled out (usually much smaller). Raises Conflict if nothing is left."""
         sub = copy.copy(self)
         sub.counts = dataclasses.replace(self.counts)
         sub.alive, sub.cost, sub.mat = dict(self.alive), dict(self.cost), dict(self.mat)
         sub.origin, sub.fixed, sub.elim = dict(self.origin), dict(self.fixed), list(self.elim)
         sub.adj = {c: set(nbrs) for c, nbrs in self.adj.items()}
         sub.budgets = [(con, dict(mem), limit) for con, mem, limit in self.budgets]
-        for c, k in pins.items():
-            mask = np.zeros(len(sub.alive[c]), bool)
-            mask[k] = True
-            sub._restrict(c, mask, "pinned")
+        for key, mask in (forbid or {}).items():
+            sub.mat[key] = np.where(mask, np.inf, sub.mat[key])
+        for c, mask in keep.items():
+            sub._restrict(c, mask, "ruled out")
         sub._reduce()
         return sub
 
@@ -195,7 +215,7 @@ class Reduction:
         del self.adj[c]
 
     def _affects_budget(self, c: int) -> bool:
-        """Whether c's choice changes some budget's load (constant loads are taken off the limit)."""
+        """Whether c's choice changes some budget's load (constant loads come off the limit)."""
         alive = self.alive[c]
         varying = False
         for i, (con, mem, limit) in enumerate(self.budgets):
@@ -229,7 +249,7 @@ class Reduction:
             m = self.oriented(c, nb)
             ok = np.isfinite(m[:, self.alive[nb]]).any(axis=1)
             self._restrict(c, ok, self.origin[(min(c, nb), max(c, nb))])
-        if self.dominance and self.alive[c].sum() > 1:
+        if self.alive[c].sum() > 1:
             self._dominance(c)
         nbrs = set(self.adj[c])
         changed = int(self.alive[c].sum()) != before

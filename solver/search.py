@@ -1,14 +1,14 @@
-"""Solve the presolved core: LP relaxation, incumbent, reduced-cost fixing, then the MIP.
+"""Solve the presolved core: LP relaxation, incumbent, reduced-cost fixing, then a small MIP.
 
 The local-polytope LP is nearly tight on sharding problems, but a MIP solver spends most of its
 time finding a good incumbent and proving the last fraction of a percent. So we solve the LP first,
-tightened on triangles through fractional classes until it is integral or a size budget is spent.
-If it is still fractional, the sub-problem left when the LP-integral classes are pinned is
-presolved again and solved as a (small) MIP, which gives an incumbent (usually the optimum),
-polished by local search (best response of one class to its neighbours).
-With that upper bound UB and the LP bound LB, every column whose reduced cost exceeds UB - LB
-cannot be part of a better solution (LP duality) and is fixed to zero; the MIP that remains is
-usually a fraction of the size. If UB meets LB, the incumbent is already optimal.
+tightened on small triangles through fractional classes (frustrated cycles are what make it
+loose). If it is still fractional, the sub-problem left when the LP-integral classes are pinned
+is presolved again and solved as a (small) MIP: an incumbent, usually the optimum, polished by
+local search (best response of one class to its neighbours). With that upper bound UB and the LP
+bound LB, every choice or edge entry whose reduced cost exceeds UB - LB cannot be part of a better
+solution (LP duality); ruling them out and presolving again leaves a MIP that is a small fraction
+of the size, and it only has to beat UB. If UB meets LB, the incumbent is already optimal.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ class CoreResult:
     model: Model
     lower: float = -np.inf         # proven lower bound on core_cost (unscaled)
     triangles: int = 0             # triangles added to tighten the LP
-    lp_fixed: int = 0              # columns fixed to zero by reduced cost
+    lp_fixed: int = 0              # columns ruled out by reduced cost
 
 
 def solve_core(red: Reduction, backend: str, deadline: float | None, msg: bool,
@@ -51,36 +51,84 @@ def solve_core(red: Reduction, backend: str, deadline: float | None, msg: bool,
         lower = pulp.value(model.lp.objective) or 0.0
         result.lower = lower / model.scale
         incumbent = _incumbent(red, model, backend, msg, left())
-    if incumbent is not None:
-        upper = core_cost(red, incumbent) * model.scale
-        # LP tolerances: each chosen column may be off by ~1e-7 in reduced cost
-        tol = 1e-7 * (len(red.core) + len(red.mat)) + 1e-9 * abs(upper)
-        slack = upper - lower
-        if slack <= tol + rel_gap * abs(upper):
-            result.status, result.choice = "optimal", incumbent
-            return result
-        for v in model.columns:
-            if v.dj is not None and v.dj > slack + tol:
-                v.upBound = 0
-                result.lp_fixed += 1
-    cutoff = None if incumbent is None else upper * (1 + 1e-7) + 1e-9
-    status = run(model, backend, left(), msg, rel_gap, cutoff=cutoff)
-    best = choices(model) if status in ("optimal", "feasible") else None
-    if incumbent is not None and (best is None or core_cost(red, incumbent) < core_cost(red, best)):
-        # the MIP can only fail to beat the incumbent by stopping early (or numerically)
-        best, status = incumbent, "optimal" if status == "optimal" else "feasible"
-    result.status, result.choice = status, best or {}
-    if status == "optimal":
-        result.lower = core_cost(red, best)
+    if incumbent is None:  # no LP or no incumbent: the plain MIP
+        status = run(model, backend, left(), msg, rel_gap)
+        if status in ("optimal", "feasible"):
+            result.choice = choices(model)
+        result.status = status
+        return result
+    upper = core_cost(red, incumbent) * model.scale
+    # LP tolerances: each chosen column may be off by ~1e-7 in reduced cost
+    tol = 1e-7 * (len(red.core) + len(red.mat)) + 1e-9 * abs(upper)
+    slack = upper - lower
+    result.status, result.choice = "optimal", incumbent
+    if slack <= tol + rel_gap * abs(upper):
+        return result
+    keep, forbid, result.lp_fixed = _ruled_out(red, model, slack + tol)
+    try:
+        sub = red.narrowed(keep, forbid)
+    except Conflict:  # nothing can beat the incumbent
+        return result
+    found, status = _solve_narrowed(red, sub, backend, left(), msg, rel_gap, incumbent)
+    if found is not None and core_cost(red, found) < core_cost(red, incumbent):
+        result.choice = found
+    if status != "optimal":  # stopped early: the incumbent may not be optimal
+        result.status = "feasible"
+    else:
+        result.lower = core_cost(red, result.choice)
     return result
 
 
+def _ruled_out(red: Reduction, model: Model, threshold: float):
+    """From the LP's reduced costs: keep-masks of the choices and forbid-masks of the edge
+    entries that no solution better than the incumbent can use (reduced cost > threshold),
+    and how many columns that rules out."""
+    keep, forbid, count = {}, {}, 0
+    for c, (idx, xs) in model.x.items():
+        out = np.array([v.dj is not None and v.dj > threshold for v in xs])
+        keep[c] = red.alive[c].copy()
+        keep[c][idx[out]] = False
+        count += int(out.sum())
+    for (a, b), (row_of, col_of, ys) in model.pairs.items():
+        groups = np.zeros((row_of.max() + 1, col_of.max() + 1), bool)
+        for (g, h), v in ys.items():
+            if v.dj is not None and v.dj > threshold:
+                groups[g, h] = True
+                count += 1
+        mask = np.zeros(red.mat[(a, b)].shape, bool)
+        mask[np.ix_(np.flatnonzero(red.alive[a]), np.flatnonzero(red.alive[b]))] = \
+            groups[np.ix_(row_of, col_of)]
+        forbid[(a, b)] = mask
+    return keep, forbid, count
+
+
+def _solve_narrowed(red: Reduction, sub: Reduction, backend: str, time_limit, msg: bool,
+                    rel_gap: float, incumbent: dict[int, int] | None = None):
+    """MIP over what is left of `red` in `sub` (a narrowed copy); returns (choice per core
+    class of `red` or None, status). A known `incumbent` gives the MIP a cutoff."""
+    status, core_choice = "optimal", {}
+    if sub.core:
+        model = Model(sub)
+        cutoff = None
+        if incumbent is not None:
+            known = core_cost(sub, {c: incumbent[c] for c in sub.core}) * model.scale
+            cutoff = known * (1 + 1e-7) + 1e-9
+        status = run(model, backend, time_limit, msg, rel_gap, cutoff=cutoff)
+        if status not in ("optimal", "feasible"):
+            return None, status
+        core_choice = choices(model)
+    nodes = sub.assign(core_choice)
+    return {c: nodes[red.names[c]] for c in red.core}, status
+
+
 def _tightened_lp(red: Reduction, model: Model, backend: str, left, msg: bool, rel_gap: float,
-                  rounds: int = 4, growth: float = 0.5) -> tuple[str, int]:
+                  rounds: int = 4, growth: float = 0.5, largest: int = 4096) -> tuple[str, int]:
     """Solve the LP relaxation; while it is fractional, tighten it on the triangles that have
     two or more fractional classes (frustrated cycles are what make the local polytope loose)
     and re-solve. The LP gets slow quickly as it grows, so at most `growth` times the original
-    number of columns is added in all. Returns the LP status and the triangles added."""
+    number of columns is added in all, and no triangle of more than `largest` choice triples
+    (with many choices per node a triangle costs more than the MIP it would help).
+    Returns the LP status and the triangles added."""
     done: set[tuple[int, int, int]] = set()
     budget = int(growth * model.variables)
     for round_ in range(rounds + 1):
@@ -92,7 +140,7 @@ def _tightened_lp(red: Reduction, model: Model, backend: str, left, msg: bool, r
                  if len(frac.intersection(tri := tuple(sorted((a, b, c))))) >= 2}
         added = 0
         for tri in sorted(found - done, key=lambda t: -len(frac.intersection(t))):
-            size = model.add_triangle(*tri, limit=budget) if budget > 0 else 0
+            size = model.add_triangle(*tri, limit=min(budget, largest)) if budget > 0 else 0
             budget -= size
             added += size
             if size:
@@ -107,20 +155,18 @@ def _incumbent(red: Reduction, model: Model, backend: str, msg: bool, time_limit
     fractional also solve the sub-problem left when the LP-integral classes are pinned (after
     presolving it again it is small); polish by local search."""
     candidates = [choices(model)]
-    integral = {c: k for c, k in candidates[0].items()
-                if max(v.varValue for v in model.x[c][1]) > 1 - 1e-6}
-    if len(integral) < len(model.x):
+    keep = {}
+    for c, (idx, xs) in model.x.items():
+        if max(v.varValue for v in xs) > 1 - 1e-6:
+            keep[c] = np.zeros(len(red.alive[c]), bool)
+            keep[c][candidates[0][c]] = True
+    if len(keep) < len(model.x):
         try:
-            sub = red.restricted(integral)
+            found, _ = _solve_narrowed(red, red.narrowed(keep), backend, time_limit, msg, 1e-2)
         except Conflict:
-            sub = None
-        if sub is not None and sub.core:
-            sub_model = Model(sub)
-            if run(sub_model, backend, time_limit, msg, 1e-2) not in ("optimal", "feasible"):
-                sub = None
-        if sub is not None:
-            nodes = sub.assign(choices(sub_model) if sub.core else {})
-            candidates.append({c: nodes[red.names[c]] for c in red.core})
+            found = None
+        if found is not None:
+            candidates.append(found)
     best, best_cost = None, np.inf
     for start in candidates:
         found = local_search(red, start)

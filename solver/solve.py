@@ -33,7 +33,7 @@ class SolveStats:
     eliminated: int = 0
     folded_edges: int = 0
     triangles: int = 0          # triangles added to tighten the LP relaxation
-    lp_fixed: int = 0           # ILP columns fixed to zero by LP reduced costs
+    lp_fixed: int = 0           # ILP columns ruled out by LP reduced costs
     bound: float = 0.0          # proven lower bound on the objective (== objective if optimal)
 
 

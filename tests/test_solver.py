@@ -1,4 +1,4 @@
-"""solver/: optimality against brute force, presolve against no presolve, backends against each other."""
+"""solver/: optimality against brute force, presolve against none, backends against each other."""
 
 import itertools
 import math
@@ -7,8 +7,8 @@ import random
 import numpy as np
 import pytest
 
-from solver import (Allowed, Choice, Fixed, InfeasibleError, MemoryBudget, Problem, SameChoice, solve,
-                    available_backends)
+from solver import (Allowed, Choice, Fixed, InfeasibleError, MemoryBudget, Problem, SameChoice,
+                    available_backends, solve)
 
 INF = math.inf
 
@@ -141,7 +141,8 @@ def test_long_chain_is_solved_by_presolve_alone():
         for ch in p.nodes[-1].choices:
             ch.cost = rng.uniform(0, 5)
         if i:
-            p.add_edge(f"v{i-1}", f"v{i}", [[rng.uniform(0, 5) for _ in range(4)] for _ in range(4)])
+            p.add_edge(f"v{i-1}", f"v{i}", [[rng.uniform(0, 5) for _ in range(4)]
+                                            for _ in range(4)])
     full = solve(p)
     assert full.stats.variables == 0
     assert full.objective == pytest.approx(solve(p, presolve=False).objective, rel=1e-9)

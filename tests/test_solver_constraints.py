@@ -1,4 +1,4 @@
-"""solver/: repeated regions, constraints, infeasibility messages, JSON, validation, torch-freedom."""
+"""solver/: repeated regions, constraints, infeasibility messages, JSON, validation, no torch."""
 
 import itertools
 import json
@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from solver import Choice, Fixed, InfeasibleError, Problem, Solution, solve
+from solver import Choice, InfeasibleError, Problem, Solution, solve
 
 INF = math.inf
 
