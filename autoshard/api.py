@@ -125,21 +125,21 @@ class AutoShard:
                 raise ValueError(f"input {index} (shape {shape}): {err}") from None
         planner = Planner(self.mesh_shape, self.network)
         with contextlib.ExitStack() as stack:  # the tracer's fake mode ends with this block
-            start = time.perf_counter()
-            graph = trace_joint(self.model, self._step, inputs, stack)
-            self._timed("trace", start)
-            start = time.perf_counter()
-            sharding = build_problem(graph, self.mesh_shape, planner, self.device, self.spec)
-            self._timed("build", start)
-            start = time.perf_counter()
-            solution = solver.solve(sharding.problem, backend=backend, time_limit=time_limit)
-            self._timed("solve", start)
-            start = time.perf_counter()
-            plan = decode(sharding, solution, planner)
-            self._timed("decode", start)
+            with self._stage("trace"):
+                graph = trace_joint(self.model, self._step, inputs, stack)
+            with self._stage("build"):
+                sharding = build_problem(graph, self.mesh_shape, planner, self.device, self.spec)
+            with self._stage("solve"):
+                solution = solver.solve(sharding.problem, backend=backend, time_limit=time_limit)
+            with self._stage("decode"):
+                plan = decode(sharding, solution, planner)
         log.info("autoshard plan: %s", plan.summary())
         return plan
 
-    def _timed(self, stage: str, start: float) -> None:
+    @contextlib.contextmanager
+    def _stage(self, stage: str):
+        """Time one planning stage into `self.timings` and log it."""
+        start = time.perf_counter()
+        yield
         self.timings[stage] = time.perf_counter() - start
         log.info("autoshard: %s took %.2f s", stage, self.timings[stage])

@@ -93,7 +93,7 @@ def build_problem(graph: JointGraph, mesh_shape: tuple[int, ...], planner: Plann
     inputs: dict[str, list[Producer]] = {}
     alias: dict[fx.Node, Producer] = {}
 
-    param_fqn = {node: fqn for fqn, node in graph.params.items()}
+    param_fqn = graph.param_names
     user_inputs = {node: i for i, node in enumerate(graph.inputs)}
     pins = _resolve_pins(graph, spec.pins, mesh_shape)
 
@@ -163,7 +163,7 @@ def _fill_solver_problem(sp: ShardingProblem, planner: Planner, spec: ProblemSpe
         memory = [0.0] * len(choices)
         if node in param_fqn and name == node.name:
             memory = [_local_bytes(s.outputs[0], node.meta["val"], mesh_shape) for s in choices]
-        problem.add_node(name, [solver.Choice(label=_label(s), cost=s.compute_s, memory=m)
+        problem.add_node(name, [solver.Choice(label=str(s), cost=s.compute_s, memory=m)
                                 for s, m in zip(choices, memory)])
 
     # One edge per (producer, consumer) pair; several slots fed by one producer add up.
@@ -200,32 +200,20 @@ def _fill_solver_problem(sp: ShardingProblem, planner: Planner, spec: ProblemSpe
 def _ilp_names(sp: ShardingProblem, copy: Sequence[fx.Node]) -> list[str]:
     """ILP nodes of one block copy, in position order: its ops and params, then its params' grad sinks."""
     names = [n.name for n in copy if n.name in sp.strategies]
-    fqns = {node.name: fqn for fqn, node in sp.graph.params.items()}
-    return names + [grad_sink(fqns[n]) for n in names if n in fqns]
+    return names + [grad_sink(sp.graph.param_names[n]) for n in copy if n in sp.graph.param_names]
 
 
 def _cost_matrix(planner: Planner, srcs, dsts, shape, itemsize) -> list[list[float]]:
-    """cost[i][j] = planner cost of srcs[i] -> dsts[j]; inf where the planner finds no way."""
-    table: dict[tuple[Layout, Layout], float] = {}
-    rows = []
-    for src in srcs:
-        row = []
-        for dst in dsts:
-            if dst is None or src is None:
-                row.append(0.0)
-                continue
-            key = (src, dst)
-            if key not in table:
-                try:
-                    table[key] = planner.cost(src, dst, shape, itemsize)
-                except ValueError:
-                    table[key] = math.inf
-            row.append(table[key])
-        rows.append(row)
-    return rows
+    """cost[i][j] = planner cost of srcs[i] -> dsts[j] (memoized by the planner); inf where the
+    planner refuses (a layout that does not split the shape evenly)."""
+    return [[_edge_cost(planner, src, dst, shape, itemsize) for dst in dsts] for src in srcs]
 
 
-def _label(strategy: Strategy) -> str:
-    ins = ",".join(str(x) if x is not None else "-" for x in strategy.inputs)
-    outs = ",".join(str(x) if x is not None else "-" for x in strategy.outputs)
-    return f"{ins}->{outs}" if ins else outs
+def _edge_cost(planner: Planner, src, dst, shape, itemsize) -> float:
+    if src is None or dst is None:
+        return 0.0
+    try:
+        return planner.cost(src, dst, shape, itemsize)
+    except ValueError:
+        return math.inf
+

@@ -6,6 +6,14 @@ a pinned recipe's modeled cost is a lower bound on that recipe as hand-written f
 
 from __future__ import annotations
 
+import fnmatch
+import math
+from typing import Sequence
+
+from torch import nn
+
+from .layout import Layout
+
 # torchtitan's llama3 FSDP+TP recipe on a (dp, tp) mesh (see shared ANCHORS.md): column-wise
 # weights, embedding and output are sharded on dim 0 by tp first, then by FSDP on dp; row-wise wo/w2
 # have dim 1 on tp and dim 0 on dp; norms are sharded by FSDP only.
@@ -30,3 +38,21 @@ def recipe_pins(name: str) -> dict[str, str]:
         return dict(RECIPES[name])
     except KeyError:
         raise ValueError(f"unknown recipe {name!r}; known: {', '.join(RECIPES)}") from None
+
+
+def recipe_layouts(model: nn.Module, name: str) -> dict[str, Layout]:
+    """Parameter FQN -> the layout recipe `name` gives it (its first matching pattern)."""
+    pins = recipe_pins(name)
+    layouts = {}
+    for fqn, _ in model.named_parameters():
+        pattern = next((p for p in pins if fnmatch.fnmatchcase(fqn, p)), None)
+        if pattern is None:
+            raise ValueError(f"recipe {name!r} has no layout for parameter {fqn}")
+        layouts[fqn] = Layout.parse(pins[pattern])
+    return layouts
+
+
+def param_bytes_per_rank(model: nn.Module, layouts: dict[str, Layout], mesh_shape: Sequence[int]) -> float:
+    """Parameter bytes each rank holds when every parameter is in its given layout."""
+    return float(sum(math.prod(layouts[fqn].local_shape(tuple(p.shape), mesh_shape)) * p.element_size()
+                     for fqn, p in model.named_parameters()))

@@ -31,7 +31,7 @@ def block_of(path: str) -> tuple[str, int] | None:
 def assign_blocks(graph: JointGraph) -> dict[fx.Node, tuple[str, int]]:
     """Block of every op and parameter placeholder that belongs to one (in graph order)."""
     blocks: dict[fx.Node, tuple[str, int]] = {}
-    param_fqn = {node: fqn for fqn, node in graph.params.items()}
+    param_fqn = graph.param_names
     order = {node: i for i, node in enumerate(graph.nodes)}
     for node in graph.nodes:
         if node.op == "placeholder" and node in param_fqn:
@@ -76,7 +76,7 @@ def _relative_path(graph: JointGraph, node: fx.Node, block: tuple[str, int]) -> 
 def _path(graph: JointGraph, node: fx.Node) -> str:
     """Module path of an op, or the FQN of a parameter placeholder."""
     if node.op == "placeholder":
-        return next((fqn for fqn, p in graph.params.items() if p is node), "")
+        return graph.param_names.get(node, "")
     return graph.module_path(node)
 
 

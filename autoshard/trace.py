@@ -10,6 +10,7 @@ path), which the sharding log shows and repeated-layer detection keys on.
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -37,6 +38,11 @@ class JointGraph:
     @property
     def nodes(self) -> list[fx.Node]:
         return list(self.gm.graph.nodes)
+
+    @functools.cached_property
+    def param_names(self) -> dict[fx.Node, str]:
+        """Parameter placeholder -> FQN (the inverse of `params`)."""
+        return {node: fqn for fqn, node in self.params.items()}
 
     def module_path(self, node: fx.Node) -> str:
         """Dotted module path the node was produced in ('' = the step function itself)."""
@@ -104,8 +110,7 @@ def _fake_parameters(model: nn.Module, fake_mode, device: torch.device):
                     if value is None:
                         continue
                     saved.append((module, kind, name, value))
-                    with fake_mode:
-                        fake = torch.empty(value.shape, dtype=value.dtype, device=device)
+                    fake = _fake_like(value, fake_mode, device)
                     table[name] = nn.Parameter(fake, requires_grad=value.requires_grad) if kind == "_parameters" else fake
         yield
     finally:
@@ -113,7 +118,8 @@ def _fake_parameters(model: nn.Module, fake_mode, device: torch.device):
             getattr(module, kind)[name] = value
 
 
-def _fake_input(value: Any, fake_mode, device: torch.device) -> Any:
+def _fake_like(value: Any, fake_mode, device: torch.device) -> Any:
+    """A fake tensor with `value`'s shape and dtype (non-tensors pass through)."""
     if isinstance(value, torch.Tensor):
         with fake_mode:
             return torch.empty(value.shape, dtype=value.dtype, device=device)
@@ -133,7 +139,7 @@ def trace_joint(
     """
     device = torch.device("cpu")
     fake_mode = tc.new_fake_mode()
-    args = tuple(_fake_input(a, fake_mode, device) for a in example_args)
+    args = tuple(_fake_like(a, fake_mode, device) for a in example_args)
     wrapper = _StepModule(model, step_fn)
     with _fake_parameters(model, fake_mode, device), _module_path_annotations(model):
         joint = tc.export_joint(stack, wrapper, args)

@@ -34,8 +34,7 @@ def _plan_case(model: str, mesh: tuple, batch: int, seq: int, layers: int | None
     import torch
 
     from autoshard.api import AutoShard
-    from autoshard.layout import Layout
-    from autoshard.recipes import recipe_pins
+    from autoshard.recipes import param_bytes_per_rank, recipe_layouts, recipe_pins
     from models import build_model, cross_entropy_loss, get_config
 
     cfg = get_config(model)
@@ -48,15 +47,7 @@ def _plan_case(model: str, mesh: tuple, batch: int, seq: int, layers: int | None
         if pins:
             auto.pin(recipe_pins(pins))
         if budget_from_recipe:
-            import fnmatch
-            import math
-
-            table = recipe_pins("fsdp-tp")
-            budget = 0
-            for name, p in net.named_parameters():
-                lay = Layout.parse(next(v for k, v in table.items() if fnmatch.fnmatchcase(name, k)))
-                budget += math.prod(lay.local_shape(tuple(p.shape), mesh)) * p.element_size()
-            auto.memory_budget(budget)
+            auto.memory_budget(param_bytes_per_rank(net, recipe_layouts(net, "fsdp-tp"), mesh))
         plan = auto.optimize()
     stats = plan.solution.stats
     return dict(

@@ -1,6 +1,5 @@
 """The sharding problem: a traced llama step, planner-priced edges, constraints, and the plan read back."""
 
-import fnmatch
 import math
 
 import pytest
@@ -10,7 +9,7 @@ from autoshard import _torch_compat as tc
 from autoshard.api import AutoShard
 from autoshard.layout import Layout
 from autoshard.problem import grad_sink
-from autoshard.recipes import recipe_pins
+from autoshard.recipes import param_bytes_per_rank, recipe_layouts, recipe_pins
 from models import build_model, cross_entropy_loss, get_config
 
 
@@ -124,12 +123,6 @@ def test_unknown_profiles_are_named():
         plan_for((2, 2), device="tpu")
 
 
-def param_bytes_per_rank(cfg, layouts, mesh_shape):
-    model = build_model(cfg, device="meta")
-    return sum(math.prod(layouts[name].local_shape(tuple(p.shape), mesh_shape)) * p.element_size()
-               for name, p in model.named_parameters())
-
-
 # llama3-8b's shapes (two layers) on an (8, 8) mesh at batch 8, sequence 8192: the regime where
 # FSDP on dp and tensor parallelism on tp both pay (planned on meta: no memory for weights).
 WIDE = get_config("llama3-8b").with_(n_layers=2)
@@ -153,13 +146,13 @@ def test_ilp_chooses_tp_first_order_for_column_parallel_weights(wide_free):
 
 @pytest.mark.slow
 def test_hand_written_fsdp_tp_recipe_costs_at_least_the_free_plan():
-    pins = recipe_pins("fsdp-tp")
-    layouts = {}
     model = build_model(WIDE, device="meta")
-    for name, _ in model.named_parameters():
-        layouts[name] = Layout.parse(next(lay for pat, lay in pins.items() if fnmatch.fnmatchcase(name, pat)))
-    budget = param_bytes_per_rank(WIDE, layouts, (8, 8))
-    recipe, _ = plan_for((8, 8), **WIDE_RUN, pins=pins, budget=budget)
+    layouts = recipe_layouts(model, "fsdp-tp")
+    assert str(layouts["layers.1.feed_forward.w2.weight"]) == "S(0)S(1)"
+    assert str(layouts["layers.0.attention.wk.weight"]) == "S(0)S(0)[1,0]"
+    assert str(layouts["norm.weight"]) == "S(0)R"
+    budget = param_bytes_per_rank(model, layouts, (8, 8))
+    recipe, _ = plan_for((8, 8), **WIDE_RUN, pins=recipe_pins("fsdp-tp"), budget=budget)
     assert recipe.param_layouts == layouts
     free, _ = plan_for((8, 8), **WIDE_RUN, budget=budget)
     assert recipe.step_time_s >= free.step_time_s * (1 - 1e-9)
