@@ -215,3 +215,39 @@ def no_redistribute_costs() -> Iterator[None]:
         yield
     finally:
         _ops_utils.redistribute_cost = saved
+
+
+# ---------------------------------------------------------------- parallel module (apply.py)
+def dtensor_from_local(local: torch.Tensor, mesh: DeviceMesh, placements: Sequence[Placement],
+                       global_shape: Sequence[int]) -> DTensor:
+    """Wrap this rank's shard as a DTensor without communication. The global shape and stride are
+    given: torch cannot infer them for `_StridedShard` placements."""
+    stride, acc = [], 1
+    for size in reversed(global_shape):
+        stride.append(acc)
+        acc *= size
+    return DTensor.from_local(local, mesh, tuple(placements), run_check=False,
+                              shape=torch.Size(global_shape), stride=tuple(reversed(stride)))
+
+
+def distribute_local(full: torch.Tensor, mesh: DeviceMesh, placements: Sequence[Placement]) -> torch.Tensor:
+    """This rank's shard of `full` (which every rank holds): cut locally, no communication.
+    `src_data_rank=None` also keeps `_StridedShard` rows right under LocalTensorMode."""
+    from torch.distributed.tensor import distribute_tensor
+
+    return distribute_tensor(full, mesh, tuple(placements), src_data_rank=None).to_local()
+
+
+@contextlib.contextmanager
+def simulated_mesh(mesh_shape: Sequence[int], names: Sequence[str] | None = None) -> Iterator[tuple[DeviceMesh, LocalTensorMode]]:
+    """Every rank of a mesh in this process: a fake process group, a named DeviceMesh and
+    LocalTensorMode (tensors made inside hold one value per rank). Yields (mesh, mode); use
+    `mode.disable()` for code that must compute one global value (reference data, checks)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    shape = tuple(mesh_shape)
+    names = tuple(names) if names is not None else tuple(f"m{i}" for i in range(len(shape)))
+    with fake_process_group(math.prod(shape)):
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+        with LocalTensorMode(math.prod(shape)) as mode:
+            yield mesh, mode

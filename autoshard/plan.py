@@ -16,6 +16,7 @@ from .layout import Layout
 from .planner import Planner, RedistributePlan
 from .problem import LOSS_SINK, ShardingProblem, grad_sink
 from .strategies import Strategy
+from .trace import JointGraph
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,7 @@ class Plan:
     redistributions: list[Redistribution]
     module_paths: dict[str, str]  # graph node name -> module path
     solution: solver.Solution
+    graph: JointGraph = field(repr=False)  # the traced step the strategies refer to (apply lowers it)
     compute_s: float = 0.0
     comm_s: float = 0.0
     bytes_by_collective: dict[str, float] = field(default_factory=dict)
@@ -97,6 +99,7 @@ def decode(sp: ShardingProblem, solution: solver.Solution, planner: Planner) -> 
         redistributions=redistributions,
         module_paths={n.name: graph.module_path(n) for n in graph.nodes},
         solution=solution,
+        graph=graph,
         compute_s=sum(s.compute_s for name, s in chosen.items() if name != LOSS_SINK),
         comm_s=comm_s,
         bytes_by_collective={k: float(v) for k, v in bytes_by.items()},

@@ -200,10 +200,11 @@ def _from_single_dim(call: _Call, info: Any, schema_info: Any) -> list:
     metas = [None if t is None else cs.tensor_meta(t) for t in call.out_vals]
     ndims = [0 if t is None else t.dim() for t in call.out_vals + tensors]
     slot_of = [call.n_out + i for i, t in enumerate(call.in_vals) if t is not None]
+    scalar_out = all(t is not None and t.dim() == 0 for t in call.out_vals)
     rules = []
     for torch_rule in cs.single_dim_rules(info, schema, metas[0] if len(metas) == 1 else tuple(metas)):
         rule = _torch_rule(torch_rule, ndims)
-        if rule is None or P("avg") in rule:  # only the loss is ever P(avg): such rules only grow the ILP
+        if rule is None or (P("avg") in rule and not scalar_out):  # P(avg) only pays for a mean loss
             continue
         full = rule[:call.n_out] + [None] * len(call.in_vals)  # back to one entry per input slot
         for j, pos in enumerate(slot_of):

@@ -1,0 +1,167 @@
+"""The parallel module: a plan's program wrapped as an `nn.Module` whose parameters are DTensors.
+
+    pmodel = parallelize(plan, mesh, model)       # model real: its values are sharded in
+    pmodel.init_weights(seed)                     # model on meta: same values as single-device
+    loss = pmodel(*pmodel.shard_inputs(*batch))   # or local shards in the plan's input layouts
+    loss.backward(); optim.step()                 # AdamW over pmodel.parameters() (DTensors)
+
+Parameters and buffers keep the original FQNs, so `state_dict()` has the original keys with DTensor
+values. A parameter whose layout has a non-default device order is stored physically as
+`_StridedShard` (torch's own encoding of that order), so `torch.distributed.checkpoint` computes
+correct offsets. Gradients arrive in the same layout (the plan's SameChoice constraint), as DTensors.
+
+Materializing from a model on `meta` builds one full CPU copy at a time on every rank and keeps each
+rank's shard: fine for the CPU models this runs on; a per-parameter path is future work.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from . import _torch_compat as tc
+from .layout import Layout
+from .lower import CheckedRun, CommStats, Program, lower
+from .plan import Plan
+
+
+class _JointStep(torch.autograd.Function):
+    """Forward runs the lowered forward graph; backward runs the lowered backward graph on what
+    the forward handed over. Inputs: (runner, n_params, *param_locals, *buffer_locals, *inputs)."""
+
+    @staticmethod
+    def forward(ctx, runner: "ParallelModule", n_params: int, *flat: torch.Tensor) -> torch.Tensor:
+        loss, *saved = runner._run("forward", flat)
+        ctx.runner, ctx.saved, ctx.n_params, ctx.n_rest = runner, saved, n_params, len(flat) - n_params
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss: torch.Tensor):
+        saved, ctx.saved = ctx.saved, None  # free activations as soon as they are used
+        if saved is None:
+            raise RuntimeError("autoshard: backward ran twice through the same step; call the module again")
+        grads = ctx.runner._run("backward", (*saved, grad_loss))
+        return (None, None, *grads, *([None] * ctx.n_rest))
+
+
+class ParallelModule(nn.Module):
+    """Runs one training step's forward (returning the loss) on this rank's shards; `backward()`
+    of the loss fills `.grad` of every DTensor parameter in its planned layout."""
+
+    def __init__(self, plan: Plan, mesh: Any, template: nn.Module, program: Program):
+        super().__init__()
+        self.plan, self.mesh = plan, mesh
+        self.comm: CommStats = program.comm
+        object.__setattr__(self, "_template", template)  # kept out of the module tree
+        object.__setattr__(self, "program", program)
+        self._checked = {"forward": False, "backward": False}
+        non_persistent = {f"{p}.{b}" if p else b for p, m in template.named_modules() for b in m._non_persistent_buffers_set}
+        shapes = dict(template.named_parameters()) | dict(template.named_buffers())
+        for fqn in program.param_names:
+            self._empty(fqn, shapes[fqn], plan.param_layouts[fqn], parameter=True)
+        for fqn in program.buffer_names:
+            layout = plan.strategies[plan.graph.buffers[fqn].name].outputs[0]
+            self._empty(fqn, shapes[fqn], layout, parameter=False, persistent=fqn not in non_persistent)
+
+    # ------------------------------------------------------------------ structure
+    def _owner(self, fqn: str) -> tuple[nn.Module, str]:
+        *path, leaf = fqn.split(".")
+        module: nn.Module = self
+        for part in path:
+            if part not in module._modules:
+                module.add_module(part, nn.Module())
+            module = module._modules[part]
+        return module, leaf
+
+    def _empty(self, fqn: str, like: torch.Tensor, layout: Layout, *, parameter: bool, persistent: bool = True) -> None:
+        """Register an uninitialized DTensor in `layout` (values come from `load_full` / `init_weights`)."""
+        local = torch.empty(layout.local_shape(tuple(like.shape), self.plan.mesh_shape), dtype=like.dtype)
+        value = tc.dtensor_from_local(local, self.mesh, layout.to_torch_placements(self.mesh), tuple(like.shape))
+        owner, leaf = self._owner(fqn)
+        if parameter:
+            owner.register_parameter(leaf, nn.Parameter(value, requires_grad=like.requires_grad))
+        else:
+            owner.register_buffer(leaf, value, persistent=persistent)
+
+    def _tensor(self, fqn: str) -> torch.Tensor:
+        owner, leaf = self._owner(fqn)
+        return getattr(owner, leaf)
+
+    # ------------------------------------------------------------------ values
+    @torch.no_grad()
+    def load_full(self, values: Mapping[str, torch.Tensor], *, strict: bool = True) -> None:
+        """Take every rank's shard of full (single-device) values: a state dict, plus buffers."""
+        names = self.program.param_names + self.program.buffer_names
+        if strict:
+            missing = [n for n in self.program.param_names if n not in values]
+            if missing:
+                raise KeyError(f"full values lack {len(missing)} parameters, e.g. {missing[:3]}")
+        for fqn in names:
+            if fqn not in values:
+                continue
+            target, full = self._tensor(fqn), values[fqn]
+            if tuple(full.shape) != tuple(target.shape):
+                raise ValueError(f"{fqn}: full value has shape {tuple(full.shape)}, the model has {tuple(target.shape)}")
+            shard = tc.distribute_local(full.detach().to(target.dtype), self.mesh, target.placements)
+            target.to_local().copy_(shard)
+
+    def init_weights(self, seed: int = 0) -> None:
+        """The values `template.init_weights(seed)` gives the single-device model, sharded."""
+        if not hasattr(self._template, "init_weights"):
+            raise TypeError(f"{type(self._template).__name__} has no init_weights(seed); use load_full(state_dict)")
+        with tc.no_dispatch_modes():  # one global value: not per simulated rank under LocalTensorMode
+            full = copy.deepcopy(self._template).to_empty(device="cpu")
+            full.init_weights(seed)
+        self.load_full(dict(full.named_parameters()) | dict(full.named_buffers()))
+
+    def shard_inputs(self, *full_inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """This rank's shards of global inputs, in the plan's input layouts."""
+        if len(full_inputs) != len(self.program.input_shapes):
+            raise ValueError(f"the plan has {len(self.program.input_shapes)} inputs, got {len(full_inputs)}")
+        out = []
+        for i, (x, (shape, layout)) in enumerate(zip(full_inputs, self.program.input_shapes)):
+            if tuple(x.shape) != shape:
+                raise ValueError(f"input {i}: global shape {tuple(x.shape)}, the plan was made for {shape}")
+            out.append(tc.distribute_local(x, self.mesh, layout.to_torch_placements(self.mesh)))
+        return tuple(out)
+
+    # ------------------------------------------------------------------ running
+    def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
+        self._check_inputs(inputs)
+        params = [self._tensor(f).to_local() for f in self.program.param_names]
+        buffers = [self._tensor(f).to_local() for f in self.program.buffer_names]
+        if not torch.is_grad_enabled():
+            return self._run("forward", (*params, *buffers, *inputs))[0]
+        return _JointStep.apply(self, len(params), *params, *buffers, *inputs)
+
+    def _run(self, phase: str, args: tuple) -> tuple:
+        gm = getattr(self.program, phase)
+        if not self._checked[phase]:  # the first run checks every node's local shape
+            out = CheckedRun(gm).run(*args)
+            self._checked[phase] = True
+            return out
+        return gm(*args)
+
+    def _check_inputs(self, inputs: tuple) -> None:
+        expected = self.program.input_shapes
+        if len(inputs) != len(expected):
+            raise ValueError(f"the plan has {len(expected)} inputs, got {len(inputs)}")
+        for i, (x, (shape, layout)) in enumerate(zip(inputs, expected)):
+            local = layout.local_shape(shape, self.plan.mesh_shape)
+            if not isinstance(x, torch.Tensor) or tuple(x.shape) != local:
+                got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+                raise ValueError(f"input {i}: expected a local shard of shape {local} (global {shape} in layout "
+                                 f"{layout} on mesh {self.plan.mesh_shape}), got {got}")
+
+
+def parallelize(plan: Plan, mesh: Any, model: nn.Module) -> ParallelModule:
+    """The parallel module of `plan` on `mesh`; values are copied from `model` unless it is on meta."""
+    pmodel = ParallelModule(plan, mesh, model, lower(plan, mesh))
+    params = dict(model.named_parameters()) | dict(model.named_buffers())
+    if not any(t.is_meta for t in params.values()):
+        pmodel.load_full(params)
+    return pmodel

@@ -1,0 +1,238 @@
+"""Lower a plan to the program every rank runs: the traced joint graph on local shards.
+
+Each op of the joint graph runs unchanged on this rank's shard; the only rewrites are
+- every edge the plan redistributes calls a `Redistribute` module that runs exactly the planner's
+  plan (the one the ILP paid for) with our executor, and
+- size arguments of view/expand/factory ops become the output's local shape.
+
+The joint graph is then split in two: `forward` (everything the loss needs, returning the loss and
+the values the backward reads) and `backward` (the rest: tangent in, gradients out, each already
+in its parameter's layout). Nothing is recomputed: a value computed in the forward is handed over.
+The first run of either half can be checked node by node against the local shapes the plan
+implies (`CheckedRun`), so a lowering mistake names its node instead of corrupting numbers.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import fx, nn
+
+from .collectives import execute
+from .costs import COLLECTIVE_KINDS
+from .layout import Layout
+from .plan import Plan
+from .planner import RedistributePlan
+from .problem import LOSS_SINK, grad_sink
+
+aten = torch.ops.aten
+
+# Ops whose argument at this index is the (global) output size: it becomes the local one.
+_SIZE_ARG = {
+    aten.view.default: 1, aten._unsafe_view.default: 1, aten.reshape.default: 1, aten.expand.default: 1,
+    aten.new_empty.default: 1, aten.new_zeros.default: 1, aten.new_ones.default: 1, aten.new_full.default: 1,
+    aten.full.default: 0, aten.zeros.default: 0, aten.ones.default: 0, aten.empty.memory_format: 0,
+    aten.empty_strided.default: 0,
+}
+LOCAL_SHAPE = "autoshard_local_shape"  # node meta: expected local shape(s) on every rank
+
+
+class Redistribute(nn.Module):
+    """One planned redistribution, run by the executor on this rank's shard."""
+
+    def __init__(self, plan: RedistributePlan, mesh: Any, producer: str, consumer: str):
+        super().__init__()
+        self.plan, self.mesh, self.producer, self.consumer = plan, mesh, producer, consumer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return execute(self.plan, x, self.mesh)
+
+    def extra_repr(self) -> str:
+        steps = " -> ".join(f"{s.kind}{list(s.mesh_dims)}" for s in self.plan.steps)
+        return f"{self.producer} -> {self.consumer}: {self.plan.src} => {self.plan.dst} via {steps}"
+
+
+@dataclass
+class CommStats:
+    """Collectives one training step runs per rank, read off the lowered program."""
+
+    count: dict[str, Counter] = field(default_factory=dict)  # phase -> kind -> collectives
+    bytes: dict[str, Counter] = field(default_factory=dict)  # phase -> kind -> bytes sent per rank
+    steps: dict[str, list[tuple[str, str, str, tuple[int, ...]]]] = field(default_factory=dict)
+    # phase -> (producer, consumer, kind, mesh dims) of every collective, in program order
+
+    def total_count(self) -> Counter:
+        return sum(self.count.values(), Counter())
+
+    def total_bytes(self) -> Counter:
+        return sum(self.bytes.values(), Counter())
+
+
+@dataclass
+class Program:
+    """The per-rank step: `forward(*params, *buffers, *inputs) -> (loss, *saved)` and
+    `backward(*saved, tangent) -> grads` (one per parameter, in `param_names` order)."""
+
+    forward: fx.GraphModule
+    backward: fx.GraphModule
+    param_names: list[str]
+    buffer_names: list[str]
+    input_shapes: list[tuple[tuple[int, ...], Layout]]  # (global shape, layout) per user input
+    comm: CommStats
+
+
+def lower(plan: Plan, mesh: Any) -> Program:
+    """The per-rank program of `plan` on `mesh` (a DeviceMesh of the plan's mesh shape)."""
+    if tuple(mesh.shape) != plan.mesh_shape:
+        raise ValueError(f"the plan is for mesh {plan.mesh_shape}, got a mesh of shape {tuple(mesh.shape)}")
+    if mesh.mesh_dim_names is None and any(len(st.mesh_dims) > 1 for r in plan.redistributions for st in r.plan.steps):
+        raise ValueError("the plan runs collectives over several mesh dims at once, which needs a DeviceMesh "
+                         "with mesh_dim_names (init_device_mesh(..., mesh_dim_names=('dp', 'tp')))")
+    joint, modules = _local_joint_graph(plan, mesh)
+    forward, backward, comm = _split(plan, joint, modules)
+    graph = plan.graph
+    inputs = [(tuple(n.meta["val"].shape), lay) for n, lay in zip(graph.inputs, plan.input_layouts)]
+    return Program(forward, backward, list(graph.params), list(graph.buffers), inputs, comm)
+
+
+# ---------------------------------------------------------------------------------- the local joint graph
+def _local_joint_graph(plan: Plan, mesh: Any) -> tuple[fx.Graph, dict[str, Redistribute]]:
+    graph = plan.graph
+    ms = plan.mesh_shape
+    by_edge = {(r.consumer, r.slot): r for r in plan.redistributions}
+    out = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    modules: dict[str, Redistribute] = {}
+
+    def redistributed(value: fx.Node, consumer: str, slot: int) -> fx.Node:
+        r = by_edge.get((consumer, slot))
+        if r is None:
+            return value
+        name = f"redistribute_{len(modules)}"
+        modules[name] = Redistribute(r.plan, mesh, r.producer, consumer)
+        node = out.call_module(name, (value,))
+        node.meta[LOCAL_SHAPE] = r.plan.dst.local_shape(r.plan.shape, ms)
+        return node
+
+    for node in graph.nodes:
+        if node.op == "output":
+            continue
+        if node.op == "placeholder":
+            new = out.placeholder(node.name)
+            new.meta[LOCAL_SHAPE] = _local_shapes(node, plan.strategies[node.name].outputs, ms)
+        elif node.target is operator.getitem:
+            parent, index = node.args
+            new = out.call_function(operator.getitem, (env[parent], index))
+            new.meta[LOCAL_SHAPE] = env[parent].meta[LOCAL_SHAPE][index]
+        else:
+            strategy = plan.strategies[node.name]
+            slot = iter(range(10**9))
+            args, kwargs = fx.node.map_arg((node.args, node.kwargs),
+                                           lambda n: redistributed(env[n], node.name, next(slot)))
+            shapes = _local_shapes(node, strategy.outputs, ms)
+            if node.target in _SIZE_ARG:
+                i = _SIZE_ARG[node.target]
+                args = args[:i] + (list(shapes),) + args[i + 1:]
+            new = out.call_function(node.target, args, kwargs)
+            new.meta[LOCAL_SHAPE] = shapes
+        new.meta["autoshard_source"] = node
+        env[node] = new
+
+    loss = redistributed(env[graph.loss], LOSS_SINK, 0)
+    grads = [redistributed(env[graph.grads[fqn]], grad_sink(fqn), 0) for fqn in graph.params]
+    out.output((loss, *grads))
+    return out, modules
+
+
+def _local_shapes(node: fx.Node, layouts, mesh_shape) -> Any:
+    val = node.meta.get("val")
+    if isinstance(val, (tuple, list)):  # several outputs: a list, one entry per output
+        return [None if lay is None else lay.local_shape(tuple(v.shape), mesh_shape)
+                for v, lay in zip(val, layouts)]
+    lay = layouts[0]
+    return None if lay is None or not isinstance(val, torch.Tensor) else lay.local_shape(tuple(val.shape), mesh_shape)
+
+
+# ---------------------------------------------------------------------------------- forward / backward split
+def _split(plan: Plan, joint: fx.Graph, modules: dict[str, Redistribute]):
+    """Forward = the loss and everything it depends on; backward = every other node."""
+    output = next(iter(reversed(joint.nodes)))
+    loss, *grads = output.args[0]
+    tangents = set(plan.graph.tangents)
+    placeholders = [n for n in joint.nodes if n.op == "placeholder"]
+    primal_inputs = [n for n in placeholders if n.meta["autoshard_source"] not in tangents]
+    tangent_inputs = [n for n in placeholders if n.meta["autoshard_source"] in tangents]
+
+    needed: set[fx.Node] = set()
+    stack = [loss]
+    while stack:
+        n = stack.pop()
+        if n not in needed:
+            needed.add(n)
+            stack.extend(n.all_input_nodes)
+    forward_nodes = [n for n in joint.nodes if n in needed and n.op != "placeholder"]
+    backward_nodes = [n for n in joint.nodes if n not in needed and n.op not in ("placeholder", "output")]
+    in_backward = set(backward_nodes)
+    saved = [n for n in primal_inputs + forward_nodes
+             if n in grads or any(u in in_backward for u in n.users)]
+
+    fwd = _subgraph(primal_inputs, forward_nodes, [loss, *saved])
+    bwd = _subgraph(saved + tangent_inputs, backward_nodes, grads)
+    forward = fx.GraphModule({k: m for k, m in modules.items() if _uses(fwd, k)}, fwd, "AutoshardForward")
+    backward = fx.GraphModule({k: m for k, m in modules.items() if _uses(bwd, k)}, bwd, "AutoshardBackward")
+    comm = CommStats()
+    for phase, gm in (("forward", forward), ("backward", backward)):
+        count, nbytes, steps = Counter(), Counter(), []
+        for n in gm.graph.nodes:
+            if n.op == "call_module":
+                mod = modules[n.target]
+                for st in mod.plan.steps:
+                    if st.kind in COLLECTIVE_KINDS:
+                        count[st.kind] += 1
+                        nbytes[st.kind] += st.bytes
+                        steps.append((mod.producer, mod.consumer, st.kind, st.mesh_dims))
+        comm.count[phase], comm.bytes[phase], comm.steps[phase] = count, nbytes, steps
+    return forward, backward, comm
+
+
+def _uses(graph: fx.Graph, module_name: str) -> bool:
+    return any(n.op == "call_module" and n.target == module_name for n in graph.nodes)
+
+
+def _subgraph(inputs: list[fx.Node], nodes: list[fx.Node], outputs: list[fx.Node]) -> fx.Graph:
+    g = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for n in inputs:
+        env[n] = g.placeholder(n.name)
+        env[n].meta.update(n.meta)
+    for n in nodes:
+        env[n] = g.node_copy(n, env.__getitem__)
+    g.output(tuple(env[n] for n in outputs))
+    g.lint()
+    return g
+
+
+# ---------------------------------------------------------------------------------- checked first run
+class CheckedRun(fx.Interpreter):
+    """Runs a lowered graph node by node and checks every tensor's local shape against the plan."""
+
+    def run_node(self, n: fx.Node) -> Any:
+        result = super().run_node(n)
+        want = n.meta.get(LOCAL_SHAPE)
+        if want is not None and _shapes(result, want) != want:
+            src = n.meta.get("autoshard_source")
+            what = f"{src.target} ({src.name})" if src is not None else n.name
+            raise RuntimeError(f"autoshard lowering bug: {what} produced local shape "
+                               f"{_shapes(result, want)}, the plan expects {want}")
+        return result
+
+
+def _shapes(value: Any, like: Any) -> Any:
+    """Local shape(s) of a node's value, in the form of its LOCAL_SHAPE entry."""
+    if isinstance(like, list):
+        return [None if w is None else tuple(v.shape) for v, w in zip(value, like)]
+    return tuple(value.shape) if isinstance(value, torch.Tensor) else None

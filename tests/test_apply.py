@@ -1,0 +1,265 @@
+"""The parallel module: every rank simulated in one process (LocalTensorMode) must reproduce the
+single-device loss, gradients and AdamW trajectory; the collectives it runs are the plan's."""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from autoshard import _torch_compat as tc
+from autoshard.api import AutoShard
+from autoshard.apply import parallelize
+from autoshard.layout import Layout
+from models import MarkovTokens, build_model, cross_entropy_loss, get_config
+from models.train_single import TrainSettings, make_optimizer
+
+TINY = get_config("llama3-tiny")
+BATCH, SEQ = 8, 16
+
+
+def coords(rank: int, mesh_shape) -> list[int]:
+    out = []
+    for s in reversed(mesh_shape):
+        out.append(rank % s)
+        rank //= s
+    return out[::-1]
+
+
+def plan_llama(mesh_shape, inputs=None, pins=None):
+    meta = build_model(TINY, device="meta")
+    example = lambda: (torch.empty(BATCH, SEQ, dtype=torch.int64, device="meta"),) * 2  # noqa: E731
+    with AutoShard(meta, example, mesh_shape, loss_fn=cross_entropy_loss) as auto:
+        if inputs:
+            auto.constrain_inputs(*inputs)
+        if pins:
+            auto.pin(pins)
+        return auto.optimize()
+
+
+def single_device(steps: int):
+    """Losses of `steps` AdamW steps, and the gradients of the first, on one device."""
+    model = build_model(TINY, seed=0)
+    optim = make_optimizer(model.parameters(), TrainSettings())
+    data = MarkovTokens(TINY.vocab_size, seed=0)
+    losses, first_grads = [], None
+    for step in range(steps):
+        batch = data.batch(step, BATCH, SEQ)
+        loss = cross_entropy_loss(model(batch.inputs), batch.targets)
+        loss.backward()
+        if first_grads is None:
+            first_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        optim.step()
+        optim.zero_grad()
+        losses.append(loss.item())
+    return losses, first_grads
+
+
+def every_rank(mode, t: torch.Tensor) -> list[torch.Tensor]:
+    with mode.disable():
+        return list(tc.rank_values(t).values())
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return single_device(10)
+
+
+@pytest.mark.parametrize("mesh_shape, inputs, pins", [
+    ((2, 2), ("S(0)R", "S(0)R"), {"layers.*.feed_forward.w1.weight": "S(0)S(0)[1,0]",
+                                  "layers.*.attention.wo.weight": "S(1)S(1)[1,0]"}),
+    ((4,), None, None),
+], ids=["2x2-batch-on-dp-pinned-orders", "4"])
+def test_llama_tiny_trains_like_single_device(reference, mesh_shape, inputs, pins):
+    ref_losses, ref_grads = reference
+    plan = plan_llama(mesh_shape, inputs, pins)
+    data = MarkovTokens(TINY.vocab_size, seed=0)
+    with tc.simulated_mesh(mesh_shape) as (mesh, mode):
+        pmodel = parallelize(plan, mesh, build_model(TINY, device="meta"))
+        pmodel.init_weights(0)
+        optim = make_optimizer(pmodel.parameters(), TrainSettings())
+        for step in range(10):
+            with mode.disable():
+                batch = data.batch(step, BATCH, SEQ)
+            loss = pmodel(*pmodel.shard_inputs(batch.inputs, batch.targets))
+            loss.backward()
+            if step == 0:
+                for fqn, p in pmodel.named_parameters():
+                    assert isinstance(p.grad, torch.distributed.tensor.DTensor)
+                    assert p.grad.placements == p.placements, fqn
+                    for got in every_rank(mode, p.grad.full_tensor()):
+                        torch.testing.assert_close(got, ref_grads[fqn], rtol=1e-5, atol=1e-6, msg=fqn)
+            optim.step()
+            optim.zero_grad()
+            for got in every_rank(mode, loss):
+                assert abs(got.item() - ref_losses[step]) <= 1e-5, (step, got.item(), ref_losses[step])
+    # What runs is what was priced: the lowered program's collectives are the plan's.
+    assert pmodel.comm.total_count() == Counter(plan.count_by_collective)
+    assert dict(pmodel.comm.total_bytes()) == pytest.approx(plan.bytes_by_collective)
+    if pins:
+        assert {fqn for fqn, lay in plan.param_layouts.items() if not lay.is_default_order} >= {
+            f"layers.{i}.{name}.weight" for i in range(TINY.n_layers) for name in ("feed_forward.w1", "attention.wo")}
+
+
+def test_parameters_hold_the_rows_their_order_implies():
+    """Non-default order: physically `_StridedShard`; each rank's local rows are the order's
+    chunk; the DTensor's global value is the full parameter; state_dict keys are the model's."""
+    plan = plan_llama((2, 2), pins={"layers.*.feed_forward.w1.weight": "S(0)S(0)[1,0]",
+                                    "layers.*.feed_forward.w2.weight": "S(0)S(0)[0,1]"})
+    full = build_model(TINY, seed=3)
+    with tc.simulated_mesh((2, 2)) as (mesh, mode):
+        pmodel = parallelize(plan, mesh, full)
+        state = pmodel.state_dict()
+        assert list(state) == list(full.state_dict())
+        w1 = pmodel.get_parameter("layers.0.feed_forward.w1.weight")
+        assert any(type(p) is tc._StridedShard for p in w1.placements)
+        assert not any(type(p) is tc._StridedShard for p in pmodel.get_parameter("layers.0.feed_forward.w2.weight").placements)
+        gathered = {fqn: every_rank(mode, value.full_tensor()) for fqn, value in state.items()}
+        with mode.disable():
+            for fqn, value in state.items():
+                layout = plan.param_layouts[fqn]
+                for rank, local in tc.rank_values(value.to_local()).items():
+                    want = layout.shard_of(full.state_dict()[fqn], (2, 2), coords(rank, (2, 2)))
+                    assert torch.equal(local, want), (fqn, layout, rank)
+                for got in gathered[fqn]:
+                    assert torch.equal(got, full.state_dict()[fqn]), fqn
+    rows = Layout.parse("S(0)S(0)[1,0]").shard_of(torch.arange(8), (2, 2), (0, 1))
+    assert rows.tolist() == [4, 5]  # tp coordinate 1 picks the upper half first, dp then splits it
+
+
+class MLP(nn.Module):
+    def __init__(self, d: int, h: int, bias: bool = False):
+        super().__init__()
+        self.w1 = nn.Linear(d, h, bias=bias)
+        self.w2 = nn.Linear(h, d, bias=bias)
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)))
+
+
+def mse(out, target):
+    return (out - target).pow(2).mean()
+
+
+def test_mlp_on_2x2x2_matches_single_device():
+    torch.manual_seed(0)
+    model = MLP(16, 32, bias=True)
+    x, y = torch.randn(8, 16), torch.randn(8, 16)
+    with AutoShard(model, lambda: (x, y), (2, 2, 2), loss_fn=mse) as auto:
+        plan = auto.optimize()
+    ref_loss = mse(model(x), y)
+    ref_loss.backward()
+    with tc.simulated_mesh((2, 2, 2)) as (mesh, mode):
+        pmodel = parallelize(plan, mesh, model)
+        loss = pmodel(*pmodel.shard_inputs(x, y))
+        loss.backward()
+        for got in every_rank(mode, loss):
+            torch.testing.assert_close(got, ref_loss.detach(), rtol=1e-6, atol=1e-7)
+        for fqn, p in pmodel.named_parameters():
+            for got in every_rank(mode, p.grad.full_tensor()):
+                torch.testing.assert_close(got, model.get_parameter(fqn).grad, rtol=1e-5, atol=1e-7, msg=fqn)
+
+
+def test_fsdp_over_tp_mlp_runs_one_gather_and_one_reduce_scatter_per_weight():
+    """Weights stored FSDP-over-TP (tp splits first, dp splits each tp shard): the forward gathers
+    each weight on dp only (to its TP shard), the backward reduce-scatters each gradient on dp;
+    the only other collectives are TP's all-reduce of the row-parallel output and the loss's."""
+    d, h, batch, seq = 256, 1024, 2, 2048
+    model = MLP(d, h)
+    x = torch.randn(batch, seq, d, generator=torch.Generator().manual_seed(0))
+    loss_fn = lambda out: out.pow(2).mean()  # noqa: E731
+    with AutoShard(model, lambda: (x,), (2, 2), loss_fn=loss_fn) as auto:
+        auto.constrain_inputs("S(0)R")
+        auto.pin({"w1.weight": "S(0)S(0)[1,0]", "w2.weight": "S(1)S(1)[1,0]"})
+        plan = auto.optimize()
+    weights = {plan.graph.params[f].name for f in ("w1.weight", "w2.weight")}
+    with tc.simulated_mesh((2, 2)) as (mesh, mode):
+        pmodel = parallelize(plan, mesh, model)
+        steps = pmodel.comm.steps
+        weight_gathers = [(kind, dims) for producer, _, kind, dims in steps["forward"] if producer in weights]
+        assert weight_gathers == [("all_gather", (0,)), ("all_gather", (0,))]
+        assert sorted((k, d) for p, _, k, d in steps["forward"] if p not in weights) == [("all_reduce", (0,)), ("all_reduce", (1,))]
+        assert [(k, d) for _, _, k, d in steps["backward"]] == [("reduce_scatter", (0,)), ("reduce_scatter", (0,))]
+        loss = pmodel(*pmodel.shard_inputs(x))
+        loss.backward()
+        ref = loss_fn(model(x))
+        ref.backward()
+        for got in every_rank(mode, loss):
+            torch.testing.assert_close(got, ref.detach(), rtol=1e-5, atol=0)
+        for fqn, p in pmodel.named_parameters():
+            for got in every_rank(mode, p.grad.full_tensor()):
+                torch.testing.assert_close(got, model.get_parameter(fqn).grad, rtol=1e-4, atol=1e-7, msg=fqn)
+
+
+@pytest.fixture(scope="module")
+def small_mlp_plan():
+    model = MLP(16, 32)
+    x, y = torch.randn(2, 4, 16), torch.randn(2, 4, 16)
+    with AutoShard(model, lambda: (x, y), (2, 2), loss_fn=mse) as auto:
+        auto.constrain_inputs("S(0)R", "S(0)R")
+        return auto.optimize(), model, x, y
+
+
+def test_wrong_local_input_shape_names_the_expected_one(small_mlp_plan):
+    plan, model, x, y = small_mlp_plan
+    with tc.simulated_mesh((2, 2)) as (mesh, mode):
+        pmodel = parallelize(plan, mesh, model)
+        with pytest.raises(ValueError, match=r"input 0: expected a local shard of shape \(1, 4, 16\) \(global \(2, 4, 16\) "
+                                             r"in layout S\(0\)R on mesh \(2, 2\)\), got \(2, 4, 16\)"):
+            pmodel(x, y)
+        with pytest.raises(ValueError, match="the plan has 2 inputs, got 1"):
+            pmodel(x[:1])
+        with pytest.raises(ValueError, match=r"w1.weight: full value has shape \(3, 3\), the model has \(32, 16\)"):
+            pmodel.load_full({"w1.weight": torch.zeros(3, 3), "w2.weight": model.w2.weight})
+
+
+def test_first_run_checks_local_shapes_node_by_node(small_mlp_plan):
+    """A lowering mistake (here: a view to the wrong local shape) is reported with its node."""
+    plan, model, x, y = small_mlp_plan
+    with tc.simulated_mesh((2, 2)) as (mesh, mode):
+        pmodel = parallelize(plan, mesh, model)
+        gm = pmodel.program.forward
+        view = next(n for n in gm.graph.nodes if n.target is torch.ops.aten.view.default)
+        view.args = (view.args[0], [math.prod(view.args[1])])  # same elements, flattened
+        gm.recompile()
+        with pytest.raises(RuntimeError, match=r"lowering bug: aten.view.default \(view\w*\) produced local shape"):
+            pmodel(*pmodel.shard_inputs(x, y))
+
+
+def test_no_grad_forward_runs_only_the_forward(small_mlp_plan):
+    plan, model, x, y = small_mlp_plan
+    with tc.simulated_mesh((2, 2)) as (mesh, mode):
+        pmodel = parallelize(plan, mesh, model)
+
+        def backward_must_not_run(*args):
+            raise AssertionError("the backward graph ran")
+
+        pmodel._checked["backward"] = True
+        pmodel.program.backward = backward_must_not_run
+        with torch.no_grad():
+            loss = pmodel(*pmodel.shard_inputs(x, y))
+        for got in every_rank(mode, loss):
+            torch.testing.assert_close(got, mse(model(x), y).detach())
+        assert not loss.requires_grad and all(p.grad is None for p in pmodel.parameters())
+        with pytest.raises(AssertionError, match="the backward graph ran"):
+            pmodel(*pmodel.shard_inputs(x, y)).backward()
+
+
+@pytest.mark.slow
+def test_torchrun_gloo_2x2_trains_like_single_device():
+    """Real processes: 4 gloo ranks plan llama3-tiny, train 5 steps, compare with one device."""
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(root))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4",
+           str(root / "tests" / "dist_train.py")]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
+    assert out.returncode == 0, f"torchrun failed:\n{out.stdout[-3000:]}\n{out.stderr[-5000:]}"
+    assert "ALL OK" in out.stdout
