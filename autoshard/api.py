@@ -3,6 +3,9 @@
     with AutoShard(model, input_fn, mesh, loss_fn=cross_entropy_loss) as auto:
         auto.pin({"layers.*.attention.wq.weight": "S(0)S(0)[1,0]"})
         plan = auto.optimize()
+        pmodel = auto.apply(plan)            # needs a DeviceMesh (with dim names)
+
+or in one call: `pmodel = auto_shard(model, input_fn, mesh, loss_fn=cross_entropy_loss)`.
 
 The step traced is `loss_fn(model(*inputs[:n_model_inputs]), *inputs[n_model_inputs:])` (or just
 `model(*inputs)` when it returns the loss itself), with `inputs = input_fn()` in GLOBAL shapes.
@@ -21,6 +24,8 @@ from torch import nn
 
 import solver
 
+from .apply import ParallelModule, parallelize
+from . import _torch_compat as tc
 from .costs import NetworkProfile
 from .devices import DeviceProfile
 from .layout import Layout
@@ -79,6 +84,7 @@ class AutoShard:
         self.device = device if isinstance(device, DeviceProfile) else DeviceProfile.preset(device)
         self.spec = ProblemSpec()
         self.timings: dict[str, float] = {}
+        self.plan: Plan | None = None
 
     def __enter__(self) -> "AutoShard":
         return self
@@ -124,7 +130,8 @@ class AutoShard:
             except ValueError as err:
                 raise ValueError(f"input {index} (shape {shape}): {err}") from None
         planner = Planner(self.mesh_shape, self.network)
-        with contextlib.ExitStack() as stack:  # the tracer's fake mode ends with this block
+        # Planning sees global shapes only: no ambient mode (e.g. LocalTensorMode) applies to it.
+        with tc.no_dispatch_modes(), contextlib.ExitStack() as stack:  # the tracer's fake mode ends here
             with self._stage("trace"):
                 graph = trace_joint(self.model, self._step, inputs, stack)
             with self._stage("build"):
@@ -134,7 +141,19 @@ class AutoShard:
             with self._stage("decode"):
                 plan = decode(sharding, solution, planner)
         log.info("autoshard plan: %s", plan.summary())
+        self.plan = plan
         return plan
+
+    def apply(self, plan: Plan | None = None) -> ParallelModule:
+        """The parallel module of `plan` (default: the last `optimize()` result) on this mesh."""
+        plan = plan if plan is not None else self.plan
+        if plan is None:
+            raise ValueError("nothing to apply: call optimize() first or pass a plan")
+        if not hasattr(self.mesh, "get_coordinate"):
+            raise TypeError(f"applying a plan needs a DeviceMesh, got mesh shape {self.mesh_shape}; "
+                            "planning alone works with a shape")
+        with self._stage("apply"):
+            return parallelize(plan, self.mesh, self.model)
 
     @contextlib.contextmanager
     def _stage(self, stage: str):
@@ -143,3 +162,26 @@ class AutoShard:
         yield
         self.timings[stage] = time.perf_counter() - start
         log.info("autoshard: %s took %.2f s", stage, self.timings[stage])
+
+
+def auto_shard(
+    model: nn.Module,
+    input_fn: Callable[[], Any],
+    mesh: Any,
+    *,
+    loss_fn: Callable[..., torch.Tensor] | None = None,
+    input_layouts: Sequence[Layout | str | None] = (),
+    pins: Mapping[str, Layout | str] | None = None,
+    memory_budget: float | None = None,
+    **options: Any,
+) -> ParallelModule:
+    """Plan and apply in one call: the parallel module for `model` on the DeviceMesh `mesh`.
+    `options` go to `AutoShard` (n_model_inputs, network, device)."""
+    with AutoShard(model, input_fn, mesh, loss_fn=loss_fn, **options) as auto:
+        if input_layouts:
+            auto.constrain_inputs(*input_layouts)
+        if pins:
+            auto.pin(pins)
+        auto.memory_budget(memory_budget)
+        auto.optimize()
+        return auto.apply()

@@ -160,7 +160,9 @@ class ParallelModule(nn.Module):
 
 def parallelize(plan: Plan, mesh: Any, model: nn.Module) -> ParallelModule:
     """The parallel module of `plan` on `mesh`; values are copied from `model` unless it is on meta."""
-    pmodel = ParallelModule(plan, mesh, model, lower(plan, mesh))
+    program = lower(plan, mesh)
+    plan.lowered_comm = program.comm
+    pmodel = ParallelModule(plan, mesh, model, program)
     params = dict(model.named_parameters()) | dict(model.named_buffers())
     if not any(t.is_meta for t in params.values()):
         pmodel.load_full(params)

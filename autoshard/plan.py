@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Any
 
 import solver
 
@@ -43,6 +44,9 @@ class Plan:
     comm_s: float = 0.0
     bytes_by_collective: dict[str, float] = field(default_factory=dict)
     count_by_collective: dict[str, int] = field(default_factory=dict)
+    # Collectives per phase and kind of the program `apply` lowered from this plan (lower.CommStats);
+    # None until applied. The modeled counts above and these must agree: a test checks it.
+    lowered_comm: Any = None
 
     @property
     def step_time_s(self) -> float:

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from autoshard import _torch_compat as tc
-from autoshard.api import AutoShard
+from autoshard.api import AutoShard, auto_shard
 from autoshard.apply import parallelize
 from autoshard.layout import Layout
 from models import MarkovTokens, build_model, cross_entropy_loss, get_config
@@ -102,6 +102,7 @@ def test_llama_tiny_trains_like_single_device(reference, mesh_shape, inputs, pin
             for got in every_rank(mode, loss):
                 assert abs(got.item() - ref_losses[step]) <= 1e-5, (step, got.item(), ref_losses[step])
     # What runs is what was priced: the lowered program's collectives are the plan's.
+    assert plan.lowered_comm is pmodel.comm
     assert pmodel.comm.total_count() == Counter(plan.count_by_collective)
     assert dict(pmodel.comm.total_bytes()) == pytest.approx(plan.bytes_by_collective)
     if pins:
@@ -153,12 +154,10 @@ def test_mlp_on_2x2x2_matches_single_device():
     torch.manual_seed(0)
     model = MLP(16, 32, bias=True)
     x, y = torch.randn(8, 16), torch.randn(8, 16)
-    with AutoShard(model, lambda: (x, y), (2, 2, 2), loss_fn=mse) as auto:
-        plan = auto.optimize()
     ref_loss = mse(model(x), y)
     ref_loss.backward()
     with tc.simulated_mesh((2, 2, 2)) as (mesh, mode):
-        pmodel = parallelize(plan, mesh, model)
+        pmodel = auto_shard(model, lambda: (x, y), mesh, loss_fn=mse)  # plan + apply in one call
         loss = pmodel(*pmodel.shard_inputs(x, y))
         loss.backward()
         for got in every_rank(mode, loss):
