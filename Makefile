@@ -1,5 +1,5 @@
 # Two commands do all set-up on a fresh machine with only Python:
-#   make train   plan and train the main job (writes runs/...)
+#   make train   plan and train llama3-debug on a 2x2 CPU mesh under torchrun (writes runs/debug)
 #   make test    run the whole test suite
 # Both create .venv if missing and install torch==2.13.0 (the CPU wheel) before the project, so pip
 # never resolves torch from a loose range (which would pull gigabytes of CUDA packages).
@@ -23,8 +23,9 @@ test: $(STAMP)
 	$(PY) -m pytest
 
 train: $(STAMP)
-	@echo "autoshard's distributed training is not built yet: running the single-device reference trainer."
-	$(PY) -m models.train_single --model llama3-tiny --steps 50
+	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc_per_node=4 -m autoshard.train \
+		--model llama3-debug --mesh 2x2 --batch 8 --seq 64 --steps 30 --out runs/debug
+	@echo "sharding log: runs/debug/sharding.log   plan: runs/debug/plan.json   metrics: runs/debug/metrics.jsonl"
 
 clean:
 	rm -rf $(VENV) *.egg-info

@@ -31,7 +31,7 @@ from .devices import DeviceProfile
 from .layout import Layout
 from .plan import Plan, decode
 from .planner import Planner
-from .problem import ProblemSpec, build_problem
+from .problem import ProblemSpec, ShardingProblem, build_problem
 from .trace import trace_joint
 
 log = logging.getLogger("autoshard")
@@ -118,7 +118,10 @@ class AutoShard:
         k = self.n_model_inputs
         return self.loss_fn(model(*inputs[:k]), *inputs[k:])
 
-    def optimize(self, *, backend: str = "auto", time_limit: float | None = None) -> Plan:
+    def optimize(self, *, backend: str = "auto", time_limit: float | None = None,
+                 solve_with: Callable[[ShardingProblem], solver.Solution] | None = None) -> Plan:
+        """Trace, build the ILP, solve it, decode the plan. `solve_with(sharding_problem)` replaces
+        the solve stage (e.g. a saved solution, or one rank solving for all)."""
         inputs = self.input_fn()
         inputs = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
         for index, layout in self.spec.input_layouts.items():
@@ -137,7 +140,11 @@ class AutoShard:
             with self._stage("build"):
                 sharding = build_problem(graph, self.mesh_shape, planner, self.device, self.spec)
             with self._stage("solve"):
-                solution = solver.solve(sharding.problem, backend=backend, time_limit=time_limit)
+                if solve_with is not None:
+                    with tc.no_dispatch_modes():  # leave the tracer's fake mode: the hook may communicate
+                        solution = solve_with(sharding)
+                else:
+                    solution = solver.solve(sharding.problem, backend=backend, time_limit=time_limit)
             with self._stage("decode"):
                 plan = decode(sharding, solution, planner)
         log.info("autoshard plan: %s", plan.summary())

@@ -9,6 +9,7 @@ edge is priced by the redistribute planner for that tensor's shape and dtype: th
 from __future__ import annotations
 
 import fnmatch
+import hashlib
 import math
 import operator
 from dataclasses import dataclass, field
@@ -18,6 +19,7 @@ import torch
 from torch import fx
 
 import solver
+from solver import io as solver_io
 
 from .devices import DeviceProfile
 from .layout import Layout
@@ -60,6 +62,12 @@ class ShardingProblem:
     fx_nodes: dict[str, fx.Node]  # ILP node name -> graph node (sinks: the node they consume)
     inputs: dict[str, list[Producer]]  # ILP node name -> producer of each input slot
     problem: solver.Problem
+
+    def fingerprint(self) -> str:
+        """Hash of the whole ILP (nodes, choice labels and costs, edges, constraints): equal
+        fingerprints mean the same graph, mesh, profiles and constraints, so a saved solution of
+        one applies to the other."""
+        return hashlib.sha256(solver_io.problem_to_json(self.problem).encode()).hexdigest()[:16]
 
     def tensor_meta(self, producer: Producer) -> tuple[tuple[int, ...], torch.dtype]:
         val = self.fx_nodes[producer.node].meta["val"]

@@ -1,0 +1,347 @@
+"""The sharding log and plan JSON: what a `Plan` chose, in terms a person can check.
+
+One dict (`plan_report`) holds everything; the JSON file is that dict and the log
+(`format_log`) is rendered from it, so the two can never disagree. The dict is plain data
+(lists, str keys, numbers): `json.loads(json.dumps(report)) == report`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import uuid
+from pathlib import Path
+from typing import Any
+
+from torch import fx
+
+from .costs import COLLECTIVE_KINDS
+from .layout import Layout
+from .plan import Plan, Redistribution
+from .problem import LOSS_SINK, grad_sink
+
+LOG_NAME = "sharding.log"
+JSON_NAME = "plan.json"
+
+# Top-level keys `plan_report` produces; anything else came in through `extra`.
+_OWN_KEYS = ("mesh_shape", "parameters", "inputs", "nodes", "sinks", "totals", "timings", "compare")
+
+
+# ------------------------------------------------------------------------------------ the dict
+def plan_report(plan: Plan, *, timings: dict[str, float] | None = None, extra: dict | None = None) -> dict:
+    """Everything the plan chose, as JSON-ready data: parameters, non-parameter inputs, every
+    op with its strategy and incoming redistributions, sinks (loss, gradients), and totals."""
+    graph = plan.graph
+    mesh = list(plan.mesh_shape)
+    by_consumer: dict[str, list[Redistribution]] = {}
+    for r in plan.redistributions:
+        by_consumer.setdefault(r.consumer, []).append(r)
+
+    parameters = []
+    for fqn, node in graph.params.items():
+        layout = plan.param_layouts[fqn]
+        parameters.append({"fqn": fqn, **_tensor_entry(node, layout, plan.mesh_shape),
+                           "default_order": layout.is_default_order})
+
+    inputs = []
+    user_index = {node: i for i, node in enumerate(graph.inputs)}
+    buffer_fqn = {node: fqn for fqn, node in graph.buffers.items()}
+    for node in graph.nodes:
+        if node.op != "placeholder" or node in graph.param_names or node.name not in plan.strategies:
+            continue
+        if node in user_index:
+            kind, what = "input", str(user_index[node])
+        elif node in buffer_fqn:
+            kind, what = "buffer", buffer_fqn[node]
+        else:
+            kind, what = "tangent", "seed gradient of the loss"
+        inputs.append({"name": node.name, "kind": kind, "what": what,
+                       **_tensor_entry(node, plan.strategies[node.name].outputs[0], plan.mesh_shape)})
+
+    nodes = []
+    for node in graph.nodes:
+        if node.op != "call_function" or node.name not in plan.strategies:
+            continue  # getitem has no strategy: it aliases its parent's output
+        strategy = plan.strategies[node.name]
+        nodes.append({
+            "name": node.name,
+            "op": str(node.target),
+            "module": plan.module_paths.get(node.name, ""),
+            "phase": "backward" if graph.is_backward(node) else "forward",
+            "strategy": str(strategy),
+            "compute_s": strategy.compute_s,
+            "redistributions": [_redistribution_entry(r) for r in by_consumer.get(node.name, [])],
+        })
+
+    sinks = [_sink_entry(LOSS_SINK, "loss", "", plan, by_consumer)]
+    sinks += [_sink_entry(grad_sink(fqn), "grad", fqn, plan, by_consumer) for fqn in graph.params]
+
+    stats = plan.solution.stats
+    report: dict[str, Any] = {
+        "mesh_shape": mesh,
+        "parameters": parameters,
+        "inputs": inputs,
+        "nodes": nodes,
+        "sinks": sinks,
+        "totals": {
+            **modeled_figures(plan),
+            "redistributions": len(plan.redistributions),
+            "params": len(parameters),
+            "non_default_order_params": sum(not p["default_order"] for p in parameters),
+            "param_bytes_per_rank": sum(p["bytes_per_rank"] for p in parameters),
+            "ilp": {
+                "backend": stats.backend,
+                "status": plan.solution.status,
+                "objective": plan.solution.objective,
+                "variables": stats.variables,
+                "constraints": stats.constraints,
+                "nodes": stats.nodes,
+                "classes": stats.classes,
+                "core": stats.core,
+                "solve_s": stats.solve_s,
+            },
+        },
+    }
+    if timings:
+        report["timings"] = {k: float(v) for k, v in timings.items()}
+    report.update(extra or {})
+    return report
+
+
+def modeled_figures(plan: Plan) -> dict[str, Any]:
+    """A plan's modeled step time and communication, as the report (and comparisons) show them."""
+    return {
+        "step_time_s": plan.step_time_s,
+        "compute_s": plan.compute_s,
+        "comm_s": plan.comm_s,
+        "comm_bytes": plan.comm_bytes,
+        "bytes_by_collective": dict(sorted(plan.bytes_by_collective.items())),
+        "count_by_collective": dict(sorted(plan.count_by_collective.items())),
+    }
+
+
+def _tensor_entry(node: fx.Node, layout: Layout, mesh_shape: tuple[int, ...]) -> dict:
+    val = node.meta["val"]
+    shape = tuple(val.shape)
+    local = layout.local_shape(shape, mesh_shape)
+    return {"shape": list(shape), "dtype": str(val.dtype).removeprefix("torch."), "layout": str(layout),
+            "local_shape": list(local), "bytes_per_rank": math.prod(local) * val.dtype.itemsize}
+
+
+def _redistribution_entry(r: Redistribution) -> dict:
+    plan = r.plan
+    return {
+        "from": r.producer,
+        "slot": r.slot,
+        "src": str(plan.src),
+        "dst": str(plan.dst),
+        "steps": [f"{s.kind}[{','.join(map(str, s.mesh_dims))}]" for s in plan.steps],
+        "cost_s": plan.cost_s,
+        # wire-level bytes of the collectives only, as in the plan's bytes_by_collective
+        "bytes": float(sum(s.bytes for s in plan.steps if s.kind in COLLECTIVE_KINDS)),
+        "shape": list(plan.shape),
+    }
+
+
+def _sink_entry(name: str, kind: str, fqn: str, plan: Plan, by_consumer: dict) -> dict:
+    layout = plan.strategies[name].inputs[0]
+    return {"name": name, "kind": kind, "fqn": fqn, "layout": str(layout),
+            "redistributions": [_redistribution_entry(r) for r in by_consumer.get(name, [])]}
+
+
+# ------------------------------------------------------------------------------------ formatting
+def human_bytes(n: float) -> str:
+    """1536 -> '1.5 KiB' (binary units; plain bytes below 1 KiB)."""
+    if abs(n) < 1024:
+        return f"{n:.0f} B"
+    for unit in ("KiB", "MiB", "GiB", "TiB"):
+        n /= 1024
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}"
+    raise AssertionError("unreachable")
+
+
+def human_time(seconds: float) -> str:
+    """Seconds in the unit that keeps 1-3 integer digits: '18.1 µs', '407.8 ms', '23.4 s'."""
+    if seconds < 1e-6:
+        return f"{seconds * 1e9:.0f} ns"
+    if seconds < 1e-3:
+        return f"{seconds * 1e6:.1f} µs"
+    if seconds < 1:
+        return f"{seconds * 1e3:.1f} ms"
+    return f"{seconds:.1f} s"
+
+
+def _shape(shape: list[int]) -> str:
+    return "(" + ", ".join(map(str, shape)) + ("," if len(shape) == 1 else "") + ")"
+
+
+def _table(header: list[str], rows: list[list[str]], right: set[int] = frozenset()) -> list[str]:
+    """Aligned columns, two spaces apart; columns in `right` are right-aligned (numbers)."""
+    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
+
+    def line(row):
+        cells = [c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))]
+        return "  ".join(cells).rstrip()
+
+    return [line(header), line(["-" * w for w in widths]), *map(line, rows)]
+
+
+def _redistribution_line(r: dict) -> str:
+    path = " -> ".join(r["steps"]) or "(no steps)"
+    return (f"      <- {r['from']} [slot {r['slot']}] {r['src']} -> {r['dst']}: {path}"
+            f"  {human_time(r['cost_s'])}, {human_bytes(r['bytes'])}")
+
+
+_JSON_ONLY = {"solution"}  # machine-readable extras (the solver's choices) stay out of the log
+
+
+def format_log(report: dict) -> str:
+    """The human-readable sharding log, rendered from `plan_report`'s dict."""
+    out = [f"autoshard sharding log: mesh {tuple(report['mesh_shape'])}"]
+    for key, value in report.items():  # run description etc. passed in as `extra`
+        if key not in _OWN_KEYS and key not in _JSON_ONLY:
+            out.append(f"{key}: {value if isinstance(value, (str, int, float)) else json.dumps(value)}")
+
+    params = report["parameters"]
+    out += ["", f"== parameters ({len(params)}) =="]
+    out += _table(["parameter (FQN)", "global shape", "dtype", "layout", "local shape", "bytes/rank"],
+                  [[p["fqn"], _shape(p["shape"]), p["dtype"], p["layout"], _shape(p["local_shape"]),
+                    human_bytes(p["bytes_per_rank"])] for p in params], right={5})
+
+    if report.get("inputs"):
+        out += ["", f"== inputs and buffers ({len(report['inputs'])}) =="]
+        out += _table(["name", "kind", "what", "global shape", "dtype", "layout", "local shape", "bytes/rank"],
+                      [[i["name"], i["kind"], i["what"], _shape(i["shape"]), i["dtype"], i["layout"],
+                        _shape(i["local_shape"]), human_bytes(i["bytes_per_rank"])] for i in report["inputs"]],
+                      right={7})
+
+    nodes = report["nodes"]
+    n_redist = sum(len(n["redistributions"]) for n in nodes)
+    out += ["", f"== graph ({len(nodes)} ops, {n_redist} redistributions; '<-' = redistribution of an input, "
+                f"with its collective path and modeled cost) =="]
+    # Column widths capped so a few very long names (flash-attention backward) do not push every
+    # line wide; those few cells just overflow.
+    name_w = min(max((len(n["name"]) for n in nodes), default=0), 20)
+    op_w = min(max((len(n["op"]) for n in nodes), default=0), 36)
+    mod_w = min(max((len(n["module"] or "<step>") for n in nodes), default=0), 40)
+    for n in nodes:
+        phase = "bw" if n["phase"] == "backward" else "fw"
+        out.append(f"  {phase} {n['name']:<{name_w}}  {n['op']:<{op_w}}  {n['module'] or '<step>':<{mod_w}}  "
+                   f"{n['strategy']}")
+        out += [_redistribution_line(r) for r in n["redistributions"]]
+
+    sinks = report["sinks"]
+    out += ["", f"== sinks: loss and gradients ({len(sinks)}, "
+                f"{sum(len(s['redistributions']) for s in sinks)} redistributions) =="]
+    label_w = max((len(s["fqn"] or "loss") for s in sinks), default=0)
+    for s in sinks:
+        label = f"grad {s['fqn']:<{label_w}}" if s["kind"] == "grad" else f"loss {'':<{label_w}}"
+        out.append(f"  {label}  {s['layout']}")
+        out += [_redistribution_line(r) for r in s["redistributions"]]
+
+    out += ["", "== totals =="]
+    t = report["totals"]
+    out.append(f"modeled step time per rank: {human_time(t['step_time_s'])} "
+               f"= compute {human_time(t['compute_s'])} + comm {human_time(t['comm_s'])} (no overlap)")
+    kinds = sorted(set(t["count_by_collective"]) | set(t["bytes_by_collective"]))
+    if kinds:
+        out += ["collectives per rank:"]
+        rows = [[k, str(t["count_by_collective"].get(k, 0)), human_bytes(t["bytes_by_collective"].get(k, 0.0))]
+                for k in kinds]
+        rows.append(["total", str(sum(t["count_by_collective"].values())), human_bytes(t["comm_bytes"])])
+        out += ["  " + line for line in _table(["kind", "count", "bytes"], rows, right={1, 2})]
+    else:
+        out.append("collectives per rank: none")
+    out.append(f"redistributions: {t['redistributions']}")
+    out.append(f"parameters: {t['non_default_order_params']} / {t['params']} in non-default device order, "
+               f"{human_bytes(t['param_bytes_per_rank'])} per rank")
+    out.append(_ilp_line(t["ilp"]))
+    if report.get("timings"):
+        out += ["", "== timings =="]
+        out += [f"{stage:<8} {seconds:8.2f} s" for stage, seconds in report["timings"].items()]
+        out.append(f"{'total':<8} {sum(report['timings'].values()):8.2f} s")
+    if report.get("compare"):
+        out += ["", "== compare (modeled, per rank; ratio = autoshard / other) =="]
+        out += compare_lines(report)
+    return "\n".join(out) + "\n"
+
+
+def _ilp_line(ilp: dict) -> str:
+    return (f"ILP: {ilp['variables']:,} variables, {ilp['constraints']:,} constraints "
+            f"({ilp['nodes']:,} nodes, {ilp['classes']:,} classes, {ilp['core']:,} core after presolve); "
+            f"{ilp['backend']} {ilp['status']} in {ilp['solve_s']:.2f} s")
+
+
+def summary_lines(report: dict) -> list[str]:
+    """A compact console summary (at most 8 lines) of `plan_report`'s dict."""
+    t = report["totals"]
+    lines = [f"mesh {tuple(report['mesh_shape'])}: modeled step {human_time(t['step_time_s'])} per rank "
+             f"(compute {human_time(t['compute_s'])}, comm {human_time(t['comm_s'])})"]
+    kinds = sorted(t["count_by_collective"])
+    comm = ", ".join(f"{k} {human_bytes(t['bytes_by_collective'].get(k, 0.0))} x{t['count_by_collective'][k]}"
+                     for k in kinds) or "none"
+    lines.append(f"comm per rank: {comm}")
+    lines.append(f"parameters: {t['non_default_order_params']} / {t['params']} in non-default device order, "
+                 f"{human_bytes(t['param_bytes_per_rank'])} per rank")
+    lines.append(_ilp_line(t["ilp"]))
+    if report.get("timings"):
+        stages = ", ".join(f"{k} {v:.1f} s" for k, v in report["timings"].items())
+        lines.append(f"stages: {stages} (total {sum(report['timings'].values()):.1f} s)")
+    return lines
+
+
+def compare_lines(report: dict) -> list[str]:
+    """This plan beside each plan under `report['compare']`, with the ratio ours / theirs."""
+    t = report["totals"]
+    rows_of = [("step time", "step_time_s", human_time), ("compute", "compute_s", human_time),
+               ("comm", "comm_s", human_time), ("comm bytes", "comm_bytes", human_bytes),
+               ("param bytes/rank", "param_bytes_per_rank", human_bytes)]
+    lines = []
+    for name, other in report.get("compare", {}).items():
+        rows = []
+        for label, key, fmt in rows_of:
+            theirs = other.get(key)
+            if key == "comm_bytes" and theirs is None:
+                theirs = sum(other.get("bytes_by_collective", {}).values())
+            if theirs is None:
+                continue
+            ratio = f"{t[key] / theirs:.3f}" if theirs else "-"
+            rows.append([label, fmt(t[key]), fmt(theirs), ratio])
+        title = other.get("label", name)
+        lines += _table(["", "autoshard", title, "ratio"], rows, right={1, 2, 3})
+    return lines
+
+
+# ------------------------------------------------------------------------------------ files
+def write_report(plan: Plan, out_dir: str | os.PathLike, *, timings: dict[str, float] | None = None,
+                 extra: dict | None = None) -> tuple[Path, Path]:
+    """Write `sharding.log` and `plan.json` into `out_dir` (created), each atomically, so a reader
+    never sees half a file. Returns (log path, json path)."""
+    return write_report_files(plan_report(plan, timings=timings, extra=extra), out_dir)
+
+
+def write_report_files(report: dict, out_dir: str | os.PathLike) -> tuple[Path, Path]:
+    """`write_report` for a report dict already built (a caller that also prints it builds it once)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    log_path, json_path = out / LOG_NAME, out / JSON_NAME
+    _write_atomic(json_path, json.dumps(report, indent=1) + "\n")
+    _write_atomic(log_path, format_log(report))
+    return log_path, json_path
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    # A fresh name opened with "x" (not mkstemp, whose files are 0600): the usual umask permissions.
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
+    try:
+        with open(tmp, "x", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+

@@ -1,0 +1,332 @@
+"""Train a llama model with an autoshard plan under torchrun.
+
+    torchrun --standalone --nproc_per_node=4 -m autoshard.train --model llama3-debug --mesh 2x2 \\
+        --steps 50 --out runs/debug
+
+Every rank traces the step and builds the ILP (cheap, deterministic); rank 0 solves it, or takes the
+solution from `--plan-file` when that file was made for the same problem (same fingerprint: graph,
+mesh, profiles, constraints), and broadcasts it; every rank checks it traced the same problem.
+Rank 0 writes `sharding.log` and `plan.json` (reusable as `--plan-file`), one `metrics.jsonl` row
+per step, and distributed checkpoints every `--checkpoint-every` steps (written to a temporary
+directory, renamed when complete). `--resume` continues from the newest complete checkpoint with the
+losses an uninterrupted run would have had: the data is a pure function of (seed, step).
+Run without torchrun, it trains on one process (a world of 1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import os
+import re
+import resource
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import solver
+
+from .api import AutoShard
+from .cli import parse_mesh
+from .report import summary_lines, write_report
+
+log = logging.getLogger("autoshard")
+
+
+class UsageError(ValueError):
+    """Bad input the user can fix; reported as one line, no traceback."""
+
+
+@dataclass
+class Settings:
+    model: str = "llama3-debug"
+    mesh: tuple[int, ...] = (2, 2)
+    mesh_names: tuple[str, ...] = ("dp", "tp")
+    batch: int = 8
+    seq: int = 64
+    steps: int = 50
+    lr: float = 3e-3
+    seed: int = 0
+    data_seed: int = 0
+    network: str | None = None  # None: by device (cpu-gloo on CPU, h100-node on GPUs)
+    device_profile: str | None = None  # None: cpu on CPU, h100 on GPUs
+    memory_budget: float | None = None
+    plan_file: str | None = None
+    checkpoint_every: int = 0
+    resume: bool = False
+    out: str = "runs/debug"
+
+
+# ---------------------------------------------------------------------------------- set-up
+def _parse(argv: list[str] | None) -> Settings:
+    d = Settings()
+    p = argparse.ArgumentParser(prog="autoshard.train", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=d.model, help="model config (llama3-tiny, llama3-debug, ...)")
+    p.add_argument("--mesh", default="x".join(map(str, d.mesh)), help="mesh shape, e.g. 2x2 or 4")
+    p.add_argument("--mesh-names", default=",".join(d.mesh_names), help="mesh dim names, e.g. dp,tp")
+    p.add_argument("--batch", type=int, default=d.batch, help="global batch size")
+    p.add_argument("--seq", type=int, default=d.seq, help="sequence length")
+    p.add_argument("--steps", type=int, default=d.steps, help="train until this step")
+    p.add_argument("--lr", type=float, default=d.lr)
+    p.add_argument("--seed", type=int, default=d.seed, help="weight init seed")
+    p.add_argument("--data-seed", type=int, default=d.data_seed)
+    p.add_argument("--network", default=None, help="network profile for planning (h100-node, cpu-gloo)")
+    p.add_argument("--device-profile", default=None, help="compute profile for planning (h100, h200, cpu)")
+    p.add_argument("--memory-budget", type=float, default=None, help="parameter bytes per rank")
+    p.add_argument("--plan-file", default=None, help="reuse a plan.json written by an earlier run or `plan`")
+    p.add_argument("--checkpoint-every", type=int, default=0, help="checkpoint every K steps (0: never)")
+    p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --out")
+    p.add_argument("--out", default=d.out, help="run directory")
+    a = p.parse_args(argv)
+    mesh = parse_mesh(a.mesh)
+    names = tuple(n.strip() for n in a.mesh_names.split(",") if n.strip())
+    if len(names) != len(mesh):
+        names = tuple(["dp", "tp", "pp", "cp"][: len(mesh)]) if a.mesh_names == ",".join(d.mesh_names) else names
+    if len(names) != len(mesh) or len(set(names)) != len(names):
+        raise UsageError(f"--mesh-names {a.mesh_names!r} must name each of the {len(mesh)} mesh dims once")
+    for flag in ("batch", "seq", "steps"):
+        if getattr(a, flag) < 1:
+            raise UsageError(f"--{flag} must be >= 1, got {getattr(a, flag)}")
+    if a.batch % mesh[0]:
+        raise UsageError(f"--batch {a.batch} is not divisible by the {names[0]} size {mesh[0]} (mesh dim 0)")
+    if a.checkpoint_every < 0:
+        raise UsageError(f"--checkpoint-every must be >= 0, got {a.checkpoint_every}")
+    return Settings(model=a.model, mesh=mesh, mesh_names=names, batch=a.batch, seq=a.seq, steps=a.steps,
+                    lr=a.lr, seed=a.seed, data_seed=a.data_seed, network=a.network,
+                    device_profile=a.device_profile, memory_budget=a.memory_budget, plan_file=a.plan_file,
+                    checkpoint_every=a.checkpoint_every, resume=a.resume, out=a.out)
+
+
+def _config(settings: Settings):
+    from models import get_config
+
+    cfg = get_config(settings.model)  # ValueError names the known models
+    return cfg.with_(max_seq_len=settings.seq) if settings.seq > cfg.max_seq_len else cfg
+
+
+def _init_distributed(settings: Settings) -> tuple[Any, str]:
+    """Process group (nccl on GPUs, gloo on CPU; a world of 1 without torchrun) and the mesh."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    backend = "nccl" if device == "cuda" else "gloo"
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if math.prod(settings.mesh) != world:
+        raise UsageError(f"mesh {'x'.join(map(str, settings.mesh))} has {math.prod(settings.mesh)} devices "
+                         f"but the world size is {world} (torchrun --nproc_per_node={math.prod(settings.mesh)})")
+    if "RANK" in os.environ:
+        if device == "cuda":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(backend)
+    else:
+        store = dist.FileStore(tempfile.mktemp(prefix="autoshard-store-"), 1)
+        dist.init_process_group(backend, store=store, rank=0, world_size=1)
+    return init_device_mesh(device, settings.mesh, mesh_dim_names=settings.mesh_names), device
+
+
+# ---------------------------------------------------------------------------------- planning
+def _load_plan_file(path: str) -> dict:
+    try:
+        data = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise UsageError(f"--plan-file {path}: no such file") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise UsageError(f"--plan-file {path}: not a plan file ({type(e).__name__}: {e})") from None
+    if not isinstance(data, dict) or not isinstance(data.get("fingerprint"), str) or "solution" not in data:
+        raise UsageError(f"--plan-file {path}: not a plan file (no fingerprint/solution; write one with "
+                         "`python -m autoshard plan` or a training run)")
+    return data
+
+
+def _broadcast(value: Any) -> Any:
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _solve_on_rank0(settings: Settings, saved: dict | None):
+    """`solve_with` hook: rank 0 solves (or reuses the saved solution), everyone gets its answer."""
+
+    def solve_with(sharding):
+        fingerprint = solve_with.fingerprint = sharding.fingerprint()
+        prints = [None] * dist.get_world_size()
+        dist.all_gather_object(prints, fingerprint)
+        if len(set(prints)) != 1:
+            raise RuntimeError(f"ranks traced different problems (fingerprints {prints}); same code and inputs?")
+        answer: tuple[str, str] = ("", "")
+        if dist.get_rank() == 0:
+            if saved is not None and saved["fingerprint"] != fingerprint:
+                answer = ("error", f"--plan-file {settings.plan_file} was made for another problem (fingerprint "
+                                   f"{saved['fingerprint']}, this run's is {fingerprint}): different model, "
+                                   "shapes, mesh, profiles or constraints")
+            elif saved is not None:
+                answer = ("ok", saved["solution"])
+                log.info("autoshard: reusing the solution in %s", settings.plan_file)
+            else:
+                answer = ("ok", solver.solve(sharding.problem).to_json())
+        kind, payload = _broadcast(answer)
+        if kind == "error":
+            raise UsageError(payload)
+        return solver.Solution.from_json(payload)
+
+    return solve_with
+
+
+def _plan(settings: Settings, cfg, mesh, network: str, profile: str):
+    from models import build_model, cross_entropy_loss
+
+    saved = _load_plan_file(settings.plan_file) if settings.plan_file and dist.get_rank() == 0 else None
+    example = lambda: (torch.empty(settings.batch, settings.seq, dtype=torch.int64, device="meta"),) * 2  # noqa: E731
+    model = build_model(cfg, device="meta")
+    with AutoShard(model, example, mesh, loss_fn=cross_entropy_loss, network=network, device=profile) as auto:
+        if settings.memory_budget is not None:
+            auto.memory_budget(settings.memory_budget)
+        solve_with = _solve_on_rank0(settings, saved)
+        plan = auto.optimize(solve_with=solve_with)
+        pmodel = auto.apply(plan)
+    return plan, pmodel, auto.timings, solve_with.fingerprint
+
+
+# ---------------------------------------------------------------------------------- checkpoints
+_CKPT = re.compile(r"^step-(\d+)$")
+
+
+def _latest_checkpoint(out: Path) -> tuple[int, Path] | None:
+    found = [(int(m.group(1)), p) for p in (out / "checkpoints").glob("step-*") if (m := _CKPT.match(p.name))]
+    return max(found) if found else None
+
+
+def _save_checkpoint(out: Path, step: int, pmodel, optim) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    final = out / "checkpoints" / f"step-{step:06d}"
+    tmp = final.with_name(final.name + ".tmp")
+    if dist.get_rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+    dist.barrier()
+    model_state, optim_state = get_state_dict(pmodel, optim)
+    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(tmp))
+    dist.barrier()
+    if dist.get_rank() == 0:
+        (tmp / "step.json").write_text(json.dumps({"step": step}))
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)  # a checkpoint directory is either complete or absent
+    dist.barrier()
+
+
+def _load_checkpoint(path: Path, pmodel, optim) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model_state, optim_state = get_state_dict(pmodel, optim)
+    state = {"model": model_state, "optim": optim_state}
+    dcp.load(state, checkpoint_id=str(path))
+    set_state_dict(pmodel, optim, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+
+# ---------------------------------------------------------------------------------- training
+def _peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+
+
+def train(settings: Settings) -> list[float]:
+    """Plan, apply and train; returns this run's per-step losses."""
+    from models import MarkovTokens
+    from models.train_single import TrainSettings, make_optimizer
+
+    cfg = _config(settings)
+    out = Path(settings.out)
+    resume_from = None
+    if settings.resume:
+        resume_from = _latest_checkpoint(out)
+        if resume_from is None:
+            raise UsageError(f"--resume: no complete checkpoint in {out / 'checkpoints'}")
+    mesh, device = _init_distributed(settings)
+    rank = dist.get_rank()
+    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, format="%(message)s", force=True)
+    network = settings.network or ("cpu-gloo" if device == "cpu" else "h100-node")
+    profile = settings.device_profile or ("cpu" if device == "cpu" else "h100")
+    log.info("autoshard.train: %s on mesh %s (%s), %s/%s profiles", settings.model,
+             "x".join(map(str, settings.mesh)), ",".join(settings.mesh_names), network, profile)
+
+    plan, pmodel, timings, fingerprint = _plan(settings, cfg, mesh, network, profile)
+    if rank == 0:
+        paths = write_report(plan, out, timings=timings, extra={
+            "fingerprint": fingerprint, "solution": plan.solution.to_json(), "settings": asdict(settings)})
+        for line in summary_lines(json.loads(paths[1].read_text())):
+            log.info("  %s", line)
+        log.info("autoshard.train: sharding log %s", paths[0])
+
+    pmodel.init_weights(settings.seed)
+    optim = make_optimizer(pmodel.parameters(), TrainSettings(lr=settings.lr))
+    start_step = 0
+    if resume_from is not None:
+        _load_checkpoint(resume_from[1], pmodel, optim)
+        start_step = resume_from[0]
+        log.info("autoshard.train: resumed from %s (step %d)", resume_from[1], start_step)
+    metrics_path = out / "metrics.jsonl"
+    if rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        kept = [line for line in (metrics_path.read_text().splitlines() if metrics_path.exists() else [])
+                if line.strip() and json.loads(line)["step"] <= start_step] if settings.resume else []
+        metrics_path.write_text("".join(line + "\n" for line in kept))
+
+    data = MarkovTokens(cfg.vocab_size, seed=settings.data_seed)
+    losses = []
+    tokens = settings.batch * settings.seq
+    for step in range(start_step + 1, settings.steps + 1):
+        t0 = time.perf_counter()
+        batch = data.batch(step - 1, settings.batch, settings.seq)
+        inputs = pmodel.shard_inputs(batch.inputs.to(device), batch.targets.to(device))
+        loss = pmodel(*inputs)
+        loss.backward()
+        optim.step()
+        optim.zero_grad(set_to_none=True)
+        value = loss.item()
+        elapsed = time.perf_counter() - t0
+        peaks = [None] * dist.get_world_size()
+        dist.all_gather_object(peaks, round(_peak_rss_mb(), 1))
+        losses.append(value)
+        if rank == 0:
+            row = {"step": step, "loss": value, "step_s": elapsed, "tokens_per_s": tokens / elapsed,
+                   "peak_rss_mb_per_rank": peaks}
+            with metrics_path.open("a") as f:
+                f.write(json.dumps(row) + "\n")
+            log.info("step %4d/%d  loss %.4f  %8.0f tok/s  peak rss %.0f MiB", step, settings.steps, value,
+                     tokens / elapsed, max(peaks))
+        if settings.checkpoint_every and step % settings.checkpoint_every == 0:
+            _save_checkpoint(out, step, pmodel, optim)
+    dist.barrier()  # nobody tears the process group down while a peer still talks
+    log.info("autoshard.train: done; metrics %s, sharding log %s", metrics_path, out / "sharding.log")
+    return losses
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        settings = _parse(argv)
+        _config(settings)
+        train(settings)
+    except ValueError as e:  # UsageError, unknown model, infeasible constraints...
+        # errors decided on rank 0 and broadcast are printed once; others by whoever hit them
+        if not dist.is_initialized() or dist.get_rank() == 0 or not isinstance(e, UsageError):
+            print(f"error: {e}", file=sys.stderr)
+        return 2
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

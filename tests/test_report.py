@@ -1,0 +1,141 @@
+"""The sharding log / plan JSON (autoshard.report) and the `python -m autoshard plan` command."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from autoshard.__main__ import main
+from autoshard.api import AutoShard
+from autoshard.cli import parse_bytes, parse_mesh
+from autoshard.report import format_log, human_bytes, plan_report, summary_lines, write_report
+from models import build_model, cross_entropy_loss, get_config
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY_ARGS = ["--model", "llama3-tiny", "--mesh", "2x2", "--batch", "4", "--seq", "16"]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    model = build_model(get_config("llama3-tiny"), device="meta")
+    inputs = lambda: (torch.empty(4, 16, dtype=torch.int64, device="meta"),) * 2  # noqa: E731
+    with AutoShard(model, inputs, (2, 2), loss_fn=cross_entropy_loss) as auto:
+        plan = auto.optimize()
+    return plan, plan_report(plan, timings=auto.timings, extra={"fingerprint": "abc"}), auto.timings
+
+
+def test_report_lists_every_parameter_with_its_layout(tiny):
+    plan, report, _ = tiny
+    params = {p["fqn"]: p for p in report["parameters"]}
+    assert list(params) == list(plan.graph.params)  # graph order
+    for fqn, layout in plan.param_layouts.items():
+        p = params[fqn]
+        assert p["layout"] == str(layout)
+        assert tuple(p["local_shape"]) == layout.local_shape(tuple(p["shape"]), plan.mesh_shape)
+        assert p["bytes_per_rank"] == 4 * torch.Size(p["local_shape"]).numel()  # float32
+    assert report["totals"]["non_default_order_params"] == len(plan.non_default_order_params())
+    assert {i["kind"] for i in report["inputs"]} == {"input", "buffer", "tangent"}
+
+
+def test_report_accounts_for_every_redistribution_and_round_trips(tiny):
+    plan, report, timings = tiny
+    entries = [r for group in ("nodes", "sinks") for item in report[group] for r in item["redistributions"]]
+    assert len(entries) == len(plan.redistributions)
+    assert sum(r["cost_s"] for r in entries) == pytest.approx(plan.comm_s)
+    assert sum(r["bytes"] for r in entries) == pytest.approx(plan.comm_bytes)
+    assert any(s.startswith("all_gather[") for r in entries for s in r["steps"])
+    assert not any(n["op"] == "<built-in function getitem>" for n in report["nodes"])
+    assert {s["name"] for s in report["sinks"]} == {name for name in plan.strategies if name.startswith("sink:")}
+    totals = report["totals"]
+    assert totals["step_time_s"] == pytest.approx(plan.step_time_s)
+    assert totals["ilp"]["variables"] > 0 and totals["ilp"]["status"] == plan.solution.status
+    assert report["timings"] == timings and report["fingerprint"] == "abc"
+    assert json.loads(json.dumps(report)) == report
+
+
+def test_log_has_table_graph_and_totals(tiny):
+    plan, report, _ = tiny
+    log = format_log(report)
+    assert f"== parameters ({len(plan.param_layouts)}) ==" in log
+    assert "parameter (FQN)" in log and "local shape" in log and "bytes/rank" in log
+    for fqn, layout in plan.param_layouts.items():
+        assert any(line.startswith(fqn + " ") and f" {layout} " in line for line in log.splitlines()), fqn
+    assert human_bytes(12 * 1024) == "12.0 KiB" and "12.0 KiB" in log  # the w1/w3 shards
+    gathers = [line for line in log.splitlines() if line.lstrip().startswith("<-") and "all_gather[" in line]
+    assert gathers and all("µs" in line or "ns" in line for line in gathers)
+    assert "== totals ==" in log and "modeled step time" in log and "ILP:" in log and "== timings ==" in log
+    assert "fingerprint: abc" in log
+    lines = summary_lines(report)
+    assert 1 <= len(lines) <= 8 and "modeled step" in lines[0]
+
+
+def test_write_report_writes_both_files(tiny, tmp_path):
+    plan, _, timings = tiny
+    log_path, json_path = write_report(plan, tmp_path / "new" / "dir", timings=timings)
+    assert log_path.read_text(encoding="utf-8").startswith("autoshard sharding log")
+    assert len(json.loads(json_path.read_text())["parameters"]) == len(plan.param_layouts)
+    assert sorted(p.name for p in log_path.parent.iterdir()) == ["plan.json", "sharding.log"]  # no temp files
+
+
+def test_parse_mesh_and_bytes():
+    assert parse_mesh("8x8") == (8, 8) and parse_mesh("4") == (4,) and parse_mesh("2x2x2") == (2, 2, 2)
+    for bad in ("2x", "x2", "8*8", "", "2x0", "-2x2"):
+        with pytest.raises(ValueError):
+            parse_mesh(bad)
+    assert parse_bytes("16GiB") == 16 * 2**30 and parse_bytes("2e9") == 2e9
+    with pytest.raises(ValueError):
+        parse_bytes("lots")
+
+
+def test_plan_command_writes_log_json_and_comparison(tmp_path, capsys):
+    out = tmp_path / "plan"
+    assert main(["plan", *TINY_ARGS, "--out", str(out), "--compare", "manual", "--mesh-names", "dp,tp"]) == 0
+    printed = capsys.readouterr().out
+    assert "modeled step" in printed and "fsdp-tp pinned" in printed and str(out / "plan.json") in printed
+    report = json.loads((out / "plan.json").read_text())
+    assert len(report["parameters"]) == 21 and report["mesh_shape"] == [2, 2]
+    assert report["run"]["model"] == "llama3-tiny" and set(report["timings"]) >= {"trace", "solve"}
+    manual = report["compare"]["manual"]
+    assert manual["recipe"] == "fsdp-tp" and manual["step_time_s"] > 0 and manual["bytes_by_collective"]
+    log = (out / "sharding.log").read_text(encoding="utf-8")
+    assert "== compare" in log and "== parameters (21) ==" in log
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--model", "llama3-nope", "--mesh", "2x2", "--batch", "4", "--seq", "16"], "unknown model config"),
+    (["--model", "llama3-tiny", "--mesh", "2x", "--batch", "4", "--seq", "16"], "bad mesh '2x'"),
+    (["--model", "llama3-tiny", "--mesh", "2x2", "--batch", "3", "--seq", "16"], "not divisible by mesh dim 0"),
+    (["--model", "llama3-tiny", "--mesh", "2x2", "--batch", "4", "--seq", "0"], "positive integer"),
+    (["--model", "llama3-tiny", "--mesh", "4", "--batch", "4", "--seq", "16", "--compare", "manual"], "2-D"),
+])
+def test_plan_command_bad_input_is_one_error_line(args, message, capsys, tmp_path):
+    with pytest.raises(SystemExit) as exc:
+        main(["plan", *args, "--out", str(tmp_path)])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and message in err and err.count("\n") == 1 and "Traceback" not in err
+    assert not list(tmp_path.iterdir())
+
+
+def test_plan_command_error_as_a_process():
+    cmd = [sys.executable, "-m", "autoshard", "plan", *TINY_ARGS[:-1], "nope"]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert done.stderr.startswith("error: argument --seq") and done.stderr.count("\n") == 1
+    assert "Traceback" not in done.stderr and not done.stdout
+
+
+@pytest.mark.slow
+def test_plan_command_llama3_8b(tmp_path):
+    cmd = [sys.executable, "-m", "autoshard", "plan", "--model", "llama3-8b", "--mesh", "8x8", "--batch", "8",
+           "--seq", "8192", "--out", str(tmp_path)]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads((tmp_path / "plan.json").read_text())
+    assert len(report["parameters"]) == 291 and report["totals"]["params"] == 291
+    assert "== parameters (291) ==" in (tmp_path / "sharding.log").read_text(encoding="utf-8")

@@ -1,0 +1,108 @@
+"""The training CLI: real torchrun processes match the single-device run, resume continues the same
+trajectory, and bad input is one clear line with a non-zero exit."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from autoshard.train import main
+from models.train_single import TrainSettings, train_single
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ["--model", "llama3-tiny", "--batch", "8", "--seq", "16"]
+
+
+def torchrun(*args: str, timeout: int = 400) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4",
+           "-m", "autoshard.train", *args]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    assert out.returncode == 0, f"torchrun failed:\n{out.stdout[-3000:]}\n{out.stderr[-6000:]}"
+    return out
+
+
+def metrics(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.slow
+def test_torchrun_trains_like_single_device_and_resumes(tmp_path):
+    """4 gloo ranks on (2,2): 10 steps equal the single-device losses; the log and plan.json list
+    every parameter; a run resumed from the step-3 checkpoint (later ones gone, as if killed after
+    step 3) reproduces steps 4-6, reusing the saved plan."""
+    first = tmp_path / "first"
+    torchrun(*TINY, "--mesh", "2x2", "--steps", "10", "--checkpoint-every", "3", "--out", str(first))
+    rows = metrics(first)
+    assert [r["step"] for r in rows] == list(range(1, 11))
+    want = train_single(TrainSettings(model="llama3-tiny", steps=10, batch=8, seq=16)).losses
+    for row, loss in zip(rows, want):
+        assert abs(row["loss"] - loss) <= 1e-5, (row, loss)
+        assert row["tokens_per_s"] > 0 and len(row["peak_rss_mb_per_rank"]) == 4
+    report = json.loads((first / "plan.json").read_text())
+    from models import build_model, get_config
+
+    names = [n for n, _ in build_model(get_config("llama3-tiny"), device="meta").named_parameters()]
+    assert [p["fqn"] for p in report["parameters"]] == names
+    assert all(p["layout"] for p in report["parameters"])
+    log = (first / "sharding.log").read_text()
+    assert all(name in log for name in names)
+    assert sorted(p.name for p in (first / "checkpoints").iterdir()) == ["step-000003", "step-000006", "step-000009"]
+
+    second = tmp_path / "second"
+    shutil.copytree(first, second)
+    for late in ("step-000006", "step-000009"):
+        shutil.rmtree(second / "checkpoints" / late)
+    out = torchrun(*TINY, "--mesh", "2x2", "--steps", "6", "--resume", "--plan-file", str(first / "plan.json"),
+                   "--out", str(second))
+    assert "reusing the solution" in out.stdout + out.stderr
+    resumed = metrics(second)
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4, 5, 6]
+    for a, b in zip(resumed[3:], rows[3:6]):
+        assert a["loss"] == b["loss"], (a, b)
+
+
+def run_main(args: list[str], capsys) -> tuple[int, str]:
+    code = main(args)
+    err = capsys.readouterr().err
+    return code, err
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--model", "llama3-nope"], "unknown model"),
+    ([*TINY, "--mesh", "2x2"], "mesh 2x2 has 4 devices but the world size is 1"),
+    (["--model", "llama3-tiny", "--mesh", "2x2", "--batch", "3"], "--batch 3 is not divisible by the dp size 2"),
+    ([*TINY, "--mesh", "2x"], "bad mesh '2x'"),
+    ([*TINY, "--mesh", "1", "--resume", "--out", "{tmp}/empty"], "--resume: no complete checkpoint in"),
+    ([*TINY, "--mesh", "1", "--plan-file", "{tmp}/corrupt.json"], "not a plan file (JSONDecodeError"),
+    ([*TINY, "--mesh", "1", "--plan-file", "{tmp}/missing.json"], "no such file"),
+])
+def test_bad_input_is_one_line(tmp_path, capsys, args, message):
+    (tmp_path / "corrupt.json").write_text("{not json")
+    code, err = run_main([a.replace("{tmp}", str(tmp_path)) for a in args], capsys)
+    assert code == 2
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and message in lines[0], err
+    assert "Traceback" not in err
+
+
+def test_plan_file_for_another_problem_is_refused(tmp_path, capsys):
+    stale = tmp_path / "plan.json"
+    stale.write_text(json.dumps({"fingerprint": "0123456789abcdef", "solution": "{}"}))
+    code, err = run_main([*TINY, "--mesh", "1", "--steps", "1", "--plan-file", str(stale), "--out", str(tmp_path / "run")], capsys)
+    assert code == 2
+    assert "was made for another problem (fingerprint 0123456789abcdef" in err and "Traceback" not in err
+
+
+def test_cli_entry_point_exits_nonzero_without_traceback():
+    out = subprocess.run([sys.executable, "-m", "autoshard", "train", "--model", "nope"], capture_output=True,
+                         text=True, cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)), timeout=120)
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines()[-1].startswith("error: unknown model")
+    assert "Traceback" not in out.stderr
