@@ -79,7 +79,8 @@ class ParallelModule(nn.Module):
 
     def _empty(self, fqn: str, like: torch.Tensor, layout: Layout, *, parameter: bool, persistent: bool = True) -> None:
         """Register an uninitialized DTensor in `layout` (values come from `load_full` / `init_weights`)."""
-        local = torch.empty(layout.local_shape(tuple(like.shape), self.plan.mesh_shape), dtype=like.dtype)
+        local = torch.empty(layout.local_shape(tuple(like.shape), self.plan.mesh_shape), dtype=like.dtype,
+                            device=self.mesh.device_type)
         value = tc.dtensor_from_local(local, self.mesh, layout.to_torch_placements(self.mesh), tuple(like.shape))
         owner, leaf = self._owner(fqn)
         if parameter:
@@ -106,7 +107,8 @@ class ParallelModule(nn.Module):
             target, full = self._tensor(fqn), values[fqn]
             if tuple(full.shape) != tuple(target.shape):
                 raise ValueError(f"{fqn}: full value has shape {tuple(full.shape)}, the model has {tuple(target.shape)}")
-            shard = tc.distribute_local(full.detach().to(target.dtype), self.mesh, target.placements)
+            full = full.detach().to(device=self.mesh.device_type, dtype=target.dtype)
+            shard = tc.distribute_local(full, self.mesh, target.placements)
             target.to_local().copy_(shard)
 
     def init_weights(self, seed: int = 0) -> None:
@@ -126,6 +128,7 @@ class ParallelModule(nn.Module):
         for i, (x, (shape, layout)) in enumerate(zip(full_inputs, self.program.input_shapes)):
             if tuple(x.shape) != shape:
                 raise ValueError(f"input {i}: global shape {tuple(x.shape)}, the plan was made for {shape}")
+            x = x.to(self.mesh.device_type)
             out.append(tc.distribute_local(x, self.mesh, layout.to_torch_placements(self.mesh)))
         return tuple(out)
 

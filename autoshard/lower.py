@@ -14,6 +14,7 @@ implies (`CheckedRun`), so a lowering mistake names its node instead of corrupti
 
 from __future__ import annotations
 
+import itertools
 import operator
 from collections import Counter
 from dataclasses import dataclass, field
@@ -130,7 +131,7 @@ def _local_joint_graph(plan: Plan, mesh: Any) -> tuple[fx.Graph, dict[str, Redis
             new.meta[LOCAL_SHAPE] = env[parent].meta[LOCAL_SHAPE][index]
         else:
             strategy = plan.strategies[node.name]
-            slot = iter(range(10**9))
+            slot = itertools.count()
             args, kwargs = fx.node.map_arg((node.args, node.kwargs),
                                            lambda n: redistributed(env[n], node.name, next(slot)))
             shapes = _local_shapes(node, strategy.outputs, ms)
@@ -184,6 +185,11 @@ def _split(plan: Plan, joint: fx.Graph, modules: dict[str, Redistribute]):
     bwd = _subgraph(saved + tangent_inputs, backward_nodes, grads)
     forward = fx.GraphModule({k: m for k, m in modules.items() if _uses(fwd, k)}, fwd, "AutoshardForward")
     backward = fx.GraphModule({k: m for k, m in modules.items() if _uses(bwd, k)}, bwd, "AutoshardBackward")
+    return forward, backward, _comm_stats(forward, backward, modules)
+
+
+def _comm_stats(forward: fx.GraphModule, backward: fx.GraphModule, modules: dict[str, Redistribute]) -> CommStats:
+    """The collectives each phase of the program runs, in program order."""
     comm = CommStats()
     for phase, gm in (("forward", forward), ("backward", backward)):
         count, nbytes, steps = Counter(), Counter(), []
@@ -196,7 +202,7 @@ def _split(plan: Plan, joint: fx.Graph, modules: dict[str, Redistribute]):
                         nbytes[st.kind] += st.bytes
                         steps.append((mod.producer, mod.consumer, st.kind, st.mesh_dims))
         comm.count[phase], comm.bytes[phase], comm.steps[phase] = count, nbytes, steps
-    return forward, backward, comm
+    return comm
 
 
 def _uses(graph: fx.Graph, module_name: str) -> bool:

@@ -288,7 +288,7 @@ def train(settings: Settings) -> list[float]:
     for step in range(start_step + 1, settings.steps + 1):
         t0 = time.perf_counter()
         batch = data.batch(step - 1, settings.batch, settings.seq)
-        inputs = pmodel.shard_inputs(batch.inputs.to(device), batch.targets.to(device))
+        inputs = pmodel.shard_inputs(batch.inputs, batch.targets)  # moved to the mesh's device
         loss = pmodel(*inputs)
         loss.backward()
         optim.step()
