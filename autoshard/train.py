@@ -173,7 +173,10 @@ def _solve_on_rank0(settings: Settings, saved: dict | None):
                 answer = ("ok", saved["solution"])
                 log.info("autoshard: reusing the solution in %s", settings.plan_file)
             else:
-                answer = ("ok", solver.solve(sharding.problem).to_json())
+                try:
+                    answer = ("ok", solver.solve(sharding.problem).to_json())
+                except ValueError as e:  # infeasible constraints: every rank must hear it, not hang
+                    answer = ("error", str(e))
         kind, payload = _broadcast(answer)
         if kind == "error":
             raise UsageError(payload)
@@ -182,10 +185,9 @@ def _solve_on_rank0(settings: Settings, saved: dict | None):
     return solve_with
 
 
-def _plan(settings: Settings, cfg, mesh, network: str, profile: str):
+def _plan(settings: Settings, cfg, mesh, network: str, profile: str, saved: dict | None):
     from models import build_model, cross_entropy_loss
 
-    saved = _load_plan_file(settings.plan_file) if settings.plan_file and dist.get_rank() == 0 else None
     example = lambda: (torch.empty(settings.batch, settings.seq, dtype=torch.int64, device="meta"),) * 2  # noqa: E731
     model = build_model(cfg, device="meta")
     with AutoShard(model, example, mesh, loss_fn=cross_entropy_loss, network=network, device=profile) as auto:
@@ -252,6 +254,7 @@ def train(settings: Settings) -> list[float]:
         resume_from = _latest_checkpoint(out)
         if resume_from is None:
             raise UsageError(f"--resume: no complete checkpoint in {out / 'checkpoints'}")
+    saved = _load_plan_file(settings.plan_file) if settings.plan_file else None  # every rank: fail together
     mesh, device = _init_distributed(settings)
     rank = dist.get_rank()
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, format="%(message)s", force=True)
@@ -260,7 +263,7 @@ def train(settings: Settings) -> list[float]:
     log.info("autoshard.train: %s on mesh %s (%s), %s/%s profiles", settings.model,
              "x".join(map(str, settings.mesh)), ",".join(settings.mesh_names), network, profile)
 
-    plan, pmodel, timings, fingerprint = _plan(settings, cfg, mesh, network, profile)
+    plan, pmodel, timings, fingerprint = _plan(settings, cfg, mesh, network, profile, saved)
     if rank == 0:
         paths = write_report(plan, out, timings=timings, extra={
             "fingerprint": fingerprint, "solution": plan.solution.to_json(), "settings": asdict(settings)})
@@ -318,8 +321,8 @@ def main(argv: list[str] | None = None) -> int:
         _config(settings)
         train(settings)
     except ValueError as e:  # UsageError, unknown model, infeasible constraints...
-        # errors decided on rank 0 and broadcast are printed once; others by whoever hit them
-        if not dist.is_initialized() or dist.get_rank() == 0 or not isinstance(e, UsageError):
+        # usage errors are the same on every rank (checked alike, or broadcast from rank 0): print once
+        if int(os.environ.get("RANK", "0")) == 0 or not isinstance(e, UsageError):
             print(f"error: {e}", file=sys.stderr)
         return 2
     finally:

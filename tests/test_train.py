@@ -82,6 +82,7 @@ def run_main(args: list[str], capsys) -> tuple[int, str]:
     ([*TINY, "--mesh", "1", "--resume", "--out", "{tmp}/empty"], "--resume: no complete checkpoint in"),
     ([*TINY, "--mesh", "1", "--plan-file", "{tmp}/corrupt.json"], "not a plan file (JSONDecodeError"),
     ([*TINY, "--mesh", "1", "--plan-file", "{tmp}/missing.json"], "no such file"),
+    ([*TINY, "--mesh", "1", "--memory-budget", "1", "--out", "{tmp}/run"], "infeasible"),
 ])
 def test_bad_input_is_one_line(tmp_path, capsys, args, message):
     (tmp_path / "corrupt.json").write_text("{not json")
