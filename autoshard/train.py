@@ -67,13 +67,16 @@ class Settings:
 
 
 # ---------------------------------------------------------------------------------- set-up
+_DIM_NAMES = ("dp", "tp", "pp", "cp")
+
+
 def _parse(argv: list[str] | None) -> Settings:
     d = Settings()
     p = argparse.ArgumentParser(prog="autoshard.train", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=d.model, help="model config (llama3-tiny, llama3-debug, ...)")
     p.add_argument("--mesh", default="x".join(map(str, d.mesh)), help="mesh shape, e.g. 2x2 or 4")
-    p.add_argument("--mesh-names", default=",".join(d.mesh_names), help="mesh dim names, e.g. dp,tp")
+    p.add_argument("--mesh-names", default=None, help="mesh dim names (default: dp,tp,... as many as needed)")
     p.add_argument("--batch", type=int, default=d.batch, help="global batch size")
     p.add_argument("--seq", type=int, default=d.seq, help="sequence length")
     p.add_argument("--steps", type=int, default=d.steps, help="train until this step")
@@ -89,11 +92,12 @@ def _parse(argv: list[str] | None) -> Settings:
     p.add_argument("--out", default=d.out, help="run directory")
     a = p.parse_args(argv)
     mesh = parse_mesh(a.mesh)
-    names = tuple(n.strip() for n in a.mesh_names.split(",") if n.strip())
-    if len(names) != len(mesh):
-        names = tuple(["dp", "tp", "pp", "cp"][: len(mesh)]) if a.mesh_names == ",".join(d.mesh_names) else names
+    if a.mesh_names is None:
+        names = _DIM_NAMES[: len(mesh)]
+    else:
+        names = tuple(n.strip() for n in a.mesh_names.split(",") if n.strip())
     if len(names) != len(mesh) or len(set(names)) != len(names):
-        raise UsageError(f"--mesh-names {a.mesh_names!r} must name each of the {len(mesh)} mesh dims once")
+        raise UsageError(f"--mesh-names {','.join(names)!r} must name each of the {len(mesh)} mesh dims once")
     for flag in ("batch", "seq", "steps"):
         if getattr(a, flag) < 1:
             raise UsageError(f"--{flag} must be >= 1, got {getattr(a, flag)}")
@@ -129,7 +133,7 @@ def _init_distributed(settings: Settings) -> tuple[Any, str]:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group(backend)
     else:
-        store = dist.FileStore(tempfile.mktemp(prefix="autoshard-store-"), 1)
+        store = dist.FileStore(os.path.join(tempfile.mkdtemp(prefix="autoshard-"), "store"), 1)
         dist.init_process_group(backend, store=store, rank=0, world_size=1)
     return init_device_mesh(device, settings.mesh, mesh_dim_names=settings.mesh_names), device
 
@@ -317,9 +321,7 @@ def train(settings: Settings) -> list[float]:
 
 def main(argv: list[str] | None = None) -> int:
     try:
-        settings = _parse(argv)
-        _config(settings)
-        train(settings)
+        train(_parse(argv))
     except ValueError as e:  # UsageError, unknown model, infeasible constraints...
         # usage errors are the same on every rank (checked alike, or broadcast from rank 0): print once
         if int(os.environ.get("RANK", "0")) == 0 or not isinstance(e, UsageError):

@@ -17,17 +17,10 @@ from autoshard.apply import parallelize
 from autoshard.layout import Layout
 from models import MarkovTokens, build_model, cross_entropy_loss, get_config
 from models.train_single import TrainSettings, make_optimizer
+from ranks import coords
 
 TINY = get_config("llama3-tiny")
 BATCH, SEQ = 8, 16
-
-
-def coords(rank: int, mesh_shape) -> list[int]:
-    out = []
-    for s in reversed(mesh_shape):
-        out.append(rank % s)
-        rank //= s
-    return out[::-1]
 
 
 def plan_llama(mesh_shape, inputs=None, pins=None):

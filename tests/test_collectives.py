@@ -20,17 +20,12 @@ from autoshard import _torch_compat as tc
 from autoshard.collectives import execute
 from autoshard.layout import Layout, P, R, S
 from autoshard.planner import Planner
+from ranks import coords
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 # ----------------------------------------------------------------------------- reference
-def coords(rank: int, mesh_shape) -> list[int]:
-    out = []
-    for s in reversed(mesh_shape):
-        out.append(rank % s)
-        rank //= s
-    return out[::-1]
 
 
 
@@ -95,16 +90,12 @@ class Simulation:
         self.seen: set[tuple[str, int, bool]] = set()  # (kind, #mesh dims, ascending) executed
 
     def __enter__(self):
-        self._pg = tc.fake_process_group(self.world)
-        self._pg.__enter__()
-        self.mesh = torch.distributed.device_mesh.init_device_mesh("cpu", self.mesh_shape, mesh_dim_names=self.names)
-        self._mode = tc.LocalTensorMode(self.world)
-        self._mode.__enter__()
+        self._sim = tc.simulated_mesh(self.mesh_shape, self.names)
+        self.mesh, self._mode = self._sim.__enter__()
         return self
 
     def __exit__(self, *exc):
-        self._mode.__exit__(*exc)
-        self._pg.__exit__(*exc)
+        self._sim.__exit__(*exc)
 
     def run(self, src: Layout, dst: Layout, shape, gen) -> None:
         """Redistribute random data src -> dst; check every rank's values, and the gradient of
