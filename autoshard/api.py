@@ -32,7 +32,8 @@ from .layout import Layout
 from .plan import Plan, decode
 from .planner import Planner
 from .problem import ProblemSpec, ShardingProblem, build_problem
-from .trace import trace_joint
+from .repeat import trace_step
+from .trace import mark_outputs
 
 log = logging.getLogger("autoshard")
 
@@ -60,7 +61,8 @@ class AutoShard:
     """Collects constraints, then traces, builds the ILP, solves it and decodes a `Plan`.
 
     `mesh` is a DeviceMesh or a mesh shape (planning needs no process group). `network` and
-    `device` are preset names or profiles: they price communication and compute.
+    `device` are preset names or profiles: they price communication and compute. `unroll=False`
+    traces every repeated block instead of three (for blocks whose code depends on their depth).
     """
 
     def __init__(
@@ -73,6 +75,7 @@ class AutoShard:
         n_model_inputs: int = 1,
         network: NetworkProfile | str = "h100-node",
         device: DeviceProfile | str = "h100",
+        unroll: bool = True,
     ):
         self.model = model
         self.input_fn = input_fn
@@ -82,6 +85,7 @@ class AutoShard:
         self.n_model_inputs = n_model_inputs
         self.network = network if isinstance(network, NetworkProfile) else NetworkProfile.preset(network, len(self.mesh_shape))
         self.device = device if isinstance(device, DeviceProfile) else DeviceProfile.preset(device)
+        self.unroll = unroll
         self.spec = ProblemSpec()
         self.timings: dict[str, float] = {}
         self.plan: Plan | None = None
@@ -96,6 +100,13 @@ class AutoShard:
     def constrain_inputs(self, *layouts: Layout | str | None) -> None:
         """Layout of each user input (None = let the solver choose)."""
         self.spec.input_layouts = {i: _as_layout(lay) for i, lay in enumerate(layouts) if lay is not None}
+
+    def constrain_outputs(self, *layouts: Layout | str | None) -> None:
+        """Layout of each tensor the model returns, in pytree order (None = let the solver choose);
+        the loss function then reads outputs in these layouts."""
+        if self.loss_fn is None:
+            raise ValueError("constrain_outputs needs a loss_fn: without one the model's output is the loss")
+        self.spec.output_layouts = {i: _as_layout(lay) for i, lay in enumerate(layouts) if lay is not None}
 
     def memory_budget(self, param_bytes_per_rank: float | None) -> None:
         """Cap on parameter bytes per rank (None = total / world size, i.e. fully sharded)."""
@@ -116,7 +127,14 @@ class AutoShard:
         if self.loss_fn is None:
             return model(*inputs)
         k = self.n_model_inputs
-        return self.loss_fn(model(*inputs[:k]), *inputs[k:])
+        outputs = model(*inputs[:k])
+        if self.spec.output_layouts:
+            count = sum(isinstance(leaf, torch.Tensor) for leaf in torch.utils._pytree.tree_leaves(outputs))
+            if max(self.spec.output_layouts) >= count:
+                raise ValueError(f"output constraint for output {max(self.spec.output_layouts)}, but the model "
+                                 f"returns {count} tensor(s)")
+            outputs = mark_outputs(outputs)
+        return self.loss_fn(outputs, *inputs[k:])
 
     def optimize(self, *, backend: str = "auto", time_limit: float | None = None,
                  solve_with: Callable[[ShardingProblem], solver.Solution] | None = None) -> Plan:
@@ -136,7 +154,7 @@ class AutoShard:
         # Planning sees global shapes only: no ambient mode (e.g. LocalTensorMode) applies to it.
         with tc.no_dispatch_modes(), contextlib.ExitStack() as stack:  # the tracer's fake mode ends here
             with self._stage("trace"):
-                graph = trace_joint(self.model, self._step, inputs, stack)
+                graph = trace_step(self.model, self._step, inputs, stack, unroll=self.unroll)
             with self._stage("build"):
                 sharding = build_problem(graph, self.mesh_shape, planner, self.device, self.spec)
             with self._stage("solve"):

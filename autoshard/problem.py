@@ -9,6 +9,7 @@ edge is priced by the redistribute planner for that tensor's shape and dtype: th
 from __future__ import annotations
 
 import fnmatch
+import functools
 import hashlib
 import math
 import operator
@@ -48,6 +49,7 @@ class ProblemSpec:
     """User constraints on top of the graph (layouts are text or Layout)."""
 
     input_layouts: dict[int, Layout] = field(default_factory=dict)  # user input index -> layout
+    output_layouts: dict[int, Layout] = field(default_factory=dict)  # model output index -> layout
     pins: dict[str, Layout] = field(default_factory=dict)  # parameter FQN pattern -> layout
     param_memory_bytes: float | None = None  # per rank; None = total / world size (FSDP level)
 
@@ -82,11 +84,29 @@ def _val(node: fx.Node, index: int = 0):
 
 
 def _placeholder_strategies(node: fx.Node, mesh_shape, allowed: Layout | None) -> list[Strategy]:
-    val = node.meta["val"]
-    layouts = layouts_for(tuple(val.shape), mesh_shape, allow_partial=False)
+    return list(_layout_strategies(tuple(node.meta["val"].shape), tuple(mesh_shape), allowed))
+
+
+@functools.lru_cache(maxsize=None)
+def _layout_strategies(shape: tuple[int, ...], mesh_shape: tuple[int, ...], allowed: Layout | None) -> tuple[Strategy, ...]:
+    """Shared Strategy objects per shape: placeholders of repeated blocks then share cost matrices."""
+    layouts = layouts_for(shape, mesh_shape, allow_partial=False)
     if allowed is not None:
         layouts = [lay for lay in layouts if lay == allowed]
-    return [Strategy(outputs=(lay,), inputs=(), compute_s=0.0) for lay in layouts]
+    return tuple(Strategy(outputs=(lay,), inputs=(), compute_s=0.0) for lay in layouts)
+
+
+def _with_output(node: fx.Node, choices: list[Strategy], index: int, layout: Layout, mesh_shape) -> list[Strategy]:
+    """The strategies of model output `index` that produce `layout`."""
+    shape = tuple(node.meta["val"].shape)
+    try:
+        layout.validate(len(shape), mesh_shape)
+    except ValueError as err:
+        raise ValueError(f"output {index} (shape {shape}): {err}") from None
+    kept = [s for s in choices if s.outputs[0] == layout]
+    if not kept:
+        raise ValueError(f"output {index}: layout {layout} does not split shape {shape} evenly on mesh {mesh_shape}")
+    return kept
 
 
 def _local_bytes(layout: Layout, val, mesh_shape) -> float:
@@ -124,6 +144,10 @@ def build_problem(graph: JointGraph, mesh_shape: tuple[int, ...], planner: Plann
                 alias[node] = Producer(alias[parent].node if parent in alias else parent.name, index)
                 continue
             strategies[node.name] = node_strategies(node, mesh_shape, device)
+            output = graph.output_index(node)
+            if output in spec.output_layouts:
+                strategies[node.name] = _with_output(node, strategies[node.name], output, spec.output_layouts[output],
+                                                     mesh_shape)
         else:
             continue
         fx_nodes[node.name] = node
@@ -166,26 +190,36 @@ def _resolve_pins(graph: JointGraph, pins: dict[str, Layout], mesh_shape) -> dic
 def _fill_solver_problem(sp: ShardingProblem, planner: Planner, spec: ProblemSpec, param_fqn) -> None:
     problem = sp.problem
     mesh_shape = sp.mesh_shape
+    # Repeated blocks share Strategy objects (strategies.py caches them by op signature), so labels
+    # and cost matrices are keyed by object identity: formatting and comparing layouts is the slow part.
+    labels: dict[int, str] = {}
     for name, choices in sp.strategies.items():
         node = sp.fx_nodes[name]
         memory = [0.0] * len(choices)
         if node in param_fqn and name == node.name:
             memory = [_local_bytes(s.outputs[0], node.meta["val"], mesh_shape) for s in choices]
-        problem.add_node(name, [solver.Choice(label=str(s), cost=s.compute_s, memory=m)
-                                for s, m in zip(choices, memory)])
+        problem.add_node(name, [
+            solver.Choice(label=labels.get(id(s)) or labels.setdefault(id(s), str(s)), cost=s.compute_s, memory=m)
+            for s, m in zip(choices, memory)])
 
     # One edge per (producer, consumer) pair; several slots fed by one producer add up.
-    matrix_cache: dict = {}
+    matrix_cache: dict = {}  # by layouts
+    matrix_by_id: dict = {}  # by Strategy identity: the fast path for repeated blocks
     for consumer, producers in sp.inputs.items():
         merged: dict[str, list[list[float]]] = {}
         for slot, producer in enumerate(producers):
             shape, dtype = sp.tensor_meta(producer)
-            srcs = tuple(s.outputs[producer.output] for s in sp.strategies[producer.node])
-            dsts = tuple(s.inputs[slot] for s in sp.strategies[consumer])
-            key = (srcs, dsts, shape, dtype.itemsize)
-            if key not in matrix_cache:
-                matrix_cache[key] = _cost_matrix(planner, srcs, dsts, shape, dtype.itemsize)
-            matrix = matrix_cache[key]
+            src_choices, dst_choices = sp.strategies[producer.node], sp.strategies[consumer]
+            key = (tuple(map(id, src_choices)), producer.output, tuple(map(id, dst_choices)), slot, shape, dtype.itemsize)
+            matrix = matrix_by_id.get(key)
+            if matrix is None:
+                srcs = tuple(s.outputs[producer.output] for s in src_choices)
+                dsts = tuple(s.inputs[slot] for s in dst_choices)
+                by_value = (srcs, dsts, shape, dtype.itemsize)
+                matrix = matrix_cache.get(by_value)
+                if matrix is None:
+                    matrix = matrix_cache[by_value] = _cost_matrix(planner, srcs, dsts, shape, dtype.itemsize)
+                matrix_by_id[key] = matrix
             if producer.node in merged:
                 merged[producer.node] = [[a + b for a, b in zip(r1, r2)]
                                          for r1, r2 in zip(merged[producer.node], matrix)]

@@ -57,7 +57,7 @@ def _signature(graph: JointGraph, node: fx.Node, position: dict[fx.Node, int], b
     shapes = tuple(tuple(v.shape) for v in (val if isinstance(val, (tuple, list)) else [val])
                    if hasattr(v, "shape"))
     wiring = []
-    for arg in _flat_args(node):
+    for arg in flat_args(node):
         if isinstance(arg, fx.Node):
             # Inputs from outside the block (previous block, parameters) may differ per copy.
             wiring.append(("in", position[arg]) if arg in position else ("ext",))
@@ -80,7 +80,7 @@ def _path(graph: JointGraph, node: fx.Node) -> str:
     return graph.module_path(node)
 
 
-def _flat_args(node: fx.Node) -> list:
+def flat_args(node: fx.Node) -> list:
     """Every leaf of (args, kwargs): graph nodes and constants, in order."""
     flat: list = []
     fx.node.map_aggregate((node.args, node.kwargs), flat.append)

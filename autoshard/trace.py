@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
@@ -20,6 +20,7 @@ from torch import fx, nn
 from . import _torch_compat as tc
 
 MODULE_KEY = "autoshard_module"
+OUTPUT_KEY = "autoshard_output"  # index of a model output marked by `mark_outputs`
 
 
 @dataclass
@@ -33,7 +34,6 @@ class JointGraph:
     tangents: list[fx.Node]  # seed gradient of the loss
     loss: fx.Node  # the loss value (first output)
     grads: dict[str, fx.Node]  # parameter FQN -> node computing its gradient
-    joint: Any = field(repr=False)  # torch's JointWithDescriptors, kept for lowering later
 
     @property
     def nodes(self) -> list[fx.Node]:
@@ -50,6 +50,24 @@ class JointGraph:
 
     def is_backward(self, node: fx.Node) -> bool:
         return node.meta.get("partitioner_tag") == "is_backward"
+
+    def output_index(self, node: fx.Node) -> int | None:
+        """Which model output `node` is, if `mark_outputs` marked it."""
+        return (node.meta.get("custom") or {}).get(OUTPUT_KEY)
+
+
+def mark_outputs(outputs: Any) -> Any:
+    """Copy each tensor of a model's outputs (in pytree order) through a clone tagged with its
+    index, so an output-layout constraint can find the node (the loss consumes the copy)."""
+    leaves, spec = torch.utils._pytree.tree_flatten(outputs)
+    marked, index = [], 0
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor):
+            with fx.traceback.annotate({OUTPUT_KEY: index}):
+                leaf = leaf.clone()
+            index += 1
+        marked.append(leaf)
+    return torch.utils._pytree.tree_unflatten(marked, spec)
 
 
 class _StepModule(nn.Module):
@@ -180,4 +198,4 @@ def _describe(joint) -> JointGraph:
     if missing:
         raise ValueError(f"these parameters get no gradient from the loss: {', '.join(missing)}")
     return JointGraph(gm=gm, params=params, buffers=buffers, inputs=inputs, tangents=tangents,
-                      loss=loss, grads=grads, joint=joint)
+                      loss=loss, grads=grads)

@@ -62,9 +62,17 @@ class Arrays:
         def keep(m):
             return m if costs else np.where(np.isfinite(m), 0.0, m)
 
+        shared: dict[int, np.ndarray] = {}  # edges holding the same matrix object share one array
+
+        def edge_array(e: Edge) -> np.ndarray:
+            m = shared.get(id(e.cost))
+            if m is None:
+                m = shared[id(e.cost)] = keep(np.array(e.cost, float))
+            return m
+
         return cls([keep(np.array([c.cost for c in n.choices], float)) for n in problem.nodes],
                    [np.array([c.memory for c in n.choices], float) for n in problem.nodes],
-                   [keep(np.array(e.cost, float)) for e in problem.edges])
+                   [edge_array(e) for e in problem.edges])
 
 
 class Reduction:

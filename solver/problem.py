@@ -117,6 +117,7 @@ class Problem:
     edges: list[Edge] = field(default_factory=list)
     constraints: list[Constraint] = field(default_factory=list)
     regions: list[RepeatedRegion] = field(default_factory=list)
+    _converted: dict = field(default_factory=dict, repr=False, compare=False)  # id(matrix) -> (matrix, floats)
 
     # ---- building helpers -------------------------------------------------------------------
     def add_node(self, name: str, choices: Sequence[Choice | str]) -> Node:
@@ -125,7 +126,12 @@ class Problem:
         return node
 
     def add_edge(self, src: str, dst: str, cost: Sequence[Sequence[float]]) -> Edge:
-        edge = Edge(src, dst, [list(map(float, row)) for row in cost])
+        """Edges passed the same matrix object share one converted copy: repeated blocks pass the
+        same matrices thousands of times (the matrix must not be changed after it is added)."""
+        held = self._converted.get(id(cost))
+        if held is None or held[0] is not cost:
+            held = self._converted[id(cost)] = (cost, [list(map(float, row)) for row in cost])
+        edge = Edge(src, dst, held[1])
         self.edges.append(edge)
         return edge
 
@@ -183,12 +189,16 @@ class Problem:
                 raise ValueError(f"{what} refers to unknown node {name!r}")
             return count[name]
 
+        checked: set[int] = set()  # shared matrices are checked once
         for e in self.edges:
             what = f"edge {e.src!r}->{e.dst!r}"
             rows, cols = known(e.src, what), known(e.dst, what)
             if len(e.cost) != rows or any(len(r) != cols for r in e.cost):
                 shape = f"{len(e.cost)}x{[len(r) for r in e.cost]}"
                 raise ValueError(f"{what}: cost matrix must be {rows}x{cols}, got {shape}")
+            if id(e.cost) in checked:
+                continue
+            checked.add(id(e.cost))
             m = np.asarray(e.cost, dtype=float)
             if not (m >= 0).all():  # also catches NaN
                 _check_cost(float(m[~(m >= 0)][0]), f"{what} cost")

@@ -17,7 +17,8 @@ def tokens(batch, seq):
     return lambda: (torch.empty(batch, seq, dtype=torch.int64, device="meta"),) * 2
 
 
-def plan_for(mesh, batch=8, seq=64, cfg=None, device="h100", pins=None, budget=None, inputs=None, **kw):
+def plan_for(mesh, batch=8, seq=64, cfg=None, device="h100", pins=None, budget=None, inputs=None, outputs=None,
+             **kw):
     cfg = cfg or get_config("llama3-tiny")
     model = build_model(cfg, device="meta")
     with AutoShard(model, tokens(batch, seq), mesh, loss_fn=cross_entropy_loss, device=device, **kw) as auto:
@@ -27,6 +28,8 @@ def plan_for(mesh, batch=8, seq=64, cfg=None, device="h100", pins=None, budget=N
             auto.memory_budget(budget)
         if inputs:
             auto.constrain_inputs(*inputs)
+        if outputs:
+            auto.constrain_outputs(*outputs)
         return auto.optimize(), auto
 
 
@@ -116,6 +119,27 @@ def test_pin_that_cannot_split_the_parameter_is_named():
 def test_input_constraint_on_a_missing_tensor_dim():
     with pytest.raises(ValueError, match=r"input 0 \(shape \(8, 64\)\).*shards tensor dim 2"):
         plan_for((2, 2), inputs=["S(2)R"])
+
+
+@pytest.mark.parametrize("layout", ["S(0)S(2)", "RR"])
+def test_output_constraint_fixes_the_logits_layout(tiny_2x2, layout):
+    free, _ = tiny_2x2
+    plan, auto = plan_for((2, 2), outputs=[layout])
+    marked = [n for n in plan.graph.nodes if plan.graph.output_index(n) == 0]
+    assert len(marked) == 1 and tuple(marked[0].meta["val"].shape) == (8, 64, 256)  # the logits
+    assert str(plan.strategies[marked[0].name].outputs[0]) == layout
+    assert plan.step_time_s >= free.step_time_s * (1 - 1e-9)
+
+
+def test_output_constraint_errors():
+    with pytest.raises(ValueError, match=r"output 0 \(shape \(8, 64, 256\)\).*shards tensor dim 3"):
+        plan_for((2, 2), outputs=["S(3)R"])
+    with pytest.raises(ValueError, match=r"output constraint for output 1, but the model returns 1 tensor"):
+        plan_for((2, 2), outputs=[None, "RR"])
+    model = torch.nn.Linear(4, 4)
+    with AutoShard(model, lambda: torch.zeros(2, 4), (2,)) as auto:
+        with pytest.raises(ValueError, match="constrain_outputs needs a loss_fn"):
+            auto.constrain_outputs("R")
 
 
 def test_unknown_profiles_are_named():

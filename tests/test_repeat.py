@@ -1,0 +1,132 @@
+"""Tracing three repeated blocks and unrolling the rest gives the graph a full trace gives."""
+
+import contextlib
+import logging
+
+import pytest
+import torch
+from torch import fx, nn
+
+from autoshard.api import AutoShard
+from autoshard.repeat import repeated_block_list, trace_step
+from autoshard.trace import trace_joint
+from models import build_model, cross_entropy_loss, get_config
+
+LOG = "autoshard"
+
+
+def llama_step(model, tokens, targets):
+    return cross_entropy_loss(model(tokens), targets)
+
+
+def traced(model, args, step=llama_step, unrolled=True):
+    with contextlib.ExitStack() as stack:
+        return trace_step(model, step, args, stack) if unrolled else trace_joint(model, step, args, stack)
+
+
+def canonical(graph):
+    """Every node as (op, target, module path, shapes, args by position): equal graphs, equal lists."""
+    index = {node: i for i, node in enumerate(graph.nodes)}
+    rows = []
+    for node in graph.nodes:
+        if node.op == "output":
+            continue
+        args = []
+        fx.node.map_aggregate((node.args, node.kwargs), lambda a: args.append(
+            ("node", index[a]) if isinstance(a, fx.Node) else ("const", repr(a))))
+        val = node.meta.get("val")
+        shapes = tuple((tuple(v.shape), v.dtype) for v in (val if isinstance(val, (tuple, list)) else [val])
+                       if isinstance(v, torch.Tensor))
+        target = "" if node.op == "placeholder" else str(node.target)
+        rows.append((node.op, target, graph.module_path(node), shapes, tuple(args)))
+    roles = (
+        [(fqn, index[node], index[graph.grads[fqn]]) for fqn, node in graph.params.items()],
+        [(fqn, index[node]) for fqn, node in graph.buffers.items()],
+        [index[n] for n in graph.inputs], [index[n] for n in graph.tangents], index[graph.loss])
+    return rows, roles
+
+
+def tiny(n_layers):
+    return build_model(get_config("llama3-tiny").with_(n_layers=n_layers), device="meta")
+
+
+@pytest.mark.parametrize("n_layers", [4, 7])
+def test_unrolled_llama_equals_the_full_trace(n_layers, caplog):
+    model = tiny(n_layers)
+    tokens = torch.zeros(2, 16, dtype=torch.int64)
+    with caplog.at_level(logging.INFO, logger=LOG):
+        unrolled = traced(model, (tokens, tokens))
+    assert f"traced 3 of the {n_layers} blocks of layers" in caplog.text
+    full = traced(model, (tokens, tokens), unrolled=False)
+    rows, roles = canonical(unrolled)
+    assert (rows, roles) == canonical(full)
+    assert list(unrolled.params) == [name for name, _ in model.named_parameters()]
+    last = f"layers.{n_layers - 1}.attention"
+    assert sum(unrolled.module_path(n) == last for n in unrolled.nodes) > 0
+    # The unrolled graph runs: placeholders are unique and the code generates.
+    assert "def forward" in unrolled.gm.code
+
+
+class Scaled(nn.Module):
+    """A block whose constant depends on its depth: not a repeat of its neighbours."""
+
+    def __init__(self, depth):
+        super().__init__()
+        self.lin = nn.Linear(8, 8, bias=False)
+        self.depth = depth
+
+    def forward(self, x):
+        return self.lin(x) * (self.depth + 1.0)
+
+
+class Stack(nn.Module):
+    def __init__(self, blocks, index_last=False):
+        super().__init__()
+        self.blocks = nn.ModuleList(blocks)
+        self.index_last = index_last
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.blocks[4](x) if self.index_last else x
+
+
+def sum_step(model, x):
+    return model(x).sum()
+
+
+@pytest.mark.parametrize("case, reason", [
+    ("depth", "differs from|wired unlike"),
+    ("indexed", "the cut model failed"),
+])
+def test_blocks_that_do_not_repeat_are_traced_in_full(case, reason, caplog):
+    torch.manual_seed(0)
+    model = Stack([Scaled(i) for i in range(5)], index_last=(case == "indexed"))
+    x = torch.randn(4, 8)
+    with caplog.at_level(logging.INFO, logger=LOG):
+        graph = traced(model, (x,), step=sum_step)
+    assert "tracing all 5 blocks of blocks" in caplog.text
+    assert any(part in caplog.text for part in reason.split("|"))
+    assert canonical(graph) == canonical(traced(model, (x,), step=sum_step, unrolled=False))
+
+
+def test_which_lists_unroll():
+    assert repeated_block_list(tiny(4))[0] == "layers"
+    assert repeated_block_list(tiny(3)) is None  # three blocks: nothing to save
+    mixed = Stack([nn.Linear(8, 8) for _ in range(4)] + [nn.Linear(8, 4)])
+    assert repeated_block_list(mixed) is None
+    shared = nn.Linear(8, 8)
+    assert repeated_block_list(Stack([nn.Sequential(shared, nn.ReLU()) for _ in range(5)])) is None
+
+
+def test_plans_with_and_without_unrolling_agree():
+    def plan(unroll):
+        model = tiny(6)
+        with AutoShard(model, lambda: (torch.zeros(8, 64, dtype=torch.int64),) * 2, (2, 2),
+                       loss_fn=cross_entropy_loss, unroll=unroll) as auto:
+            return auto.optimize()
+
+    fast, slow = plan(True), plan(False)
+    assert fast.param_layouts == slow.param_layouts
+    assert fast.step_time_s == pytest.approx(slow.step_time_s, rel=1e-9)
+    assert fast.comm_bytes == pytest.approx(slow.comm_bytes, rel=1e-9)
