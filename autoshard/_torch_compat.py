@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._op_schema import OpSchema, OpSpec, OpStrategy, TupleStrategy
 from torch.distributed.tensor._ops import utils as _ops_utils
 from torch.distributed.tensor._ops.single_dim_strategy import _PreparedSingleDimStrategy
-from torch.utils._python_dispatch import _disable_current_modes
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.distributed._local_tensor import (
     LocalTensor,
     LocalTensorMode,
@@ -89,6 +89,24 @@ def flattened_mesh(mesh: DeviceMesh, mesh_dims: tuple[int, ...]) -> DeviceMesh:
         )
     picked = tuple(names[d] for d in mesh_dims)
     return mesh[picked]._flatten("autoshard_" + "_".join(picked))
+
+
+def group_size(group: Any) -> int:
+    """Size of the process group a collective op names: a ProcessGroup, or the registered group
+    name functional collectives carry. c10d ops see the group boxed as a ScriptObject."""
+    if isinstance(group, torch.ScriptObject):
+        group = dist.ProcessGroup.unbox(group)
+    if hasattr(group, "size"):
+        return group.size()
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return _resolve_process_group(group).size()
+
+
+def op_call(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """(name without namespace, {schema argument name: value}) of one dispatched op call."""
+    schema = func._schema
+    return schema.name.split("::")[-1], dict(zip((a.name for a in schema.arguments), args)) | kwargs
 
 
 def wait(t: torch.Tensor) -> torch.Tensor:

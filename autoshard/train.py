@@ -10,12 +10,15 @@ Rank 0 writes `sharding.log` and `plan.json` (reusable as `--plan-file`), one `m
 per step, and distributed checkpoints every `--checkpoint-every` steps (written to a temporary
 directory, renamed when complete). `--resume` continues from the newest complete checkpoint with the
 losses an uninterrupted run would have had: the data is a pure function of (seed, step).
+`--wire-step K` meters step K's collectives on every rank (`autoshard.wire`: ring-model bytes per
+rank, measured the same way as any other program) and adds them to that step's metrics row.
 Run without torchrun, it trains on one process (a world of 1).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import math
@@ -38,6 +41,7 @@ import solver
 from .api import AutoShard
 from .cli import parse_mesh
 from .report import summary_lines, write_report
+from .wire import WireMeter, wire_row
 
 log = logging.getLogger("autoshard")
 
@@ -63,6 +67,7 @@ class Settings:
     plan_file: str | None = None
     checkpoint_every: int = 0
     resume: bool = False
+    wire_step: int = 0  # meter this step's collectives (0: none)
     out: str = "runs/debug"
 
 
@@ -89,6 +94,8 @@ def _parse(argv: list[str] | None) -> Settings:
     p.add_argument("--plan-file", default=None, help="reuse a plan.json written by an earlier run or `plan`")
     p.add_argument("--checkpoint-every", type=int, default=0, help="checkpoint every K steps (0: never)")
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --out")
+    p.add_argument("--wire-step", type=int, default=0,
+                   help="meter step K's collectives into its metrics row (slows that step; 0: never)")
     p.add_argument("--out", default=d.out, help="run directory")
     a = p.parse_args(argv)
     mesh = parse_mesh(a.mesh)
@@ -105,10 +112,12 @@ def _parse(argv: list[str] | None) -> Settings:
         raise UsageError(f"--batch {a.batch} is not divisible by the {names[0]} size {mesh[0]} (mesh dim 0)")
     if a.checkpoint_every < 0:
         raise UsageError(f"--checkpoint-every must be >= 0, got {a.checkpoint_every}")
+    if a.wire_step < 0:
+        raise UsageError(f"--wire-step must be >= 0, got {a.wire_step}")
     return Settings(model=a.model, mesh=mesh, mesh_names=names, batch=a.batch, seq=a.seq, steps=a.steps,
                     lr=a.lr, seed=a.seed, data_seed=a.data_seed, network=a.network,
                     device_profile=a.device_profile, memory_budget=a.memory_budget, plan_file=a.plan_file,
-                    checkpoint_every=a.checkpoint_every, resume=a.resume, out=a.out)
+                    checkpoint_every=a.checkpoint_every, resume=a.resume, wire_step=a.wire_step, out=a.out)
 
 
 def _config(settings: Settings):
@@ -296,18 +305,22 @@ def train(settings: Settings) -> list[float]:
         t0 = time.perf_counter()
         batch = data.batch(step - 1, settings.batch, settings.seq)
         inputs = pmodel.shard_inputs(batch.inputs, batch.targets)  # moved to the mesh's device
-        loss = pmodel(*inputs)
-        loss.backward()
-        optim.step()
-        optim.zero_grad(set_to_none=True)
-        value = loss.item()
+        meter = WireMeter() if step == settings.wire_step else None
+        with contextlib.nullcontext() if meter is None else meter:
+            loss = pmodel(*inputs)
+            loss.backward()
+            optim.step()
+            optim.zero_grad(set_to_none=True)
+            value = loss.item()
         elapsed = time.perf_counter() - t0
         peaks = [None] * dist.get_world_size()
         dist.all_gather_object(peaks, round(_peak_rss_mb(), 1))
         losses.append(value)
+        row = {"step": step, "loss": value, "step_s": elapsed, "tokens_per_s": tokens / elapsed,
+               "peak_rss_mb_per_rank": peaks}
+        if meter is not None:
+            row |= wire_row(meter.stats)  # every rank takes part
         if rank == 0:
-            row = {"step": step, "loss": value, "step_s": elapsed, "tokens_per_s": tokens / elapsed,
-                   "peak_rss_mb_per_rank": peaks}
             with metrics_path.open("a") as f:
                 f.write(json.dumps(row) + "\n")
             log.info("step %4d/%d  loss %.4f  %8.0f tok/s  peak rss %.0f MiB", step, settings.steps, value,

@@ -83,6 +83,7 @@ def run_main(args: list[str], capsys) -> tuple[int, str]:
     ([*TINY, "--mesh", "1", "--plan-file", "{tmp}/corrupt.json"], "not a plan file (JSONDecodeError"),
     ([*TINY, "--mesh", "1", "--plan-file", "{tmp}/missing.json"], "no such file"),
     ([*TINY, "--mesh", "1", "--memory-budget", "1", "--out", "{tmp}/run"], "infeasible"),
+    ([*TINY, "--mesh", "1", "--wire-step", "-1"], "--wire-step must be >= 0"),
 ])
 def test_bad_input_is_one_line(tmp_path, capsys, args, message):
     (tmp_path / "corrupt.json").write_text("{not json")

@@ -1,0 +1,261 @@
+"""Real training on a (2,2) gloo mesh: autoshard's parallel module vs the hand-written FSDP+TP recipe.
+
+Back to back, same model, global batch, sequence, steps, lr, init seed and data seed, 4 processes
+under torchrun (OMP_NUM_THREADS=1):
+
+  autoshard   `python -m autoshard.train` (plans, applies, trains; planning is timed apart)
+  recipe      benchmarks/recipe_train.py (torchtitan's llama3 TP plan + FSDP2, torch's own APIs)
+
+and, in this process, the single-device reference (models/train_single.py). Both parallel loss
+curves must match the reference (fp32); a mismatch exits non-zero. Bytes on the wire are measured
+the same way for both: `autoshard.wire.WireMeter` around one training step on every rank, pricing
+each collective it sees (functional or c10d) with the ring model.
+
+    python benchmarks/training.py            # llama3-debug, global batch 8, seq 256, 20 steps (~4 min)
+    python benchmarks/training.py --quick    # llama3-tiny, 5 steps (CI smoke check)
+    python benchmarks/training.py --json out.json [--out runs/bench-training]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+# This folder holds solver.py (the solver benchmark): keep it from shadowing the solver package.
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
+
+ROOT = Path(_HERE).parent
+LOSS_RTOL = 1e-4  # |loss - reference| / |reference|, every step; fp32 runs land near 1e-6
+# Parameters shown side by side: one of each role in the TP recipe.
+SHOWN = ("tok_embeddings.weight", "layers.0.attention_norm.weight", "layers.0.attention.wq.weight",
+         "layers.0.attention.wo.weight", "layers.0.feed_forward.w1.weight", "layers.0.feed_forward.w2.weight",
+         "norm.weight", "output.weight")
+
+
+@dataclass(frozen=True)
+class Workload:
+    model: str
+    batch: int  # global
+    seq: int
+    steps: int
+    mesh: str = "2x2"
+    lr: float = 3e-3
+    seed: int = 0
+    data_seed: int = 0
+    warmup: int = 2  # steps left out of the throughput mean
+    wire_step: int = 2  # the metered step: a warm-up step, since metering slows it
+
+    def args(self) -> list[str]:
+        """Command-line flags both trainers share."""
+        return ["--model", self.model, "--mesh", self.mesh, "--batch", str(self.batch), "--seq", str(self.seq),
+                "--steps", str(self.steps), "--lr", str(self.lr), "--seed", str(self.seed),
+                "--data-seed", str(self.data_seed), "--wire-step", str(self.wire_step)]
+
+
+FULL = Workload("llama3-debug", batch=8, seq=256, steps=20)
+QUICK = Workload("llama3-tiny", batch=8, seq=32, steps=5)
+
+
+@dataclass
+class RunFigures:
+    """One parallel run, read back from its metrics.jsonl."""
+
+    name: str
+    tokens_per_s: float  # mean over the steps after warm-up
+    median_tokens_per_s: float  # same steps; less sensitive to a busy machine
+    step_s: float  # mean, same steps
+    peak_rss_mb_per_rank: list[float]  # at the end of the run
+    wire_bytes_per_rank: list[int]  # during the metered step
+    wire_bytes_by_kind: dict[str, int]  # rank 0, metered step
+    wire_count_by_kind: dict[str, int]
+    losses: list[float]
+    max_abs_loss_dev: float = 0.0  # vs the single-device reference, over all steps
+    max_rel_loss_dev: float = 0.0
+    wall_s: float = 0.0  # the whole torchrun, start-up and planning included
+    run_dir: str = ""
+    layouts: dict[str, str] = field(default_factory=dict)  # SHOWN parameters
+
+    @property
+    def peak_rss_mb(self) -> float:
+        return max(self.peak_rss_mb_per_rank)
+
+    @property
+    def wire_bytes(self) -> int:
+        return max(self.wire_bytes_per_rank)
+
+
+class LossMismatch(RuntimeError):
+    """A parallel run's losses left the single-device curve; carries the figures."""
+
+    def __init__(self, message: str, figures: dict):
+        super().__init__(message)
+        self.figures = figures
+
+
+# ---------------------------------------------------------------------------------- running
+def _torchrun() -> list[str]:
+    """torchrun next to this interpreter (a fresh venv has one), else torch's module entry point."""
+    exe = Path(sys.executable).parent / "torchrun"
+    return [str(exe)] if exe.exists() else [sys.executable, "-m", "torch.distributed.run"]
+
+
+def _launch(name: str, target: list[str], work: Workload, out: Path) -> float:
+    """Run one 4-process training job; its console output goes to `out/console.txt`. Returns wall s."""
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    world = 1
+    for size in work.mesh.split("x"):
+        world *= int(size)
+    cmd = [*_torchrun(), "--standalone", f"--nproc_per_node={world}", *target, *work.args(), "--out", str(out)]
+    env = dict(os.environ, OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    print(f"[{name}] {' '.join(cmd)}", flush=True)
+    start = time.perf_counter()
+    with (out / "console.txt").open("w") as console:
+        done = subprocess.run(cmd, env=env, cwd=ROOT, stdout=console, stderr=subprocess.STDOUT, timeout=1800)
+    wall = time.perf_counter() - start
+    if done.returncode != 0:
+        tail = (out / "console.txt").read_text()[-4000:]
+        raise RuntimeError(f"{name} training failed (exit {done.returncode}):\n{tail}")
+    return wall
+
+
+def _figures(name: str, out: Path, work: Workload, wall: float) -> RunFigures:
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    if [r["step"] for r in rows] != list(range(1, work.steps + 1)):
+        raise RuntimeError(f"{name}: {out / 'metrics.jsonl'} has steps {[r['step'] for r in rows]}")
+    timed = rows[work.warmup:]
+    metered = next(r for r in rows if r["step"] == work.wire_step)
+    return RunFigures(
+        name=name, tokens_per_s=statistics.mean(r["tokens_per_s"] for r in timed),
+        median_tokens_per_s=statistics.median(r["tokens_per_s"] for r in timed),
+        step_s=statistics.mean(r["step_s"] for r in timed), peak_rss_mb_per_rank=rows[-1]["peak_rss_mb_per_rank"],
+        wire_bytes_per_rank=metered["wire_bytes_per_rank"], wire_bytes_by_kind=metered["wire_bytes_by_kind"],
+        wire_count_by_kind=metered["wire_count_by_kind"], losses=[r["loss"] for r in rows], wall_s=wall,
+        run_dir=str(out))
+
+
+def _compare(run: RunFigures, reference: list[float]) -> None:
+    devs = [abs(a - b) for a, b in zip(run.losses, reference)]
+    run.max_abs_loss_dev = max(devs)
+    run.max_rel_loss_dev = max(d / abs(b) for d, b in zip(devs, reference))
+
+
+def run(quick: bool = False, out_dir: str | os.PathLike = ROOT / "runs" / "bench-training") -> dict:
+    """Train both parallel versions and the reference; print and return the comparison.
+    Raises `LossMismatch` (after printing) when a parallel loss curve leaves the reference."""
+    from models.train_single import TrainSettings, train_single
+
+    work = QUICK if quick else FULL
+    out = Path(out_dir)
+    total_start = time.perf_counter()
+
+    auto_dir = out / "autoshard"
+    wall = _launch("autoshard", ["-m", "autoshard.train"], work, auto_dir)
+    auto = _figures("autoshard", auto_dir, work, wall)
+    report = json.loads((auto_dir / "plan.json").read_text())
+    planning_s = sum(report["timings"].values())
+    auto.layouts = {p["fqn"]: p["layout"] for p in report["parameters"] if p["fqn"] in SHOWN}
+
+    recipe_dir = out / "recipe"
+    wall = _launch("recipe", [str(Path(_HERE) / "recipe_train.py")], work, recipe_dir)
+    recipe = _figures("recipe", recipe_dir, work, wall)
+    recipe.layouts = {k: v for k, v in json.loads((recipe_dir / "layouts.json").read_text()).items() if k in SHOWN}
+
+    start = time.perf_counter()
+    single = train_single(TrainSettings(model=work.model, steps=work.steps, batch=work.batch, seq=work.seq,
+                                        lr=work.lr, seed=work.seed, data_seed=work.data_seed))
+    reference_s = time.perf_counter() - start
+    for r in (auto, recipe):
+        _compare(r, single.losses)
+
+    from autoshard.report import summary_lines
+
+    figures = {
+        "workload": asdict(work),
+        "autoshard": asdict(auto) | {"peak_rss_mb": auto.peak_rss_mb, "wire_bytes": auto.wire_bytes,
+                                     "planning_s": planning_s, "planning_stages_s": report["timings"],
+                                     "plan_summary": summary_lines(report)},
+        "recipe": asdict(recipe) | {"peak_rss_mb": recipe.peak_rss_mb, "wire_bytes": recipe.wire_bytes},
+        "reference": {"losses": single.losses, "wall_s": reference_s, "tokens_per_s": single.tokens_per_s},
+        "throughput_ratio": auto.tokens_per_s / recipe.tokens_per_s,
+        "wire_ratio": auto.wire_bytes / recipe.wire_bytes if recipe.wire_bytes else None,
+        "loss_rtol": LOSS_RTOL,
+        "wall_s": time.perf_counter() - total_start,
+    }
+    _print(figures, auto, recipe)
+    bad = [r.name for r in (auto, recipe) if not r.max_rel_loss_dev <= LOSS_RTOL]
+    if bad:
+        raise LossMismatch(f"loss curve of {', '.join(bad)} differs from the single-device reference by more "
+                           f"than {LOSS_RTOL:g} relative (see the table)", figures)
+    return figures
+
+
+# ---------------------------------------------------------------------------------- printing
+def _print(figures: dict, auto: RunFigures, recipe: RunFigures) -> None:
+    w = figures["workload"]
+    mib = 2 ** 20
+    print(f"\n{w['model']} on mesh {w['mesh']} (gloo, 4 processes, OMP_NUM_THREADS=1): global batch {w['batch']}, "
+          f"seq {w['seq']}, {w['steps']} steps; throughput = mean of steps {w['warmup'] + 1}-{w['steps']}; "
+          f"wire = ring-model bytes per rank during step {w['wire_step']}")
+    rows = [
+        ("tokens/s", f"{auto.tokens_per_s:,.0f}", f"{recipe.tokens_per_s:,.0f}"),
+        ("tokens/s (median)", f"{auto.median_tokens_per_s:,.0f}", f"{recipe.median_tokens_per_s:,.0f}"),
+        ("step s", f"{auto.step_s:.3f}", f"{recipe.step_s:.3f}"),
+        ("peak RSS MiB per rank (max)", f"{auto.peak_rss_mb:,.0f}", f"{recipe.peak_rss_mb:,.0f}"),
+        ("peak RSS MiB per rank (each)", " ".join(f"{x:.0f}" for x in auto.peak_rss_mb_per_rank),
+         " ".join(f"{x:.0f}" for x in recipe.peak_rss_mb_per_rank)),
+        ("wire MiB per rank per step", f"{auto.wire_bytes / mib:.2f}", f"{recipe.wire_bytes / mib:.2f}"),
+        *[(f"  {kind} MiB (count)", _kind(auto, kind), _kind(recipe, kind))
+          for kind in sorted(set(auto.wire_bytes_by_kind) | set(recipe.wire_bytes_by_kind))],
+        ("max |loss - single|", f"{auto.max_abs_loss_dev:.2e}", f"{recipe.max_abs_loss_dev:.2e}"),
+        ("max relative loss dev", f"{auto.max_rel_loss_dev:.2e}", f"{recipe.max_rel_loss_dev:.2e}"),
+        ("planning s", f"{figures['autoshard']['planning_s']:.1f}", "-"),
+        ("torchrun wall s", f"{auto.wall_s:.1f}", f"{recipe.wall_s:.1f}"),
+    ]
+    width = max(len(r[0]) for r in rows) + 2
+    print(f"{'':<{width}}{'autoshard':>22}{'recipe (FSDP2+TP)':>22}")
+    for label, a, b in rows:
+        print(f"{label:<{width}}{a:>22}{b:>22}")
+    print(f"throughput ratio autoshard / recipe: {figures['throughput_ratio']:.2f} (target >= 1.0); "
+          f"wire ratio: {figures['wire_ratio']:.2f}; single-device loss {auto.losses[0]:.4f} -> "
+          f"{figures['reference']['losses'][-1]:.4f}; total wall {figures['wall_s']:.0f} s")
+    print("\nparameter layouts [dp, tp]:")
+    print(f"{'parameter':<34}{'autoshard':>22}   recipe (torch placements)")
+    for name in SHOWN:
+        print(f"{name:<34}{auto.layouts.get(name, '?'):>22}   {recipe.layouts.get(name, '?')}")
+    print("\nautoshard plan: " + "\n                ".join(figures["autoshard"]["plan_summary"]))
+
+
+def _kind(run: RunFigures, kind: str) -> str:
+    return f"{run.wire_bytes_by_kind.get(kind, 0) / 2 ** 20:.2f} ({run.wire_count_by_kind.get(kind, 0)})"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="llama3-tiny, 5 steps (smoke check)")
+    p.add_argument("--json", help="write the figures here")
+    p.add_argument("--out", default=str(ROOT / "runs" / "bench-training"), help="run directories go here")
+    a = p.parse_args(argv)
+    code = 0
+    try:
+        figures = run(quick=a.quick, out_dir=a.out)
+    except LossMismatch as e:
+        print(f"FAIL: {e}", file=sys.stderr)
+        figures, code = e.figures, 1
+    if a.json:
+        Path(a.json).write_text(json.dumps(figures, indent=1))
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
