@@ -23,12 +23,13 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from .collectives import execute
+from .collectives import execute, execute_bucket
 from .costs import COLLECTIVE_KINDS
 from .layout import Layout
 from .plan import Plan
 from .planner import RedistributePlan
 from .problem import LOSS_SINK, grad_sink
+from .regions import block_of
 
 aten = torch.ops.aten
 
@@ -55,6 +56,24 @@ class Redistribute(nn.Module):
     def extra_repr(self) -> str:
         steps = " -> ".join(f"{s.kind}{list(s.mesh_dims)}" for s in self.plan.steps)
         return f"{self.producer} -> {self.consumer}: {self.plan.src} => {self.plan.dst} via {steps}"
+
+
+class Bucket(nn.Module):
+    """Redistributions whose first steps are one kind of collective on one set of mesh dims, run
+    with that step as one collective: parameter all-gathers and gradient reduce-scatters, grouped
+    per repeated block as FSDP groups them. Returns one local tensor per member."""
+
+    def __init__(self, members: list[Redistribute], mesh: Any):
+        super().__init__()
+        self.members, self.mesh = members, mesh
+
+    def forward(self, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return tuple(execute_bucket([m.plan for m in self.members], xs, self.mesh))
+
+    def extra_repr(self) -> str:
+        first = self.members[0].plan.steps[0]
+        return f"{first.kind}{list(first.mesh_dims)} of {len(self.members)}: " + ", ".join(
+            m.producer for m in self.members)
 
 
 @dataclass
@@ -94,6 +113,7 @@ def lower(plan: Plan, mesh: Any) -> Program:
         raise ValueError("the plan runs collectives over several mesh dims at once, which needs a DeviceMesh "
                          "with mesh_dim_names (init_device_mesh(..., mesh_dim_names=('dp', 'tp')))")
     joint, modules = _local_joint_graph(plan, mesh)
+    _bucket(plan, joint, modules, mesh)
     forward, backward, comm = _split(plan, joint, modules)
     graph = plan.graph
     inputs = [(tuple(n.meta["val"].shape), lay) for n, lay in zip(graph.inputs, plan.input_layouts)]
@@ -101,13 +121,13 @@ def lower(plan: Plan, mesh: Any) -> Program:
 
 
 # ---------------------------------------------------------------------------------- the local joint graph
-def _local_joint_graph(plan: Plan, mesh: Any) -> tuple[fx.Graph, dict[str, Redistribute]]:
+def _local_joint_graph(plan: Plan, mesh: Any) -> tuple[fx.Graph, dict[str, nn.Module]]:
     graph = plan.graph
     ms = plan.mesh_shape
     by_edge = {(r.consumer, r.slot): r for r in plan.redistributions}
     out = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
-    modules: dict[str, Redistribute] = {}
+    modules: dict[str, nn.Module] = {}
 
     def redistributed(value: fx.Node, consumer: str, slot: int) -> fx.Node:
         r = by_edge.get((consumer, slot))
@@ -158,8 +178,47 @@ def _local_shapes(node: fx.Node, layouts, mesh_shape) -> Any:
     return None if lay is None or not isinstance(val, torch.Tensor) else lay.local_shape(tuple(val.shape), mesh_shape)
 
 
+# ---------------------------------------------------------------------------------- buckets
+def _bucket(plan: Plan, joint: fx.Graph, modules: dict[str, nn.Module], mesh: Any) -> None:
+    """Group parameter all-gathers (plans starting with one, reading a parameter) and gradient
+    reduce-scatters (plans starting with one, writing a gradient) by (block, mesh dims, dtype);
+    each group of 2+ becomes one `Bucket` placed where its first member was. Gathers then run
+    per block at first use, scatters at the end of the backward (where the program has them)."""
+    graph = plan.graph
+    output = next(iter(reversed(joint.nodes)))
+    grad_of = dict(zip(output.args[0][1:], graph.params))  # gradient redistribution -> FQN
+    groups: dict[tuple, list[fx.Node]] = {}
+    for node in joint.nodes:
+        if node.op != "call_module" or not modules[node.target].plan.steps:
+            continue
+        first = modules[node.target].plan.steps[0]
+        source = node.args[0].meta.get("autoshard_source")
+        if first.kind == "all_gather" and source in graph.param_names:
+            fqn, dtype = graph.param_names[source], source.meta["val"].dtype
+        elif first.kind == "reduce_scatter" and node in grad_of:
+            fqn, dtype = grad_of[node], graph.params[grad_of[node]].meta["val"].dtype
+        else:
+            continue
+        groups.setdefault((first.kind, block_of(fqn), tuple(sorted(first.mesh_dims)), dtype), []).append(node)
+    for members in groups.values():
+        if len(members) < 2:
+            continue
+        name = f"bucket_{sum(isinstance(m, Bucket) for m in modules.values())}"
+        modules[name] = Bucket([modules[m.target] for m in members], mesh)
+        with joint.inserting_before(members[0]):
+            bucket = joint.call_module(name, tuple(m.args[0] for m in members))
+            bucket.meta[LOCAL_SHAPE] = [m.meta[LOCAL_SHAPE] for m in members]
+            for i, member in enumerate(members):
+                item = joint.call_function(operator.getitem, (bucket, i))
+                item.meta[LOCAL_SHAPE] = member.meta[LOCAL_SHAPE]
+                member.replace_all_uses_with(item)
+        for member in members:
+            joint.erase_node(member)
+            del modules[member.target]
+
+
 # ---------------------------------------------------------------------------------- forward / backward split
-def _split(plan: Plan, joint: fx.Graph, modules: dict[str, Redistribute]):
+def _split(plan: Plan, joint: fx.Graph, modules: dict[str, nn.Module]):
     """Forward = the loss and everything it depends on; backward = every other node."""
     output = next(iter(reversed(joint.nodes)))
     loss, *grads = output.args[0]
@@ -188,19 +247,27 @@ def _split(plan: Plan, joint: fx.Graph, modules: dict[str, Redistribute]):
     return forward, backward, _comm_stats(forward, backward, modules)
 
 
-def _comm_stats(forward: fx.GraphModule, backward: fx.GraphModule, modules: dict[str, Redistribute]) -> CommStats:
+def _comm_stats(forward: fx.GraphModule, backward: fx.GraphModule, modules: dict[str, nn.Module]) -> CommStats:
     """The collectives each phase of the program runs, in program order."""
     comm = CommStats()
     for phase, gm in (("forward", forward), ("backward", backward)):
         count, nbytes, steps = Counter(), Counter(), []
         for n in gm.graph.nodes:
-            if n.op == "call_module":
-                mod = modules[n.target]
-                for st in mod.plan.steps:
+            if n.op != "call_module":
+                continue
+            mod = modules[n.target]
+            runs = [(m, m.plan.steps[1:]) for m in mod.members] if isinstance(mod, Bucket) else [(mod, mod.plan.steps)]
+            if isinstance(mod, Bucket):  # the shared first step: one collective carrying every member
+                first = mod.members[0].plan.steps[0]
+                count[first.kind] += 1
+                nbytes[first.kind] += sum(m.plan.steps[0].bytes for m in mod.members)
+                steps.append((",".join(m.producer for m in mod.members), n.target, first.kind, first.mesh_dims))
+            for member, member_steps in runs:
+                for st in member_steps:
                     if st.kind in COLLECTIVE_KINDS:
                         count[st.kind] += 1
                         nbytes[st.kind] += st.bytes
-                        steps.append((mod.producer, mod.consumer, st.kind, st.mesh_dims))
+                        steps.append((member.producer, member.consumer, st.kind, st.mesh_dims))
         comm.count[phase], comm.bytes[phase], comm.steps[phase] = count, nbytes, steps
     return comm
 
