@@ -1,6 +1,7 @@
 # Two commands do all set-up on a fresh machine with only Python:
 #   make train   plan and train llama3-debug on a 2x2 CPU mesh under torchrun (writes runs/debug)
 #   make test    run the whole test suite
+# (make bench runs every benchmark, ~15 min, and rewrites benchmarks/results.json)
 # Both create .venv if missing and install torch==2.13.0 (the CPU wheel) before the project, so pip
 # never resolves torch from a loose range (which would pull gigabytes of CUDA packages).
 
@@ -9,7 +10,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.autoshard-installed
 
-.PHONY: test train install clean
+.PHONY: test train bench install clean
 
 install: $(STAMP)
 
@@ -26,6 +27,9 @@ train: $(STAMP)
 	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc_per_node=4 -m autoshard.train \
 		--model llama3-debug --mesh 2x2 --batch 8 --seq 64 --steps 30 --out runs/debug
 	@echo "sharding log: runs/debug/sharding.log   plan: runs/debug/plan.json   metrics: runs/debug/metrics.jsonl"
+
+bench: $(STAMP)
+	$(PY) -m benchmarks.run
 
 clean:
 	rm -rf $(VENV) *.egg-info

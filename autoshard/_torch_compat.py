@@ -152,6 +152,14 @@ def new_fake_mode() -> FakeTensorMode:
     return FakeTensorMode(allow_non_fake_inputs=False)
 
 
+def lazy_graph_module(root: torch.nn.Module, graph: torch.fx.Graph) -> torch.fx.GraphModule:
+    """A GraphModule that writes its Python code on first use: planning only walks the graph, and
+    generating code for llama3-8b's 7,400 nodes costs ~0.4 s."""
+    from torch.fx._lazy_graph_module import _LazyGraphModule
+
+    return _LazyGraphModule(root, graph)
+
+
 def export_joint(stack, module, args):
     """torch's joint forward+backward export with input/output descriptors."""
     return aot_export_joint_with_descriptors(stack, module, args)

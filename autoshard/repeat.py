@@ -22,6 +22,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import fx, nn
 
+from . import _torch_compat as tc
 from .regions import assign_blocks, flat_args
 from .trace import MODULE_KEY, JointGraph, trace_joint
 
@@ -282,7 +283,7 @@ class _Unroller:
                  for fqn, (_, traced, k) in self.params.items()}
         loss = self.lookup(g.loss)
         self.new.output((loss, *grads.values()))
-        gm = fx.GraphModule(g.gm, self.new)
+        gm = tc.lazy_graph_module(g.gm, self.new)
         return JointGraph(
             gm=gm, params={fqn: node for fqn, (node, _, _) in self.params.items()},
             buffers={fqn: self.lookup(node) for fqn, node in g.buffers.items()},

@@ -104,6 +104,8 @@ def plan_report(plan: Plan, *, timings: dict[str, float] | None = None, extra: d
             },
         },
     }
+    if plan.lowered_comm is not None:  # applied: what the program runs, buckets counted once
+        report["totals"]["program_count_by_collective"] = dict(sorted(plan.lowered_comm.total_count().items()))
     if timings:
         report["timings"] = {k: float(v) for k, v in timings.items()}
     report.update(extra or {})
@@ -253,6 +255,9 @@ def format_log(report: dict) -> str:
                 for k in kinds]
         rows.append(["total", str(sum(t["count_by_collective"].values())), human_bytes(t["comm_bytes"])])
         out += ["  " + line for line in _table(["kind", "count", "bytes"], rows, right={1, 2})]
+        if "program_count_by_collective" in t:
+            out.append(f"as the program runs them (a block's parameter gathers / gradient scatters bucketed): "
+                       f"{_counts(t['program_count_by_collective'])}")
     else:
         out.append("collectives per rank: none")
     out.append(f"redistributions: {t['redistributions']}")
@@ -283,6 +288,8 @@ def summary_lines(report: dict) -> list[str]:
     kinds = sorted(t["count_by_collective"])
     comm = ", ".join(f"{k} {human_bytes(t['bytes_by_collective'].get(k, 0.0))} x{t['count_by_collective'][k]}"
                      for k in kinds) or "none"
+    if "program_count_by_collective" in t:
+        comm += f"; run as {_counts(t['program_count_by_collective'])}"
     lines.append(f"comm per rank: {comm}")
     lines.append(f"parameters: {t['non_default_order_params']} / {t['params']} in non-default device order, "
                  f"{human_bytes(t['param_bytes_per_rank'])} per rank")
@@ -291,6 +298,10 @@ def summary_lines(report: dict) -> list[str]:
         stages = ", ".join(f"{k} {v:.1f} s" for k, v in report["timings"].items())
         lines.append(f"stages: {stages} (total {sum(report['timings'].values()):.1f} s)")
     return lines
+
+
+def _counts(counts: dict[str, int]) -> str:
+    return ", ".join(f"{k} x{n}" for k, n in counts.items()) or "none"
 
 
 def compare_lines(report: dict) -> list[str]:

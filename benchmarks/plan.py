@@ -3,8 +3,13 @@
 Each case runs in a fresh process (so peak RSS is that case's own), on meta tensors with no
 process group: trace, problem build (strategies + planner-priced edges), solve, decode.
 
-    python benchmarks/plan.py            # 8B (8,8), 70B (32,8), plus plan quality on 8B
-    python benchmarks/plan.py --quick    # a 2-layer 8B on (8,8) only (smoke check)
+Plan quality: llama3-8b on (8,8), seq 8192, b = 1 and 8 sequences per data-parallel group (global
+batch 8b), h100-node network and h100 device. autoshard free vs the FSDP+TP recipe pinned (same
+parameter budget), autoshard free vs pure FSDP pinned (budget total / world), the same autoshard
+plan with its parameters' device orders forced to the default, and ANCHORS.md's analytic volumes.
+
+    python benchmarks/plan.py            # 8B (8,8), 8B (32,8), 70B (32,8); quality at b=1 and b=8
+    python benchmarks/plan.py --quick    # a 2-layer 8B on (8,8), quality at b=1 only (smoke check)
     python benchmarks/plan.py --json out.json
 """
 
@@ -29,7 +34,7 @@ PEER = {
 }
 
 
-def _plan_case(model: str, mesh: tuple, batch: int, seq: int, layers: int | None, pins: str | None,
+def _plan_case(model: str, mesh: tuple, batch: int, seq: int, layers: int | None, pins: str | dict | None,
                budget_from_recipe: bool) -> dict:
     import torch
 
@@ -45,7 +50,7 @@ def _plan_case(model: str, mesh: tuple, batch: int, seq: int, layers: int | None
     with AutoShard(net, lambda: (torch.empty(batch, seq, dtype=torch.int64),) * 2, mesh,
                    loss_fn=cross_entropy_loss) as auto:
         if pins:
-            auto.pin(recipe_pins(pins))
+            auto.pin(recipe_pins(pins) if isinstance(pins, str) else pins)
         if budget_from_recipe:
             auto.memory_budget(param_bytes_per_rank(net, recipe_layouts(net, "fsdp-tp"), mesh))
         plan = auto.optimize()
@@ -56,7 +61,7 @@ def _plan_case(model: str, mesh: tuple, batch: int, seq: int, layers: int | None
         variables=stats.variables, constraints=stats.constraints, nodes=stats.nodes,
         step_ms=plan.step_time_s * 1e3, compute_ms=plan.compute_s * 1e3, comm_ms=plan.comm_s * 1e3,
         comm_gb=plan.comm_bytes / 1e9, non_default_order=len(plan.non_default_order_params()),
-        params=len(plan.param_layouts),
+        params=len(plan.param_layouts), layouts={fqn: str(lay) for fqn, lay in plan.param_layouts.items()},
     )
 
 
@@ -77,48 +82,83 @@ def analytic_gb(cfg, mesh, batch, seq, itemsize=4) -> dict:
     return dict(fsdp_tp=(fsdp + tp_bytes) / 1e9, fsdp=pure / 1e9)
 
 
+def _name(model: str, layers: int | None) -> str:
+    return f"{model}{'/' + str(layers) + 'L' if layers else ''}"
+
+
+def speed(quick: bool = False) -> list[dict]:
+    """Seconds per stage, total, peak RSS and ILP size of each case, with the peer's figures."""
+    cases = [("llama3-8b", (8, 8), 2)] if quick else [
+        ("llama3-8b", (8, 8), None), ("llama3-8b", (32, 8), None), ("llama3-70b", (32, 8), None)]
+    print("Planning speed (one process each, fake tensors, no process group; batch 8, seq 8192)")
+    print(f"{'case':<26}{'trace':>7}{'build':>7}{'solve':>7}{'total':>8}{'RSS GiB':>9}{'ILP vars':>10}"
+          f"   | peer: total, RSS")
+    rows = []
+    for model, mesh, layers in cases:
+        r = run_case(model, mesh, layers=layers)
+        r.pop("layouts")
+        t = r["timings"]
+        peer = PEER.get((model, mesh)) if not layers else None
+        peer_text = f"{peer['total']:.1f} s, {peer['rss_gib']:.1f} GiB" if peer else "-"
+        print(f"{_name(model, layers) + ' ' + str(mesh):<26}{t['trace']:>7.1f}{t['build']:>7.1f}{t['solve']:>7.1f}"
+              f"{r['total']:>8.1f}{r['rss_gib']:>9.2f}{r['variables']:>10}   | {peer_text}", flush=True)
+        rows.append(dict(model=model, mesh=mesh, layers=layers, **r, peer=peer))
+    return rows
+
+
+def quality(quick: bool = False) -> list[dict]:
+    """Modeled step time and comm bytes per rank of autoshard's plan and the hand-written ones."""
+    from autoshard.layout import Layout
+    from models import get_config
+
+    model, mesh, seq = "llama3-8b", (8, 8), 8192
+    layers = 2 if quick else None
+    cfg = get_config(model).with_(n_layers=layers) if layers else get_config(model)
+    results = []
+    for b in ((1,) if quick else (1, 8)):
+        batch = b * mesh[0]
+        print(f"\nPlan quality: {_name(model, layers)} on {mesh}, b={b} (global batch {batch}), seq {seq}, "
+              "h100-node network, h100 device (modeled per step, per rank, fp32)")
+        print(f"{'plan':<48}{'step ms':>9}{'comm ms':>9}{'comm GB':>9}{'non-default order':>19}")
+        rows = []
+
+        def show(label: str, r: dict) -> dict:
+            row = dict(plan=label, **{k: v for k, v in r.items() if k != "layouts"})
+            print(f"{label:<48}{r['step_ms']:>9.2f}{r['comm_ms']:>9.2f}{r['comm_gb']:>9.2f}"
+                  f"{r['non_default_order']:>12}/{r['params']}", flush=True)
+            rows.append(row)
+            return r
+
+        case = dict(batch=batch, seq=seq, layers=layers)
+        free = show("autoshard (budget = recipe's)", run_case(model, mesh, budget_from_recipe=True, **case))
+        show("FSDP+TP recipe, params pinned (acts free)", run_case(model, mesh, pins="fsdp-tp",
+                                                                   budget_from_recipe=True, **case))
+        default = {fqn: str(Layout(Layout.parse(text).placements)) for fqn, text in free["layouts"].items()}
+        show("autoshard, param orders forced to default", run_case(model, mesh, pins=default,
+                                                                   budget_from_recipe=True, **case))
+        show("autoshard (budget = total / world)", run_case(model, mesh, **case))
+        show("FSDP, params pinned (acts free)", run_case(model, mesh, pins="fsdp", **case))
+        est = analytic_gb(cfg, mesh, batch, seq)
+        print(f"{'analytic estimate (ANCHORS.md), FSDP+TP':<48}{'':>18}{est['fsdp_tp']:>9.2f}")
+        print(f"{'analytic estimate (ANCHORS.md), pure FSDP':<48}{'':>18}{est['fsdp']:>9.2f}")
+        by = {r["plan"]: r for r in rows}
+        checks = {
+            "autoshard <= recipe": by["autoshard (budget = recipe's)"]["step_ms"]
+            <= by["FSDP+TP recipe, params pinned (acts free)"]["step_ms"] * (1 + 1e-9),
+            "autoshard <= FSDP": by["autoshard (budget = total / world)"]["step_ms"]
+            <= by["FSDP, params pinned (acts free)"]["step_ms"] * (1 + 1e-9),
+        }
+        print("  " + ", ".join(f"{k}: {'yes' if v else 'NO'}" for k, v in checks.items()))
+        results.append(dict(b=b, batch=batch, seq=seq, layers=layers, plans=rows, analytic_gb=est, checks=checks))
+    return results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="2-layer llama3-8b on (8,8) only")
     parser.add_argument("--json", help="write the figures here")
     args = parser.parse_args()
-
-    cases = [("llama3-8b", (8, 8), 2)] if args.quick else [
-        ("llama3-8b", (8, 8), None), ("llama3-8b", (32, 8), None), ("llama3-70b", (32, 8), None)]
-    results = {"speed": [], "quality": []}
-    print("Planning speed (one process each, fake tensors, no process group)")
-    print(f"{'case':<26}{'trace':>7}{'build':>7}{'solve':>7}{'total':>8}{'RSS GiB':>9}{'ILP vars':>10}"
-          f"   | peer: total, RSS")
-    for model, mesh, layers in cases:
-        r = run_case(model, mesh, layers=layers)
-        t = r["timings"]
-        name = f"{model}{'/' + str(layers) + 'L' if layers else ''} {mesh}"
-        peer = PEER.get((model, mesh)) if not layers else None
-        peer_text = f"{peer['total']:.1f} s, {peer['rss_gib']:.1f} GiB" if peer else "-"
-        print(f"{name:<26}{t['trace']:>7.1f}{t['build']:>7.1f}{t['solve']:>7.1f}{r['total']:>8.1f}"
-              f"{r['rss_gib']:>9.2f}{r['variables']:>10}   | {peer_text}")
-        results["speed"].append(dict(model=model, mesh=mesh, layers=layers, **r, peer=peer))
-
-    from models import get_config
-
-    model, mesh, layers = cases[0]
-    cfg = get_config(model).with_(n_layers=layers) if layers else get_config(model)
-    print(f"\nPlan quality: {model}{'/' + str(layers) + 'L' if layers else ''} on {mesh}, batch 8, seq 8192, "
-          "h100-node network, h100 device (modeled per step, per rank, fp32)")
-    print(f"{'plan':<44}{'step ms':>9}{'comm ms':>9}{'comm GB':>9}{'non-default order':>19}")
-    variants = [("autoshard (free, budget = recipe's)", dict(budget_from_recipe=True)),
-                ("FSDP+TP recipe params pinned (acts free)", dict(pins="fsdp-tp", budget_from_recipe=True)),
-                ("autoshard (free, budget = total/world)", dict()),
-                ("FSDP params pinned (acts free)", dict(pins="fsdp"))]
-    for label, kw in variants:
-        r = run_case(model, mesh, layers=layers, **kw)
-        print(f"{label:<44}{r['step_ms']:>9.2f}{r['comm_ms']:>9.2f}{r['comm_gb']:>9.2f}"
-              f"{r['non_default_order']:>12}/{r['params']}")
-        results["quality"].append(dict(plan=label, **r))
-    est = analytic_gb(cfg, mesh, 8, 8192)
-    print(f"{'analytic estimate (ANCHORS.md), FSDP+TP':<44}{'':>9}{'':>9}{est['fsdp_tp']:>9.2f}")
-    print(f"{'analytic estimate (ANCHORS.md), pure FSDP':<44}{'':>9}{'':>9}{est['fsdp']:>9.2f}")
-    results["analytic_gb"] = est
+    results = {"speed": speed(args.quick), "quality": quality(args.quick)}
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1, default=str)

@@ -121,22 +121,18 @@ def latency(mesh_shape, profile: str, n: int) -> dict:
             "uncached_ms": statistics.median(uncached) * 1e3, "cold_first_plan_ms": cold * 1e3}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="fewer (4,4,4) pairs and latency samples")
-    parser.add_argument("--profile", default="h100-node")
-    parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
-    args = parser.parse_args()
+def run(quick: bool = False, profile: str = "h100-node") -> dict:
+    """Our plans' costs vs torch's planners (W/T/L) and planning latency; prints a summary."""
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     rnd = random.Random(0)
     with tc.fake_process_group(64):
         every2 = all_layouts(2, 2)
         every3 = all_layouts(3, 2)
         cases = [((8, 8), list(itertools.product(every2, every2))),
-                 ((4, 4, 4), [(rnd.choice(every3), rnd.choice(every3)) for _ in range(60 if args.quick else 400)])]
-        rows = [compare(mesh_shape, pairs, args.profile) for mesh_shape, pairs in cases]
-        lat = [latency(mesh_shape, args.profile, 20 if args.quick else 100) for mesh_shape, _ in cases]
-    print(f"\n4096x4096 bf16, profile {args.profile}: our plan cost vs torch's (W/T/L = ours cheaper/equal/dearer;")
+                 ((4, 4, 4), [(rnd.choice(every3), rnd.choice(every3)) for _ in range(60 if quick else 400)])]
+        rows = [compare(mesh_shape, pairs, profile) for mesh_shape, pairs in cases]
+        lat = [latency(mesh_shape, profile, 20 if quick else 100) for mesh_shape, _ in cases]
+    print(f"\n4096x4096 bf16, profile {profile}: our plan cost vs torch's (W/T/L = ours cheaper/equal/dearer;")
     print("n/a = pairs torch cannot redistribute; cost ratio = sum of ours / sum of torch's over the others)")
     print(f"{'mesh':<10}{'pairs':>6}  {'vs greedy W/T/L':>18} {'cost ratio':>10}  {'vs graph W/T/L':>18} {'cost ratio':>10}")
     for r in rows:
@@ -149,9 +145,19 @@ def main() -> None:
     print(f"\n{'mesh':<10}{'cached lookup':>15}{'uncached plan':>15}{'cold first plan':>17}")
     for r in lat:
         print(f"{str(tuple(r['mesh'])):<10}{r['cached_us']:>12.2f} us{r['uncached_ms']:>12.3f} ms{r['cold_first_plan_ms']:>14.2f} ms")
+    return {"profile": profile, "shape": SHAPE, "dtype": str(DTYPE), "costs": rows, "latency": lat}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer (4,4,4) pairs and latency samples")
+    parser.add_argument("--profile", default="h100-node")
+    parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    args = parser.parse_args()
+    results = run(args.quick, args.profile)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"profile": args.profile, "shape": SHAPE, "dtype": str(DTYPE), "costs": rows, "latency": lat}, f, indent=2)
+            json.dump(results, f, indent=2)
 
 
 if __name__ == "__main__":

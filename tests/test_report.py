@@ -11,7 +11,9 @@ import pytest
 import torch
 
 from autoshard.__main__ import main
+from autoshard import _torch_compat as tc
 from autoshard.api import AutoShard
+from autoshard.apply import parallelize
 from autoshard.cli import parse_bytes, parse_mesh
 from autoshard.report import format_log, human_bytes, plan_report, summary_lines, write_report
 from models import build_model, cross_entropy_loss, get_config
@@ -72,6 +74,21 @@ def test_log_has_table_graph_and_totals(tiny):
     assert "fingerprint: abc" in log
     lines = summary_lines(report)
     assert 1 <= len(lines) <= 8 and "modeled step" in lines[0]
+
+
+def test_applied_plan_reports_what_the_program_runs(tiny):
+    """After apply, the log shows the collectives the program runs (buckets counted once) beside
+    the modeled ones."""
+    plan, _, _ = tiny
+    with tc.simulated_mesh((2, 2)) as (mesh, _mode):
+        pmodel = parallelize(plan, mesh, build_model(get_config("llama3-tiny"), device="meta"))
+    report = plan_report(plan)
+    ran = report["totals"]["program_count_by_collective"]
+    assert ran == dict(sorted(pmodel.comm.total_count().items()))
+    assert ran["all_gather"] < report["totals"]["count_by_collective"]["all_gather"]  # gathers bucketed
+    assert f"all_gather x{ran['all_gather']}" in format_log(report)
+    assert f"run as all_gather x{ran['all_gather']}" in summary_lines(report)[1]
+    plan.lowered_comm = None  # the shared fixture's plan, as before
 
 
 def test_write_report_writes_both_files(tiny, tmp_path):

@@ -1,0 +1,139 @@
+"""Every benchmark from one entry point, each beside its baseline, and the README's tables.
+
+    python -m benchmarks.run            # full run (~15 min on 2 cores); writes benchmarks/results.json
+    python -m benchmarks.run --quick    # smoke check: small cases, writes nothing unless --json
+    python -m benchmarks.run --only speed,quality --json /tmp/r.json
+
+Sections (each also runs alone: benchmarks/plan.py, planner.py, training.py):
+  speed     planning llama3-8b (8,8), (32,8) and llama3-70b (32,8): seconds per stage, peak RSS,
+            ILP size, beside the nearest peer (ANCHORS.md)
+  quality   modeled step time and comm bytes of autoshard's plan vs the FSDP+TP recipe, pure FSDP,
+            forced-default device orders and the analytic estimate (llama3-8b (8,8), b=1 and 8)
+  planner   redistribution: our planner vs torch's greedy and graph planners (wins/ties/losses)
+  training  real training on a (2,2) gloo mesh: autoshard vs torch's fully_shard+parallelize_module
+
+Exit status 1 if a check fails: a loss curve off the single-device one, or autoshard's plan
+costing more than the recipe or pure FSDP.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+from benchmarks import plan as plan_bench
+from benchmarks import planner as planner_bench
+from benchmarks import training as training_bench
+
+SECTIONS = ("speed", "quality", "planner", "training")
+RESULTS = Path(__file__).resolve().parent / "results.json"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="small cases only (CI smoke check)")
+    p.add_argument("--only", default=",".join(SECTIONS), help=f"comma-separated subset of {','.join(SECTIONS)}")
+    p.add_argument("--json", help=f"write results here (default for a full run: {RESULTS})")
+    a = p.parse_args(argv)
+    only = [s.strip() for s in a.only.split(",") if s.strip()]
+    unknown = sorted(set(only) - set(SECTIONS))
+    if unknown:
+        p.error(f"unknown section(s) {', '.join(unknown)}; known: {', '.join(SECTIONS)}")
+
+    import torch
+
+    results: dict = {"meta": {
+        "date": datetime.datetime.now().isoformat(timespec="seconds"), "quick": a.quick, "sections": only,
+        "torch": torch.__version__, "python": platform.python_version(), "cpus": os.cpu_count()}}
+    failures: list[str] = []
+    start = time.perf_counter()
+    for section in only:
+        print(f"\n===== {section} =====", flush=True)
+        t0 = time.perf_counter()
+        if section == "speed":
+            results["speed"] = plan_bench.speed(a.quick)
+        elif section == "quality":
+            results["quality"] = plan_bench.quality(a.quick)
+            failures += [f"quality b={q['b']}: {name}" for q in results["quality"]
+                         for name, ok in q["checks"].items() if not ok]
+        elif section == "planner":
+            results["planner"] = planner_bench.run(a.quick)
+        elif section == "training":
+            try:
+                results["training"] = training_bench.run(quick=a.quick)
+            except training_bench.LossMismatch as err:
+                results["training"] = err.figures
+                failures.append(f"training: {err}")
+        results["meta"][f"{section}_s"] = round(time.perf_counter() - t0, 1)
+    results["meta"]["wall_s"] = round(time.perf_counter() - start, 1)
+
+    print("\n===== README tables =====\n")
+    print(markdown(results))
+    target = a.json or (None if a.quick or set(only) != set(SECTIONS) else str(RESULTS))
+    if target:
+        Path(target).write_text(json.dumps(results, indent=1, default=str) + "\n")
+        print(f"\nresults: {target}")
+    print(f"total {results['meta']['wall_s']:.0f} s")
+    for failure in failures:
+        print(f"FAIL {failure}", file=sys.stderr)
+    return 1 if failures else 0
+
+
+# ---------------------------------------------------------------------------------- tables
+def markdown(results: dict) -> str:
+    """The README's benchmark tables, from a results dict (any subset of sections)."""
+    parts = []
+    if "speed" in results:
+        rows = ["| case | trace s | build s | solve s | total s | peak RSS | ILP vars | nearest peer |",
+                "|---|---|---|---|---|---|---|---|"]
+        for r in results["speed"]:
+            t, peer = r["timings"], r.get("peer")
+            name = f"{r['model']}{'/' + str(r['layers']) + 'L' if r.get('layers') else ''} {tuple(r['mesh'])}"
+            peer_text = f"{peer['total']:.1f} s, {peer['rss_gib']:.1f} GiB" if peer else "-"
+            rows.append(f"| {name} | {t['trace']:.1f} | {t['build']:.1f} | {t['solve']:.1f} | {r['total']:.1f} | "
+                        f"{r['rss_gib']:.2f} GiB | {r['variables']:,} | {peer_text} |")
+        parts.append("\n".join(rows))
+    for q in results.get("quality", []):
+        rows = [f"b={q['b']} (global batch {q['batch']}), seq {q['seq']}:", "",
+                "| plan | step ms | comm ms | comm GB/rank | non-default order params |", "|---|---|---|---|---|"]
+        rows += [f"| {r['plan']} | {r['step_ms']:.1f} | {r['comm_ms']:.1f} | {r['comm_gb']:.2f} | "
+                 f"{r['non_default_order']}/{r['params']} |" for r in q["plans"]]
+        est = q["analytic_gb"]
+        rows += [f"| analytic, FSDP+TP (ANCHORS.md) | | | {est['fsdp_tp']:.2f} | |",
+                 f"| analytic, pure FSDP (ANCHORS.md) | | | {est['fsdp']:.2f} | |"]
+        parts.append("\n".join(rows))
+    if "planner" in results:
+        rows = ["| mesh | pairs | vs torch greedy W/T/L | cost ratio | vs torch graph W/T/L | cost ratio |",
+                "|---|---|---|---|---|---|"]
+        for r in results["planner"]["costs"]:
+            cells = []
+            for g in (r["greedy"], r["graph"]):
+                na = f" ({g['torch_errors']} n/a)" if g["torch_errors"] else ""
+                cells.append(f"{g['wins']}/{g['ties']}/{g['losses']}{na} | {g['total_cost_ratio']:.3f}")
+            rows.append(f"| {tuple(r['mesh'])} | {r['pairs']} | {' | '.join(cells)} |")
+        parts.append("\n".join(rows))
+    if "training" in results:
+        t = results["training"]
+        w, a, r = t["workload"], t["autoshard"], t["recipe"]
+        mib = 2 ** 20
+        rows = [f"{w['model']}, mesh {w['mesh']}, gloo, 4 processes, global batch {w['batch']}, seq {w['seq']}, "
+                f"{w['steps']} steps:", "",
+                "| | tokens/s | peak RSS/rank | wire MiB/rank/step | max rel. loss dev vs 1 device |",
+                "|---|---|---|---|---|"]
+        for name, f in (("autoshard", a), ("recipe (fully_shard + parallelize_module)", r)):
+            rows.append(f"| {name} | {f['tokens_per_s']:,.0f} | {f['peak_rss_mb']:,.0f} MiB | "
+                        f"{f['wire_bytes'] / mib:.2f} | {f['max_rel_loss_dev']:.1e} |")
+        rows += ["", f"Throughput ratio autoshard / recipe: **{t['throughput_ratio']:.2f}** (target >= 1.0); "
+                 f"autoshard planning {a['planning_s']:.1f} s (not in tokens/s)."]
+        parts.append("\n".join(rows))
+    return "\n\n".join(parts)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

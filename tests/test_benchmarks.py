@@ -1,0 +1,63 @@
+"""The benchmark entry point's quick mode (the CI smoke check; CI never runs the full benchmark):
+every section runs, autoshard's plans cost no more than the hand-written ones, our planner never
+loses to torch's, and both parallel trainings (autoshard and the FSDP2+TP recipe) match the
+single-device losses under torchrun while reporting throughput and bytes on the wire."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def quick(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench") / "results.json"
+    done = subprocess.run([sys.executable, "-m", "benchmarks.run", "--quick", "--json", str(out)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return json.loads(out.read_text()), done.stdout
+
+
+@pytest.mark.slow
+def test_quick_planning_sections(quick):
+    results, stdout = quick
+    (speed,) = results["speed"]
+    assert speed["model"] == "llama3-8b" and speed["layers"] == 2 and speed["variables"] > 0
+    assert set(speed["timings"]) >= {"trace", "build", "solve"} and speed["rss_gib"] > 0
+    (quality,) = results["quality"]
+    assert all(quality["checks"].values()), quality["checks"]
+    plans = {p["plan"]: p for p in quality["plans"]}
+    assert plans["autoshard, param orders forced to default"]["non_default_order"] == 0
+    for mesh in results["planner"]["costs"]:
+        assert mesh["greedy"]["losses"] == 0 and mesh["graph"]["losses"] == 0
+    assert "| plan | step ms |" in stdout and "| mesh | pairs |" in stdout  # the README tables
+
+
+@pytest.mark.slow
+def test_quick_training_section(quick):
+    figures = quick[0]["training"]
+    steps = figures["workload"]["steps"]
+    reference = figures["reference"]["losses"]
+    assert len(reference) == steps and reference[-1] < reference[0]
+    for name in ("autoshard", "recipe"):
+        run = figures[name]
+        assert len(run["losses"]) == steps
+        assert run["max_rel_loss_dev"] <= figures["loss_rtol"], (name, run["losses"], reference)
+        assert run["tokens_per_s"] > 0 and run["peak_rss_mb"] > 0
+        assert len(run["wire_bytes_per_rank"]) == 4 and run["wire_bytes"] > 0
+        assert sum(run["wire_bytes_by_kind"].values()) == pytest.approx(run["wire_bytes_per_rank"][0], abs=4)
+    assert figures["autoshard"]["planning_s"] > 0
+    assert math.isclose(figures["throughput_ratio"],
+                        figures["autoshard"]["tokens_per_s"] / figures["recipe"]["tokens_per_s"])
+    # the recipe's parameters are laid out as ANCHORS.md says torchtitan's are
+    layouts = figures["recipe"]["layouts"]
+    assert layouts["layers.0.attention.wq.weight"].startswith("_StridedShard(dim=0")
+    assert layouts["layers.0.feed_forward.w2.weight"] == "Shard(dim=0)Shard(dim=1)"
+    assert layouts["norm.weight"] == "Shard(dim=0)Replicate()"
