@@ -9,8 +9,9 @@ as blocks 2..N-2 and traced block 2 becomes block N-1. The result is the graph a
 Checked before unrolling: block 2 repeats block 1 exactly as block 1 repeats block 0 (same ops,
 shapes, constants, wiring one block further on), nothing outside the blocks reads block 1, and
 the graph order lets every copy be placed. If a check fails, or the cut model does not trace, the
-whole model is traced. Assumed, and not checkable from three blocks: a block's code does not
-branch on its depth past block 2 (such models pass `unroll=False` to `AutoShard`).
+whole model is traced. Assumed, and not checkable from three blocks: the step's code neither
+branches on a block's depth past block 2 nor reads the number of blocks (e.g. a residual scaled by
+1/sqrt(len(layers)) would be traced for three); such models pass `unroll=False` to `AutoShard`.
 """
 
 from __future__ import annotations
