@@ -57,15 +57,21 @@ class Redistribute(nn.Module):
         steps = " -> ".join(f"{s.kind}{list(s.mesh_dims)}" for s in self.plan.steps)
         return f"{self.producer} -> {self.consumer}: {self.plan.src} => {self.plan.dst} via {steps}"
 
+    def collectives(self, first: int = 0) -> list[tuple[str, str, str, tuple[int, ...], float]]:
+        """(producer, consumer, kind, mesh dims, bytes) of each collective it runs from step
+        `first` on, in order."""
+        return [(self.producer, self.consumer, st.kind, st.mesh_dims, st.bytes)
+                for st in self.plan.steps[first:] if st.kind in COLLECTIVE_KINDS]
+
 
 class Bucket(nn.Module):
     """Redistributions whose first steps are one kind of collective on one set of mesh dims, run
     with that step as one collective: parameter all-gathers and gradient reduce-scatters, grouped
     per repeated block as FSDP groups them. Returns one local tensor per member."""
 
-    def __init__(self, members: list[Redistribute], mesh: Any):
+    def __init__(self, name: str, members: list[Redistribute], mesh: Any):
         super().__init__()
-        self.members, self.mesh = members, mesh
+        self.name, self.members, self.mesh = name, members, mesh
 
     def forward(self, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return tuple(execute_bucket([m.plan for m in self.members], xs, self.mesh))
@@ -74,6 +80,14 @@ class Bucket(nn.Module):
         first = self.members[0].plan.steps[0]
         return f"{first.kind}{list(first.mesh_dims)} of {len(self.members)}: " + ", ".join(
             m.producer for m in self.members)
+
+    def collectives(self) -> list[tuple[str, str, str, tuple[int, ...], float]]:
+        """The shared first step (one collective carrying every member; producers joined by ','),
+        then each member's remaining collectives."""
+        first = self.members[0].plan.steps[0]
+        shared = (",".join(m.producer for m in self.members), self.name, first.kind, first.mesh_dims,
+                  sum(m.plan.steps[0].bytes for m in self.members))
+        return [shared] + [c for m in self.members for c in m.collectives(first=1)]
 
 
 @dataclass
@@ -204,7 +218,7 @@ def _bucket(plan: Plan, joint: fx.Graph, modules: dict[str, nn.Module], mesh: An
         if len(members) < 2:
             continue
         name = f"bucket_{sum(isinstance(m, Bucket) for m in modules.values())}"
-        modules[name] = Bucket([modules[m.target] for m in members], mesh)
+        modules[name] = Bucket(name, [modules[m.target] for m in members], mesh)
         with joint.inserting_before(members[0]):
             bucket = joint.call_module(name, tuple(m.args[0] for m in members))
             bucket.meta[LOCAL_SHAPE] = [m.meta[LOCAL_SHAPE] for m in members]
@@ -255,19 +269,10 @@ def _comm_stats(forward: fx.GraphModule, backward: fx.GraphModule, modules: dict
         for n in gm.graph.nodes:
             if n.op != "call_module":
                 continue
-            mod = modules[n.target]
-            runs = [(m, m.plan.steps[1:]) for m in mod.members] if isinstance(mod, Bucket) else [(mod, mod.plan.steps)]
-            if isinstance(mod, Bucket):  # the shared first step: one collective carrying every member
-                first = mod.members[0].plan.steps[0]
-                count[first.kind] += 1
-                nbytes[first.kind] += sum(m.plan.steps[0].bytes for m in mod.members)
-                steps.append((",".join(m.producer for m in mod.members), n.target, first.kind, first.mesh_dims))
-            for member, member_steps in runs:
-                for st in member_steps:
-                    if st.kind in COLLECTIVE_KINDS:
-                        count[st.kind] += 1
-                        nbytes[st.kind] += st.bytes
-                        steps.append((member.producer, member.consumer, st.kind, st.mesh_dims))
+            for producer, consumer, kind, mesh_dims, size in modules[n.target].collectives():
+                count[kind] += 1
+                nbytes[kind] += size
+                steps.append((producer, consumer, kind, mesh_dims))
         comm.count[phase], comm.bytes[phase], comm.steps[phase] = count, nbytes, steps
     return comm
 

@@ -190,21 +190,19 @@ def _resolve_pins(graph: JointGraph, pins: dict[str, Layout], mesh_shape) -> dic
 def _fill_solver_problem(sp: ShardingProblem, planner: Planner, spec: ProblemSpec, param_fqn) -> None:
     problem = sp.problem
     mesh_shape = sp.mesh_shape
-    # Repeated blocks share Strategy objects (strategies.py caches them by op signature), so labels
-    # and cost matrices are keyed by object identity: formatting and comparing layouts is the slow part.
-    labels: dict[int, str] = {}
     for name, choices in sp.strategies.items():
         node = sp.fx_nodes[name]
         memory = [0.0] * len(choices)
         if node in param_fqn and name == node.name:
             memory = [_local_bytes(s.outputs[0], node.meta["val"], mesh_shape) for s in choices]
-        problem.add_node(name, [
-            solver.Choice(label=labels.get(id(s)) or labels.setdefault(id(s), str(s)), cost=s.compute_s, memory=m)
-            for s, m in zip(choices, memory)])
+        problem.add_node(name, [solver.Choice(label=s.label, cost=s.compute_s, memory=m)
+                                for s, m in zip(choices, memory)])
 
-    # One edge per (producer, consumer) pair; several slots fed by one producer add up.
+    # One edge per (producer, consumer) pair; several slots fed by one producer add up. Repeated
+    # blocks share Strategy objects (strategies.py caches them by op signature), so matrices are
+    # looked up by Strategy identity first: comparing layouts is the slow part.
     matrix_cache: dict = {}  # by layouts
-    matrix_by_id: dict = {}  # by Strategy identity: the fast path for repeated blocks
+    matrix_by_id: dict = {}  # by Strategy identity
     for consumer, producers in sp.inputs.items():
         merged: dict[str, list[list[float]]] = {}
         for slot, producer in enumerate(producers):

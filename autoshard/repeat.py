@@ -113,14 +113,20 @@ def _cut(blocks: nn.ModuleList, keep: int):
 
 
 # ------------------------------------------------------------------------------ unrolling
+def _inside(path: str, prefix: str, index: int) -> str | None:
+    """The rest of `path` under block `<prefix>.<index>` ('' for the block itself); None outside it."""
+    head = f"{prefix}.{index}"
+    return path[len(head):] if path == head or path.startswith(head + ".") else None
+
+
 def _renamed(path: str, prefix: str, old: int, new: int) -> str:
-    head = f"{prefix}.{old}"
-    return f"{prefix}.{new}{path[len(head):]}" if path == head or path.startswith(head + ".") else path
+    rest = _inside(path, prefix, old)
+    return path if rest is None else f"{prefix}.{new}{rest}"
 
 
 def _check_recurrence(graph: JointGraph, prefix: str, traced: list[list[fx.Node]]) -> None:
     """Block 2 must depend on block 1 as block 1 depends on block 0, op for op."""
-    b0, b1, b2 = traced
+    _, b1, b2 = traced
     if len(b1) != len(b2):
         raise NotRepeating(f"block 1 has {len(b1)} ops and block 2 has {len(b2)}")
     pos = [{n: i for i, n in enumerate(b)} for b in traced]
@@ -162,8 +168,7 @@ def _shapes(node: fx.Node) -> tuple:
 def _relative(graph: JointGraph, prefix: str, node: fx.Node, index: int) -> str | None:
     """The node's module path (or parameter FQN) inside block `index`; None if not inside it."""
     path = graph.param_names.get(node, "") if node.op == "placeholder" else graph.module_path(node)
-    head = f"{prefix}.{index}"
-    return path[len(head):] if path == head or path.startswith(head + ".") else None
+    return _inside(path, prefix, index)
 
 
 def unroll_blocks(graph: JointGraph, prefix: str, n_blocks: int) -> JointGraph:
@@ -183,7 +188,7 @@ class _Unroller:
 
     def __init__(self, graph: JointGraph, prefix: str, traced: list[list[fx.Node]], n_blocks: int):
         self.graph, self.prefix, self.n = graph, prefix, n_blocks
-        self.b0, self.b1, self.b2 = traced
+        _, self.b1, self.b2 = traced  # block 0 is reached through `pos[0]`
         self.pos = [{node: i for i, node in enumerate(b)} for b in traced]
         self.new = fx.Graph()
         self.env: dict[fx.Node, fx.Node] = {}  # traced node -> new node (blocks 0, 1, N-1, outside)

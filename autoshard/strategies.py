@@ -17,6 +17,7 @@ device): the identical layers of a transformer cost one computation each.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import math
@@ -51,6 +52,12 @@ class Strategy:
     def __str__(self) -> str:
         fmt = lambda ls: ", ".join("-" if x is None else str(x) for x in ls)  # noqa: E731
         return f"({fmt(self.inputs)}) -> ({fmt(self.outputs)})"
+
+    @functools.cached_property
+    def label(self) -> str:
+        """`str(self)`, formatted once: the nodes of repeated blocks share Strategy objects (cached
+        per op signature), and formatting layouts is slow."""
+        return str(self)
 
 
 def input_slots(node: fx.Node) -> list[fx.Node]:

@@ -82,7 +82,8 @@ def analytic_gb(cfg, mesh, batch, seq, itemsize=4) -> dict:
     return dict(fsdp_tp=(fsdp + tp_bytes) / 1e9, fsdp=pure / 1e9)
 
 
-def _name(model: str, layers: int | None) -> str:
+def case_name(model: str, layers: int | None) -> str:
+    """'llama3-8b', or 'llama3-8b/2L' for a model cut to 2 layers."""
     return f"{model}{'/' + str(layers) + 'L' if layers else ''}"
 
 
@@ -100,7 +101,7 @@ def speed(quick: bool = False) -> list[dict]:
         t = r["timings"]
         peer = PEER.get((model, mesh)) if not layers else None
         peer_text = f"{peer['total']:.1f} s, {peer['rss_gib']:.1f} GiB" if peer else "-"
-        print(f"{_name(model, layers) + ' ' + str(mesh):<26}{t['trace']:>7.1f}{t['build']:>7.1f}{t['solve']:>7.1f}"
+        print(f"{case_name(model, layers) + ' ' + str(mesh):<26}{t['trace']:>7.1f}{t['build']:>7.1f}{t['solve']:>7.1f}"
               f"{r['total']:>8.1f}{r['rss_gib']:>9.2f}{r['variables']:>10}   | {peer_text}", flush=True)
         rows.append(dict(model=model, mesh=mesh, layers=layers, **r, peer=peer))
     return rows
@@ -117,7 +118,7 @@ def quality(quick: bool = False) -> list[dict]:
     results = []
     for b in ((1,) if quick else (1, 8)):
         batch = b * mesh[0]
-        print(f"\nPlan quality: {_name(model, layers)} on {mesh}, b={b} (global batch {batch}), seq {seq}, "
+        print(f"\nPlan quality: {case_name(model, layers)} on {mesh}, b={b} (global batch {batch}), seq {seq}, "
               "h100-node network, h100 device (modeled per step, per rank, fp32)")
         print(f"{'plan':<48}{'step ms':>9}{'comm ms':>9}{'comm GB':>9}{'non-default order':>19}")
         rows = []

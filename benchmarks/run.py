@@ -94,7 +94,7 @@ def markdown(results: dict) -> str:
                 "|---|---|---|---|---|---|---|---|"]
         for r in results["speed"]:
             t, peer = r["timings"], r.get("peer")
-            name = f"{r['model']}{'/' + str(r['layers']) + 'L' if r.get('layers') else ''} {tuple(r['mesh'])}"
+            name = f"{plan_bench.case_name(r['model'], r.get('layers'))} {tuple(r['mesh'])}"
             peer_text = f"{peer['total']:.1f} s, {peer['rss_gib']:.1f} GiB" if peer else "-"
             rows.append(f"| {name} | {t['trace']:.1f} | {t['build']:.1f} | {t['solve']:.1f} | {r['total']:.1f} | "
                         f"{r['rss_gib']:.2f} GiB | {r['variables']:,} | {peer_text} |")
