@@ -24,7 +24,7 @@ test: $(STAMP)
 	$(PY) -m pytest
 
 train: $(STAMP)
-	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc_per_node=4 -m autoshard.train \
+	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc_per_node=4 -m autoshard train \
 		--model llama3-debug --mesh 2x2 --batch 8 --seq 64 --steps 30 --out runs/debug
 	@echo "sharding log: runs/debug/sharding.log   plan: runs/debug/plan.json   metrics: runs/debug/metrics.jsonl"
 

@@ -1,8 +1,8 @@
 """autoshard: auto-parallel FSDP+TP planning for PyTorch."""
 
-from .api import AutoShard, auto_shard
-from .apply import ParallelModule, parallelize
-from .layout import Layout
-from .plan import Plan
+from autoshard.api import AutoShard, auto_shard
+from autoshard.runtime.module import ParallelModule, parallelize
+from autoshard.layout import Layout
+from autoshard.problem.plan import Plan
 
 __all__ = ["AutoShard", "auto_shard", "Layout", "ParallelModule", "Plan", "parallelize"]

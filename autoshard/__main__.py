@@ -1,7 +1,7 @@
 """`python -m autoshard <command> ...`: dispatch to the subcommand's own main.
 
-  plan   plan a model's sharding, write the sharding log and plan JSON (autoshard.cli)
-  train  distributed training (autoshard.train, imported only when asked for)
+  plan   plan a model's sharding, write the sharding log and plan JSON (autoshard.cli.plan)
+  train  distributed training (autoshard.cli.train)
 """
 
 from __future__ import annotations
@@ -9,16 +9,12 @@ from __future__ import annotations
 import sys
 from typing import Sequence
 
-from .cli import ArgumentParser, add_plan_arguments, fail, run_plan
+from autoshard.cli.plan import ArgumentParser, add_plan_arguments, fail, run_plan
 
 
 def _train(argv: list[str]) -> int:
-    try:
-        from . import train
-    except ModuleNotFoundError as err:
-        if err.name != f"{__package__}.train":
-            raise  # a dependency of train.py is missing: that is a real error, keep the traceback
-        fail("the train command is not available: autoshard/train.py is not installed")
+    from autoshard.cli import train  # imported only when asked for: it pulls in the whole runtime
+
     return int(train.main(argv) or 0)
 
 

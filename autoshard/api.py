@@ -24,16 +24,16 @@ from torch import nn
 
 import solver
 
-from .apply import ParallelModule, parallelize
-from . import _torch_compat as tc
-from .costs import NetworkProfile
-from .devices import DeviceProfile
-from .layout import Layout
-from .plan import Plan, decode
-from .planner import Planner
-from .problem import ProblemSpec, ShardingProblem, build_problem
-from .repeat import trace_step
-from .trace import mark_outputs
+from autoshard.runtime.module import ParallelModule, parallelize
+from autoshard import _torch_compat as tc
+from autoshard.profiles.network import NetworkProfile
+from autoshard.profiles.device import DeviceProfile
+from autoshard.layout import Layout
+from autoshard.problem.plan import Plan, decode
+from autoshard.pricing.planner import Planner
+from autoshard.problem.build import ProblemSpec, ShardingProblem, build_problem
+from autoshard.capture.repeat import trace_step
+from autoshard.capture.trace import mark_outputs
 
 log = logging.getLogger("autoshard")
 

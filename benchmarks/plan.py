@@ -39,7 +39,7 @@ def _plan_case(model: str, mesh: tuple, batch: int, seq: int, layers: int | None
     import torch
 
     from autoshard.api import AutoShard
-    from autoshard.recipes import param_bytes_per_rank, recipe_layouts, recipe_pins
+    from autoshard.problem.recipes import param_bytes_per_rank, recipe_layouts, recipe_pins
     from models import build_model, cross_entropy_loss, get_config
 
     cfg = get_config(model)

@@ -24,7 +24,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from autoshard import _torch_compat as tc
 from autoshard.layout import Layout, P, R, S
-from autoshard.planner import Planner
+from autoshard.pricing.planner import Planner
 
 SHAPE, DTYPE = (4096, 4096), torch.bfloat16
 

@@ -3,7 +3,7 @@
     OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node=4 benchmarks/recipe_train.py \\
         --model llama3-debug --mesh 2x2 --batch 8 --seq 256 --steps 12 --out runs/recipe
 
-Same model, init, data, optimizer and `metrics.jsonl` rows as `python -m autoshard.train`, so
+Same model, init, data, optimizer and `metrics.jsonl` rows as `python -m autoshard train`, so
 the two can be compared step by step (benchmarks/training.py does). The parallelization follows
 ANCHORS.md: `parallelize_module` on the "tp" mesh dim (sequence parallel norms, column-wise
 wq/wk/wv/w1/w3, row-wise wo/w2 reduce-scattering to sequence shards, row-wise embedding, column-wise
@@ -39,7 +39,7 @@ from torch.distributed.tensor.parallel import (  # noqa: E402
     parallelize_module,
 )
 
-from autoshard.wire import WireMeter, wire_row  # noqa: E402
+from autoshard.runtime.wire import WireMeter, wire_row  # noqa: E402
 from models import MarkovTokens, build_model, cross_entropy_loss, get_config  # noqa: E402
 from models.train_single import TrainSettings, make_optimizer  # noqa: E402
 

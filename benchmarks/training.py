@@ -3,7 +3,7 @@
 Back to back, same model, global batch, sequence, steps, lr, init seed and data seed, 4 processes
 under torchrun (OMP_NUM_THREADS=1):
 
-  autoshard   `python -m autoshard.train` (plans, applies, trains; planning is timed apart)
+  autoshard   `python -m autoshard train` (plans, applies, trains; planning is timed apart)
   recipe      benchmarks/recipe_train.py (torchtitan's llama3 TP plan + FSDP2, torch's own APIs)
 
 and, in this process, the single-device reference (models/train_single.py). Both parallel loss
@@ -160,7 +160,7 @@ def run(quick: bool = False, out_dir: str | os.PathLike = ROOT / "runs" / "bench
     total_start = time.perf_counter()
 
     auto_dir = out / "autoshard"
-    wall = _launch("autoshard", ["-m", "autoshard.train"], work, auto_dir)
+    wall = _launch("autoshard", ["-m", "autoshard", "train"], work, auto_dir)
     auto = _figures("autoshard", auto_dir, work, wall)
     report = json.loads((auto_dir / "plan.json").read_text())
     planning_s = sum(report["timings"].values())
@@ -178,7 +178,7 @@ def run(quick: bool = False, out_dir: str | os.PathLike = ROOT / "runs" / "bench
     for r in (auto, recipe):
         _compare(r, single.losses)
 
-    from autoshard.report import summary_lines
+    from autoshard.report.text import summary_lines
 
     figures = {
         "workload": asdict(work),

@@ -6,8 +6,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from autoshard.collectives import execute
-from autoshard.planner import Planner
+from autoshard.program.collectives import execute
+from autoshard.pricing.planner import Planner
 
 CASES = [  # (src, dst, step kinds the plan must contain)
     ("S(0)S(0)[0,1]", "S(0)S(0)[1,0]", ["permute"]),

@@ -13,10 +13,10 @@ from torch import nn
 
 from autoshard import _torch_compat as tc
 from autoshard.api import AutoShard, auto_shard
-from autoshard.apply import parallelize
+from autoshard.runtime.module import parallelize
 from autoshard.layout import Layout
-from autoshard.lower import Bucket
-from autoshard.regions import block_of
+from autoshard.program.lower import Bucket
+from autoshard.capture.regions import block_of
 from models import MarkovTokens, build_model, cross_entropy_loss, get_config
 from models.train_single import TrainSettings, make_optimizer
 from ranks import coords

@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from autoshard import _torch_compat as tc
-from autoshard.collectives import execute
+from autoshard.program.collectives import execute
 from autoshard.layout import Layout, P, R, S
-from autoshard.planner import Planner
+from autoshard.pricing.planner import Planner
 from ranks import coords
 
 ROOT = Path(__file__).resolve().parents[1]

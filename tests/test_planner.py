@@ -11,9 +11,10 @@ import time
 import pytest
 import torch
 
-from autoshard.costs import NetworkProfile, wire_bytes
+from autoshard.pricing.ring import step_cost, wire_bytes
+from autoshard.profiles.network import NetworkProfile
 from autoshard.layout import Layout, P, R, S
-from autoshard.planner import Planner
+from autoshard.pricing.planner import Planner
 
 BIG = (4096, 4096)
 
@@ -198,13 +199,13 @@ def test_presets_and_profile_pricing():
         NetworkProfile.preset("tpu", 2)
     prof = NetworkProfile(alpha=(1e-5, 1e-6), beta=(1e9, 1e10), launch_s=1e-4, mem_bw=1e11)
     m = 1e6
-    assert prof.cost("all_gather", (1,), 4, m) == pytest.approx(1e-4 + 3e-6 + 3 * m / 1e10)
-    assert prof.cost("reduce_scatter", (0,), 4, m) == pytest.approx(1e-4 + 3e-5 + 0.75 * m / 1e9)
-    assert prof.cost("all_reduce", (0,), 2, m) == pytest.approx(1e-4 + 2e-5 + m / 1e9)
-    assert prof.cost("all_to_all", (1,), 4, m) == pytest.approx(1e-4 + 3e-6 + 0.75 * m / 1e10)
+    assert step_cost(prof, "all_gather", (1,), 4, m) == pytest.approx(1e-4 + 3e-6 + 3 * m / 1e10)
+    assert step_cost(prof, "reduce_scatter", (0,), 4, m) == pytest.approx(1e-4 + 3e-5 + 0.75 * m / 1e9)
+    assert step_cost(prof, "all_reduce", (0,), 2, m) == pytest.approx(1e-4 + 2e-5 + m / 1e9)
+    assert step_cost(prof, "all_to_all", (1,), 4, m) == pytest.approx(1e-4 + 3e-6 + 0.75 * m / 1e10)
     # a flattened group: slowest link's bandwidth, largest latency
-    assert prof.cost("all_gather", (0, 1), 8, m) == pytest.approx(1e-4 + 7e-5 + 7 * m / 1e9)
-    assert prof.cost("chunk", (0,), 4, m) == pytest.approx(0.25 * m / 1e11)
+    assert step_cost(prof, "all_gather", (0, 1), 8, m) == pytest.approx(1e-4 + 7e-5 + 7 * m / 1e9)
+    assert step_cost(prof, "chunk", (0,), 4, m) == pytest.approx(0.25 * m / 1e11)
     assert wire_bytes("all_gather", 4, m) == 3 * m and wire_bytes("chunk", 4, m) == 0
     with pytest.raises(ValueError, match="one entry per mesh dim"):
         NetworkProfile(alpha=(1.0,), beta=(1.0, 2.0))

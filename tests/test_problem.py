@@ -8,8 +8,8 @@ import torch
 from autoshard import _torch_compat as tc
 from autoshard.api import AutoShard
 from autoshard.layout import Layout
-from autoshard.problem import grad_sink
-from autoshard.recipes import param_bytes_per_rank, recipe_layouts, recipe_pins
+from autoshard.problem.build import grad_sink
+from autoshard.problem.recipes import param_bytes_per_rank, recipe_layouts, recipe_pins
 from models import build_model, cross_entropy_loss, get_config
 
 

@@ -5,8 +5,8 @@ import contextlib
 import pytest
 import torch
 
-from autoshard.regions import block_of, find_repeated_blocks
-from autoshard.trace import trace_joint
+from autoshard.capture.regions import block_of, find_repeated_blocks
+from autoshard.capture.trace import trace_joint
 from models import build_model, cross_entropy_loss, get_config
 
 

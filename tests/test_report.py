@@ -13,9 +13,9 @@ import torch
 from autoshard.__main__ import main
 from autoshard import _torch_compat as tc
 from autoshard.api import AutoShard
-from autoshard.apply import parallelize
-from autoshard.cli import parse_bytes, parse_mesh
-from autoshard.report import format_log, human_bytes, plan_report, summary_lines, write_report
+from autoshard.runtime.module import parallelize
+from autoshard.cli.plan import parse_bytes, parse_mesh
+from autoshard.report.text import format_log, human_bytes, plan_report, summary_lines, write_report
 from models import build_model, cross_entropy_loss, get_config
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -12,10 +12,10 @@ import torch
 from torch import fx
 from torch.distributed._local_tensor import LocalTensor, LocalTensorMode
 
-from autoshard.devices import DeviceProfile
+from autoshard.profiles.device import DeviceProfile
 from autoshard.layout import Layout
-from autoshard.strategies import Strategy, input_slots, layouts_for, node_strategies
-from autoshard.trace import trace_joint
+from autoshard.strategies.candidates import Strategy, input_slots, layouts_for, node_strategies
+from autoshard.capture.trace import trace_joint
 from models import build_model, cross_entropy_loss, get_config
 
 aten = torch.ops.aten
@@ -79,7 +79,7 @@ def test_nll_loss_follows_the_batch_sharding_of_its_input(tiny):
 
 def test_strategy_functions_that_raise_are_tried_candidate_by_candidate(tiny):
     from autoshard import _torch_compat as cs
-    from autoshard import strategies as st
+    from autoshard.strategies import candidates as st
 
     node = first(tiny, aten.view.default)
     _, func, info = cs.registry_entry(node.target)
@@ -347,7 +347,7 @@ def test_no_order_variant_when_a_tensor_splits_the_mesh_dims_differently():
     check_strategy(y, base, (2, 2), values, expected)
     with pytest.raises(AssertionError):
         check_strategy(y, Strategy(base.outputs, (L("S(0)S(0)[1,0]"),), 0.0), (2, 2), values, expected)
-    from autoshard.strategies import _order_variants
+    from autoshard.strategies.candidates import _order_variants
 
     assert _order_variants(base.outputs, base.inputs, 2) == []
 

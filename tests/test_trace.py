@@ -5,7 +5,7 @@ import contextlib
 import pytest
 import torch
 
-from autoshard.trace import trace_joint
+from autoshard.capture.trace import trace_joint
 from models import build_model, cross_entropy_loss, get_config
 
 

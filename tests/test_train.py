@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from autoshard.train import main
+from autoshard.cli.train import main
 from models.train_single import TrainSettings, train_single
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -22,7 +22,7 @@ TINY = ["--model", "llama3-tiny", "--batch", "8", "--seq", "16"]
 def torchrun(*args: str, timeout: int = 400) -> subprocess.CompletedProcess:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4",
-           "-m", "autoshard.train", *args]
+           "-m", "autoshard", "train", *args]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
     assert out.returncode == 0, f"torchrun failed:\n{out.stdout[-3000:]}\n{out.stderr[-6000:]}"
     return out

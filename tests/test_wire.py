@@ -15,9 +15,9 @@ from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 from autoshard import _torch_compat as tc
 from autoshard.layout import Layout
-from autoshard.planner import Planner
-from autoshard.collectives import execute
-from autoshard.wire import WireMeter, ring_bytes
+from autoshard.pricing.planner import Planner
+from autoshard.program.collectives import execute
+from autoshard.runtime.wire import WireMeter, ring_bytes
 
 X_BYTES = 8 * 4 * 4  # an [8, 4] float32 tensor
 

@@ -17,10 +17,10 @@ from typing import Any
 
 from torch import fx
 
-from .costs import COLLECTIVE_KINDS
-from .layout import Layout
-from .plan import Plan, Redistribution
-from .problem import LOSS_SINK, grad_sink
+from autoshard.pricing.ring import COLLECTIVE_KINDS
+from autoshard.layout import Layout
+from autoshard.problem.plan import Plan, Redistribution
+from autoshard.problem.build import LOSS_SINK, grad_sink
 
 LOG_NAME = "sharding.log"
 JSON_NAME = "plan.json"

@@ -23,9 +23,9 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import fx, nn
 
-from . import _torch_compat as tc
-from .regions import assign_blocks, flat_args
-from .trace import MODULE_KEY, JointGraph, trace_joint
+from autoshard import _torch_compat as tc
+from autoshard.capture.regions import assign_blocks, flat_args
+from autoshard.capture.trace import MODULE_KEY, JointGraph, trace_joint
 
 log = logging.getLogger("autoshard")
 

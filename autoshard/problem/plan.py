@@ -12,12 +12,12 @@ from typing import Any
 
 import solver
 
-from .costs import COLLECTIVE_KINDS
-from .layout import Layout
-from .planner import Planner, RedistributePlan
-from .problem import LOSS_SINK, ShardingProblem, grad_sink
-from .strategies import Strategy
-from .trace import JointGraph
+from autoshard.pricing.ring import COLLECTIVE_KINDS
+from autoshard.layout import Layout
+from autoshard.pricing.planner import Planner, RedistributePlan
+from autoshard.problem.build import LOSS_SINK, ShardingProblem, grad_sink
+from autoshard.strategies.candidates import Strategy
+from autoshard.capture.trace import JointGraph
 
 
 @dataclass(frozen=True)

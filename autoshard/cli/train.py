@@ -1,6 +1,6 @@
 """Train a llama model with an autoshard plan under torchrun.
 
-    torchrun --standalone --nproc_per_node=4 -m autoshard.train --model llama3-debug --mesh 2x2 \\
+    torchrun --standalone --nproc_per_node=4 -m autoshard train --model llama3-debug --mesh 2x2 \\
         --steps 50 --out runs/debug
 
 Every rank traces the step and builds the ILP (cheap, deterministic); rank 0 solves it, or takes the
@@ -38,10 +38,10 @@ import torch.distributed as dist
 
 import solver
 
-from .api import AutoShard
-from .cli import parse_mesh
-from .report import summary_lines, write_report
-from .wire import WireMeter, wire_row
+from autoshard.api import AutoShard
+from autoshard.cli.plan import parse_mesh
+from autoshard.report.text import summary_lines, write_report
+from autoshard.runtime.wire import WireMeter, wire_row
 
 log = logging.getLogger("autoshard")
 

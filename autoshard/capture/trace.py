@@ -17,7 +17,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import fx, nn
 
-from . import _torch_compat as tc
+from autoshard import _torch_compat as tc
 
 MODULE_KEY = "autoshard_module"
 OUTPUT_KEY = "autoshard_output"  # index of a model output marked by `mark_outputs`

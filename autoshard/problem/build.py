@@ -22,12 +22,12 @@ from torch import fx
 import solver
 from solver import io as solver_io
 
-from .devices import DeviceProfile
-from .layout import Layout
-from .planner import Planner
-from .regions import find_repeated_blocks
-from .strategies import Strategy, input_slots, layouts_for, node_strategies
-from .trace import JointGraph
+from autoshard.profiles.device import DeviceProfile
+from autoshard.layout import Layout
+from autoshard.pricing.planner import Planner
+from autoshard.capture.regions import find_repeated_blocks
+from autoshard.strategies.candidates import Strategy, input_slots, layouts_for, node_strategies
+from autoshard.capture.trace import JointGraph
 
 LOSS_SINK = "sink:loss"
 

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from autoshard import _torch_compat as tc
-from autoshard.planner import RedistributePlan, Step
+from autoshard.pricing.planner import RedistributePlan, Step
 
 
 def execute(plan: RedistributePlan, local_tensor: torch.Tensor, mesh: Any) -> torch.Tensor:

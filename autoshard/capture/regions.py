@@ -17,7 +17,7 @@ from collections import defaultdict
 import networkx as nx
 from torch import fx
 
-from .trace import JointGraph
+from autoshard.capture.trace import JointGraph
 
 _BLOCK = re.compile(r"^(?P<prefix>(?:.*\.)?[A-Za-z_]\w*)\.(?P<index>\d+)(?:\.|$)")
 

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from . import _torch_compat as tc
+from autoshard import _torch_compat as tc
 
 _NAMESPACES = ("_c10d_functional", "_c10d_functional_autograd", "c10d")
 

@@ -119,8 +119,8 @@ def _check(args: argparse.Namespace):
     """Validate everything cheap before the expensive part; returns the model config."""
     from models import get_config
 
-    from .costs import NetworkProfile
-    from .devices import DeviceProfile
+    from autoshard.profiles.network import NetworkProfile
+    from autoshard.profiles.device import DeviceProfile
 
     try:
         cfg = get_config(args.model)
@@ -154,7 +154,7 @@ def _plan_once(cfg, args, *, pins: dict | None = None, budget: float | None = No
 
     from models import build_model, cross_entropy_loss
 
-    from .api import AutoShard
+    from autoshard.api import AutoShard
 
     model = build_model(cfg, device="meta")
 
@@ -179,7 +179,7 @@ def _manual_budget(cfg, recipe: str, mesh: tuple[int, ...]) -> float:
     (norms are replicated over tp, so the default total / world size would be infeasible)."""
     from models import build_model
 
-    from .recipes import param_bytes_per_rank, recipe_layouts
+    from autoshard.problem.recipes import param_bytes_per_rank, recipe_layouts
 
     model = build_model(cfg, device="meta")
     try:
@@ -192,7 +192,7 @@ def _process_group(world: int):
     """A fake process group of `world` ranks, unless the caller already made one."""
     import torch.distributed as dist
 
-    from ._torch_compat import fake_process_group
+    from autoshard._torch_compat import fake_process_group
 
     if dist.is_available() and dist.is_initialized():
         return contextlib.nullcontext()
@@ -206,8 +206,8 @@ def _say(line: str) -> None:
 
 
 def run_plan(args: argparse.Namespace) -> int:
-    from .recipes import recipe_pins
-    from .report import compare_lines, modeled_figures, plan_report, summary_lines, write_report_files
+    from autoshard.problem.recipes import recipe_pins
+    from autoshard.report.text import compare_lines, modeled_figures, plan_report, summary_lines, write_report_files
 
     cfg = _check(args)
     _setup_logging()

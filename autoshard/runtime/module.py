@@ -23,10 +23,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import _torch_compat as tc
-from .layout import Layout
-from .lower import CheckedRun, CommStats, Program, lower
-from .plan import Plan
+from autoshard import _torch_compat as tc
+from autoshard.layout import Layout
+from autoshard.program.lower import CheckedRun, CommStats, Program, lower
+from autoshard.problem.plan import Plan
 
 
 class _JointStep(torch.autograd.Function):

@@ -34,7 +34,8 @@ from typing import Any
 
 import networkx as nx
 
-from autoshard.costs import COLLECTIVE_KINDS, NetworkProfile, wire_bytes
+from autoshard.pricing.ring import COLLECTIVE_KINDS, linear_cost, step_cost, wire_bytes
+from autoshard.profiles.network import NetworkProfile
 from autoshard.layout import Layout, P, Placement, R, S
 
 
@@ -110,7 +111,7 @@ class _Space:
                     self._node(v)
                     todo.append(v)
                 kind, mesh_dims, tensor_dims, n = move
-                per_byte, fixed = self.planner.profile.linear_cost(kind, mesh_dims, n)
+                per_byte, fixed = linear_cost(self.planner.profile, kind, mesh_dims, n)
                 entry = (per_byte / self.shards[u], fixed, kind, mesh_dims, tensor_dims, n)
                 if self.graph.has_edge(u, v):
                     self.graph[u][v]["moves"].append(entry)
@@ -223,7 +224,7 @@ class Planner:
         local = src.local_shape(shape, self.mesh_shape)
         in_bytes = math.prod(local) * itemsize
         n = math.prod(self.mesh_shape[m] for m in mesh_dims)
-        cost = self.profile.cost(kind, mesh_dims, n, in_bytes)
+        cost = step_cost(self.profile, kind, mesh_dims, n, in_bytes)
         if kind in _COPY_PASSES:
             cost += self._copy_s(kind, tensor_dims, n, local, in_bytes)
         return cost

@@ -32,9 +32,9 @@ import torch
 from torch import fx
 from torch.utils.flop_counter import flop_registry
 
-from . import _torch_compat as cs
-from .devices import DeviceProfile
-from .layout import Layout, P, Placement, R, S
+from autoshard import _torch_compat as cs
+from autoshard.profiles.device import DeviceProfile
+from autoshard.layout import Layout, P, Placement, R, S
 
 log = logging.getLogger(__name__)
 aten = torch.ops.aten

@@ -12,7 +12,7 @@ from typing import Sequence
 
 from torch import nn
 
-from .layout import Layout
+from autoshard.layout import Layout
 
 # torchtitan's llama3 FSDP+TP recipe on a (dp, tp) mesh (see shared ANCHORS.md): column-wise
 # weights, embedding and output are sharded on dim 0 by tp first, then by FSDP on dp; row-wise wo/w2

@@ -23,13 +23,13 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from .collectives import execute, execute_bucket
-from .costs import COLLECTIVE_KINDS
-from .layout import Layout
-from .plan import Plan
-from .planner import RedistributePlan
-from .problem import LOSS_SINK, grad_sink
-from .regions import block_of
+from autoshard.program.collectives import execute, execute_bucket
+from autoshard.pricing.ring import COLLECTIVE_KINDS
+from autoshard.layout import Layout
+from autoshard.problem.plan import Plan
+from autoshard.pricing.planner import RedistributePlan
+from autoshard.problem.build import LOSS_SINK, grad_sink
+from autoshard.capture.regions import block_of
 
 aten = torch.ops.aten
 

@@ -1,0 +1,1 @@
+"""What things cost: the redistribute planner, ring collective formulas, the compute roofline."""

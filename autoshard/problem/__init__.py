@@ -1,0 +1,1 @@
+"""Graph + strategies + prices + constraints -> solver.Problem; the solution read back as a Plan."""

@@ -1,0 +1,1 @@
+"""One report dict -> sharding.log and plan.json."""
