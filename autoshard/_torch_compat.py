@@ -206,6 +206,28 @@ def no_dispatch_modes() -> contextlib.AbstractContextManager:
     return _disable_current_modes()
 
 
+# torch has no public pytree module; its private one is what every torch API flattens with.
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten  # noqa: E402,F401
+
+
+def non_persistent_buffer_names(module: torch.nn.Module) -> set[str]:
+    """FQNs of the buffers `module` (or a submodule) registered with persistent=False: only the
+    private per-module set records it."""
+    return {f"{prefix}.{b}" if prefix else b for prefix, m in module.named_modules()
+            for b in m._non_persistent_buffers_set}
+
+
+@contextlib.contextmanager
+def truncated_module_list(blocks: torch.nn.ModuleList, keep: int) -> Iterator[None]:
+    """Temporarily keep only the first `keep` entries of `blocks`, the same objects (no copies)."""
+    saved = blocks._modules
+    blocks._modules = dict(list(saved.items())[:keep])
+    try:
+        yield
+    finally:
+        blocks._modules = saved
+
+
 def tensor_meta(t: torch.Tensor) -> TensorMeta:
     return TensorMeta(t.shape, t.stride(), t.dtype)
 

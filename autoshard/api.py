@@ -129,7 +129,7 @@ class AutoShard:
         k = self.n_model_inputs
         outputs = model(*inputs[:k])
         if self.spec.output_layouts:
-            count = sum(isinstance(leaf, torch.Tensor) for leaf in torch.utils._pytree.tree_leaves(outputs))
+            count = sum(isinstance(leaf, torch.Tensor) for leaf in tc.tree_leaves(outputs))
             if max(self.spec.output_layouts) >= count:
                 raise ValueError(f"output constraint for output {max(self.spec.output_layouts)}, but the model "
                                  f"returns {count} tensor(s)")

@@ -94,7 +94,6 @@ def test_llama_tiny_trains_like_single_device(reference, mesh_shape, inputs, pin
                 assert abs(got.item() - ref_losses[step]) <= 1e-5, (step, got.item(), ref_losses[step])
     # What runs is what was priced: the plan's bytes; a block's parameter gathers (and gradient
     # scatters) on one set of mesh dims run as one collective, so the plan's count less the merged ones.
-    assert plan.lowered_comm is pmodel.comm
     assert dict(pmodel.comm.total_bytes()) == pytest.approx(plan.bytes_by_collective)
     buckets = [m for gm in (pmodel.program.forward, pmodel.program.backward)
                for m in gm.children() if isinstance(m, Bucket)]

@@ -52,7 +52,7 @@ def trace_step(
         prefix, blocks = found
         cut_stack = contextlib.ExitStack()  # the cut trace's fake mode; closed if we fall back
         try:
-            with _cut(blocks, TRACED_BLOCKS):
+            with tc.truncated_module_list(blocks, TRACED_BLOCKS):
                 short = trace_joint(model, step_fn, example_args, cut_stack)
             graph = unroll_blocks(short, prefix, len(blocks))
         except NotRepeating as why:
@@ -99,17 +99,6 @@ def _structure(block: nn.Module) -> tuple:
     return (type(block),
             tuple((name, type(m)) for name, m in block.named_modules()),
             tuple((name, tuple(p.shape), p.dtype, p.requires_grad) for name, p in block.named_parameters()))
-
-
-@contextlib.contextmanager
-def _cut(blocks: nn.ModuleList, keep: int):
-    """Temporarily keep only the first `keep` entries of `blocks`."""
-    saved = blocks._modules
-    blocks._modules = dict(list(saved.items())[:keep])
-    try:
-        yield
-    finally:
-        blocks._modules = saved
 
 
 # ------------------------------------------------------------------------------ unrolling

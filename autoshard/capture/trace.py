@@ -59,7 +59,7 @@ class JointGraph:
 def mark_outputs(outputs: Any) -> Any:
     """Copy each tensor of a model's outputs (in pytree order) through a clone tagged with its
     index, so an output-layout constraint can find the node (the loss consumes the copy)."""
-    leaves, spec = torch.utils._pytree.tree_flatten(outputs)
+    leaves, spec = tc.tree_flatten(outputs)
     marked, index = [], 0
     for leaf in leaves:
         if isinstance(leaf, torch.Tensor):
@@ -67,7 +67,7 @@ def mark_outputs(outputs: Any) -> Any:
                 leaf = leaf.clone()
             index += 1
         marked.append(leaf)
-    return torch.utils._pytree.tree_unflatten(marked, spec)
+    return tc.tree_unflatten(marked, spec)
 
 
 class _StepModule(nn.Module):

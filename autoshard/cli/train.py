@@ -278,7 +278,7 @@ def train(settings: Settings) -> list[float]:
 
     plan, pmodel, timings, fingerprint = _plan(settings, cfg, mesh, network, profile, saved)
     if rank == 0:
-        paths = write_report(plan, out, timings=timings, extra={
+        paths = write_report(plan, out, program=pmodel.program, timings=timings, extra={
             "fingerprint": fingerprint, "solution": plan.solution.to_json(), "settings": asdict(settings)})
         for line in summary_lines(json.loads(paths[1].read_text())):
             log.info("  %s", line)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any
 
 import solver
 
@@ -25,9 +24,20 @@ class Redistribution:
     """One edge whose producer layout differs from what the consumer needs, and how it is done."""
 
     producer: str  # graph node name (the producing op, parameter or input)
-    consumer: str  # graph node name, or a sink name (`sink:loss`, `sink:grad:<fqn>`)
+    consumer: str  # graph node name, or a `Sink.name`
     slot: int  # which input slot of the consumer
     plan: RedistributePlan
+
+
+@dataclass(frozen=True)
+class Sink:
+    """Where a step's result must land: the loss (replicated) or one parameter's gradient (in the
+    parameter's layout). `name` is how redistributions into it are addressed (`Redistribution.consumer`)."""
+
+    name: str
+    kind: str  # "loss" or "grad"
+    fqn: str  # the parameter of a gradient; "" for the loss
+    layout: Layout
 
 
 @dataclass
@@ -38,15 +48,14 @@ class Plan:
     input_layouts: list[Layout]  # one per user input
     redistributions: list[Redistribution]
     module_paths: dict[str, str]  # graph node name -> module path
+    loss_sink: Sink
+    grad_sinks: dict[str, Sink]  # parameter FQN -> its gradient's sink
     solution: solver.Solution
     graph: JointGraph = field(repr=False)  # the traced step the strategies refer to (apply lowers it)
     compute_s: float = 0.0
     comm_s: float = 0.0
     bytes_by_collective: dict[str, float] = field(default_factory=dict)
     count_by_collective: dict[str, int] = field(default_factory=dict)
-    # Collectives per phase and kind of the program `apply` lowered from this plan (lower.CommStats);
-    # None until applied. The modeled counts above and these must agree: a test checks it.
-    lowered_comm: Any = None
 
     @property
     def step_time_s(self) -> float:
@@ -102,6 +111,8 @@ def decode(sp: ShardingProblem, solution: solver.Solution, planner: Planner) -> 
         input_layouts=inputs,
         redistributions=redistributions,
         module_paths={n.name: graph.module_path(n) for n in graph.nodes},
+        loss_sink=Sink(LOSS_SINK, "loss", "", chosen[LOSS_SINK].inputs[0]),
+        grad_sinks={fqn: Sink(grad_sink(fqn), "grad", fqn, layout) for fqn, layout in params.items()},
         solution=solution,
         graph=graph,
         compute_s=sum(s.compute_s for name, s in chosen.items() if name != LOSS_SINK),

@@ -28,7 +28,6 @@ from autoshard.pricing.ring import COLLECTIVE_KINDS
 from autoshard.layout import Layout
 from autoshard.problem.plan import Plan
 from autoshard.pricing.planner import RedistributePlan
-from autoshard.problem.build import LOSS_SINK, grad_sink
 from autoshard.capture.regions import block_of
 
 aten = torch.ops.aten
@@ -177,8 +176,8 @@ def _local_joint_graph(plan: Plan, mesh: Any) -> tuple[fx.Graph, dict[str, nn.Mo
         new.meta["autoshard_source"] = node
         env[node] = new
 
-    loss = redistributed(env[graph.loss], LOSS_SINK, 0)
-    grads = [redistributed(env[graph.grads[fqn]], grad_sink(fqn), 0) for fqn in graph.params]
+    loss = redistributed(env[graph.loss], plan.loss_sink.name, 0)
+    grads = [redistributed(env[graph.grads[fqn]], plan.grad_sinks[fqn].name, 0) for fqn in graph.params]
     out.output((loss, *grads))
     return out, modules
 

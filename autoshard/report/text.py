@@ -19,8 +19,8 @@ from torch import fx
 
 from autoshard.pricing.ring import COLLECTIVE_KINDS
 from autoshard.layout import Layout
-from autoshard.problem.plan import Plan, Redistribution
-from autoshard.problem.build import LOSS_SINK, grad_sink
+from autoshard.problem.plan import Plan, Redistribution, Sink
+from autoshard.program.lower import Program
 
 LOG_NAME = "sharding.log"
 JSON_NAME = "plan.json"
@@ -30,9 +30,11 @@ _OWN_KEYS = ("mesh_shape", "parameters", "inputs", "nodes", "sinks", "totals", "
 
 
 # ------------------------------------------------------------------------------------ the dict
-def plan_report(plan: Plan, *, timings: dict[str, float] | None = None, extra: dict | None = None) -> dict:
+def plan_report(plan: Plan, *, program: Program | None = None, timings: dict[str, float] | None = None,
+                extra: dict | None = None) -> dict:
     """Everything the plan chose, as JSON-ready data: parameters, non-parameter inputs, every
-    op with its strategy and incoming redistributions, sinks (loss, gradients), and totals."""
+    op with its strategy and incoming redistributions, sinks (loss, gradients), and totals; with
+    the `program` lowered from it, also the collectives that program runs."""
     graph = plan.graph
     mesh = list(plan.mesh_shape)
     by_consumer: dict[str, list[Redistribution]] = {}
@@ -75,8 +77,7 @@ def plan_report(plan: Plan, *, timings: dict[str, float] | None = None, extra: d
             "redistributions": [_redistribution_entry(r) for r in by_consumer.get(node.name, [])],
         })
 
-    sinks = [_sink_entry(LOSS_SINK, "loss", "", plan, by_consumer)]
-    sinks += [_sink_entry(grad_sink(fqn), "grad", fqn, plan, by_consumer) for fqn in graph.params]
+    sinks = [_sink_entry(sink, by_consumer) for sink in [plan.loss_sink, *plan.grad_sinks.values()]]
 
     stats = plan.solution.stats
     report: dict[str, Any] = {
@@ -104,8 +105,8 @@ def plan_report(plan: Plan, *, timings: dict[str, float] | None = None, extra: d
             },
         },
     }
-    if plan.lowered_comm is not None:  # applied: what the program runs, buckets counted once
-        report["totals"]["program_count_by_collective"] = dict(sorted(plan.lowered_comm.total_count().items()))
+    if program is not None:  # what the program runs, buckets counted once
+        report["totals"]["program_count_by_collective"] = dict(sorted(program.comm.total_count().items()))
     if timings:
         report["timings"] = {k: float(v) for k, v in timings.items()}
     report.update(extra or {})
@@ -147,10 +148,9 @@ def _redistribution_entry(r: Redistribution) -> dict:
     }
 
 
-def _sink_entry(name: str, kind: str, fqn: str, plan: Plan, by_consumer: dict) -> dict:
-    layout = plan.strategies[name].inputs[0]
-    return {"name": name, "kind": kind, "fqn": fqn, "layout": str(layout),
-            "redistributions": [_redistribution_entry(r) for r in by_consumer.get(name, [])]}
+def _sink_entry(sink: Sink, by_consumer: dict) -> dict:
+    return {"name": sink.name, "kind": sink.kind, "fqn": sink.fqn, "layout": str(sink.layout),
+            "redistributions": [_redistribution_entry(r) for r in by_consumer.get(sink.name, [])]}
 
 
 # ------------------------------------------------------------------------------------ formatting
@@ -327,11 +327,11 @@ def compare_lines(report: dict) -> list[str]:
 
 
 # ------------------------------------------------------------------------------------ files
-def write_report(plan: Plan, out_dir: str | os.PathLike, *, timings: dict[str, float] | None = None,
-                 extra: dict | None = None) -> tuple[Path, Path]:
+def write_report(plan: Plan, out_dir: str | os.PathLike, *, program: Program | None = None,
+                 timings: dict[str, float] | None = None, extra: dict | None = None) -> tuple[Path, Path]:
     """Write `sharding.log` and `plan.json` into `out_dir` (created), each atomically, so a reader
     never sees half a file. Returns (log path, json path)."""
-    return write_report_files(plan_report(plan, timings=timings, extra=extra), out_dir)
+    return write_report_files(plan_report(plan, program=program, timings=timings, extra=extra), out_dir)
 
 
 def write_report_files(report: dict, out_dir: str | os.PathLike) -> tuple[Path, Path]:

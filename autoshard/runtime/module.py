@@ -59,7 +59,7 @@ class ParallelModule(nn.Module):
         object.__setattr__(self, "_template", template)  # kept out of the module tree
         object.__setattr__(self, "program", program)
         self._checked = {"forward": False, "backward": False}
-        non_persistent = {f"{p}.{b}" if p else b for p, m in template.named_modules() for b in m._non_persistent_buffers_set}
+        non_persistent = tc.non_persistent_buffer_names(template)
         shapes = dict(template.named_parameters()) | dict(template.named_buffers())
         for fqn in program.param_names:
             self._empty(fqn, shapes[fqn], plan.param_layouts[fqn], parameter=True)
@@ -72,9 +72,11 @@ class ParallelModule(nn.Module):
         *path, leaf = fqn.split(".")
         module: nn.Module = self
         for part in path:
-            if part not in module._modules:
-                module.add_module(part, nn.Module())
-            module = module._modules[part]
+            child = dict(module.named_children()).get(part)
+            if child is None:
+                child = nn.Module()
+                module.add_module(part, child)
+            module = child
         return module, leaf
 
     def _empty(self, fqn: str, like: torch.Tensor, layout: Layout, *, parameter: bool, persistent: bool = True) -> None:
@@ -164,7 +166,6 @@ class ParallelModule(nn.Module):
 def parallelize(plan: Plan, mesh: Any, model: nn.Module) -> ParallelModule:
     """The parallel module of `plan` on `mesh`; values are copied from `model` unless it is on meta."""
     program = lower(plan, mesh)
-    plan.lowered_comm = program.comm
     pmodel = ParallelModule(plan, mesh, model, program)
     params = dict(model.named_parameters()) | dict(model.named_buffers())
     if not any(t.is_meta for t in params.values()):
