@@ -116,14 +116,13 @@ def plan_main(argv: Sequence[str] | None = None) -> int:
 
 # ------------------------------------------------------------------------------------ plan
 def _check(args: argparse.Namespace):
-    """Validate everything cheap before the expensive part; returns the model config."""
-    from models import get_config
-
+    """Validate everything cheap before the expensive part; returns the workload."""
     from autoshard.profiles.network import NetworkProfile
     from autoshard.profiles.device import DeviceProfile
+    from autoshard.workload import get_workload
 
     try:
-        cfg = get_config(args.model)
+        workload = get_workload(args.model, args.seq)
         NetworkProfile.preset(args.network, len(args.mesh))
         DeviceProfile.preset(args.device)
     except ValueError as err:
@@ -140,7 +139,7 @@ def _check(args: argparse.Namespace):
         fail(f"--time-limit must be positive, got {args.time_limit}")
     if args.out is not None and args.out.exists() and not args.out.is_dir():
         fail(f"--out {args.out} exists and is not a directory")
-    return cfg.with_(max_seq_len=args.seq) if args.seq > cfg.max_seq_len else cfg
+    return workload
 
 
 def _setup_logging() -> None:
@@ -148,23 +147,19 @@ def _setup_logging() -> None:
     log.setLevel(logging.INFO)
 
 
-def _plan_once(cfg, args, *, pins: dict | None = None, budget: float | None = None, what: str):
+def _plan_once(workload, args, *, pins: dict | None = None, budget: float | None = None, what: str):
     """One AutoShard run on a fresh meta model; returns (plan, timings)."""
-    import torch
-
-    from models import build_model, cross_entropy_loss
-
     from autoshard.api import AutoShard
 
-    model = build_model(cfg, device="meta")
+    model = workload.build("meta")
 
     def inputs():
-        return (torch.empty(args.batch, args.seq, dtype=torch.int64, device="meta"),) * 2
+        return workload.example_inputs(args.batch, args.seq, "meta")
 
-    log.info("planning %s: %s on mesh %s, batch %d, seq %d", what, cfg.name, args.mesh, args.batch, args.seq)
+    log.info("planning %s: %s on mesh %s, batch %d, seq %d", what, workload.name, args.mesh, args.batch, args.seq)
     try:
-        with AutoShard(model, inputs, args.mesh, loss_fn=cross_entropy_loss, network=args.network,
-                       device=args.device) as auto:
+        with AutoShard(model, inputs, args.mesh, loss_fn=workload.loss_fn, n_model_inputs=workload.n_model_inputs,
+                       network=args.network, device=args.device) as auto:
             if pins:
                 auto.pin(pins)
             auto.memory_budget(budget)
@@ -174,14 +169,12 @@ def _plan_once(cfg, args, *, pins: dict | None = None, budget: float | None = No
     return plan, dict(auto.timings)
 
 
-def _manual_budget(cfg, recipe: str, mesh: tuple[int, ...]) -> float:
+def _manual_budget(workload, recipe: str, mesh: tuple[int, ...]) -> float:
     """Parameter bytes per rank of the recipe's layouts: the budget its pinned plan needs
     (norms are replicated over tp, so the default total / world size would be infeasible)."""
-    from models import build_model
-
     from autoshard.problem.recipes import param_bytes_per_rank, recipe_layouts
 
-    model = build_model(cfg, device="meta")
+    model = workload.build("meta")
     try:
         return param_bytes_per_rank(model, recipe_layouts(model, recipe), mesh)
     except ValueError as err:
@@ -209,7 +202,7 @@ def run_plan(args: argparse.Namespace) -> int:
     from autoshard.problem.recipes import recipe_pins
     from autoshard.report.text import compare_lines, modeled_figures, plan_report, summary_lines, write_report_files
 
-    cfg = _check(args)
+    workload = _check(args)
     _setup_logging()
     mesh_text = "x".join(map(str, args.mesh))
     out = args.out if args.out is not None else Path("plans") / f"{args.model}-{mesh_text}"
@@ -218,11 +211,11 @@ def run_plan(args: argparse.Namespace) -> int:
            "memory_budget": args.memory_budget}
     extra: dict = {"run": run}
     with _process_group(math.prod(args.mesh)):
-        plan, timings = _plan_once(cfg, args, budget=args.memory_budget, what="autoshard")
+        plan, timings = _plan_once(workload, args, budget=args.memory_budget, what="autoshard")
         if args.compare:
             recipe = COMPARE[args.compare]
-            budget = _manual_budget(cfg, recipe, args.mesh)
-            manual, manual_timings = _plan_once(cfg, args, pins=recipe_pins(recipe), budget=budget,
+            budget = _manual_budget(workload, recipe, args.mesh)
+            manual, manual_timings = _plan_once(workload, args, pins=recipe_pins(recipe), budget=budget,
                                                 what=f"{args.compare} ({recipe} recipe pinned)")
             extra["compare"] = {args.compare: {
                 "label": f"{recipe} pinned",

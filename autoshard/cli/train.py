@@ -42,6 +42,7 @@ from autoshard.api import AutoShard
 from autoshard.cli.plan import parse_mesh
 from autoshard.report.text import summary_lines, write_report
 from autoshard.runtime.wire import WireMeter, wire_row
+from autoshard.workload import Workload, get_workload
 
 log = logging.getLogger("autoshard")
 
@@ -120,11 +121,8 @@ def _parse(argv: list[str] | None) -> Settings:
                     checkpoint_every=a.checkpoint_every, resume=a.resume, wire_step=a.wire_step, out=a.out)
 
 
-def _config(settings: Settings):
-    from models import get_config
-
-    cfg = get_config(settings.model)  # ValueError names the known models
-    return cfg.with_(max_seq_len=settings.seq) if settings.seq > cfg.max_seq_len else cfg
+def _workload(settings: Settings) -> Workload:
+    return get_workload(settings.model, settings.seq)  # ValueError names the known models
 
 
 def _init_distributed(settings: Settings) -> tuple[Any, str]:
@@ -198,12 +196,11 @@ def _solve_on_rank0(settings: Settings, saved: dict | None):
     return solve_with
 
 
-def _plan(settings: Settings, cfg, mesh, network: str, profile: str, saved: dict | None):
-    from models import build_model, cross_entropy_loss
-
-    example = lambda: (torch.empty(settings.batch, settings.seq, dtype=torch.int64, device="meta"),) * 2  # noqa: E731
-    model = build_model(cfg, device="meta")
-    with AutoShard(model, example, mesh, loss_fn=cross_entropy_loss, network=network, device=profile) as auto:
+def _plan(settings: Settings, workload: Workload, mesh, network: str, profile: str, saved: dict | None):
+    example = lambda: workload.example_inputs(settings.batch, settings.seq, "meta")  # noqa: E731
+    model = workload.build("meta")
+    with AutoShard(model, example, mesh, loss_fn=workload.loss_fn, n_model_inputs=workload.n_model_inputs,
+                   network=network, device=profile) as auto:
         if settings.memory_budget is not None:
             auto.memory_budget(settings.memory_budget)
         solve_with = _solve_on_rank0(settings, saved)
@@ -257,10 +254,9 @@ def _peak_rss_mb() -> float:
 
 def train(settings: Settings) -> list[float]:
     """Plan, apply and train; returns this run's per-step losses."""
-    from models import MarkovTokens
     from models.train_single import TrainSettings, make_optimizer
 
-    cfg = _config(settings)
+    workload = _workload(settings)
     out = Path(settings.out)
     resume_from = None
     if settings.resume:
@@ -276,7 +272,7 @@ def train(settings: Settings) -> list[float]:
     log.info("autoshard.train: %s on mesh %s (%s), %s/%s profiles", settings.model,
              "x".join(map(str, settings.mesh)), ",".join(settings.mesh_names), network, profile)
 
-    plan, pmodel, timings, fingerprint = _plan(settings, cfg, mesh, network, profile, saved)
+    plan, pmodel, timings, fingerprint = _plan(settings, workload, mesh, network, profile, saved)
     if rank == 0:
         paths = write_report(plan, out, timings=timings, extra={
             "fingerprint": fingerprint, "solution": plan.solution.to_json(), "settings": asdict(settings)})
@@ -298,13 +294,12 @@ def train(settings: Settings) -> list[float]:
                 if line.strip() and json.loads(line)["step"] <= start_step] if settings.resume else []
         metrics_path.write_text("".join(line + "\n" for line in kept))
 
-    data = MarkovTokens(cfg.vocab_size, seed=settings.data_seed)
+    data = workload.data(settings.data_seed)
     losses = []
     tokens = settings.batch * settings.seq
     for step in range(start_step + 1, settings.steps + 1):
         t0 = time.perf_counter()
-        batch = data.batch(step - 1, settings.batch, settings.seq)
-        inputs = pmodel.shard_inputs(batch.inputs, batch.targets)  # moved to the mesh's device
+        inputs = pmodel.shard_inputs(*data.batch(step - 1, settings.batch, settings.seq))  # to the mesh's device
         meter = WireMeter() if step == settings.wire_step else None
         with contextlib.nullcontext() if meter is None else meter:
             loss = pmodel(*inputs)
