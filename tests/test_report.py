@@ -14,7 +14,7 @@ from autoshard.__main__ import main
 from autoshard import _torch_compat as tc
 from autoshard.api import AutoShard
 from autoshard.runtime.module import parallelize
-from autoshard.cli.plan import parse_bytes, parse_mesh
+from autoshard.cli.args import parse_bytes, parse_mesh
 from autoshard.report.text import format_log, human_bytes, plan_report, summary_lines, write_report
 from models import build_model, cross_entropy_loss, get_config
 

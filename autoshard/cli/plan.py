@@ -1,9 +1,9 @@
-"""Command-line pieces: argument parsing shared by the subcommands, and `plan`.
+"""`python -m autoshard plan`: plan a model's sharding and write the sharding log and plan JSON.
 
 `python -m autoshard plan --model llama3-8b --mesh 8x8 --batch 8 --seq 8192 --out plans/8b`
 plans in one process (fake process group, model on meta: no weights, no devices) and writes the
-sharding log and plan JSON. Bad input ends with one `error: ...` line on stderr and exit code 2,
-never a traceback: the user can fix it. Anything else is a bug and keeps its traceback.
+sharding log and plan JSON. Bad input ends with one `error: ...` line on stderr and exit code 2
+(autoshard.cli.args), never a traceback.
 """
 
 from __future__ import annotations
@@ -12,10 +12,12 @@ import argparse
 import contextlib
 import logging
 import math
-import re
 import sys
 from pathlib import Path
-from typing import NoReturn, Sequence
+from typing import Sequence
+
+from autoshard.cli import args as shared
+from autoshard.cli.args import ArgumentParser, fail, mesh_names
 
 log = logging.getLogger("autoshard")
 
@@ -23,80 +25,17 @@ BACKENDS = ("auto", "highs", "cbc")
 COMPARE = {"manual": "fsdp-tp"}  # --compare name -> the hand-written recipe it pins (recipes.py)
 
 
-def fail(msg: str) -> NoReturn:
-    """One line on stderr and exit code 2: for mistakes in what the user asked for."""
-    print(f"error: {msg}", file=sys.stderr)
-    raise SystemExit(2)
-
-
-def parse_mesh(text: str) -> tuple[int, ...]:
-    """'8x8' -> (8, 8), '4' -> (4,), '2x2x2' -> (2, 2, 2); every size >= 1, else ValueError."""
-    parts = text.strip().lower().split("x")
-    if not all(re.fullmatch(r"\d+", p.strip()) for p in parts):
-        raise ValueError(f"bad mesh {text!r}: expected sizes joined by 'x', e.g. 8x8")
-    shape = tuple(int(p) for p in parts)
-    if min(shape) < 1:
-        raise ValueError(f"bad mesh {text!r}: every mesh size must be >= 1")
-    return shape
-
-
-_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9, "t": 1e12, "tb": 1e12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-
-
-def parse_bytes(text: str) -> float:
-    """'1.5e9', '2GiB', '800 MB' -> bytes (positive), else ValueError."""
-    m = re.fullmatch(r"\s*([0-9.]+(?:e[+-]?\d+)?)\s*([a-z]*)\s*", text.lower())
-    if not m or m[2] not in _UNITS:
-        raise ValueError(f"bad byte count {text!r}: expected e.g. 2e9, 16GiB or 800MB")
-    value = float(m[1]) * _UNITS[m[2]]
-    if value <= 0:
-        raise ValueError(f"bad byte count {text!r}: must be positive")
-    return value
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise ValueError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise ValueError(f"expected a positive integer, got {value}")
-    return value
-
-
-def _arg_type(fn):
-    """Adapt a ValueError-raising parser for argparse, keeping its message (argparse would
-    replace it with a generic 'invalid value')."""
-    def parse(text: str):
-        try:
-            return fn(text)
-        except ValueError as err:
-            raise argparse.ArgumentTypeError(str(err)) from None
-
-    parse.__name__ = fn.__name__.lstrip("_")
-    return parse
-
-
-class ArgumentParser(argparse.ArgumentParser):
-    """argparse, but a usage mistake is one `error:` line (exit 2) like every other bad input."""
-
-    def error(self, message: str) -> NoReturn:
-        fail(f"{message} (see {self.prog} --help)")
-
-
 def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", required=True, help="model config name, e.g. llama3-8b (models.get_config)")
-    parser.add_argument("--mesh", required=True, type=_arg_type(parse_mesh), help="mesh shape, e.g. 8x8")
-    parser.add_argument("--batch", required=True, type=_arg_type(_positive_int), help="global batch size")
-    parser.add_argument("--seq", required=True, type=_arg_type(_positive_int), help="sequence length")
-    parser.add_argument("--out", type=Path, default=None,
-                        help="directory for sharding.log and plan.json (default plans/<model>-<mesh>)")
-    parser.add_argument("--network", default="h100-node", help="network profile preset (default h100-node)")
-    parser.add_argument("--device", default="h100", help="device profile preset (default h100)")
-    parser.add_argument("--mesh-names", default=None, help="mesh dim names, e.g. dp,tp (recorded in the report)")
-    parser.add_argument("--memory-budget", type=_arg_type(parse_bytes), default=None, metavar="BYTES",
-                        help="parameter bytes per rank, e.g. 2e9 or 16GiB (default: total / world size)")
+    shared.MODEL.add(parser, required=True)
+    shared.MESH.add(parser, required=True)
+    shared.BATCH.add(parser, required=True)
+    shared.SEQ.add(parser, required=True)
+    shared.OUT.add(parser, type=Path, default=None,
+                   help="directory for sharding.log and plan.json (default plans/<model>-<mesh>)")
+    shared.NETWORK.add(parser, default="h100-node", help=shared.NETWORK.kwargs["help"] + " (default h100-node)")
+    shared.DEVICE.add(parser, dest="device", default="h100", help=shared.DEVICE.kwargs["help"] + " (default h100)")
+    shared.MESH_NAMES.add(parser, default=None, help="mesh dim names, e.g. dp,tp (recorded in the report)")
+    shared.MEMORY_BUDGET.add(parser, default=None)
     parser.add_argument("--compare", choices=sorted(COMPARE), default=None,
                         help="also plan with the hand-written FSDP+TP recipe pinned and compare (2-D meshes)")
     parser.add_argument("--backend", choices=BACKENDS, default="auto", help="ILP backend (default auto)")
@@ -130,9 +69,10 @@ def _check(args: argparse.Namespace):
     if args.batch % args.mesh[0]:
         fail(f"batch {args.batch} is not divisible by mesh dim 0 (size {args.mesh[0]})")
     if args.mesh_names is not None:
-        names = tuple(n.strip() for n in args.mesh_names.split(","))
-        if len(names) != len(args.mesh) or len(set(names)) != len(names) or not all(names):
-            fail(f"--mesh-names {args.mesh_names!r} must give {len(args.mesh)} distinct names for mesh {args.mesh}")
+        try:
+            mesh_names(args.mesh_names, args.mesh)
+        except ValueError as err:
+            fail(str(err))
     if args.compare and len(args.mesh) != 2:
         fail(f"--compare {args.compare} needs a 2-D (dp, tp) mesh, got {args.mesh}")
     if args.time_limit is not None and args.time_limit <= 0:

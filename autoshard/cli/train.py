@@ -39,16 +39,12 @@ import torch.distributed as dist
 import solver
 
 from autoshard.api import AutoShard
-from autoshard.cli.plan import parse_mesh
+from autoshard.cli.args import UsageError, mesh_names, parse_mesh
 from autoshard.report.text import summary_lines, write_report
 from autoshard.runtime.wire import WireMeter, wire_row
 from autoshard.workload import Workload, get_workload
 
 log = logging.getLogger("autoshard")
-
-
-class UsageError(ValueError):
-    """Bad input the user can fix; reported as one line, no traceback."""
 
 
 @dataclass
@@ -73,8 +69,6 @@ class Settings:
 
 
 # ---------------------------------------------------------------------------------- set-up
-_DIM_NAMES = ("dp", "tp", "pp", "cp")
-
 
 def _parse(argv: list[str] | None) -> Settings:
     d = Settings()
@@ -100,12 +94,10 @@ def _parse(argv: list[str] | None) -> Settings:
     p.add_argument("--out", default=d.out, help="run directory")
     a = p.parse_args(argv)
     mesh = parse_mesh(a.mesh)
-    if a.mesh_names is None:
-        names = _DIM_NAMES[: len(mesh)]
-    else:
-        names = tuple(n.strip() for n in a.mesh_names.split(",") if n.strip())
-    if len(names) != len(mesh) or len(set(names)) != len(names):
-        raise UsageError(f"--mesh-names {','.join(names)!r} must name each of the {len(mesh)} mesh dims once")
+    try:
+        names = mesh_names(a.mesh_names, mesh)
+    except ValueError as err:
+        raise UsageError(str(err)) from None
     for flag in ("batch", "seq", "steps"):
         if getattr(a, flag) < 1:
             raise UsageError(f"--{flag} must be >= 1, got {getattr(a, flag)}")
