@@ -68,6 +68,9 @@ DEFAULT_MESH_NAMES = ("dp", "tp", "pp", "cp")
 def mesh_names(text: str | None, mesh: tuple[int, ...]) -> tuple[str, ...]:
     """The mesh dims' names: `text` ('dp,tp'), or by default dp, tp, pp, cp as many as the mesh has
     dims. ValueError unless there is one distinct, non-empty name per mesh dim."""
+    if text is None and len(mesh) > len(DEFAULT_MESH_NAMES):
+        raise ValueError(f"mesh {'x'.join(map(str, mesh))} has {len(mesh)} dims: name them with --mesh-names "
+                         f"(the default names only {len(DEFAULT_MESH_NAMES)}: {','.join(DEFAULT_MESH_NAMES)})")
     names = DEFAULT_MESH_NAMES[: len(mesh)] if text is None else tuple(n.strip() for n in text.split(","))
     if len(names) != len(mesh) or len(set(names)) != len(names) or not all(names):
         raise ValueError(f"--mesh-names {','.join(names)!r} must give {len(mesh)} distinct names, one per dim of "

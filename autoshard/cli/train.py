@@ -29,7 +29,7 @@ import shutil
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +39,8 @@ import torch.distributed as dist
 import solver
 
 from autoshard.api import AutoShard
-from autoshard.cli.args import UsageError, mesh_names, parse_mesh
+from autoshard.cli import args as shared
+from autoshard.cli.args import RaisingArgumentParser, UsageError, add_dataclass_arguments, mesh_names, setting
 from autoshard.report.text import summary_lines, write_report
 from autoshard.runtime.wire import WireMeter, wire_row
 from autoshard.workload import Workload, get_workload
@@ -49,68 +50,50 @@ log = logging.getLogger("autoshard")
 
 @dataclass
 class Settings:
-    model: str = "llama3-debug"
-    mesh: tuple[int, ...] = (2, 2)
-    mesh_names: tuple[str, ...] = ("dp", "tp")
-    batch: int = 8
-    seq: int = 64
-    steps: int = 50
-    lr: float = 3e-3
-    seed: int = 0
-    data_seed: int = 0
-    network: str | None = None  # None: by device (cpu-gloo on CPU, h100-node on GPUs)
-    device_profile: str | None = None  # None: cpu on CPU, h100 on GPUs
-    memory_budget: float | None = None
-    plan_file: str | None = None
-    checkpoint_every: int = 0
-    resume: bool = False
-    wire_step: int = 0  # meter this step's collectives (0: none)
-    out: str = "runs/debug"
+    """One training run. Every field is a command-line option (--field-name; `setting`): a new
+    setting is one line here."""
+
+    model: str = setting("llama3-debug", shared.MODEL)
+    mesh: tuple[int, ...] = setting((2, 2), shared.MESH)
+    # the parser leaves it None when not given; _parse names dp, tp, ... as many as the mesh needs
+    mesh_names: tuple[str, ...] = setting(("dp", "tp"), shared.MESH_NAMES, default=None)
+    batch: int = setting(8, shared.BATCH)
+    seq: int = setting(64, shared.SEQ)
+    steps: int = setting(50, type=int, help="train until this step")
+    lr: float = setting(3e-3, type=float)
+    seed: int = setting(0, type=int, help="weight init seed")
+    data_seed: int = setting(0, type=int)
+    network: str | None = setting(None, shared.NETWORK,  # None: by device
+                                  help="network profile for planning (default: cpu-gloo on CPU, h100-node on GPUs)")
+    device_profile: str | None = setting(None, shared.DEVICE, "--device-profile", "--device",
+                                         help="compute profile for planning (default: cpu on CPU, h100 on GPUs)")
+    memory_budget: float | None = setting(None, shared.MEMORY_BUDGET)
+    plan_file: str | None = setting(None, help="reuse a plan.json written by an earlier run or `plan`")
+    checkpoint_every: int = setting(0, type=int, help="checkpoint every K steps (0: never)")
+    resume: bool = setting(False, help="continue from the newest checkpoint in --out")
+    wire_step: int = setting(0, type=int,
+                             help="meter step K's collectives into its metrics row (slows that step; 0: never)")
+    out: str = setting("runs/debug", shared.OUT, help="run directory")
 
 
 # ---------------------------------------------------------------------------------- set-up
-
 def _parse(argv: list[str] | None) -> Settings:
-    d = Settings()
-    p = argparse.ArgumentParser(prog="autoshard.train", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=d.model, help="model config (llama3-tiny, llama3-debug, ...)")
-    p.add_argument("--mesh", default="x".join(map(str, d.mesh)), help="mesh shape, e.g. 2x2 or 4")
-    p.add_argument("--mesh-names", default=None, help="mesh dim names (default: dp,tp,... as many as needed)")
-    p.add_argument("--batch", type=int, default=d.batch, help="global batch size")
-    p.add_argument("--seq", type=int, default=d.seq, help="sequence length")
-    p.add_argument("--steps", type=int, default=d.steps, help="train until this step")
-    p.add_argument("--lr", type=float, default=d.lr)
-    p.add_argument("--seed", type=int, default=d.seed, help="weight init seed")
-    p.add_argument("--data-seed", type=int, default=d.data_seed)
-    p.add_argument("--network", default=None, help="network profile for planning (h100-node, cpu-gloo)")
-    p.add_argument("--device-profile", default=None, help="compute profile for planning (h100, h200, cpu)")
-    p.add_argument("--memory-budget", type=float, default=None, help="parameter bytes per rank")
-    p.add_argument("--plan-file", default=None, help="reuse a plan.json written by an earlier run or `plan`")
-    p.add_argument("--checkpoint-every", type=int, default=0, help="checkpoint every K steps (0: never)")
-    p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --out")
-    p.add_argument("--wire-step", type=int, default=0,
-                   help="meter step K's collectives into its metrics row (slows that step; 0: never)")
-    p.add_argument("--out", default=d.out, help="run directory")
-    a = p.parse_args(argv)
-    mesh = parse_mesh(a.mesh)
+    parser = RaisingArgumentParser(prog="autoshard.train", description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+    s = Settings(**vars(add_dataclass_arguments(parser, Settings).parse_args(argv)))
     try:
-        names = mesh_names(a.mesh_names, mesh)
+        s = replace(s, mesh_names=mesh_names(s.mesh_names, s.mesh))
     except ValueError as err:
         raise UsageError(str(err)) from None
-    for flag in ("batch", "seq", "steps"):
-        if getattr(a, flag) < 1:
-            raise UsageError(f"--{flag} must be >= 1, got {getattr(a, flag)}")
-    if a.batch % mesh[0]:
-        raise UsageError(f"--batch {a.batch} is not divisible by the {names[0]} size {mesh[0]} (mesh dim 0)")
-    if a.checkpoint_every < 0:
-        raise UsageError(f"--checkpoint-every must be >= 0, got {a.checkpoint_every}")
-    if a.wire_step < 0:
-        raise UsageError(f"--wire-step must be >= 0, got {a.wire_step}")
-    return Settings(model=a.model, mesh=mesh, mesh_names=names, batch=a.batch, seq=a.seq, steps=a.steps,
-                    lr=a.lr, seed=a.seed, data_seed=a.data_seed, network=a.network,
-                    device_profile=a.device_profile, memory_budget=a.memory_budget, plan_file=a.plan_file,
-                    checkpoint_every=a.checkpoint_every, resume=a.resume, wire_step=a.wire_step, out=a.out)
+    if s.steps < 1:
+        raise UsageError(f"--steps must be >= 1, got {s.steps}")
+    if s.batch % s.mesh[0]:
+        raise UsageError(f"--batch {s.batch} is not divisible by the {s.mesh_names[0]} size {s.mesh[0]} (mesh dim 0)")
+    if s.checkpoint_every < 0:
+        raise UsageError(f"--checkpoint-every must be >= 0, got {s.checkpoint_every}")
+    if s.wire_step < 0:
+        raise UsageError(f"--wire-step must be >= 0, got {s.wire_step}")
+    return s
 
 
 def _workload(settings: Settings) -> Workload:
