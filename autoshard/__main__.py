@@ -9,7 +9,8 @@ from __future__ import annotations
 import sys
 from typing import Sequence
 
-from autoshard.cli.plan import ArgumentParser, add_plan_arguments, run_plan
+from autoshard.cli.args import ArgumentParser
+from autoshard.cli.plan import add_plan_arguments, run_plan
 
 
 def _train(argv: list[str]) -> int:

@@ -127,6 +127,12 @@ def fake_process_group(world_size: int) -> Iterator[None]:
         dist.destroy_process_group()
 
 
+def local_tensor_mode(world_size: int) -> LocalTensorMode:
+    """Simulate `world_size` ranks in this process: tensors made inside hold one value per rank
+    (`mode.disable()` for code that must compute one global value)."""
+    return LocalTensorMode(world_size)
+
+
 def local_tensor(per_rank_values: dict[int, torch.Tensor]) -> torch.Tensor:
     """Build a LocalTensor (one value per simulated rank)."""
     return LocalTensor(per_rank_values)
@@ -284,18 +290,3 @@ def distribute_local(full: torch.Tensor, mesh: DeviceMesh, placements: Sequence[
     from torch.distributed.tensor import distribute_tensor
 
     return distribute_tensor(full, mesh, tuple(placements), src_data_rank=None).to_local()
-
-
-@contextlib.contextmanager
-def simulated_mesh(mesh_shape: Sequence[int], names: Sequence[str] | None = None) -> Iterator[tuple[DeviceMesh, LocalTensorMode]]:
-    """Every rank of a mesh in this process: a fake process group, a named DeviceMesh and
-    LocalTensorMode (tensors made inside hold one value per rank). Yields (mesh, mode); use
-    `mode.disable()` for code that must compute one global value (reference data, checks)."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    shape = tuple(mesh_shape)
-    names = tuple(names) if names is not None else tuple(f"m{i}" for i in range(len(shape)))
-    with fake_process_group(math.prod(shape)):
-        mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
-        with LocalTensorMode(math.prod(shape)) as mode:
-            yield mesh, mode

@@ -20,6 +20,7 @@ from autoshard.capture.regions import block_of
 from models import MarkovTokens, build_model, cross_entropy_loss, get_config
 from models.train_single import TrainSettings, make_optimizer
 from ranks import coords
+from simulation import simulated_mesh
 
 TINY = get_config("llama3-tiny")
 BATCH, SEQ = 8, 16
@@ -73,7 +74,7 @@ def test_llama_tiny_trains_like_single_device(reference, mesh_shape, inputs, pin
     ref_losses, ref_grads = reference
     plan = plan_llama(mesh_shape, inputs, pins)
     data = MarkovTokens(TINY.vocab_size, seed=0)
-    with tc.simulated_mesh(mesh_shape) as (mesh, mode):
+    with simulated_mesh(mesh_shape) as (mesh, mode):
         pmodel = parallelize(plan, mesh, build_model(TINY, device="meta"))
         pmodel.init_weights(0)
         optim = make_optimizer(pmodel.parameters(), TrainSettings())
@@ -117,7 +118,7 @@ def test_parameters_hold_the_rows_their_order_implies():
     plan = plan_llama((2, 2), pins={"layers.*.feed_forward.w1.weight": "S(0)S(0)[1,0]",
                                     "layers.*.feed_forward.w2.weight": "S(0)S(0)[0,1]"})
     full = build_model(TINY, seed=3)
-    with tc.simulated_mesh((2, 2)) as (mesh, mode):
+    with simulated_mesh((2, 2)) as (mesh, mode):
         pmodel = parallelize(plan, mesh, full)
         state = pmodel.state_dict()
         assert list(state) == list(full.state_dict())
@@ -157,7 +158,7 @@ def test_mlp_on_2x2x2_matches_single_device():
     x, y = torch.randn(8, 16), torch.randn(8, 16)
     ref_loss = mse(model(x), y)
     ref_loss.backward()
-    with tc.simulated_mesh((2, 2, 2)) as (mesh, mode):
+    with simulated_mesh((2, 2, 2)) as (mesh, mode):
         pmodel = auto_shard(model, lambda: (x, y), mesh, loss_fn=mse)  # plan + apply in one call
         loss = pmodel(*pmodel.shard_inputs(x, y))
         loss.backward()
@@ -182,7 +183,7 @@ def test_fsdp_over_tp_mlp_runs_one_gather_and_a_reduce_scatter_per_weight():
         auto.pin({"w1.weight": "S(0)S(0)[1,0]", "w2.weight": "S(1)S(1)[1,0]"})
         plan = auto.optimize()
     weights = {plan.graph.params[f].name for f in ("w1.weight", "w2.weight")}
-    with tc.simulated_mesh((2, 2)) as (mesh, mode):
+    with simulated_mesh((2, 2)) as (mesh, mode):
         pmodel = parallelize(plan, mesh, model)
         steps = pmodel.comm.steps
         weight_gathers = [(set(producer.split(",")), kind, dims) for producer, _, kind, dims in steps["forward"]
@@ -215,7 +216,7 @@ def small_mlp_plan():
 
 def test_wrong_local_input_shape_names_the_expected_one(small_mlp_plan):
     plan, model, x, y = small_mlp_plan
-    with tc.simulated_mesh((2, 2)) as (mesh, mode):
+    with simulated_mesh((2, 2)) as (mesh, mode):
         pmodel = parallelize(plan, mesh, model)
         with pytest.raises(ValueError, match=r"input 0: expected a local shard of shape \(1, 4, 16\) \(global \(2, 4, 16\) "
                                              r"in layout S\(0\)R on mesh \(2, 2\)\), got \(2, 4, 16\)"):
@@ -229,7 +230,7 @@ def test_wrong_local_input_shape_names_the_expected_one(small_mlp_plan):
 def test_first_run_checks_local_shapes_node_by_node(small_mlp_plan):
     """A lowering mistake (here: a view to the wrong local shape) is reported with its node."""
     plan, model, x, y = small_mlp_plan
-    with tc.simulated_mesh((2, 2)) as (mesh, mode):
+    with simulated_mesh((2, 2)) as (mesh, mode):
         pmodel = parallelize(plan, mesh, model)
         gm = pmodel.program.forward
         view = next(n for n in gm.graph.nodes if n.target is torch.ops.aten.view.default)
@@ -241,7 +242,7 @@ def test_first_run_checks_local_shapes_node_by_node(small_mlp_plan):
 
 def test_no_grad_forward_runs_only_the_forward(small_mlp_plan):
     plan, model, x, y = small_mlp_plan
-    with tc.simulated_mesh((2, 2)) as (mesh, mode):
+    with simulated_mesh((2, 2)) as (mesh, mode):
         pmodel = parallelize(plan, mesh, model)
 
         def backward_must_not_run(*args):

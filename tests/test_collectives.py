@@ -21,6 +21,7 @@ from autoshard.program.collectives import execute
 from autoshard.layout import Layout, P, R, S
 from autoshard.pricing.planner import Planner
 from ranks import coords
+from simulation import simulated_mesh
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -90,7 +91,7 @@ class Simulation:
         self.seen: set[tuple[str, int, bool]] = set()  # (kind, #mesh dims, ascending) executed
 
     def __enter__(self):
-        self._sim = tc.simulated_mesh(self.mesh_shape, self.names)
+        self._sim = simulated_mesh(self.mesh_shape, self.names)
         self.mesh, self._mode = self._sim.__enter__()
         return self
 

@@ -11,12 +11,12 @@ import pytest
 import torch
 
 from autoshard.__main__ import main
-from autoshard import _torch_compat as tc
 from autoshard.api import AutoShard
 from autoshard.runtime.module import parallelize
-from autoshard.cli.plan import parse_bytes, parse_mesh
+from autoshard.cli.args import parse_bytes, parse_mesh
 from autoshard.report.text import format_log, human_bytes, plan_report, summary_lines, write_report
 from models import build_model, cross_entropy_loss, get_config
+from simulation import simulated_mesh
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_ARGS = ["--model", "llama3-tiny", "--mesh", "2x2", "--batch", "4", "--seq", "16"]
@@ -80,7 +80,7 @@ def test_applied_plan_reports_what_the_program_runs(tiny):
     """After apply, the log shows the collectives the program runs (buckets counted once) beside
     the modeled ones."""
     plan, _, _ = tiny
-    with tc.simulated_mesh((2, 2)) as (mesh, _mode):
+    with simulated_mesh((2, 2)) as (mesh, _mode):
         pmodel = parallelize(plan, mesh, build_model(get_config("llama3-tiny"), device="meta"))
     report = plan_report(plan, program=pmodel.program)
     ran = report["totals"]["program_count_by_collective"]

@@ -1,9 +1,9 @@
-"""Command-line pieces: argument parsing shared by the subcommands, and `plan`.
+"""`python -m autoshard plan`: plan a model's sharding and write the sharding log and plan JSON.
 
 `python -m autoshard plan --model llama3-8b --mesh 8x8 --batch 8 --seq 8192 --out plans/8b`
 plans in one process (fake process group, model on meta: no weights, no devices) and writes the
-sharding log and plan JSON. Bad input ends with one `error: ...` line on stderr and exit code 2,
-never a traceback: the user can fix it. Anything else is a bug and keeps its traceback.
+sharding log and plan JSON. Bad input ends with one `error: ...` line on stderr and exit code 2
+(autoshard.cli.args), never a traceback.
 """
 
 from __future__ import annotations
@@ -12,10 +12,12 @@ import argparse
 import contextlib
 import logging
 import math
-import re
 import sys
 from pathlib import Path
-from typing import NoReturn, Sequence
+from typing import Sequence
+
+from autoshard.cli import args as shared
+from autoshard.cli.args import ArgumentParser, fail, mesh_names
 
 log = logging.getLogger("autoshard")
 
@@ -23,80 +25,17 @@ BACKENDS = ("auto", "highs", "cbc")
 COMPARE = {"manual": "fsdp-tp"}  # --compare name -> the hand-written recipe it pins (recipes.py)
 
 
-def fail(msg: str) -> NoReturn:
-    """One line on stderr and exit code 2: for mistakes in what the user asked for."""
-    print(f"error: {msg}", file=sys.stderr)
-    raise SystemExit(2)
-
-
-def parse_mesh(text: str) -> tuple[int, ...]:
-    """'8x8' -> (8, 8), '4' -> (4,), '2x2x2' -> (2, 2, 2); every size >= 1, else ValueError."""
-    parts = text.strip().lower().split("x")
-    if not all(re.fullmatch(r"\d+", p.strip()) for p in parts):
-        raise ValueError(f"bad mesh {text!r}: expected sizes joined by 'x', e.g. 8x8")
-    shape = tuple(int(p) for p in parts)
-    if min(shape) < 1:
-        raise ValueError(f"bad mesh {text!r}: every mesh size must be >= 1")
-    return shape
-
-
-_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9, "t": 1e12, "tb": 1e12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-
-
-def parse_bytes(text: str) -> float:
-    """'1.5e9', '2GiB', '800 MB' -> bytes (positive), else ValueError."""
-    m = re.fullmatch(r"\s*([0-9.]+(?:e[+-]?\d+)?)\s*([a-z]*)\s*", text.lower())
-    if not m or m[2] not in _UNITS:
-        raise ValueError(f"bad byte count {text!r}: expected e.g. 2e9, 16GiB or 800MB")
-    value = float(m[1]) * _UNITS[m[2]]
-    if value <= 0:
-        raise ValueError(f"bad byte count {text!r}: must be positive")
-    return value
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise ValueError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise ValueError(f"expected a positive integer, got {value}")
-    return value
-
-
-def _arg_type(fn):
-    """Adapt a ValueError-raising parser for argparse, keeping its message (argparse would
-    replace it with a generic 'invalid value')."""
-    def parse(text: str):
-        try:
-            return fn(text)
-        except ValueError as err:
-            raise argparse.ArgumentTypeError(str(err)) from None
-
-    parse.__name__ = fn.__name__.lstrip("_")
-    return parse
-
-
-class ArgumentParser(argparse.ArgumentParser):
-    """argparse, but a usage mistake is one `error:` line (exit 2) like every other bad input."""
-
-    def error(self, message: str) -> NoReturn:
-        fail(f"{message} (see {self.prog} --help)")
-
-
 def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", required=True, help="model config name, e.g. llama3-8b (models.get_config)")
-    parser.add_argument("--mesh", required=True, type=_arg_type(parse_mesh), help="mesh shape, e.g. 8x8")
-    parser.add_argument("--batch", required=True, type=_arg_type(_positive_int), help="global batch size")
-    parser.add_argument("--seq", required=True, type=_arg_type(_positive_int), help="sequence length")
-    parser.add_argument("--out", type=Path, default=None,
-                        help="directory for sharding.log and plan.json (default plans/<model>-<mesh>)")
-    parser.add_argument("--network", default="h100-node", help="network profile preset (default h100-node)")
-    parser.add_argument("--device", default="h100", help="device profile preset (default h100)")
-    parser.add_argument("--mesh-names", default=None, help="mesh dim names, e.g. dp,tp (recorded in the report)")
-    parser.add_argument("--memory-budget", type=_arg_type(parse_bytes), default=None, metavar="BYTES",
-                        help="parameter bytes per rank, e.g. 2e9 or 16GiB (default: total / world size)")
+    shared.MODEL.add(parser, required=True)
+    shared.MESH.add(parser, required=True)
+    shared.BATCH.add(parser, required=True)
+    shared.SEQ.add(parser, required=True)
+    shared.OUT.add(parser, type=Path, default=None,
+                   help="directory for sharding.log and plan.json (default plans/<model>-<mesh>)")
+    shared.NETWORK.add(parser, default="h100-node", help=shared.NETWORK.kwargs["help"] + " (default h100-node)")
+    shared.DEVICE.add(parser, dest="device", default="h100", help=shared.DEVICE.kwargs["help"] + " (default h100)")
+    shared.MESH_NAMES.add(parser, default=None, help="mesh dim names, e.g. dp,tp (recorded in the report)")
+    shared.MEMORY_BUDGET.add(parser, default=None)
     parser.add_argument("--compare", choices=sorted(COMPARE), default=None,
                         help="also plan with the hand-written FSDP+TP recipe pinned and compare (2-D meshes)")
     parser.add_argument("--backend", choices=BACKENDS, default="auto", help="ILP backend (default auto)")
@@ -116,14 +55,13 @@ def plan_main(argv: Sequence[str] | None = None) -> int:
 
 # ------------------------------------------------------------------------------------ plan
 def _check(args: argparse.Namespace):
-    """Validate everything cheap before the expensive part; returns the model config."""
-    from models import get_config
-
+    """Validate everything cheap before the expensive part; returns the workload."""
     from autoshard.profiles.network import NetworkProfile
     from autoshard.profiles.device import DeviceProfile
+    from autoshard.workload import get_workload
 
     try:
-        cfg = get_config(args.model)
+        workload = get_workload(args.model, args.seq)
         NetworkProfile.preset(args.network, len(args.mesh))
         DeviceProfile.preset(args.device)
     except ValueError as err:
@@ -131,16 +69,17 @@ def _check(args: argparse.Namespace):
     if args.batch % args.mesh[0]:
         fail(f"batch {args.batch} is not divisible by mesh dim 0 (size {args.mesh[0]})")
     if args.mesh_names is not None:
-        names = tuple(n.strip() for n in args.mesh_names.split(","))
-        if len(names) != len(args.mesh) or len(set(names)) != len(names) or not all(names):
-            fail(f"--mesh-names {args.mesh_names!r} must give {len(args.mesh)} distinct names for mesh {args.mesh}")
+        try:
+            mesh_names(args.mesh_names, args.mesh)
+        except ValueError as err:
+            fail(str(err))
     if args.compare and len(args.mesh) != 2:
         fail(f"--compare {args.compare} needs a 2-D (dp, tp) mesh, got {args.mesh}")
     if args.time_limit is not None and args.time_limit <= 0:
         fail(f"--time-limit must be positive, got {args.time_limit}")
     if args.out is not None and args.out.exists() and not args.out.is_dir():
         fail(f"--out {args.out} exists and is not a directory")
-    return cfg.with_(max_seq_len=args.seq) if args.seq > cfg.max_seq_len else cfg
+    return workload
 
 
 def _setup_logging() -> None:
@@ -148,23 +87,19 @@ def _setup_logging() -> None:
     log.setLevel(logging.INFO)
 
 
-def _plan_once(cfg, args, *, pins: dict | None = None, budget: float | None = None, what: str):
+def _plan_once(workload, args, *, pins: dict | None = None, budget: float | None = None, what: str):
     """One AutoShard run on a fresh meta model; returns (plan, timings)."""
-    import torch
-
-    from models import build_model, cross_entropy_loss
-
     from autoshard.api import AutoShard
 
-    model = build_model(cfg, device="meta")
+    model = workload.build("meta")
 
     def inputs():
-        return (torch.empty(args.batch, args.seq, dtype=torch.int64, device="meta"),) * 2
+        return workload.example_inputs(args.batch, args.seq, "meta")
 
-    log.info("planning %s: %s on mesh %s, batch %d, seq %d", what, cfg.name, args.mesh, args.batch, args.seq)
+    log.info("planning %s: %s on mesh %s, batch %d, seq %d", what, workload.name, args.mesh, args.batch, args.seq)
     try:
-        with AutoShard(model, inputs, args.mesh, loss_fn=cross_entropy_loss, network=args.network,
-                       device=args.device) as auto:
+        with AutoShard(model, inputs, args.mesh, loss_fn=workload.loss_fn, n_model_inputs=workload.n_model_inputs,
+                       network=args.network, device=args.device) as auto:
             if pins:
                 auto.pin(pins)
             auto.memory_budget(budget)
@@ -174,14 +109,12 @@ def _plan_once(cfg, args, *, pins: dict | None = None, budget: float | None = No
     return plan, dict(auto.timings)
 
 
-def _manual_budget(cfg, recipe: str, mesh: tuple[int, ...]) -> float:
+def _manual_budget(workload, recipe: str, mesh: tuple[int, ...]) -> float:
     """Parameter bytes per rank of the recipe's layouts: the budget its pinned plan needs
     (norms are replicated over tp, so the default total / world size would be infeasible)."""
-    from models import build_model
-
     from autoshard.problem.recipes import param_bytes_per_rank, recipe_layouts
 
-    model = build_model(cfg, device="meta")
+    model = workload.build("meta")
     try:
         return param_bytes_per_rank(model, recipe_layouts(model, recipe), mesh)
     except ValueError as err:
@@ -209,7 +142,7 @@ def run_plan(args: argparse.Namespace) -> int:
     from autoshard.problem.recipes import recipe_pins
     from autoshard.report.text import compare_lines, modeled_figures, plan_report, summary_lines, write_report_files
 
-    cfg = _check(args)
+    workload = _check(args)
     _setup_logging()
     mesh_text = "x".join(map(str, args.mesh))
     out = args.out if args.out is not None else Path("plans") / f"{args.model}-{mesh_text}"
@@ -218,11 +151,11 @@ def run_plan(args: argparse.Namespace) -> int:
            "memory_budget": args.memory_budget}
     extra: dict = {"run": run}
     with _process_group(math.prod(args.mesh)):
-        plan, timings = _plan_once(cfg, args, budget=args.memory_budget, what="autoshard")
+        plan, timings = _plan_once(workload, args, budget=args.memory_budget, what="autoshard")
         if args.compare:
             recipe = COMPARE[args.compare]
-            budget = _manual_budget(cfg, recipe, args.mesh)
-            manual, manual_timings = _plan_once(cfg, args, pins=recipe_pins(recipe), budget=budget,
+            budget = _manual_budget(workload, recipe, args.mesh)
+            manual, manual_timings = _plan_once(workload, args, pins=recipe_pins(recipe), budget=budget,
                                                 what=f"{args.compare} ({recipe} recipe pinned)")
             extra["compare"] = {args.compare: {
                 "label": f"{recipe} pinned",

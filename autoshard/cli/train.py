@@ -29,7 +29,7 @@ import shutil
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -39,92 +39,65 @@ import torch.distributed as dist
 import solver
 
 from autoshard.api import AutoShard
-from autoshard.cli.plan import parse_mesh
+from autoshard.cli import args as shared
+from autoshard.cli.args import RaisingArgumentParser, UsageError, add_dataclass_arguments, mesh_names, setting
 from autoshard.report.text import summary_lines, write_report
 from autoshard.runtime.wire import WireMeter, wire_row
+from autoshard.workload import Workload, get_workload
 
 log = logging.getLogger("autoshard")
 
 
-class UsageError(ValueError):
-    """Bad input the user can fix; reported as one line, no traceback."""
-
-
 @dataclass
 class Settings:
-    model: str = "llama3-debug"
-    mesh: tuple[int, ...] = (2, 2)
-    mesh_names: tuple[str, ...] = ("dp", "tp")
-    batch: int = 8
-    seq: int = 64
-    steps: int = 50
-    lr: float = 3e-3
-    seed: int = 0
-    data_seed: int = 0
-    network: str | None = None  # None: by device (cpu-gloo on CPU, h100-node on GPUs)
-    device_profile: str | None = None  # None: cpu on CPU, h100 on GPUs
-    memory_budget: float | None = None
-    plan_file: str | None = None
-    checkpoint_every: int = 0
-    resume: bool = False
-    wire_step: int = 0  # meter this step's collectives (0: none)
-    out: str = "runs/debug"
+    """One training run. Every field is a command-line option (--field-name; `setting`): a new
+    setting is one line here."""
+
+    model: str = setting("llama3-debug", shared.MODEL)
+    mesh: tuple[int, ...] = setting((2, 2), shared.MESH)
+    # the parser leaves it None when not given; _parse names dp, tp, ... as many as the mesh needs
+    mesh_names: tuple[str, ...] = setting(("dp", "tp"), shared.MESH_NAMES, default=None)
+    batch: int = setting(8, shared.BATCH)
+    seq: int = setting(64, shared.SEQ)
+    steps: int = setting(50, type=int, help="train until this step")
+    lr: float = setting(3e-3, type=float)
+    seed: int = setting(0, type=int, help="weight init seed")
+    data_seed: int = setting(0, type=int)
+    network: str | None = setting(None, shared.NETWORK,  # None: by device
+                                  help="network profile for planning (default: cpu-gloo on CPU, h100-node on GPUs)")
+    device_profile: str | None = setting(None, shared.DEVICE, "--device-profile", "--device",
+                                         help="compute profile for planning (default: cpu on CPU, h100 on GPUs)")
+    memory_budget: float | None = setting(None, shared.MEMORY_BUDGET)
+    plan_file: str | None = setting(None, help="reuse a plan.json written by an earlier run or `plan`")
+    checkpoint_every: int = setting(0, type=int, help="checkpoint every K steps (0: never)")
+    resume: bool = setting(False, help="continue from the newest checkpoint in --out")
+    wire_step: int = setting(0, type=int,
+                             help="meter step K's collectives into its metrics row (slows that step; 0: never)")
+    out: str = setting("runs/debug", shared.OUT, help="run directory")
 
 
 # ---------------------------------------------------------------------------------- set-up
-_DIM_NAMES = ("dp", "tp", "pp", "cp")
-
-
 def _parse(argv: list[str] | None) -> Settings:
-    d = Settings()
-    p = argparse.ArgumentParser(prog="autoshard.train", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=d.model, help="model config (llama3-tiny, llama3-debug, ...)")
-    p.add_argument("--mesh", default="x".join(map(str, d.mesh)), help="mesh shape, e.g. 2x2 or 4")
-    p.add_argument("--mesh-names", default=None, help="mesh dim names (default: dp,tp,... as many as needed)")
-    p.add_argument("--batch", type=int, default=d.batch, help="global batch size")
-    p.add_argument("--seq", type=int, default=d.seq, help="sequence length")
-    p.add_argument("--steps", type=int, default=d.steps, help="train until this step")
-    p.add_argument("--lr", type=float, default=d.lr)
-    p.add_argument("--seed", type=int, default=d.seed, help="weight init seed")
-    p.add_argument("--data-seed", type=int, default=d.data_seed)
-    p.add_argument("--network", default=None, help="network profile for planning (h100-node, cpu-gloo)")
-    p.add_argument("--device-profile", default=None, help="compute profile for planning (h100, h200, cpu)")
-    p.add_argument("--memory-budget", type=float, default=None, help="parameter bytes per rank")
-    p.add_argument("--plan-file", default=None, help="reuse a plan.json written by an earlier run or `plan`")
-    p.add_argument("--checkpoint-every", type=int, default=0, help="checkpoint every K steps (0: never)")
-    p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --out")
-    p.add_argument("--wire-step", type=int, default=0,
-                   help="meter step K's collectives into its metrics row (slows that step; 0: never)")
-    p.add_argument("--out", default=d.out, help="run directory")
-    a = p.parse_args(argv)
-    mesh = parse_mesh(a.mesh)
-    if a.mesh_names is None:
-        names = _DIM_NAMES[: len(mesh)]
-    else:
-        names = tuple(n.strip() for n in a.mesh_names.split(",") if n.strip())
-    if len(names) != len(mesh) or len(set(names)) != len(names):
-        raise UsageError(f"--mesh-names {','.join(names)!r} must name each of the {len(mesh)} mesh dims once")
-    for flag in ("batch", "seq", "steps"):
-        if getattr(a, flag) < 1:
-            raise UsageError(f"--{flag} must be >= 1, got {getattr(a, flag)}")
-    if a.batch % mesh[0]:
-        raise UsageError(f"--batch {a.batch} is not divisible by the {names[0]} size {mesh[0]} (mesh dim 0)")
-    if a.checkpoint_every < 0:
-        raise UsageError(f"--checkpoint-every must be >= 0, got {a.checkpoint_every}")
-    if a.wire_step < 0:
-        raise UsageError(f"--wire-step must be >= 0, got {a.wire_step}")
-    return Settings(model=a.model, mesh=mesh, mesh_names=names, batch=a.batch, seq=a.seq, steps=a.steps,
-                    lr=a.lr, seed=a.seed, data_seed=a.data_seed, network=a.network,
-                    device_profile=a.device_profile, memory_budget=a.memory_budget, plan_file=a.plan_file,
-                    checkpoint_every=a.checkpoint_every, resume=a.resume, wire_step=a.wire_step, out=a.out)
+    parser = RaisingArgumentParser(prog="autoshard.train", description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+    s = Settings(**vars(add_dataclass_arguments(parser, Settings).parse_args(argv)))
+    try:
+        s = replace(s, mesh_names=mesh_names(s.mesh_names, s.mesh))
+    except ValueError as err:
+        raise UsageError(str(err)) from None
+    if s.steps < 1:
+        raise UsageError(f"--steps must be >= 1, got {s.steps}")
+    if s.batch % s.mesh[0]:
+        raise UsageError(f"--batch {s.batch} is not divisible by the {s.mesh_names[0]} size {s.mesh[0]} (mesh dim 0)")
+    if s.checkpoint_every < 0:
+        raise UsageError(f"--checkpoint-every must be >= 0, got {s.checkpoint_every}")
+    if s.wire_step < 0:
+        raise UsageError(f"--wire-step must be >= 0, got {s.wire_step}")
+    return s
 
 
-def _config(settings: Settings):
-    from models import get_config
-
-    cfg = get_config(settings.model)  # ValueError names the known models
-    return cfg.with_(max_seq_len=settings.seq) if settings.seq > cfg.max_seq_len else cfg
+def _workload(settings: Settings) -> Workload:
+    return get_workload(settings.model, settings.seq)  # ValueError names the known models
 
 
 def _init_distributed(settings: Settings) -> tuple[Any, str]:
@@ -198,12 +171,11 @@ def _solve_on_rank0(settings: Settings, saved: dict | None):
     return solve_with
 
 
-def _plan(settings: Settings, cfg, mesh, network: str, profile: str, saved: dict | None):
-    from models import build_model, cross_entropy_loss
-
-    example = lambda: (torch.empty(settings.batch, settings.seq, dtype=torch.int64, device="meta"),) * 2  # noqa: E731
-    model = build_model(cfg, device="meta")
-    with AutoShard(model, example, mesh, loss_fn=cross_entropy_loss, network=network, device=profile) as auto:
+def _plan(settings: Settings, workload: Workload, mesh, network: str, profile: str, saved: dict | None):
+    example = lambda: workload.example_inputs(settings.batch, settings.seq, "meta")  # noqa: E731
+    model = workload.build("meta")
+    with AutoShard(model, example, mesh, loss_fn=workload.loss_fn, n_model_inputs=workload.n_model_inputs,
+                   network=network, device=profile) as auto:
         if settings.memory_budget is not None:
             auto.memory_budget(settings.memory_budget)
         solve_with = _solve_on_rank0(settings, saved)
@@ -257,10 +229,9 @@ def _peak_rss_mb() -> float:
 
 def train(settings: Settings) -> list[float]:
     """Plan, apply and train; returns this run's per-step losses."""
-    from models import MarkovTokens
     from models.train_single import TrainSettings, make_optimizer
 
-    cfg = _config(settings)
+    workload = _workload(settings)
     out = Path(settings.out)
     resume_from = None
     if settings.resume:
@@ -276,7 +247,7 @@ def train(settings: Settings) -> list[float]:
     log.info("autoshard.train: %s on mesh %s (%s), %s/%s profiles", settings.model,
              "x".join(map(str, settings.mesh)), ",".join(settings.mesh_names), network, profile)
 
-    plan, pmodel, timings, fingerprint = _plan(settings, cfg, mesh, network, profile, saved)
+    plan, pmodel, timings, fingerprint = _plan(settings, workload, mesh, network, profile, saved)
     if rank == 0:
         paths = write_report(plan, out, program=pmodel.program, timings=timings, extra={
             "fingerprint": fingerprint, "solution": plan.solution.to_json(), "settings": asdict(settings)})
@@ -298,13 +269,12 @@ def train(settings: Settings) -> list[float]:
                 if line.strip() and json.loads(line)["step"] <= start_step] if settings.resume else []
         metrics_path.write_text("".join(line + "\n" for line in kept))
 
-    data = MarkovTokens(cfg.vocab_size, seed=settings.data_seed)
+    data = workload.data(settings.data_seed)
     losses = []
     tokens = settings.batch * settings.seq
     for step in range(start_step + 1, settings.steps + 1):
         t0 = time.perf_counter()
-        batch = data.batch(step - 1, settings.batch, settings.seq)
-        inputs = pmodel.shard_inputs(batch.inputs, batch.targets)  # moved to the mesh's device
+        inputs = pmodel.shard_inputs(*data.batch(step - 1, settings.batch, settings.seq))  # to the mesh's device
         meter = WireMeter() if step == settings.wire_step else None
         with contextlib.nullcontext() if meter is None else meter:
             loss = pmodel(*inputs)

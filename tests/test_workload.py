@@ -1,0 +1,56 @@
+"""The workload description plan and train share, and the argument pieces they share (cli/args)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from autoshard.cli.args import mesh_names
+from autoshard.cli.train import Settings, _parse
+from autoshard.workload import get_workload
+from models import MarkovTokens, get_config
+
+
+def test_llama_workload_builds_inputs_loss_and_data():
+    w = get_workload("llama3-tiny", seq=16)
+    model = w.build("meta")
+    tokens, targets = w.example_inputs(4, 16, "meta")
+    assert tokens.shape == targets.shape == (4, 16) and tokens.dtype == torch.int64
+    assert model(*(tokens, targets)[: w.n_model_inputs]).shape == (4, 16, get_config("llama3-tiny").vocab_size)
+    want = MarkovTokens(get_config("llama3-tiny").vocab_size, seed=3).batch(5, 2, 8)
+    got = w.data(3).batch(5, 2, 8)
+    assert torch.equal(got[0], want.inputs) and torch.equal(got[1], want.targets)
+    assert w.adapt_state_dict({"a": 1}) == {"a": 1}
+
+
+def test_seq_longer_than_the_config_bumps_max_seq_len():
+    assert get_config("llama3-tiny").max_seq_len == 256
+    assert get_workload("llama3-tiny", seq=512).build("meta").cfg.max_seq_len == 512
+    assert get_workload("llama3-tiny", seq=16).build("meta").cfg.max_seq_len == 256
+
+
+def test_unknown_workload_names_the_known_ones():
+    with pytest.raises(ValueError) as err:
+        get_workload("nope", seq=16)
+    with pytest.raises(ValueError) as want:
+        get_config("nope")
+    assert str(err.value) == str(want.value)
+
+
+def test_mesh_names():
+    assert mesh_names(None, (2, 2)) == ("dp", "tp") and mesh_names(None, (4,)) == ("dp",)
+    assert mesh_names(" a , b ", (2, 2)) == ("a", "b")
+    for bad in ("dp", "dp,dp", "dp,", "a,b,c"):
+        with pytest.raises(ValueError, match="must give 2 distinct names"):
+            mesh_names(bad, (2, 2))
+
+
+def test_every_setting_is_an_option():
+    s = _parse(["--mesh", "4", "--batch", "4", "--memory-budget", "1GiB", "--resume", "--device", "cpu",
+                "--checkpoint-every", "2", "--out", "x"])
+    assert (s.mesh, s.mesh_names, s.memory_budget, s.resume, s.device_profile) == ((4,), ("dp",), 2**30, True, "cpu")
+    assert _parse(["--device-profile", "h200"]).device_profile == "h200"
+    assert {f.name for f in dataclasses.fields(Settings)} == set(vars(_parse([])).keys())
+    assert _parse([]) == Settings()
