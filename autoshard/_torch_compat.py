@@ -115,12 +115,12 @@ def wait(t: torch.Tensor) -> torch.Tensor:
 
 
 @contextlib.contextmanager
-def fake_process_group(world_size: int) -> Iterator[None]:
-    """A fake default process group of `world_size` ranks in this process (for LocalTensorMode
-    simulation or planning at scale); destroyed on exit."""
+def fake_process_group(world_size: int, rank: int = 0) -> Iterator[None]:
+    """A fake default process group of `world_size` ranks in this process, seen from `rank` (for
+    LocalTensorMode simulation, planning at scale, or one rank's dry run); destroyed on exit."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:
         yield
     finally:
@@ -290,3 +290,24 @@ def distribute_local(full: torch.Tensor, mesh: DeviceMesh, placements: Sequence[
     from torch.distributed.tensor import distribute_tensor
 
     return distribute_tensor(full, mesh, tuple(placements), src_data_rank=None).to_local()
+
+
+# ---------------------------------------------------------------- dry run (dryrun.py)
+DispatchMode = TorchDispatchMode  # base class of a mode that sees every aten op with its outputs
+
+WAIT_TENSOR = torch.ops._c10d_functional.wait_tensor.default  # returns its input (eager) or a fake copy
+
+
+def mem_tracker() -> Any:
+    """torch's own live-memory tracker (a dispatch mode; `get_tracker_snapshot("peak")`): the
+    independent measurement a dry run's accounting is checked against."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    return MemTracker()
+
+
+def tracker_total(snapshot: dict) -> int:
+    """Total bytes over all devices of a MemTracker snapshot."""
+    from torch.distributed._tools.mem_tracker import _TOTAL_KEY
+
+    return sum(dev[_TOTAL_KEY] for dev in snapshot.values())

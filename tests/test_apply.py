@@ -259,4 +259,42 @@ def test_no_grad_forward_runs_only_the_forward(small_mlp_plan):
             pmodel(*pmodel.shard_inputs(x, y)).backward()
 
 
+
+class _MergeAfterGather(nn.Module):
+    """x [4, 2, 3] arrives sharded on dim 1 (one row per rank); merging dims 0 and 1 in a `view`
+    needs it gathered on that inner dim first."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(3, 5, generator=torch.Generator().manual_seed(0)))
+
+    def forward(self, x):
+        return (x.view(8, 3) @ self.w).sum()
+
+
+def test_gather_on_an_inner_dim_feeds_a_view():
+    """The executor gathers on dim 0 and moves the chunk axis into place, which can leave a strided
+    view ([4, 2, 3] with strides (3, 12, 1) here); the traced `view` needs the traced value's
+    (contiguous) strides. Every redistribution hands its consumer that memory layout."""
+    model = _MergeAfterGather()
+    with AutoShard(model, lambda: torch.empty(4, 2, 3, device="meta"), (2,)) as auto:
+        auto.constrain_inputs("S(1)")
+        auto.pin({"w": "R"})
+        auto.memory_budget(1e6)
+        plan = auto.optimize()
+    (gather,) = plan.redistributions
+    assert gather.plan.steps[0].kind == "all_gather" and gather.plan.steps[0].tensor_dims == (1,)
+    x = torch.randn(4, 2, 3, generator=torch.Generator().manual_seed(1))
+    loss = model(x)
+    loss.backward()
+    with simulated_mesh((2,)) as (mesh, mode):
+        pmodel = parallelize(plan, mesh, model)
+        got = pmodel(*pmodel.shard_inputs(x))
+        got.backward()
+        for value in every_rank(mode, got):
+            torch.testing.assert_close(value, loss.detach())
+        for grad in every_rank(mode, pmodel.w.grad.full_tensor()):
+            torch.testing.assert_close(grad, model.w.grad)
+
+
 # Real torchrun processes running the parallel module: tests/test_train.py (one launch covers both).

@@ -255,3 +255,19 @@ def test_torchrun_gloo_2x2():
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, f"torchrun failed after {time.time() - start:.0f}s:\n{out.stdout[-3000:]}\n{out.stderr[-5000:]}"
     assert "ALL OK" in out.stdout
+
+
+def test_results_are_dense_in_the_asked_dim_order():
+    """`in_dim_order` keeps a tensor already dense in the order, else copies into it; `dim_order`
+    reads the order back (row-major for contiguous tensors)."""
+    from autoshard.program.collectives import dim_order, in_dim_order
+
+    x = torch.arange(24.0).reshape(2, 1, 3, 4)
+    strided = x.movedim(0, 2)  # [1, 3, 2, 4], not contiguous
+    assert in_dim_order(x) is x and dim_order(x) == (0, 1, 2, 3)
+    dense = in_dim_order(strided)
+    assert dense.is_contiguous() and torch.equal(dense, strided)
+    t = torch.randn(3, 5).t()  # the layout a traced transpose has
+    assert dim_order(t) == (1, 0)
+    back = in_dim_order(torch.randn(5, 3), dim_order(t))
+    assert back.stride() == t.stride() and in_dim_order(t, (1, 0)) is t

@@ -7,7 +7,9 @@ all-to-all <-> all-to-all, permute <-> inverse permute, all-reduce <-> all-reduc
 chunk / R->P steps <-> local zero-fill / mask (a partial gradient needs no communication).
 
 Collectives always run on dim 0 of a contiguous buffer; gathering or scattering another tensor dim
-is a reshape/movedim around that. A step over several mesh dims runs on the flattened mesh of those
+is a reshape/movedim around that, which can leave a strided view. So the result is always made dense
+in the dim order the caller names (row-major by default): a traced `view` downstream needs the
+strides the traced value had, not whatever the last movedim left. A step over several mesh dims runs on the flattened mesh of those
 dims (ascending, as torch builds it); when the step's split order is not ascending, the chunks are
 permuted locally so that chunk index = row-major over the split order.
 """
@@ -24,9 +26,11 @@ from autoshard import _torch_compat as tc
 from autoshard.pricing.planner import RedistributePlan, Step
 
 
-def execute(plan: RedistributePlan, local_tensor: torch.Tensor, mesh: Any) -> torch.Tensor:
+def execute(plan: RedistributePlan, local_tensor: torch.Tensor, mesh: Any,
+            dim_order: Sequence[int] | None = None) -> torch.Tensor:
     """Apply `plan` to this rank's shard of a tensor in layout `plan.src` on `mesh`
-    (a DeviceMesh of the plan's mesh shape); return the shard in layout `plan.dst`."""
+    (a DeviceMesh of the plan's mesh shape); return the shard in layout `plan.dst`, dense in
+    `dim_order` (outermost dim first; None = row-major, i.e. contiguous)."""
     if tuple(mesh.shape) != plan.mesh_shape:
         raise ValueError(f"plan was made for mesh shape {plan.mesh_shape}, got a mesh of shape {tuple(mesh.shape)}")
     expected = plan.src.local_shape(plan.shape, plan.mesh_shape)
@@ -41,24 +45,46 @@ def execute(plan: RedistributePlan, local_tensor: torch.Tensor, mesh: Any) -> to
     x = local_tensor
     for step in plan.steps:
         x = _RUN[step.kind](step, x, mesh, coord)
-    return x
+    return in_dim_order(x, dim_order)
 
 
-def execute_bucket(plans: Sequence[RedistributePlan], local_tensors: Sequence[torch.Tensor], mesh: Any) -> list[torch.Tensor]:
+def execute_bucket(plans: Sequence[RedistributePlan], local_tensors: Sequence[torch.Tensor], mesh: Any,
+                   dim_orders: Sequence[Sequence[int] | None] | None = None) -> list[torch.Tensor]:
     """Run several plans whose first steps are all-gathers (or all reduce-scatters) over the same
     mesh dims, the first steps as ONE collective on the concatenated buffers (what FSDP calls a
     bucket: one launch and one synchronisation instead of one per tensor); the rest of each plan
-    then runs alone. Same results as `execute` on each."""
+    then runs alone. Same results (values and strides) as `execute` on each."""
     firsts = [plan.steps[0] for plan in plans]
     kind, phys = firsts[0].kind, tuple(sorted(firsts[0].mesh_dims))
     if kind not in _BUCKETED or any(f.kind != kind or tuple(sorted(f.mesh_dims)) != phys for f in firsts):
         raise ValueError(f"a bucket needs one collective kind on one set of mesh dims, got {[str(f) for f in firsts]}")
     coord = mesh.get_coordinate()
     outs = _BUCKETED[kind](firsts, list(local_tensors), mesh, phys)
+    orders = dim_orders if dim_orders is not None else [None] * len(plans)
     for i, plan in enumerate(plans):
         for step in plan.steps[1:]:
             outs[i] = _RUN[step.kind](step, outs[i], mesh, coord)
+        outs[i] = in_dim_order(outs[i], orders[i])
     return outs
+
+
+def dim_order(t: torch.Tensor) -> tuple[int, ...]:
+    """The tensor's dims from outermost (largest stride) to innermost: the order in which it is
+    laid out in memory. A contiguous tensor gives (0, 1, ..., n-1)."""
+    if t.is_contiguous():
+        return tuple(range(t.dim()))
+    return tuple(sorted(range(t.dim()), key=lambda d: -t.stride(d)))
+
+
+def in_dim_order(x: torch.Tensor, order: Sequence[int] | None = None) -> torch.Tensor:
+    """`x` itself if it is dense in `order` (outermost first; None = row-major), else a dense copy
+    laid out in that order."""
+    if order is None or tuple(order) == tuple(range(x.dim())):
+        return x.contiguous()
+    if x.permute(*order).is_contiguous():
+        return x
+    inverse = sorted(range(len(order)), key=lambda i: order[i])
+    return x.permute(*order).contiguous().permute(*inverse)
 
 
 def _all_gather_bucket(steps: list[Step], xs: list[torch.Tensor], mesh: Any, phys: tuple[int, ...]) -> list[torch.Tensor]:

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from autoshard.program.collectives import execute, execute_bucket
+from autoshard.program.collectives import dim_order, execute, execute_bucket
 from autoshard.pricing.ring import COLLECTIVE_KINDS
 from autoshard.layout import Layout
 from autoshard.problem.plan import Plan
@@ -43,14 +43,18 @@ LOCAL_SHAPE = "autoshard_local_shape"  # node meta: expected local shape(s) on e
 
 
 class Redistribute(nn.Module):
-    """One planned redistribution, run by the executor on this rank's shard."""
+    """One planned redistribution, run by the executor on this rank's shard. Its result is laid
+    out in memory in the dim order the traced value had (`dim_order`), so the traced consumer
+    (a `view` above all) accepts it as it accepted the traced value."""
 
-    def __init__(self, plan: RedistributePlan, mesh: Any, producer: str, consumer: str):
+    def __init__(self, plan: RedistributePlan, mesh: Any, producer: str, consumer: str,
+                 dim_order: tuple[int, ...] | None = None):
         super().__init__()
         self.plan, self.mesh, self.producer, self.consumer = plan, mesh, producer, consumer
+        self.dim_order = dim_order
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return execute(self.plan, x, self.mesh)
+        return execute(self.plan, x, self.mesh, self.dim_order)
 
     def extra_repr(self) -> str:
         steps = " -> ".join(f"{s.kind}{list(s.mesh_dims)}" for s in self.plan.steps)
@@ -73,7 +77,8 @@ class Bucket(nn.Module):
         self.name, self.members, self.mesh = name, members, mesh
 
     def forward(self, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return tuple(execute_bucket([m.plan for m in self.members], xs, self.mesh))
+        return tuple(execute_bucket([m.plan for m in self.members], xs, self.mesh,
+                                    [m.dim_order for m in self.members]))
 
     def extra_repr(self) -> str:
         first = self.members[0].plan.steps[0]
@@ -147,7 +152,9 @@ def _local_joint_graph(plan: Plan, mesh: Any) -> tuple[fx.Graph, dict[str, nn.Mo
         if r is None:
             return value
         name = f"redistribute_{len(modules)}"
-        modules[name] = Redistribute(r.plan, mesh, r.producer, consumer)
+        traced = value.meta["autoshard_source"].meta.get("val")
+        order = dim_order(traced) if isinstance(traced, torch.Tensor) else None
+        modules[name] = Redistribute(r.plan, mesh, r.producer, consumer, order)
         node = out.call_module(name, (value,))
         node.meta[LOCAL_SHAPE] = r.plan.dst.local_shape(r.plan.shape, ms)
         return node

@@ -1,0 +1,417 @@
+"""Dry run: one rank's lowered step on fake tensors, with its live memory accounted.
+
+    result = dry_run(plan)                 # makes its own fake process group and mesh per rank
+    result.peak_bytes, result.ranks[0]     # MemoryEstimate: the peak and what it is made of
+
+Each checked rank lowers the plan on a fake process group seen from that rank, then runs the
+program's forward and backward node by node (`CheckedRun`'s local-shape checks) on fake tensors
+of the local shapes in the placeholders' LOCAL_SHAPE meta: no memory, no devices, the real
+collectives' fake kernels. A program that cannot run (a wrong local shape, a consumer that rejects
+a redistributed value) raises `DryRunError` naming the node, in one line.
+
+Memory is counted by our own dispatch mode (`_LiveBytes`), not torch's MemTracker: it needs the
+storages of the values the forward hands to the backward, the gathered parameters and the
+gradients told apart, which a node-aware interpreter knows and a module-hook tracker does not;
+and it costs one dictionary update per new storage (MemTracker also snapshots per module). The
+test suite checks it against MemTracker on a real step (tests/test_dryrun.py).
+
+The step modeled is the one `apply.ParallelModule` runs, in steady state (from the second step
+on): parameters, buffers and the AdamW states (two fp32 values per parameter element) live
+throughout; the forward's saved values live until the backward returns (the backward is called
+with them as one argument tuple); gradients live from the backward to the optimizer step, which
+adds one temporary the size of the largest parameter shard (AdamW's denominator, foreach=False).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import weakref
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import fx
+
+from autoshard import _torch_compat as tc
+from autoshard.program.lower import LOCAL_SHAPE, Bucket, CheckedRun, Program, Redistribute, lower
+from autoshard.problem.plan import Plan
+
+ADAMW_STATE_BYTES = 8  # two fp32 states per parameter element
+CATEGORIES = ("params", "buffers", "inputs", "activations", "gathered_params", "grads", "transient")
+
+
+class DryRunError(RuntimeError):
+    """A lowered program that cannot run: names the rank, the phase and the node, in one line."""
+
+    def __init__(self, line: str):
+        super().__init__(line)
+        self.line = line  # fx's interpreter appends the graph context to args; this stays one line
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """One rank's memory at the peak of a training step (bytes), and what is live then."""
+
+    rank: int
+    phase: str  # "forward", "backward" or "optimizer": where the peak is
+    params: int  # local parameter shards
+    buffers: int
+    inputs: int  # this rank's shard of the batch
+    optimizer: int  # AdamW: two fp32 states per parameter element
+    activations: int  # values the forward hands to the backward, live at the peak
+    gathered_params: int  # of those, redistributed parameters (gathered in the forward, kept)
+    grads: int  # gradient shards live at the peak
+    transient: int  # everything else live at the peak: an op's inputs/outputs, collective buffers
+    forward_peak_bytes: int  # peak during the forward (optimizer states included)
+    backward_peak_bytes: int  # peak during the backward (optimizer states included)
+    saved_bytes: int  # all the forward hands to the backward (activations + gathered parameters)
+
+    @property
+    def peak_bytes(self) -> int:
+        return (self.params + self.buffers + self.inputs + self.optimizer + self.activations
+                + self.gathered_params + self.grads + self.transient)
+
+    def summary(self) -> str:
+        gib = 2**30
+        parts = ", ".join(f"{name} {getattr(self, name) / gib:.2f}"
+                          for name in ("params", "grads", "optimizer", "activations", "gathered_params",
+                                       "transient", "buffers", "inputs"))
+        return f"rank {self.rank}: peak {self.peak_bytes / gib:.2f} GiB in the {self.phase} ({parts} GiB)"
+
+
+@dataclass
+class DryRunResult:
+    """The dry run of a plan: one MemoryEstimate per checked rank (every other rank runs the same
+    shapes as one of them), and the wall time it took."""
+
+    mesh_shape: tuple[int, ...]
+    ranks: dict[int, MemoryEstimate] = field(default_factory=dict)
+    seconds: float = 0.0
+
+    @property
+    def peak_bytes(self) -> int:
+        return max(m.peak_bytes for m in self.ranks.values())
+
+    def summary(self) -> str:
+        return "\n".join(m.summary() for m in self.ranks.values())
+
+
+def ranks_to_check(plan: Plan) -> list[int]:
+    """Ranks whose dry runs differ. Layouts only split evenly (`Layout.local_shape` raises
+    otherwise), so every rank holds the same local shapes and runs the same ops on them: rank 0
+    stands for all. (With uneven splits, the ranks holding each dim's last chunk would differ.)"""
+    return [0]
+
+
+def dry_run(plan: Plan, ranks: Sequence[int] | None = None, *,
+            mesh_dim_names: Sequence[str] | None = None) -> DryRunResult:
+    """Lower `plan` and run each of `ranks` (default `ranks_to_check`) on fake tensors under a fake
+    process group. Inside an existing process group, runs this process's rank on it."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    start = time.perf_counter()
+    shape = tuple(plan.mesh_shape)
+    names = tuple(mesh_dim_names) if mesh_dim_names else (("dp", "tp") if len(shape) == 2 else
+                                                           tuple(f"m{i}" for i in range(len(shape))))
+    world = math.prod(shape)
+    result = DryRunResult(shape)
+    if dist.is_available() and dist.is_initialized():
+        mine = dist.get_rank()
+        if ranks is not None and list(ranks) != [mine]:
+            raise ValueError(f"inside a process group dry_run runs this rank ({mine}) only, asked for {list(ranks)}")
+        if dist.get_world_size() != world:
+            raise ValueError(f"the plan's mesh {shape} has {world} ranks, the process group {dist.get_world_size()}")
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+        result.ranks[mine] = estimate(lower(plan, mesh), mine, plan.module_paths)
+    else:
+        for rank in (ranks_to_check(plan) if ranks is None else ranks):
+            if not 0 <= rank < world:
+                raise ValueError(f"rank {rank} is not on mesh {shape} ({world} ranks)")
+            with tc.fake_process_group(world, rank):
+                mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+                result.ranks[rank] = estimate(lower(plan, mesh), rank, plan.module_paths)
+    result.seconds = time.perf_counter() - start
+    return result
+
+
+def estimate(program: Program, rank: int = 0, module_paths: dict[str, str] | None = None) -> MemoryEstimate:
+    """Run this process's rank of `program` (lowered on its mesh) on fake tensors of the
+    placeholders' local shapes; the step's memory. Raises DryRunError if a node fails."""
+    with tc.new_fake_mode():
+        args = [_fake(n) for n in _placeholders(program.forward)]
+        tangent_node = _placeholders(program.backward)[-1]
+        tangent = _fake(tangent_node)
+        return account(program, args, tangent, rank=rank, module_paths=module_paths)
+
+
+def account(program: Program, forward_args: Sequence[torch.Tensor], tangent: torch.Tensor, *, rank: int = 0,
+            module_paths: dict[str, str] | None = None) -> MemoryEstimate:
+    """Run forward then backward on the given local tensors (fake or real) and account their live
+    memory: the dry run's accounting, usable on real tensors to check it."""
+    n_params, n_buffers = len(program.param_names), len(program.buffer_names)
+    live = _LiveBytes()
+    kinds = ["params"] * n_params + ["buffers"] * n_buffers + ["inputs"] * (len(forward_args) - n_params - n_buffers)
+    for value, kind in zip(forward_args, kinds):
+        live.add(value, kind)
+    params = list(forward_args[:n_params])
+    live.fixed = ADAMW_STATE_BYTES * sum(p.numel() for p in params)  # AdamW states: steady state
+
+    fwd = _Run(program.forward, live, rank, "forward", module_paths, n_params)
+    with live:
+        loss, *saved = _one_line(fwd.run, *forward_args)
+    fwd.env.clear()
+    forward_peak = live.peak
+    del loss
+    live.peak = 0
+    bwd = _Run(program.backward, live, rank, "backward", module_paths)
+    with live:
+        grads = _one_line(bwd.run, *saved, tangent)
+    bwd.env.clear()
+    backward_peak = live.peak
+    saved_bytes = fwd.saved_bytes
+    del saved
+    live.phase = "optimizer"
+    live.update_peak(extra=max((p.nbytes for p in params), default=0))  # AdamW's per-parameter temporary
+    at = live.at_peak
+    del grads
+    peak_phase = live.peak_phase
+    return MemoryEstimate(rank=rank, phase=peak_phase, **{k: at.get(k, 0) for k in CATEGORIES},
+                          optimizer=live.fixed, forward_peak_bytes=forward_peak, backward_peak_bytes=backward_peak,
+                          saved_bytes=saved_bytes)
+
+
+# ---------------------------------------------------------------------------------- running
+def _one_line(run, *args) -> Any:
+    try:
+        return run(*args)
+    except DryRunError as err:
+        raise DryRunError(err.line) from None
+
+
+def _placeholders(gm: fx.GraphModule) -> list[fx.Node]:
+    return [n for n in gm.graph.nodes if n.op == "placeholder"]
+
+
+def _fake(node: fx.Node) -> torch.Tensor:
+    """An uninitialized tensor of the placeholder's local shape and traced dtype (in fake mode)."""
+    val = node.meta["autoshard_source"].meta["val"]
+    shape = node.meta.get(LOCAL_SHAPE)
+    return torch.empty(shape if shape is not None else tuple(val.shape), dtype=val.dtype)
+
+
+class _Run(CheckedRun):
+    """CheckedRun that files each value by what it is for (saved for the backward, a gathered
+    parameter, a gradient) and turns any failure into a one-line DryRunError naming the node."""
+
+    def __init__(self, gm: fx.GraphModule, live: "_LiveBytes", rank: int, phase: str,
+                 module_paths: dict[str, str] | None, n_params: int = 0):
+        super().__init__(gm)
+        self.live, self.rank, self.phase, self.paths = live, rank, phase, module_paths or {}
+        live.phase = phase
+        output = next(iter(reversed(gm.graph.nodes)))
+        outs = list(output.args[0])
+        self.saved: set[fx.Node] = set(outs[1:]) if phase == "forward" else set()
+        self.grads: set[fx.Node] = set(outs) if phase == "backward" else set()
+        self.from_param: set[fx.Node] = set()  # forward nodes that redistribute a parameter
+        if phase == "forward":
+            params = set(_placeholders(gm)[:n_params])
+            for n in gm.graph.nodes:
+                if n.op == "call_module" and isinstance(gm.get_submodule(n.target), Redistribute):
+                    if n.args[0] in params:
+                        self.from_param.add(n)
+                elif n.op == "call_function" and n.args and isinstance(n.args[0], fx.Node) \
+                        and n.args[0].op == "call_module" and isinstance(gm.get_submodule(n.args[0].target), Bucket):
+                    if n.args[0].args[n.args[1]] in params:
+                        self.from_param.add(n)
+        self.saved_bytes = 0
+
+    def call_module(self, target: str, args: tuple, kwargs: dict) -> Any:
+        """Redistributions repeat per layer with the same plan and shapes: the first of a kind runs
+        (collectives and all), the others replay its outputs' layout and its transient peak."""
+        module = self.fetch_attr(target)
+        plans = [module] if isinstance(module, Redistribute) else list(getattr(module, "members", ()))
+        key = (tuple((id(m.plan), m.dim_order) for m in plans),
+               tuple((tuple(a.shape), a.stride(), a.dtype) for a in args))
+        record = self.live.replays.get(key)
+        if record is None:
+            record, result = _Replay.record(self.live, lambda: super(_Run, self).call_module(target, args, kwargs), args)
+            self.live.replays[key] = record
+            return result
+        return record.replay(self.live, args)
+
+    def run_node(self, n: fx.Node) -> Any:
+        try:
+            result = super().run_node(n)
+        except DryRunError:
+            raise
+        except Exception as err:  # noqa: BLE001 - reported as one line naming the node
+            raise DryRunError(self._where(n) + ": " + _first_line(err)) from None
+        if n.op == "placeholder":
+            return result
+        if n in self.from_param:
+            self.live.mark_param_storage(result)
+        if n in self.saved:
+            self.saved_bytes += self.live.tag_saved(result)
+        if n in self.grads:
+            self.live.tag(result, "grads")
+        return result
+
+    def _where(self, n: fx.Node) -> str:
+        src = n.meta.get("autoshard_source")
+        what = n.name
+        if src is not None:
+            path = self.paths.get(src.name)
+            what += f" ({src.target}" + (f" in {path})" if path else ")")
+        return f"dry run of rank {self.rank}, {self.phase}: node {what} failed"
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    line = text[0] if text else type(err).__name__
+    return line if len(line) <= 300 else line[:297] + "..."
+
+
+# ---------------------------------------------------------------------------------- accounting
+@dataclass
+class _Replay:
+    """What one redistribution did to memory: its outputs (new storages or views of an input),
+    and how far above the bytes it keeps it peaked while running."""
+
+    storages: list[tuple[int, torch.dtype]]  # new storages: (elements, dtype)
+    outputs: list[tuple[str, int, tuple, tuple, int]]  # ("new"|"input", index, shape, stride, offset)
+    single: bool  # the module returned one tensor, not a tuple
+    excess: int  # peak while running minus bytes it kept
+
+    @staticmethod
+    def record(live: "_LiveBytes", run, args) -> tuple["_Replay", Any]:
+        start = live.total
+        live.window = start
+        result = run()
+        kept, excess = live.total - start, live.window - start
+        live.window = None
+        outs = [result] if isinstance(result, torch.Tensor) else list(result)
+        inputs = {id(a.untyped_storage()): i for i, a in enumerate(args)}
+        storages: dict[int, int] = {}
+        outputs = []
+        for t in outs:
+            sid = id(t.untyped_storage())
+            meta = (tuple(t.shape), t.stride(), t.storage_offset())
+            if sid in inputs:
+                outputs.append(("input", inputs[sid], *meta))
+            else:
+                index = storages.setdefault(sid, len(storages))
+                outputs.append(("new", index, *meta))
+        sized = {sid: i for sid, i in storages.items()}
+        store = [None] * len(sized)
+        for t in outs:
+            sid = id(t.untyped_storage())
+            if sid in sized:
+                store[sized[sid]] = (t.untyped_storage().nbytes() // t.element_size(), t.dtype)
+        return _Replay(store, outputs, isinstance(result, torch.Tensor), max(0, excess - kept)), result
+
+    def replay(self, live: "_LiveBytes", args) -> Any:
+        bufs = [torch.empty(n, dtype=dtype) for n, dtype in self.storages]
+        live.update_peak(extra=self.excess)
+        outs = [(bufs[i] if kind == "new" else args[i]).as_strided(shape, stride, offset)
+                for kind, i, shape, stride, offset in self.outputs]
+        return outs[0] if self.single else tuple(outs)
+
+
+class _LiveBytes(tc.DispatchMode):
+    """Bytes of every live storage by category. A storage is counted once however many views
+    share it, from the op that creates it until it is freed; new storages start as `transient`
+    and are re-filed by the interpreter once it knows what the value is for. `fixed` bytes (the
+    optimizer states) are live throughout."""
+
+    def __init__(self):
+        super().__init__()
+        self.kind: dict[int, str] = {}  # id(storage) -> category
+        self.size: dict[int, int] = {}
+        self.live: Counter = Counter()
+        self.total = 0
+        self.fixed = 0
+        self.peak = 0  # per phase, fixed bytes included
+        self.overall = -1
+        self.at_peak: dict[str, int] = {}
+        self.peak_phase = ""
+        self.phase = ""
+        self.param_storages: set[int] = set()
+        self.window: int | None = None  # highest total since a redistribution started
+        self.replays: dict[tuple, _Replay] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is not tc.WAIT_TENSOR:  # eager returns its input; fake mode a copy that is not memory
+            for t in _tensors(out):
+                self._new(t)
+            self.update_peak()
+        return out
+
+    def add(self, value: Any, kind: str) -> None:
+        for t in _tensors(value):
+            self._new(t, kind)
+        self.update_peak()
+
+    def _new(self, t: torch.Tensor, kind: str = "transient") -> None:
+        st = t.untyped_storage()
+        key = id(st)
+        if key in self.kind:
+            return
+        nbytes = st.nbytes()
+        self.kind[key], self.size[key] = kind, nbytes
+        self.live[kind] += nbytes
+        self.total += nbytes
+        weakref.finalize(st, self._free, key)
+
+    def _free(self, key: int) -> None:
+        kind, nbytes = self.kind.pop(key, None), self.size.pop(key, 0)
+        if kind is not None:
+            self.live[kind] -= nbytes
+            self.total -= nbytes
+        self.param_storages.discard(key)
+
+    def tag(self, value: Any, kind: str) -> int:
+        """File the value's storages that are still `transient` under `kind`; their bytes."""
+        moved = 0
+        for t in _tensors(value):
+            key = id(t.untyped_storage())
+            if self.kind.get(key) == "transient":
+                self.kind[key] = kind
+                self.live["transient"] -= self.size[key]
+                self.live[kind] += self.size[key]
+                moved += self.size[key]
+        return moved
+
+    def mark_param_storage(self, value: Any) -> None:
+        self.param_storages.update(id(t.untyped_storage()) for t in _tensors(value))
+
+    def tag_saved(self, value: Any) -> int:
+        moved = 0
+        for t in _tensors(value):
+            key = id(t.untyped_storage())
+            moved += self.tag(t, "gathered_params" if key in self.param_storages else "activations")
+        return moved
+
+    def update_peak(self, extra: int = 0) -> None:
+        if self.window is not None:
+            self.window = max(self.window, self.total + extra)
+        now = self.total + self.fixed + extra
+        if now > self.peak:
+            self.peak = now
+        if now > self.overall:
+            self.overall = now
+            self.at_peak = dict(self.live)
+            self.at_peak["transient"] = self.at_peak.get("transient", 0) + extra
+            self.peak_phase = self.phase
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in _tensors(v)]
+    return []
