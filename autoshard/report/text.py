@@ -71,7 +71,7 @@ def plan_report(plan: Plan, *, timings: dict[str, float] | None = None, extra: d
             "module": plan.module_paths.get(node.name, ""),
             "phase": "backward" if graph.is_backward(node) else "forward",
             "strategy": str(strategy),
-            "compute_s": strategy.compute_s,
+            "compute_s": plan.node_compute_s[node.name],
             "redistributions": [_redistribution_entry(r) for r in by_consumer.get(node.name, [])],
         })
 
