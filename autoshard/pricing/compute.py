@@ -87,20 +87,30 @@ class ComputePricer:
     def __init__(self, device: DeviceProfile, mesh_shape: Sequence[int]):
         self.device = device
         self.mesh_shape = tuple(mesh_shape)
-        self._cache: dict[tuple, tuple[Sequence[Strategy], tuple[float, ...]]] = {}
+        self._by_signature: dict[tuple, tuple[Sequence[Strategy], tuple[float, ...]]] = {}
+        # The tuple a StrategyCatalog returns is the same object for every node of one signature:
+        # by its identity, a repeated node skips computing its signature. Entries keep the tuple
+        # alive, so an id is never reused while it is a key.
+        self._by_tuple: dict[int, tuple[tuple[Strategy, ...], tuple[float, ...]]] = {}
 
     def node_compute_s(self, node: fx.Node, strategies: Sequence[Strategy]) -> tuple[float, ...]:
-        """Compute seconds of each of `strategies` (a call_function node's, as its catalog gave
-        them), in order."""
+        """Compute seconds of each of `strategies` (the node's, e.g. as its catalog gave them), in
+        order."""
+        hit = self._by_tuple.get(id(strategies))
+        if hit is not None and hit[0] is strategies:
+            return hit[1]
         key = signature(node)
-        hit = self._cache.get(key)
+        hit = self._by_signature.get(key)
         # Equal signatures have equal strategies when they come from one catalog (the same tuple):
         # identity is the fast check, equality the safe one for strategies from elsewhere.
         if hit is not None and (hit[0] is strategies or tuple(hit[0]) == tuple(strategies)):
-            return hit[1]
-        with cs.no_dispatch_modes():
-            call = OpCall(node, self.mesh_shape)
-            flops = global_flops(call)
-            costs = tuple(roofline_s(call, s.outputs, s.inputs, flops, self.device) for s in strategies)
-        self._cache[key] = (strategies, costs)
+            costs = hit[1]
+        else:
+            with cs.no_dispatch_modes():
+                call = OpCall(node, self.mesh_shape)
+                flops = global_flops(call)
+                costs = tuple(roofline_s(call, s.outputs, s.inputs, flops, self.device) for s in strategies)
+            self._by_signature[key] = (strategies, costs)
+        if isinstance(strategies, tuple):  # immutable: safe to recognize by identity
+            self._by_tuple[id(strategies)] = (strategies, costs)
         return costs
