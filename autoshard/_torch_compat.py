@@ -6,8 +6,8 @@ Everything here may move between torch releases; keeping it in one file means on
 from __future__ import annotations
 
 import contextlib
-import functools
 import math
+import threading
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -196,8 +196,7 @@ def describe_output(desc) -> tuple[str, str | int | None]:
     return "other", None
 
 
-# ---------------------------------------------------------------- DTensor's strategy registry (strategies.py)
-@functools.cache
+# ---------------------------------------------------------------- DTensor's strategy registry (strategies/)
 def strategy_mesh(mesh_shape: tuple[int, ...]) -> DeviceMesh:
     """A DeviceMesh of `mesh_shape` that needs no process group: strategy functions only ask a
     mesh for its shape, so planning can use any number of mesh shapes in one process."""
@@ -234,6 +233,18 @@ def truncated_module_list(blocks: torch.nn.ModuleList, keep: int) -> Iterator[No
         blocks._modules = saved
 
 
+def is_op_overload(op: Any) -> bool:
+    """Whether a graph node's target is an op overload (`aten.mm.default`, a custom library op),
+    the only kind of target DTensor's registries know."""
+    return isinstance(op, torch._ops.OpOverload)
+
+
+def returns_alias(op: Any) -> bool:
+    """Whether an op overload's first return aliases an input (a view): no kernel runs."""
+    schema = getattr(op, "_schema", None)
+    return bool(schema and schema.returns and schema.returns[0].alias_info is not None)
+
+
 def tensor_meta(t: torch.Tensor) -> TensorMeta:
     return TensorMeta(t.shape, t.stride(), t.dtype)
 
@@ -258,17 +269,49 @@ def single_dim_rules(info: Any, schema: OpSchema, out_meta: Any) -> list[list[An
     return _PreparedSingleDimStrategy(info, schema, out_meta).expanded_strategies
 
 
+# DTensor's redistribute price, switched off per thread while autoshard enumerates strategies.
+_no_cost = threading.local()  # .depth: how many no_redistribute_costs() blocks this thread is in
+_patch_lock = threading.Lock()
+_patch = {"users": 0, "saved": None}  # guarded by _patch_lock: open blocks (any thread), torch's function
+
+
+def _redistribute_cost(src: DTensorSpec, dst: DTensorSpec) -> float:
+    if getattr(_no_cost, "depth", 0):
+        return 0.0
+    return _patch["saved"](src, dst)
+
+
 @contextlib.contextmanager
 def no_redistribute_costs() -> Iterator[None]:
-    """Strategy functions price every (candidate -> required) redistribution with DTensor's own
-    cost model, quadratic in the candidate count. autoshard prices edges with its planner instead,
-    so while we enumerate, that price is a constant 0."""
-    saved = _ops_utils.redistribute_cost
-    _ops_utils.redistribute_cost = lambda src, dst: 0.0
+    """Inside this block, in this thread, DTensor's strategy functions price redistributions at 0.
+
+    Multi-dim strategy functions price every (candidate -> required) redistribution of their
+    inputs with `_ops.utils.redistribute_cost`, quadratic in the candidate count. autoshard
+    ignores those prices (its planner prices edges), and computing them makes the 8B (8,8) build
+    ~1 s (50%) slower. torch 2.13 has no argument or flag to skip them: strategy functions call
+    `generate_redistribute_costs`, which looks the module global `redistribute_cost` up at call
+    time, so replacing that global is the only way. (Its cheapest exit, a mesh this rank is not
+    part of, still costs ~5 µs a call and would change what `get_coordinate` tells torch.)
+
+    To keep the replacement safe, it is installed only while some thread is inside such a block
+    (the last one out restores torch's function), and it returns 0 only to threads inside one:
+    every other caller, meanwhile, gets torch's price. Blocks nest."""
+    with _patch_lock:
+        if _patch["users"] == 0:
+            _patch["saved"] = _ops_utils.redistribute_cost
+            _ops_utils.redistribute_cost = _redistribute_cost
+        _patch["users"] += 1
+    _no_cost.depth = getattr(_no_cost, "depth", 0) + 1
     try:
         yield
     finally:
-        _ops_utils.redistribute_cost = saved
+        _no_cost.depth -= 1
+        with _patch_lock:
+            _patch["users"] -= 1
+            if _patch["users"] == 0:
+                if _ops_utils.redistribute_cost is _redistribute_cost:
+                    _ops_utils.redistribute_cost = _patch["saved"]
+                _patch["saved"] = None
 
 
 # ---------------------------------------------------------------- parallel module (apply.py)

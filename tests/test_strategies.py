@@ -2,6 +2,7 @@
 strategy of a sample of ops, simulated rank by rank under LocalTensorMode."""
 
 import contextlib
+import functools
 import itertools
 import math
 import operator
@@ -14,7 +15,8 @@ from torch.distributed._local_tensor import LocalTensor, LocalTensorMode
 
 from autoshard.profiles.device import DeviceProfile
 from autoshard.layout import Layout
-from autoshard.strategies.candidates import Strategy, input_slots, layouts_for, node_strategies
+from autoshard.pricing.compute import ComputePricer
+from autoshard.strategies import Strategy, StrategyCatalog, input_slots, layouts_for, node_strategies, order_variants
 from autoshard.capture.trace import trace_joint
 from models import build_model, cross_entropy_loss, get_config
 
@@ -28,6 +30,16 @@ def tiny():
     with contextlib.ExitStack() as stack:  # closing it leaves the trace's fake mode
         return trace_joint(build_model(get_config("llama3-tiny"), device="meta"),
                            lambda m, x, y: cross_entropy_loss(m(x), y), (tokens, tokens), stack)
+
+
+@functools.cache
+def catalog(mesh):
+    """One catalog per mesh for this module: its caches are shared across tests, as in one build."""
+    return StrategyCatalog(mesh)
+
+
+def strategies_of(node, mesh):
+    return node_strategies(node, catalog(mesh))
 
 
 def call_nodes(graph):
@@ -49,18 +61,19 @@ def texts(strategies):
 # ------------------------------------------------------------------------------- coverage
 @pytest.mark.parametrize("mesh", [(2, 2), (4,)])
 def test_every_llama_node_has_strategies_and_mm_has_megatron_ones(tiny, mesh):
+    pricer = ComputePricer(CPU, mesh)
     for node in call_nodes(tiny):
-        strategies = node_strategies(node, mesh, CPU)
+        strategies = catalog(mesh).strategies(node)
         assert strategies, node.format_node()
         assert len(set(strategies)) == len(strategies)
         slots = input_slots(node)
         for s in strategies:
             assert len(s.inputs) == len(slots)
-            assert s.compute_s >= 0
+        assert all(c >= 0 for c in pricer.node_compute_s(node, strategies))
 
     # x @ W^T of the first attention projection: x [128, 64], W^T [64, 64]
     mm = first(tiny, aten.mm.default)
-    got = texts(node_strategies(mm, mesh, CPU))
+    got = texts(strategies_of(mm, mesh))
     if mesh == (2, 2):
         assert (("RR", "RS(1)"), ("RS(1)",)) in got  # column-parallel on tp
         assert (("RS(1)", "RS(0)"), ("RP",)) in got  # row-parallel on tp
@@ -71,32 +84,33 @@ def test_every_llama_node_has_strategies_and_mm_has_megatron_ones(tiny, mesh):
 
 
 def test_nll_loss_follows_the_batch_sharding_of_its_input(tiny):
-    fwd = texts(node_strategies(first(tiny, aten.nll_loss_forward.default), (2, 2), CPU))
+    fwd = texts(strategies_of(first(tiny, aten.nll_loss_forward.default), (2, 2)))
     assert (("S(0)R", "S(0)R"), ("P(avg)R", "PR")) in fwd  # mean loss and total weight
-    bwd = texts(node_strategies(first(tiny, aten.nll_loss_backward.default), (2, 2), CPU))
+    bwd = texts(strategies_of(first(tiny, aten.nll_loss_backward.default), (2, 2)))
     assert (("RR", "S(0)R", "S(0)R", "RR"), ("S(0)R",)) in bwd
 
 
 def test_strategy_functions_that_raise_are_tried_candidate_by_candidate(tiny):
     from autoshard import _torch_compat as cs
-    from autoshard.strategies import candidates as st
+    from autoshard.strategies.call import OpCall
 
     node = first(tiny, aten.view.default)
     _, func, info = cs.registry_entry(node.target)
-    call = st._Call(node, (2, 2))
+    call = OpCall(node, (2, 2))
+    registry = catalog((2, 2)).registry
 
     def picky(schema):  # raises unless every input comes with a single candidate
         if any(len(s.strategies) > 1 for s in schema.args_strategy):
             raise ValueError("uneven")
         return func(schema)
 
-    one_by_one = st._from_multi_dim(call, picky, info)
-    assert len(one_by_one) > 5 and set(one_by_one) == set(st._from_multi_dim(call, func, info))
+    one_by_one = registry.from_multi_dim(call, picky, info)
+    assert len(one_by_one) > 5 and set(one_by_one) == set(registry.from_multi_dim(call, func, info))
 
 
 def test_flash_attention_shards_batch_or_heads_never_partial(tiny):
     fwd = first(tiny, aten._scaled_dot_product_flash_attention_for_cpu.default)
-    got = node_strategies(fwd, (2, 2), CPU)
+    got = strategies_of(fwd, (2, 2))
     assert (("S(0)R",) * 3, ("S(0)R",) * 2) in texts(got)
     assert (("RS(1)",) * 3, ("RS(1)",) * 2) in texts(got)
     assert all(p.kind != "P" for s in got for lay in s.outputs for p in lay.placements)
@@ -105,7 +119,7 @@ def test_flash_attention_shards_batch_or_heads_never_partial(tiny):
 # ------------------------------------------------------------------------------- order variants
 def test_pointwise_gets_both_orders_with_input_order_equal_output_order(tiny):
     silu = first(tiny, aten.silu.default)
-    got = texts(node_strategies(silu, (2, 2), CPU))
+    got = texts(strategies_of(silu, (2, 2)))
     for order in ("[0,1]", "[1,0]"):
         assert ((f"S(0)S(0){order}",), (f"S(0)S(0){order}",)) in got
     assert (("S(0)S(0)[0,1]",), ("S(0)S(0)[1,0]",)) not in got
@@ -113,7 +127,7 @@ def test_pointwise_gets_both_orders_with_input_order_equal_output_order(tiny):
 
 def test_3d_mesh_orders_are_one_permutation_applied_everywhere(tiny):
     mm = first(tiny, aten.mm.default)
-    got = node_strategies(mm, (2, 2, 2), CPU)
+    got = strategies_of(mm, (2, 2, 2))
     batch = [s for s in got if s.inputs[1] == Layout.replicate(3) and s.inputs[0].sharded_dims == (0,)
              and len(s.inputs[0].order[0][1]) == 3]
     assert sorted(s.inputs[0].order[0][1] for s in batch) == sorted(itertools.permutations(range(3)))
@@ -143,31 +157,36 @@ def test_unknown_op_runs_replicated_with_a_warning_naming_it():
     x.meta["val"] = torch.empty(8, 4, device="meta")
     y = graph.call_function(torch.ops.autoshard_test.mystery.default, (x,))
     y.meta["val"] = torch.empty(8, 4, device="meta")
+    z = graph.call_function(torch.ops.autoshard_test.mystery.default, (x,))
+    z.meta["val"] = torch.empty(8, 4, 2, device="meta")  # another signature: not a cache hit
+    fresh = StrategyCatalog((2, 2))
     with pytest.warns(UserWarning, match="autoshard_test.mystery"):
-        got = node_strategies(y, (2, 2), CPU)
-    assert got == [Strategy((L("RR"),), (L("RR"),), got[0].compute_s)]
+        got = node_strategies(y, fresh)
+    assert got == [Strategy((L("RR"),), (L("RR"),))]
     with warnings.catch_warnings():
-        warnings.simplefilter("error")  # once per op
-        node_strategies(y, (4,), CPU)
+        warnings.simplefilter("error")  # once per op (per catalog: one planning run)
+        node_strategies(z, fresh)
 
 
 def test_fill_factories_can_be_created_in_any_even_layout():
     graph = fx.Graph()
     full = graph.call_function(aten.full.default, ([8, 6], 0.0), {"dtype": torch.float32})
     full.meta["val"] = torch.empty(8, 6)
-    got = node_strategies(full, (2, 2), CPU)
+    got = strategies_of(full, (2, 2))
     assert {s.outputs[0] for s in got} == set(layouts_for((8, 6), (2, 2), allow_partial=False))
     assert all(s.inputs == () for s in got)
 
 
 def test_roofline_compute_cost_and_device_presets(tiny):
     mm = first(tiny, aten.mm.default)  # [128, 64] @ [64, 64]: compute-bound on the cpu profile
-    by = {texts([s]).pop(): s.compute_s for s in node_strategies(mm, (2, 2), CPU)}
+    pricer = ComputePricer(CPU, (2, 2))
+    strategies = catalog((2, 2)).strategies(mm)
+    by = {texts([s]).pop(): c for s, c in zip(strategies, pricer.node_compute_s(mm, strategies))}
     full = by[(("RR", "RR"), ("RR",))]
     assert full == pytest.approx(2 * 128 * 64 * 64 / CPU.peak_flops)
     assert by[(("S(0)S(0)[0,1]", "RR"), ("S(0)S(0)[0,1]",))] == pytest.approx(full / 4)
     view = first(tiny, aten.view.default)
-    assert all(s.compute_s == 0 for s in node_strategies(view, (2, 2), CPU))
+    assert all(c == 0 for c in pricer.node_compute_s(view, catalog((2, 2)).strategies(view)))
     with pytest.raises(ValueError, match="known: .*cpu.*h100"):
         DeviceProfile.preset("tpu")
 
@@ -175,8 +194,8 @@ def test_roofline_compute_cost_and_device_presets(tiny):
 def test_identical_layers_share_cached_strategies(tiny):
     mms = [n for n in call_nodes(tiny) if n.target == aten.mm.default]
     paths = {tiny.module_path(n): n for n in mms}
-    a = node_strategies(paths["layers.0.feed_forward.w1"], (2, 2), CPU)
-    b = node_strategies(paths["layers.1.feed_forward.w1"], (2, 2), CPU)
+    a = strategies_of(paths["layers.0.feed_forward.w1"], (2, 2))
+    b = strategies_of(paths["layers.1.feed_forward.w1"], (2, 2))
     assert all(x is y for x, y in zip(a, b))
 
 
@@ -314,7 +333,7 @@ def test_every_strategy_of_sampled_ops_is_numerically_exact_on_2x2(tiny, target)
     node = first(tiny, target)
     values = _global_inputs(node)
     expected = _run(node, values)
-    strategies = node_strategies(node, (2, 2), CPU)
+    strategies = strategies_of(node, (2, 2))
     assert any(not lay.is_default_order for s in strategies for lay in s.outputs if lay) or target in (
         aten.nll_loss_forward.default, aten.mean.dim, aten.sum.dim_IntList)
     for strategy in strategies:
@@ -329,7 +348,7 @@ def test_strategies_are_numerically_exact_on_1d_and_3d(tiny, target, mesh):
     node = first(tiny, target)
     values = _global_inputs(node)
     expected = _run(node, values)
-    for strategy in node_strategies(node, mesh, CPU):
+    for strategy in strategies_of(node, mesh):
         check_strategy(node, strategy, mesh, values, expected)
 
 
@@ -341,15 +360,13 @@ def test_no_order_variant_when_a_tensor_splits_the_mesh_dims_differently():
     x.meta["val"] = torch.empty(8)
     y = graph.call_function(aten.view.default, (x, [2, 4]))
     y.meta["val"] = torch.empty(2, 4)
-    base = Strategy((L("S(0)S(1)"),), (L("S(0)S(0)[0,1]"),), 0.0)
+    base = Strategy((L("S(0)S(1)"),), (L("S(0)S(0)[0,1]"),))
     values = [torch.randn(8)]
     expected = _run(y, values)
     check_strategy(y, base, (2, 2), values, expected)
     with pytest.raises(AssertionError):
-        check_strategy(y, Strategy(base.outputs, (L("S(0)S(0)[1,0]"),), 0.0), (2, 2), values, expected)
-    from autoshard.strategies.candidates import _order_variants
-
-    assert _order_variants(base.outputs, base.inputs, 2) == []
+        check_strategy(y, Strategy(base.outputs, (L("S(0)S(0)[1,0]"),)), (2, 2), values, expected)
+    assert order_variants(base.outputs, base.inputs, 2) == []
 
 
 def test_the_checker_catches_a_wrong_strategy(tiny):
@@ -360,4 +377,37 @@ def test_the_checker_catches_a_wrong_strategy(tiny):
     expected = _run(silu, values)
     for inp, out in [("RP", "RP"), ("S(0)S(0)[0,1]", "S(0)S(0)[1,0]")]:
         with pytest.raises(AssertionError):
-            check_strategy(silu, Strategy((L(out),), (L(inp),), 0.0), (2, 2), values, expected)
+            check_strategy(silu, Strategy((L(out),), (L(inp),)), (2, 2), values, expected)
+
+
+# ------------------------------------------------------------------------------- plumbing
+def test_own_rules_are_a_read_only_mapping_built_from_the_rule_modules():
+    from autoshard.strategies.rules import RULES, attention, factories
+
+    assert RULES[aten._scaled_dot_product_flash_attention_for_cpu_backward.default] is attention.flash_attention
+    assert RULES[aten.full.default] is factories.fill_factory
+    with pytest.raises(TypeError):
+        RULES[aten.mm.default] = attention.flash_attention
+
+
+def test_redistribute_costs_are_off_only_inside_the_block_and_only_in_its_thread():
+    import threading
+
+    from torch.distributed.tensor._ops import utils as ops_utils
+
+    from autoshard import _torch_compat as cs
+
+    torchs = ops_utils.redistribute_cost
+    seen = {}
+    mesh = cs.strategy_mesh((2,))
+    meta = cs.tensor_meta(torch.empty(4))
+    src, dst = (L("S(0)").to_spec(mesh, meta), L("R").to_spec(mesh, meta))
+    with cs.no_redistribute_costs():
+        with cs.no_redistribute_costs():  # nests
+            assert ops_utils.redistribute_cost(src, dst) == 0.0
+        assert ops_utils.redistribute_cost(src, dst) == 0.0
+        other = threading.Thread(target=lambda: seen.update(cost=ops_utils.redistribute_cost(src, dst)))
+        other.start()
+        other.join()
+    assert seen["cost"] == torchs(src, dst) > 0  # another thread meanwhile gets torch's price
+    assert ops_utils.redistribute_cost is torchs  # restored

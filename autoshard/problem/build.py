@@ -9,7 +9,6 @@ edge is priced by the redistribute planner for that tensor's shape and dtype: th
 from __future__ import annotations
 
 import fnmatch
-import functools
 import hashlib
 import math
 import operator
@@ -24,9 +23,10 @@ from solver import io as solver_io
 
 from autoshard.profiles.device import DeviceProfile
 from autoshard.layout import Layout
+from autoshard.pricing.compute import ComputePricer
 from autoshard.pricing.planner import Planner
 from autoshard.capture.regions import find_repeated_blocks
-from autoshard.strategies.candidates import Strategy, input_slots, layouts_for, node_strategies
+from autoshard.strategies import Strategy, StrategyCatalog, input_slots
 from autoshard.capture.trace import JointGraph
 
 LOSS_SINK = "sink:loss"
@@ -61,6 +61,7 @@ class ShardingProblem:
     graph: JointGraph
     mesh_shape: tuple[int, ...]
     strategies: dict[str, list[Strategy]]  # ILP node name -> its choices
+    compute_s: dict[str, list[float]]  # ILP node name -> modeled compute seconds of each choice
     fx_nodes: dict[str, fx.Node]  # ILP node name -> graph node (sinks: the node they consume)
     inputs: dict[str, list[Producer]]  # ILP node name -> producer of each input slot
     problem: solver.Problem
@@ -83,27 +84,23 @@ def _val(node: fx.Node, index: int = 0):
     return val[index] if isinstance(val, (tuple, list)) else val
 
 
-def _placeholder_strategies(node: fx.Node, mesh_shape, allowed: Layout | None) -> list[Strategy]:
-    return list(_layout_strategies(tuple(node.meta["val"].shape), tuple(mesh_shape), allowed))
+def _placeholder_strategies(node: fx.Node, catalog: StrategyCatalog, allowed: Layout | None) -> list[Strategy]:
+    """Every even layout of a placeholder (or just `allowed`). The catalog shares the Strategy
+    objects per shape: placeholders of repeated blocks then share cost matrices."""
+    choices = catalog.source_strategies(node.meta["val"].shape)
+    if allowed is None:
+        return list(choices)
+    return [s for s in choices if s.outputs[0] == allowed]
 
 
-@functools.lru_cache(maxsize=None)
-def _layout_strategies(shape: tuple[int, ...], mesh_shape: tuple[int, ...], allowed: Layout | None) -> tuple[Strategy, ...]:
-    """Shared Strategy objects per shape: placeholders of repeated blocks then share cost matrices."""
-    layouts = layouts_for(shape, mesh_shape, allow_partial=False)
-    if allowed is not None:
-        layouts = [lay for lay in layouts if lay == allowed]
-    return tuple(Strategy(outputs=(lay,), inputs=(), compute_s=0.0) for lay in layouts)
-
-
-def _with_output(node: fx.Node, choices: list[Strategy], index: int, layout: Layout, mesh_shape) -> list[Strategy]:
-    """The strategies of model output `index` that produce `layout`."""
+def _with_output(node: fx.Node, choices: Sequence[Strategy], index: int, layout: Layout, mesh_shape) -> list[int]:
+    """Which strategies (indices) of model output `index` produce `layout`."""
     shape = tuple(node.meta["val"].shape)
     try:
         layout.validate(len(shape), mesh_shape)
     except ValueError as err:
         raise ValueError(f"output {index} (shape {shape}): {err}") from None
-    kept = [s for s in choices if s.outputs[0] == layout]
+    kept = [i for i, s in enumerate(choices) if s.outputs[0] == layout]
     if not kept:
         raise ValueError(f"output {index}: layout {layout} does not split shape {shape} evenly on mesh {mesh_shape}")
     return kept
@@ -114,9 +111,22 @@ def _local_bytes(layout: Layout, val, mesh_shape) -> float:
 
 
 def build_problem(graph: JointGraph, mesh_shape: tuple[int, ...], planner: Planner, device: DeviceProfile,
-                  spec: ProblemSpec) -> ShardingProblem:
-    """Price every choice and edge; the returned problem is ready for `solver.solve`."""
+                  spec: ProblemSpec, *, catalog: StrategyCatalog | None = None,
+                  pricer: ComputePricer | None = None) -> ShardingProblem:
+    """Price every choice and edge; the returned problem is ready for `solver.solve`.
+
+    `catalog` (strategies on this mesh) and `pricer` (compute on `device`) are made here unless
+    given: pass a catalog to reuse its strategies across builds, e.g. for another device profile."""
+    mesh_shape = tuple(mesh_shape)
+    catalog = catalog if catalog is not None else StrategyCatalog(mesh_shape)
+    pricer = pricer if pricer is not None else ComputePricer(device, mesh_shape)
+    if catalog.mesh_shape != mesh_shape or pricer.mesh_shape != mesh_shape:
+        raise ValueError(f"catalog (mesh {catalog.mesh_shape}) and pricer (mesh {pricer.mesh_shape}) "
+                         f"must be for the problem's mesh {mesh_shape}")
+    if pricer.device != device:
+        raise ValueError(f"pricer prices on {pricer.device}, the problem on {device}")
     strategies: dict[str, list[Strategy]] = {}
+    compute_s: dict[str, list[float]] = {}
     fx_nodes: dict[str, fx.Node] = {}
     inputs: dict[str, list[Producer]] = {}
     alias: dict[fx.Node, Producer] = {}
@@ -133,7 +143,8 @@ def build_problem(graph: JointGraph, mesh_shape: tuple[int, ...], planner: Plann
                 fixed = spec.input_layouts.get(user_inputs[node])
             else:
                 fixed = None
-            strategies[node.name] = _placeholder_strategies(node, mesh_shape, fixed)
+            strategies[node.name] = _placeholder_strategies(node, catalog, fixed)
+            compute_s[node.name] = [0.0] * len(strategies[node.name])
             if not strategies[node.name]:
                 what = param_fqn.get(node) or f"input {user_inputs.get(node, node.name)}"
                 raise ValueError(f"{what}: layout {fixed} does not split shape {tuple(node.meta['val'].shape)} "
@@ -143,11 +154,13 @@ def build_problem(graph: JointGraph, mesh_shape: tuple[int, ...], planner: Plann
                 parent, index = node.args
                 alias[node] = Producer(alias[parent].node if parent in alias else parent.name, index)
                 continue
-            strategies[node.name] = node_strategies(node, mesh_shape, device)
+            choices = catalog.strategies(node)
+            costs = pricer.node_compute_s(node, choices)
             output = graph.output_index(node)
             if output in spec.output_layouts:
-                strategies[node.name] = _with_output(node, strategies[node.name], output, spec.output_layouts[output],
-                                                     mesh_shape)
+                kept = _with_output(node, choices, output, spec.output_layouts[output], mesh_shape)
+                choices, costs = [choices[i] for i in kept], [costs[i] for i in kept]
+            strategies[node.name], compute_s[node.name] = list(choices), list(costs)
         else:
             continue
         fx_nodes[node.name] = node
@@ -156,15 +169,18 @@ def build_problem(graph: JointGraph, mesh_shape: tuple[int, ...], planner: Plann
 
     # Sinks: the loss stays replicated; each gradient lands in its parameter's layout.
     loss = alias[graph.loss]
-    strategies[LOSS_SINK] = [Strategy(outputs=(), inputs=(Layout.replicate(len(mesh_shape)),), compute_s=0.0)]
+    strategies[LOSS_SINK] = [Strategy(outputs=(), inputs=(Layout.replicate(len(mesh_shape)),))]
+    compute_s[LOSS_SINK] = [0.0]
     fx_nodes[LOSS_SINK], inputs[LOSS_SINK] = graph.loss, [loss]
     for fqn, grad in graph.grads.items():
         name = grad_sink(fqn)
         param_choices = strategies[graph.params[fqn].name]
-        strategies[name] = [Strategy(outputs=(), inputs=s.outputs, compute_s=0.0) for s in param_choices]
+        strategies[name] = [Strategy(outputs=(), inputs=s.outputs) for s in param_choices]
+        compute_s[name] = [0.0] * len(param_choices)
         fx_nodes[name], inputs[name] = grad, [alias[grad]]
 
-    sharding = ShardingProblem(graph, mesh_shape, strategies, fx_nodes, inputs, solver.Problem())
+    sharding = ShardingProblem(graph=graph, mesh_shape=mesh_shape, strategies=strategies, compute_s=compute_s,
+                               fx_nodes=fx_nodes, inputs=inputs, problem=solver.Problem())
     _fill_solver_problem(sharding, planner, spec, param_fqn)
     return sharding
 
@@ -195,11 +211,11 @@ def _fill_solver_problem(sp: ShardingProblem, planner: Planner, spec: ProblemSpe
         memory = [0.0] * len(choices)
         if node in param_fqn and name == node.name:
             memory = [_local_bytes(s.outputs[0], node.meta["val"], mesh_shape) for s in choices]
-        problem.add_node(name, [solver.Choice(label=s.label, cost=s.compute_s, memory=m)
-                                for s, m in zip(choices, memory)])
+        problem.add_node(name, [solver.Choice(label=s.label, cost=c, memory=m)
+                                for s, c, m in zip(choices, sp.compute_s[name], memory)])
 
     # One edge per (producer, consumer) pair; several slots fed by one producer add up. Repeated
-    # blocks share Strategy objects (strategies.py caches them by op signature), so matrices are
+    # blocks share Strategy objects (the catalog caches them by op signature), so matrices are
     # looked up by Strategy identity first: comparing layouts is the slow part.
     matrix_cache: dict = {}  # by layouts
     matrix_by_id: dict = {}  # by Strategy identity

@@ -15,7 +15,7 @@ from autoshard.pricing.ring import COLLECTIVE_KINDS
 from autoshard.layout import Layout
 from autoshard.pricing.planner import Planner, RedistributePlan
 from autoshard.problem.build import LOSS_SINK, ShardingProblem, grad_sink
-from autoshard.strategies.candidates import Strategy
+from autoshard.strategies import Strategy
 from autoshard.capture.trace import JointGraph
 
 
@@ -53,6 +53,8 @@ class Plan:
     solution: solver.Solution
     graph: JointGraph = field(repr=False)  # the traced step the strategies refer to (apply lowers it)
     compute_s: float = 0.0
+    # ILP node name -> modeled compute seconds of its chosen strategy (0 for placeholders and sinks)
+    node_compute_s: dict[str, float] = field(default_factory=dict)
     comm_s: float = 0.0
     bytes_by_collective: dict[str, float] = field(default_factory=dict)
     count_by_collective: dict[str, int] = field(default_factory=dict)
@@ -81,6 +83,7 @@ class Plan:
 def decode(sp: ShardingProblem, solution: solver.Solution, planner: Planner) -> Plan:
     """Turn the solver's choice per ILP node into a Plan, with a redistribute plan per changed edge."""
     chosen = {name: sp.strategies[name][solution.choice[name]] for name in sp.strategies}
+    node_compute_s = {name: sp.compute_s[name][solution.choice[name]] for name in sp.strategies}
     graph = sp.graph
     params = {fqn: chosen[node.name].outputs[0] for fqn, node in graph.params.items()}
     for fqn, layout in params.items():  # the SameChoice constraint, double-checked
@@ -115,7 +118,8 @@ def decode(sp: ShardingProblem, solution: solver.Solution, planner: Planner) -> 
         grad_sinks={fqn: Sink(grad_sink(fqn), "grad", fqn, layout) for fqn, layout in params.items()},
         solution=solution,
         graph=graph,
-        compute_s=sum(s.compute_s for name, s in chosen.items() if name != LOSS_SINK),
+        compute_s=sum(c for name, c in node_compute_s.items() if name != LOSS_SINK),
+        node_compute_s=node_compute_s,
         comm_s=comm_s,
         bytes_by_collective={k: float(v) for k, v in bytes_by.items()},
         count_by_collective=dict(count_by),

@@ -73,7 +73,7 @@ def plan_report(plan: Plan, *, program: Program | None = None, timings: dict[str
             "module": plan.module_paths.get(node.name, ""),
             "phase": "backward" if graph.is_backward(node) else "forward",
             "strategy": str(strategy),
-            "compute_s": strategy.compute_s,
+            "compute_s": plan.node_compute_s[node.name],
             "redistributions": [_redistribution_entry(r) for r in by_consumer.get(node.name, [])],
         })
 
