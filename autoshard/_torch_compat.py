@@ -154,8 +154,8 @@ def torch_redistribute_steps(src: DTensorSpec, dst: DTensorSpec, use_graph: bool
 
 
 # ---------------------------------------------------------------- tracing (trace.py)
-def new_fake_mode() -> FakeTensorMode:
-    return FakeTensorMode(allow_non_fake_inputs=False)
+def new_fake_mode(*, allow_non_fake_inputs: bool = False) -> FakeTensorMode:
+    return FakeTensorMode(allow_non_fake_inputs=allow_non_fake_inputs)
 
 
 def lazy_graph_module(root: torch.nn.Module, graph: torch.fx.Graph) -> torch.fx.GraphModule:

@@ -24,6 +24,7 @@ from torch import nn
 
 import solver
 
+from autoshard.runtime.dryrun import DryRunResult, dry_run
 from autoshard.runtime.module import ParallelModule, parallelize
 from autoshard import _torch_compat as tc
 from autoshard.profiles.network import NetworkProfile
@@ -179,6 +180,17 @@ class AutoShard:
                             "planning alone works with a shape")
         with self._stage("apply"):
             return parallelize(plan, self.mesh, self.model)
+
+    def dry_run(self, plan: Plan | None = None) -> DryRunResult:
+        """Run rank 0's program of `plan` (default: the last `optimize()` result) on fake tensors
+        under a fake process group (or this rank's, inside one): proof that it runs at the scale it
+        was planned for, and its peak memory per rank with a breakdown. Raises `DryRunError` naming
+        the node that cannot run."""
+        plan = plan if plan is not None else self.plan
+        if plan is None:
+            raise ValueError("nothing to dry-run: call optimize() first or pass a plan")
+        with self._stage("dry_run"):
+            return dry_run(plan, mesh_dim_names=getattr(self.mesh, "mesh_dim_names", None))
 
     @contextlib.contextmanager
     def _stage(self, stage: str):

@@ -134,3 +134,17 @@ def test_dry_runs_at_scale(at_scale):
     assert 4 * param_bytes(model) / world <= m.peak_bytes < 4 * param_bytes(model)
     assert m.activations > 0 and m.phase in ("forward", "backward", "optimizer")
     print(f"{plan.mesh_shape}: {result.seconds:.2f} s; {m.summary()}")
+
+
+def test_autoshard_dry_run_api():
+    """`AutoShard.dry_run()` runs the last plan's program without a process group and times it."""
+    model = build_model(get_config("llama3-tiny"), device="meta")
+    inputs = lambda: (torch.empty(4, 16, dtype=torch.int64, device="meta"),) * 2  # noqa: E731
+    with AutoShard(model, inputs, (2, 2), loss_fn=cross_entropy_loss) as auto:
+        with pytest.raises(ValueError, match="call optimize"):
+            auto.dry_run()
+        plan = auto.optimize()
+        result = auto.dry_run()
+    assert list(result.ranks) == [0] and result.mesh_shape == plan.mesh_shape and "dry_run" in auto.timings
+    check_breakdown(result.ranks[0], model, 4)
+    assert not torch.distributed.is_initialized()  # its fake process group is gone

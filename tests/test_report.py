@@ -14,7 +14,8 @@ from autoshard.__main__ import main
 from autoshard.api import AutoShard
 from autoshard.runtime.module import parallelize
 from autoshard.cli.args import parse_bytes, parse_mesh
-from autoshard.report.text import format_log, human_bytes, plan_report, summary_lines, write_report
+from autoshard.profiles.device import DeviceProfile
+from autoshard.report.text import format_log, human_bytes, memory_line, plan_report, summary_lines, write_report
 from models import build_model, cross_entropy_loss, get_config
 from simulation import simulated_mesh
 
@@ -120,6 +121,38 @@ def test_plan_command_writes_log_json_and_comparison(tmp_path, capsys):
     assert manual["recipe"] == "fsdp-tp" and manual["step_time_s"] > 0 and manual["bytes_by_collective"]
     log = (out / "sharding.log").read_text(encoding="utf-8")
     assert "== compare" in log and "== parameters (21) ==" in log
+    # the dry run ran by default: peak memory per rank beside the h100's capacity, in all three places
+    memory = report["memory"]
+    (rank0,) = memory["ranks"]
+    assert rank0["rank"] == 0 and memory["peak_bytes"] == rank0["peak_bytes"] > rank0["params"] > 0
+    assert memory["capacity_bytes"] == DeviceProfile.preset("h100").memory_bytes and memory["fits"] is True
+    assert rank0["optimizer"] == 2 * rank0["params"] and "dry_run" in report["timings"]
+    assert "== memory per rank" in log and memory_line(memory) in log and memory_line(memory) in printed
+
+
+def test_memory_line_says_whether_the_peak_fits():
+    rank = {"rank": 0, "phase": "backward", "peak_bytes": 90 * 2**30}
+    over = {"ranks": [rank], "capacity_bytes": 80 * 2**30, "device": "h100", "fits": False}
+    assert memory_line(over) == ("memory per rank: peak 90.0 GiB (rank 0, backward) of 80.0 GiB on h100 (112%): "
+                                 "DOES NOT FIT (10.0 GiB over)")
+    assert memory_line({**over, "capacity_bytes": None}) == "memory per rank: peak 90.0 GiB (rank 0, backward)"
+
+
+def test_plan_command_dry_run_failure_is_one_error_line_and_no_dry_run_skips_it(tmp_path, capsys, monkeypatch):
+    from autoshard.runtime import dryrun
+
+    def broken(program, rank=0, module_paths=None):
+        raise dryrun.DryRunError("dry run of rank 0, backward: node view_3 failed: cannot view")
+
+    monkeypatch.setattr(dryrun, "estimate", broken)
+    with pytest.raises(SystemExit) as exc:
+        main(["plan", *TINY_ARGS, "--out", str(tmp_path / "a")])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and not (tmp_path / "a").exists()
+    assert err == "error: the planned program cannot run: dry run of rank 0, backward: node view_3 failed: cannot view\n"
+    assert main(["plan", *TINY_ARGS, "--out", str(tmp_path / "b"), "--no-dry-run"]) == 0
+    report = json.loads((tmp_path / "b" / "plan.json").read_text())
+    assert "memory" not in report and report["run"]["dry_run"] is False
 
 
 @pytest.mark.parametrize("args, message", [
@@ -155,3 +188,7 @@ def test_plan_command_llama3_8b(tmp_path):
     report = json.loads((tmp_path / "plan.json").read_text())
     assert len(report["parameters"]) == 291 and report["totals"]["params"] == 291
     assert "== parameters (291) ==" in (tmp_path / "sharding.log").read_text(encoding="utf-8")
+    # the dry run of rank 0's program completed (its backward used to crash: a view after a gather)
+    memory = report["memory"]
+    assert memory["ranks"][0]["activations"] > 10 * 2**30 and memory["peak_bytes"] > 20 * 2**30
+    assert "memory per rank: peak" in done.stdout

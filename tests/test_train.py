@@ -38,14 +38,21 @@ def test_torchrun_trains_like_single_device_and_resumes(tmp_path):
     every parameter; a run resumed from the step-3 checkpoint (later ones gone, as if killed after
     step 3) reproduces steps 4-6, reusing the saved plan."""
     first = tmp_path / "first"
-    torchrun(*TINY, "--mesh", "2x2", "--steps", "10", "--checkpoint-every", "3", "--out", str(first))
+    torchrun(*TINY, "--mesh", "2x2", "--steps", "10", "--checkpoint-every", "3", "--memory-step", "2",
+             "--out", str(first))
     rows = metrics(first)
+    # torch's MemTracker on every real gloo rank, step 2 (AdamW states exist): the dry run's estimate
+    # of rank 0 (in plan.json and the row) is within 10% of every rank's measured peak
+    tracked, estimated = rows[1]["tracked_peak_bytes_per_rank"], rows[1]["dry_run_peak_bytes"]
+    assert len(tracked) == 4 and all(abs(estimated - real) <= 0.10 * real for real in tracked), (estimated, tracked)
+    assert "tracked_peak_bytes_per_rank" not in rows[2]
     assert [r["step"] for r in rows] == list(range(1, 11))
     want = train_single(TrainSettings(model="llama3-tiny", steps=10, batch=8, seq=16)).losses
     for row, loss in zip(rows, want):
         assert abs(row["loss"] - loss) <= 1e-5, (row, loss)
         assert row["tokens_per_s"] > 0 and len(row["peak_rss_mb_per_rank"]) == 4
     report = json.loads((first / "plan.json").read_text())
+    assert report["memory"]["peak_bytes"] == estimated and report["memory"]["device"] == "cpu"
     from models import build_model, get_config
 
     names = [n for n, _ in build_model(get_config("llama3-tiny"), device="meta").named_parameters()]
@@ -84,6 +91,7 @@ def run_main(args: list[str], capsys) -> tuple[int, str]:
     ([*TINY, "--mesh", "1", "--plan-file", "{tmp}/missing.json"], "no such file"),
     ([*TINY, "--mesh", "1", "--memory-budget", "1", "--out", "{tmp}/run"], "infeasible"),
     ([*TINY, "--mesh", "1", "--wire-step", "-1"], "--wire-step must be >= 0"),
+    ([*TINY, "--mesh", "1", "--memory-step", "-1"], "--memory-step must be >= 0"),
 ])
 def test_bad_input_is_one_line(tmp_path, capsys, args, message):
     (tmp_path / "corrupt.json").write_text("{not json")

@@ -40,6 +40,9 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
                         help="also plan with the hand-written FSDP+TP recipe pinned and compare (2-D meshes)")
     parser.add_argument("--backend", choices=BACKENDS, default="auto", help="ILP backend (default auto)")
     parser.add_argument("--time-limit", type=float, default=None, metavar="SECONDS", help="ILP time limit")
+    parser.add_argument("--dry-run", action=argparse.BooleanOptionalAction, default=True,
+                        help="run rank 0's lowered program on fake tensors and report its peak memory "
+                             "(default on; --no-dry-run skips it)")
 
 
 def plan_parser(prog: str = "python -m autoshard plan") -> ArgumentParser:
@@ -68,11 +71,10 @@ def _check(args: argparse.Namespace):
         fail(str(err))
     if args.batch % args.mesh[0]:
         fail(f"batch {args.batch} is not divisible by mesh dim 0 (size {args.mesh[0]})")
-    if args.mesh_names is not None:
-        try:
-            mesh_names(args.mesh_names, args.mesh)
-        except ValueError as err:
-            fail(str(err))
+    try:
+        args.mesh_dim_names = mesh_names(args.mesh_names, args.mesh)  # the dry run's mesh is named
+    except ValueError as err:
+        fail(str(err))
     if args.compare and len(args.mesh) != 2:
         fail(f"--compare {args.compare} needs a 2-D (dp, tp) mesh, got {args.mesh}")
     if args.time_limit is not None and args.time_limit <= 0:
@@ -109,6 +111,17 @@ def _plan_once(workload, args, *, pins: dict | None = None, budget: float | None
     return plan, dict(auto.timings)
 
 
+def _dry_run(plan, args):
+    """Run the plan's program on fake tensors (in the fake process group); one error line if it cannot."""
+    from autoshard.runtime.dryrun import DryRunError, dry_run
+
+    log.info("dry run: rank 0's program on fake tensors")
+    try:
+        return dry_run(plan, mesh_dim_names=args.mesh_dim_names)
+    except DryRunError as err:
+        fail(f"the planned program cannot run: {err.line}")
+
+
 def _manual_budget(workload, recipe: str, mesh: tuple[int, ...]) -> float:
     """Parameter bytes per rank of the recipe's layouts: the budget its pinned plan needs
     (norms are replicated over tp, so the default total / world size would be infeasible)."""
@@ -140,6 +153,7 @@ def _say(line: str) -> None:
 
 def run_plan(args: argparse.Namespace) -> int:
     from autoshard.problem.recipes import recipe_pins
+    from autoshard.profiles.device import DeviceProfile
     from autoshard.report.text import compare_lines, modeled_figures, plan_report, summary_lines, write_report_files
 
     workload = _check(args)
@@ -148,10 +162,13 @@ def run_plan(args: argparse.Namespace) -> int:
     out = args.out if args.out is not None else Path("plans") / f"{args.model}-{mesh_text}"
     run = {"model": args.model, "mesh": list(args.mesh), "mesh_names": args.mesh_names, "batch": args.batch,
            "seq": args.seq, "network": args.network, "device": args.device, "backend": args.backend,
-           "memory_budget": args.memory_budget}
+           "memory_budget": args.memory_budget, "dry_run": args.dry_run}
     extra: dict = {"run": run}
     with _process_group(math.prod(args.mesh)):
         plan, timings = _plan_once(workload, args, budget=args.memory_budget, what="autoshard")
+        memory = _dry_run(plan, args) if args.dry_run else None
+        if memory is not None:
+            timings["dry_run"] = memory.seconds
         if args.compare:
             recipe = COMPARE[args.compare]
             budget = _manual_budget(workload, recipe, args.mesh)
@@ -166,7 +183,7 @@ def run_plan(args: argparse.Namespace) -> int:
                 "non_default_order_params": len(manual.non_default_order_params()),
                 "timings": manual_timings,
             }}
-    report = plan_report(plan, timings=timings, extra=extra)
+    report = plan_report(plan, dry_run=memory, device=DeviceProfile.preset(args.device), timings=timings, extra=extra)
     try:
         log_path, json_path = write_report_files(report, out)
     except OSError as err:

@@ -38,10 +38,13 @@ import torch.distributed as dist
 
 import solver
 
+from autoshard import _torch_compat as tc
 from autoshard.api import AutoShard
 from autoshard.cli import args as shared
 from autoshard.cli.args import RaisingArgumentParser, UsageError, add_dataclass_arguments, mesh_names, setting
-from autoshard.report.text import summary_lines, write_report
+from autoshard.profiles.device import DeviceProfile
+from autoshard.report.text import human_bytes, summary_lines, write_report
+from autoshard.runtime.dryrun import DryRunResult
 from autoshard.runtime.wire import WireMeter, wire_row
 from autoshard.workload import Workload, get_workload
 
@@ -73,6 +76,9 @@ class Settings:
     resume: bool = setting(False, help="continue from the newest checkpoint in --out")
     wire_step: int = setting(0, type=int,
                              help="meter step K's collectives into its metrics row (slows that step; 0: never)")
+    memory_step: int = setting(0, type=int, help="measure step K's live tensor memory on every rank with torch's "
+                                                 "MemTracker into its metrics row, beside the dry run's estimate "
+                                                 "(K >= 2: AdamW states exist; slows that step; 0: never)")
     out: str = setting("runs/debug", shared.OUT, help="run directory")
 
 
@@ -93,6 +99,8 @@ def _parse(argv: list[str] | None) -> Settings:
         raise UsageError(f"--checkpoint-every must be >= 0, got {s.checkpoint_every}")
     if s.wire_step < 0:
         raise UsageError(f"--wire-step must be >= 0, got {s.wire_step}")
+    if s.memory_step < 0:
+        raise UsageError(f"--memory-step must be >= 0, got {s.memory_step}")
     return s
 
 
@@ -222,6 +230,37 @@ def _load_checkpoint(path: Path, pmodel, optim) -> None:
     set_state_dict(pmodel, optim, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
 
+# ---------------------------------------------------------------------------------- memory
+def _estimate_memory(pmodel, plan, rank: int):
+    """The dry run of this rank's program (fake tensors: no memory, no communication), logged."""
+    from autoshard.runtime.dryrun import estimate
+
+    start = time.perf_counter()
+    result = DryRunResult(plan.mesh_shape, {rank: estimate(pmodel.program, rank, plan.module_paths)})
+    result.seconds = time.perf_counter() - start
+    log.info("autoshard.train: dry run estimate: %s", result.summary())
+    return result
+
+
+def _memory_tracker(pmodel, optim, inputs):
+    """torch's MemTracker over one step, told about the tensors that exist before it."""
+    tracker = tc.mem_tracker()
+    tracker.track_external(pmodel, optim, *inputs)
+    return tracker
+
+
+def _memory_row(tracker, memory) -> dict:
+    """Every rank calls this: the tracked peak of each rank, and rank 0's dry-run estimate."""
+    peaks = [None] * dist.get_world_size()
+    dist.all_gather_object(peaks, int(tc.tracker_total(tracker.get_tracker_snapshot("peak"))))
+    row = {"tracked_peak_bytes_per_rank": peaks}
+    if memory is not None:
+        row["dry_run_peak_bytes"] = memory.peak_bytes
+        log.info("memory: tracked peak %s per rank, dry run estimate %s (ratio %.3f)",
+                 [human_bytes(p) for p in peaks], human_bytes(memory.peak_bytes), memory.peak_bytes / max(peaks))
+    return row
+
+
 # ---------------------------------------------------------------------------------- training
 def _peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
@@ -248,8 +287,12 @@ def train(settings: Settings) -> list[float]:
              "x".join(map(str, settings.mesh)), ",".join(settings.mesh_names), network, profile)
 
     plan, pmodel, timings, fingerprint = _plan(settings, workload, mesh, network, profile, saved)
-    if rank == 0:
-        paths = write_report(plan, out, program=pmodel.program, timings=timings, extra={
+    memory = None
+    if rank == 0:  # every rank holds the same local shapes (ranks_to_check): rank 0's estimate is everyone's
+        memory = _estimate_memory(pmodel, plan, rank)
+        timings["dry_run"] = memory.seconds
+        paths = write_report(plan, out, program=pmodel.program, dry_run=memory,
+                             device=DeviceProfile.preset(profile), timings=timings, extra={
             "fingerprint": fingerprint, "solution": plan.solution.to_json(), "settings": asdict(settings)})
         for line in summary_lines(json.loads(paths[1].read_text())):
             log.info("  %s", line)
@@ -276,7 +319,11 @@ def train(settings: Settings) -> list[float]:
         t0 = time.perf_counter()
         inputs = pmodel.shard_inputs(*data.batch(step - 1, settings.batch, settings.seq))  # to the mesh's device
         meter = WireMeter() if step == settings.wire_step else None
-        with contextlib.nullcontext() if meter is None else meter:
+        tracker = _memory_tracker(pmodel, optim, inputs) if step == settings.memory_step else None
+        with contextlib.ExitStack() as metering:
+            for m in (meter, tracker):
+                if m is not None:
+                    metering.enter_context(m)
             loss = pmodel(*inputs)
             loss.backward()
             optim.step()
@@ -290,6 +337,8 @@ def train(settings: Settings) -> list[float]:
                "peak_rss_mb_per_rank": peaks}
         if meter is not None:
             row |= wire_row(meter.stats)  # every rank takes part
+        if tracker is not None:
+            row |= _memory_row(tracker, memory)  # every rank takes part
         if rank == 0:
             with metrics_path.open("a") as f:
                 f.write(json.dumps(row) + "\n")

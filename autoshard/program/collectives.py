@@ -24,6 +24,7 @@ import torch
 
 from autoshard import _torch_compat as tc
 from autoshard.pricing.planner import RedistributePlan, Step
+from autoshard.pricing.ring import COLLECTIVE_KINDS
 
 
 def execute(plan: RedistributePlan, local_tensor: torch.Tensor, mesh: Any,
@@ -116,6 +117,16 @@ def _reduce_scatter_bucket(steps: list[Step], xs: list[torch.Tensor], mesh: Any,
 # ---------------------------------------------------------------------------- helpers
 def _group(mesh: Any, dims: tuple[int, ...]) -> Any:
     return (mesh, dims[0]) if len(dims) == 1 else tc.flattened_mesh(mesh, dims)
+
+
+def prepare_groups(plans: Sequence[RedistributePlan], mesh: Any) -> None:
+    """Make every flattened process group the plans' steps will use, now and in one order, so that
+    no step creates one mid-run: creating a group is a collective every rank must join at the same
+    point, and a mesh cannot be flattened under fake tensors (a dry run)."""
+    needed = {step.mesh_dims if step.kind == "permute" else tuple(sorted(step.mesh_dims))
+              for plan in plans for step in plan.steps if step.kind in COLLECTIVE_KINDS and len(step.mesh_dims) > 1}
+    for dims in sorted(needed):
+        _group(mesh, dims)
 
 
 def _reindex(chunks: torch.Tensor, mesh_shape: Sequence[int], src: Sequence[int], dst: Sequence[int]) -> torch.Tensor:

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from autoshard.program.collectives import dim_order, execute, execute_bucket
+from autoshard.program.collectives import dim_order, execute, execute_bucket, prepare_groups
 from autoshard.pricing.ring import COLLECTIVE_KINDS
 from autoshard.layout import Layout
 from autoshard.problem.plan import Plan
@@ -130,6 +130,7 @@ def lower(plan: Plan, mesh: Any) -> Program:
     if mesh.mesh_dim_names is None and any(len(st.mesh_dims) > 1 for r in plan.redistributions for st in r.plan.steps):
         raise ValueError("the plan runs collectives over several mesh dims at once, which needs a DeviceMesh "
                          "with mesh_dim_names (init_device_mesh(..., mesh_dim_names=('dp', 'tp')))")
+    prepare_groups([r.plan for r in plan.redistributions], mesh)
     joint, modules = _local_joint_graph(plan, mesh)
     _bucket(plan, joint, modules, mesh)
     forward, backward, comm = _split(plan, joint, modules)

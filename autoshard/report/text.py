@@ -12,6 +12,7 @@ import json
 import math
 import os
 import uuid
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -20,21 +21,25 @@ from torch import fx
 from autoshard.pricing.ring import COLLECTIVE_KINDS
 from autoshard.layout import Layout
 from autoshard.problem.plan import Plan, Redistribution, Sink
+from autoshard.profiles.device import DeviceProfile
 from autoshard.program.lower import Program
+from autoshard.runtime.dryrun import DryRunResult
 
 LOG_NAME = "sharding.log"
 JSON_NAME = "plan.json"
 
 # Top-level keys `plan_report` produces; anything else came in through `extra`.
-_OWN_KEYS = ("mesh_shape", "parameters", "inputs", "nodes", "sinks", "totals", "timings", "compare")
+_OWN_KEYS = ("mesh_shape", "parameters", "inputs", "nodes", "sinks", "totals", "memory", "timings", "compare")
 
 
 # ------------------------------------------------------------------------------------ the dict
-def plan_report(plan: Plan, *, program: Program | None = None, timings: dict[str, float] | None = None,
+def plan_report(plan: Plan, *, program: Program | None = None, dry_run: DryRunResult | None = None,
+                device: DeviceProfile | None = None, timings: dict[str, float] | None = None,
                 extra: dict | None = None) -> dict:
     """Everything the plan chose, as JSON-ready data: parameters, non-parameter inputs, every
     op with its strategy and incoming redistributions, sinks (loss, gradients), and totals; with
-    the `program` lowered from it, also the collectives that program runs."""
+    the `program` lowered from it, also the collectives that program runs; with its `dry_run`,
+    peak memory per rank beside the `device`'s capacity."""
     graph = plan.graph
     mesh = list(plan.mesh_shape)
     by_consumer: dict[str, list[Redistribution]] = {}
@@ -107,10 +112,26 @@ def plan_report(plan: Plan, *, program: Program | None = None, timings: dict[str
     }
     if program is not None:  # what the program runs, buckets counted once
         report["totals"]["program_count_by_collective"] = dict(sorted(program.comm.total_count().items()))
+    if dry_run is not None:
+        report["memory"] = memory_entry(dry_run, device)
     if timings:
         report["timings"] = {k: float(v) for k, v in timings.items()}
     report.update(extra or {})
     return report
+
+
+def memory_entry(result: DryRunResult, device: DeviceProfile | None) -> dict:
+    """Peak memory per checked rank with its breakdown (bytes), and the device's capacity."""
+    capacity = device.memory_bytes if device is not None else None
+    return {
+        "source": "dry run: each checked rank's program on fake tensors (ranks not listed hold the same shapes)",
+        "seconds": result.seconds,
+        "device": device.name if device is not None else None,
+        "capacity_bytes": capacity,
+        "peak_bytes": result.peak_bytes,
+        "fits": None if capacity is None else result.peak_bytes <= capacity,
+        "ranks": [{**asdict(m), "peak_bytes": m.peak_bytes} for m in result.ranks.values()],
+    }
 
 
 def modeled_figures(plan: Plan) -> dict[str, Any]:
@@ -264,6 +285,9 @@ def format_log(report: dict) -> str:
     out.append(f"parameters: {t['non_default_order_params']} / {t['params']} in non-default device order, "
                f"{human_bytes(t['param_bytes_per_rank'])} per rank")
     out.append(_ilp_line(t["ilp"]))
+    if report.get("memory"):
+        out += ["", "== memory per rank (dry run of the lowered program on fake tensors) =="]
+        out += _memory_lines(report["memory"])
     if report.get("timings"):
         out += ["", "== timings =="]
         out += [f"{stage:<8} {seconds:8.2f} s" for stage, seconds in report["timings"].items()]
@@ -294,10 +318,43 @@ def summary_lines(report: dict) -> list[str]:
     lines.append(f"parameters: {t['non_default_order_params']} / {t['params']} in non-default device order, "
                  f"{human_bytes(t['param_bytes_per_rank'])} per rank")
     lines.append(_ilp_line(t["ilp"]))
+    if report.get("memory"):
+        lines.append(memory_line(report["memory"]))
     if report.get("timings"):
         stages = ", ".join(f"{k} {v:.1f} s" for k, v in report["timings"].items())
         lines.append(f"stages: {stages} (total {sum(report['timings'].values()):.1f} s)")
     return lines
+
+
+_MEMORY_COLUMNS = [("params", "params"), ("grads", "grads"), ("optimizer", "AdamW states"),
+                   ("activations", "saved activations"), ("gathered_params", "gathered params"),
+                   ("transient", "transient"), ("buffers", "buffers"), ("inputs", "inputs")]
+
+
+def _memory_lines(memory: dict) -> list[str]:
+    rows = [[str(r["rank"]), r["phase"], human_bytes(r["peak_bytes"]), *(human_bytes(r[k]) for k, _ in _MEMORY_COLUMNS)]
+            for r in memory["ranks"]]
+    lines = _table(["rank", "peak in", "peak", *(label for _, label in _MEMORY_COLUMNS)], rows,
+                   right=set(range(2, 3 + len(_MEMORY_COLUMNS))))
+    lines.append("(live at the peak; AdamW keeps two fp32 states per parameter element; saved activations "
+                 "are what the forward hands to the backward)")
+    for r in memory["ranks"]:
+        lines.append(f"rank {r['rank']}: forward peak {human_bytes(r['forward_peak_bytes'])}, backward peak "
+                     f"{human_bytes(r['backward_peak_bytes'])}, forward hands the backward {human_bytes(r['saved_bytes'])}")
+    lines.append(memory_line(memory))
+    return lines
+
+
+def memory_line(memory: dict) -> str:
+    """'memory per rank: peak 30.8 GiB (rank 0, backward) of 79.2 GiB on h100 (39%): fits'."""
+    worst = max(memory["ranks"], key=lambda r: r["peak_bytes"])
+    line = f"memory per rank: peak {human_bytes(worst['peak_bytes'])} (rank {worst['rank']}, {worst['phase']})"
+    capacity = memory.get("capacity_bytes")
+    if capacity:
+        share = worst["peak_bytes"] / capacity
+        verdict = "fits" if memory["fits"] else f"DOES NOT FIT ({human_bytes(worst['peak_bytes'] - capacity)} over)"
+        line += f" of {human_bytes(capacity)} on {memory['device']} ({share:.0%}): {verdict}"
+    return line
 
 
 def _counts(counts: dict[str, int]) -> str:
@@ -327,11 +384,10 @@ def compare_lines(report: dict) -> list[str]:
 
 
 # ------------------------------------------------------------------------------------ files
-def write_report(plan: Plan, out_dir: str | os.PathLike, *, program: Program | None = None,
-                 timings: dict[str, float] | None = None, extra: dict | None = None) -> tuple[Path, Path]:
-    """Write `sharding.log` and `plan.json` into `out_dir` (created), each atomically, so a reader
-    never sees half a file. Returns (log path, json path)."""
-    return write_report_files(plan_report(plan, program=program, timings=timings, extra=extra), out_dir)
+def write_report(plan: Plan, out_dir: str | os.PathLike, **report_args: Any) -> tuple[Path, Path]:
+    """Write `sharding.log` and `plan.json` (`plan_report(plan, **report_args)`) into `out_dir`
+    (created), each atomically, so a reader never sees half a file. Returns (log path, json path)."""
+    return write_report_files(plan_report(plan, **report_args), out_dir)
 
 
 def write_report_files(report: dict, out_dir: str | os.PathLike) -> tuple[Path, Path]:

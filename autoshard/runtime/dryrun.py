@@ -76,11 +76,11 @@ class MemoryEstimate:
                 + self.gathered_params + self.grads + self.transient)
 
     def summary(self) -> str:
-        gib = 2**30
-        parts = ", ".join(f"{name} {getattr(self, name) / gib:.2f}"
+        unit, scale = ("GiB", 2**30) if self.peak_bytes >= 2**30 else ("MiB", 2**20)
+        parts = ", ".join(f"{name} {getattr(self, name) / scale:.2f}"
                           for name in ("params", "grads", "optimizer", "activations", "gathered_params",
                                        "transient", "buffers", "inputs"))
-        return f"rank {self.rank}: peak {self.peak_bytes / gib:.2f} GiB in the {self.phase} ({parts} GiB)"
+        return f"rank {self.rank}: peak {self.peak_bytes / scale:.2f} {unit} in the {self.phase} ({parts} {unit})"
 
 
 @dataclass
@@ -140,8 +140,10 @@ def dry_run(plan: Plan, ranks: Sequence[int] | None = None, *,
 
 def estimate(program: Program, rank: int = 0, module_paths: dict[str, str] | None = None) -> MemoryEstimate:
     """Run this process's rank of `program` (lowered on its mesh) on fake tensors of the
-    placeholders' local shapes; the step's memory. Raises DryRunError if a node fails."""
-    with tc.new_fake_mode():
+    placeholders' local shapes; the step's memory. Raises DryRunError if a node fails. The
+    mesh's own bookkeeping tensors (rank ids, read when a flattened group is first made) are real:
+    fake mode takes them as constants."""
+    with tc.new_fake_mode(allow_non_fake_inputs=True):
         args = [_fake(n) for n in _placeholders(program.forward)]
         tangent_node = _placeholders(program.backward)[-1]
         tangent = _fake(tangent_node)
