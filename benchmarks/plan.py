@@ -35,7 +35,7 @@ PEER = {
 
 
 def _plan_case(model: str, mesh: tuple, batch: int, seq: int, layers: int | None, pins: str | dict | None,
-               budget_from_recipe: bool) -> dict:
+               budget_from_recipe: bool, dry: bool) -> dict:
     import torch
 
     from autoshard.api import AutoShard
@@ -54,9 +54,14 @@ def _plan_case(model: str, mesh: tuple, batch: int, seq: int, layers: int | None
         if budget_from_recipe:
             auto.memory_budget(param_bytes_per_rank(net, recipe_layouts(net, "fsdp-tp"), mesh))
         plan = auto.optimize()
+        total = time.perf_counter() - start  # planning: the dry run is timed on its own
+        memory = auto.dry_run(plan) if dry else None
     stats = plan.solution.stats
-    return dict(
-        timings=auto.timings, total=time.perf_counter() - start,
+    dry_figures = {} if memory is None else dict(
+        dry_s=memory.seconds, peak_gib=memory.peak_bytes / 2**30, peak_phase=memory.ranks[0].phase,
+        activations_gib=memory.ranks[0].activations / 2**30)
+    return dict(**dry_figures,
+        timings=auto.timings, total=total,
         rss_gib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
         variables=stats.variables, constraints=stats.constraints, nodes=stats.nodes,
         step_ms=plan.step_time_s * 1e3, compute_ms=plan.compute_s * 1e3, comm_ms=plan.comm_s * 1e3,
@@ -65,10 +70,10 @@ def _plan_case(model: str, mesh: tuple, batch: int, seq: int, layers: int | None
     )
 
 
-def run_case(model, mesh, batch=8, seq=8192, layers=None, pins=None, budget_from_recipe=False) -> dict:
+def run_case(model, mesh, batch=8, seq=8192, layers=None, pins=None, budget_from_recipe=False, dry=False) -> dict:
     # A fresh process per case: its peak RSS is that case's own; errors come back as exceptions.
     with mp.get_context("spawn").Pool(1, maxtasksperchild=1) as pool:
-        return pool.apply(_plan_case, (model, mesh, batch, seq, layers, pins, budget_from_recipe))
+        return pool.apply(_plan_case, (model, mesh, batch, seq, layers, pins, budget_from_recipe, dry))
 
 
 def analytic_gb(cfg, mesh, batch, seq, itemsize=4) -> dict:
@@ -88,22 +93,26 @@ def case_name(model: str, layers: int | None) -> str:
 
 
 def speed(quick: bool = False) -> list[dict]:
-    """Seconds per stage, total, peak RSS and ILP size of each case, with the peer's figures."""
-    cases = [("llama3-8b", (8, 8), 2)] if quick else [
-        ("llama3-8b", (8, 8), None), ("llama3-8b", (32, 8), None), ("llama3-70b", (32, 8), None)]
-    print("Planning speed (one process each, fake tensors, no process group; batch 8, seq 8192)")
-    print(f"{'case':<26}{'trace':>7}{'build':>7}{'solve':>7}{'total':>8}{'RSS GiB':>9}{'ILP vars':>10}"
-          f"   | peer: total, RSS")
+    """Seconds per stage, total, peak RSS and ILP size of each case, then the dry run of rank 0's
+    program (seconds, peak memory per rank, fp32), with the peer's figures. 8B at global batch 8 (the
+    peer's case); 70B at one sequence per data-parallel rank."""
+    cases = [("llama3-8b", (8, 8), 2, 8)] if quick else [
+        ("llama3-8b", (8, 8), None, 8), ("llama3-8b", (32, 8), None, 8), ("llama3-70b", (32, 8), None, 32),
+        ("llama3-70b", (64, 8), None, 64)]
+    print("Planning speed (one process each, fake tensors, no process group; seq 8192), then the dry run")
+    print(f"{'case':<26}{'batch':>6}{'trace':>7}{'build':>7}{'solve':>7}{'total':>8}{'RSS GiB':>9}{'ILP vars':>10}"
+          f"{'dry s':>7}{'peak GiB':>10}   | peer: total, RSS")
     rows = []
-    for model, mesh, layers in cases:
-        r = run_case(model, mesh, layers=layers)
+    for model, mesh, layers, batch in cases:
+        r = run_case(model, mesh, batch=batch, layers=layers, dry=True)
         r.pop("layouts")
         t = r["timings"]
         peer = PEER.get((model, mesh)) if not layers else None
         peer_text = f"{peer['total']:.1f} s, {peer['rss_gib']:.1f} GiB" if peer else "-"
-        print(f"{case_name(model, layers) + ' ' + str(mesh):<26}{t['trace']:>7.1f}{t['build']:>7.1f}{t['solve']:>7.1f}"
-              f"{r['total']:>8.1f}{r['rss_gib']:>9.2f}{r['variables']:>10}   | {peer_text}", flush=True)
-        rows.append(dict(model=model, mesh=mesh, layers=layers, **r, peer=peer))
+        print(f"{case_name(model, layers) + ' ' + str(mesh):<26}{batch:>6}{t['trace']:>7.1f}{t['build']:>7.1f}"
+              f"{t['solve']:>7.1f}{r['total']:>8.1f}{r['rss_gib']:>9.2f}{r['variables']:>10}{r['dry_s']:>7.1f}"
+              f"{r['peak_gib']:>10.1f}   | {peer_text}", flush=True)
+        rows.append(dict(model=model, mesh=mesh, layers=layers, batch=batch, **r, peer=peer))
     return rows
 
 

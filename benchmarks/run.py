@@ -5,7 +5,7 @@
     python -m benchmarks.run --only speed,quality --json /tmp/r.json
 
 Sections (each also runs alone: benchmarks/plan.py, planner.py, training.py):
-  speed     planning llama3-8b (8,8), (32,8) and llama3-70b (32,8): seconds per stage, peak RSS,
+  speed     planning llama3-8b (8,8), (32,8) and llama3-70b (32,8), (64,8): seconds per stage, peak RSS,
             ILP size, beside the nearest peer (ANCHORS.md)
   quality   modeled step time and comm bytes of autoshard's plan vs the FSDP+TP recipe, pure FSDP,
             forced-default device orders and the analytic estimate (llama3-8b (8,8), b=1 and 8)
@@ -90,14 +90,16 @@ def markdown(results: dict) -> str:
     """The README's benchmark tables, from a results dict (any subset of sections)."""
     parts = []
     if "speed" in results:
-        rows = ["| case | trace s | build s | solve s | total s | peak RSS | ILP vars | nearest peer |",
-                "|---|---|---|---|---|---|---|---|"]
+        rows = ["| case | batch | trace s | build s | solve s | total s | peak RSS | ILP vars | dry run s | "
+                "peak memory/rank (fp32) | nearest peer |",
+                "|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in results["speed"]:
             t, peer = r["timings"], r.get("peer")
             name = f"{plan_bench.case_name(r['model'], r.get('layers'))} {tuple(r['mesh'])}"
             peer_text = f"{peer['total']:.1f} s, {peer['rss_gib']:.1f} GiB" if peer else "-"
-            rows.append(f"| {name} | {t['trace']:.1f} | {t['build']:.1f} | {t['solve']:.1f} | {r['total']:.1f} | "
-                        f"{r['rss_gib']:.2f} GiB | {r['variables']:,} | {peer_text} |")
+            rows.append(f"| {name} | {r.get('batch', 8)} | {t['trace']:.1f} | {t['build']:.1f} | {t['solve']:.1f} | "
+                        f"{r['total']:.1f} | {r['rss_gib']:.2f} GiB | {r['variables']:,} | {r['dry_s']:.1f} | "
+                        f"{r['peak_gib']:.1f} GiB | {peer_text} |")
         parts.append("\n".join(rows))
     for q in results.get("quality", []):
         rows = [f"b={q['b']} (global batch {q['batch']}), seq {q['seq']}:", "",

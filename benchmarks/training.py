@@ -8,7 +8,7 @@ under torchrun (OMP_NUM_THREADS=1):
 
 and, in this process, the single-device reference (models/train_single.py). Both parallel loss
 curves must match the reference (fp32); a mismatch exits non-zero. Bytes on the wire are measured
-the same way for both: `autoshard.wire.WireMeter` around one training step on every rank, pricing
+the same way for both: `autoshard.runtime.wire.WireMeter` around one training step on every rank, pricing
 each collective it sees (functional or c10d) with the ring model.
 
     python benchmarks/training.py            # llama3-debug, global batch 8, seq 256, 20 steps (~4 min)

@@ -1,4 +1,4 @@
-"""Dry runs (autoshard.dryrun): one rank's lowered step on fake tensors with its memory accounted.
+"""Dry runs (autoshard.runtime.dryrun): one rank's lowered step on fake tensors with its memory accounted.
 The 8B/70B cases are the regression tests for the backward that could not run (a traced `view`
 after a gather on an inner dim); the llama3-debug case checks the accounting against torch's
 MemTracker on a real step of the parallel module."""

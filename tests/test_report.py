@@ -1,4 +1,4 @@
-"""The sharding log / plan JSON (autoshard.report) and the `python -m autoshard plan` command."""
+"""The sharding log / plan JSON (autoshard.report.text) and the `python -m autoshard plan` command."""
 
 from __future__ import annotations
 

@@ -6,12 +6,16 @@
 Every rank traces the step and builds the ILP (cheap, deterministic); rank 0 solves it, or takes the
 solution from `--plan-file` when that file was made for the same problem (same fingerprint: graph,
 mesh, profiles, constraints), and broadcasts it; every rank checks it traced the same problem.
-Rank 0 writes `sharding.log` and `plan.json` (reusable as `--plan-file`), one `metrics.jsonl` row
+Rank 0 dry-runs its program on fake tensors (every rank holds the same local shapes) and logs the
+peak memory per rank, then writes `sharding.log` and `plan.json` (reusable as `--plan-file`, with
+that memory section), one `metrics.jsonl` row
 per step, and distributed checkpoints every `--checkpoint-every` steps (written to a temporary
 directory, renamed when complete). `--resume` continues from the newest complete checkpoint with the
 losses an uninterrupted run would have had: the data is a pure function of (seed, step).
-`--wire-step K` meters step K's collectives on every rank (`autoshard.wire`: ring-model bytes per
-rank, measured the same way as any other program) and adds them to that step's metrics row.
+`--wire-step K` meters step K's collectives on every rank (`autoshard.runtime.wire`: ring-model bytes per
+rank, measured the same way as any other program) and adds them to that step's metrics row;
+`--memory-step K` measures step K's live memory on every rank with torch's MemTracker, beside the
+dry run's estimate.
 Run without torchrun, it trains on one process (a world of 1).
 """
 

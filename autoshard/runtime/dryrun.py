@@ -15,7 +15,7 @@ gradients told apart, which a node-aware interpreter knows and a module-hook tra
 and it costs one dictionary update per new storage (MemTracker also snapshots per module). The
 test suite checks it against MemTracker on a real step (tests/test_dryrun.py).
 
-The step modeled is the one `apply.ParallelModule` runs, in steady state (from the second step
+The step modeled is the one `runtime.module.ParallelModule` runs, in steady state (from the second step
 on): parameters, buffers and the AdamW states (two fp32 values per parameter element) live
 throughout; the forward's saved values live until the backward returns (the backward is called
 with them as one argument tuple); gradients live from the backward to the optimizer step, which
