@@ -153,7 +153,7 @@ def torch_redistribute_steps(src: DTensorSpec, dst: DTensorSpec, use_graph: bool
     return [(tuple(getattr(i, "original_mesh_dims", (i.mesh_dim,))), *i.src_dst_placements) for i in infos]
 
 
-# ---------------------------------------------------------------- tracing (trace.py)
+# ---------------------------------------------------------------- tracing (capture/trace.py)
 def new_fake_mode(*, allow_non_fake_inputs: bool = False) -> FakeTensorMode:
     return FakeTensorMode(allow_non_fake_inputs=allow_non_fake_inputs)
 
@@ -311,10 +311,11 @@ def no_redistribute_costs() -> Iterator[None]:
             if _patch["users"] == 0:
                 if _ops_utils.redistribute_cost is _redistribute_cost:
                     _ops_utils.redistribute_cost = _patch["saved"]
-                _patch["saved"] = None
+                # "saved" stays: a thread that looked the wrapper up just before the restore still
+                # reaches torch's function through it
 
 
-# ---------------------------------------------------------------- parallel module (apply.py)
+# ---------------------------------------------------------------- parallel module (runtime/module.py)
 def dtensor_from_local(local: torch.Tensor, mesh: DeviceMesh, placements: Sequence[Placement],
                        global_shape: Sequence[int]) -> DTensor:
     """Wrap this rank's shard as a DTensor without communication. The global shape and stride are
@@ -335,7 +336,7 @@ def distribute_local(full: torch.Tensor, mesh: DeviceMesh, placements: Sequence[
     return distribute_tensor(full, mesh, tuple(placements), src_data_rank=None).to_local()
 
 
-# ---------------------------------------------------------------- dry run (dryrun.py)
+# ---------------------------------------------------------------- dry run (runtime/dryrun.py)
 DispatchMode = TorchDispatchMode  # base class of a mode that sees every aten op with its outputs
 
 WAIT_TENSOR = torch.ops._c10d_functional.wait_tensor.default  # returns its input (eager) or a fake copy

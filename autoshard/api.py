@@ -183,14 +183,15 @@ class AutoShard:
 
     def dry_run(self, plan: Plan | None = None) -> DryRunResult:
         """Run rank 0's program of `plan` (default: the last `optimize()` result) on fake tensors
-        under a fake process group (or this rank's, inside one): proof that it runs at the scale it
-        was planned for, and its peak memory per rank with a breakdown. Raises `DryRunError` naming
-        the node that cannot run."""
+        under a fake process group (inside a process group: this rank's program on this mesh, a
+        collective call): proof that it runs at the scale it was planned for, and its peak memory
+        per rank with a breakdown. Raises `DryRunError` naming the node that cannot run."""
         plan = plan if plan is not None else self.plan
         if plan is None:
             raise ValueError("nothing to dry-run: call optimize() first or pass a plan")
+        mesh = self.mesh if hasattr(self.mesh, "get_coordinate") else None  # a DeviceMesh: run on it
         with self._stage("dry_run"):
-            return dry_run(plan, mesh_dim_names=getattr(self.mesh, "mesh_dim_names", None))
+            return dry_run(plan, mesh=mesh, mesh_dim_names=getattr(self.mesh, "mesh_dim_names", None))
 
     @contextlib.contextmanager
     def _stage(self, stage: str):

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Sequence
 
 from autoshard.cli import args as shared
-from autoshard.cli.args import ArgumentParser, fail, mesh_names
+from autoshard.cli.args import DEFAULT_MESH_NAMES, ArgumentParser, fail, mesh_names
 
 log = logging.getLogger("autoshard")
 
@@ -71,10 +71,13 @@ def _check(args: argparse.Namespace):
         fail(str(err))
     if args.batch % args.mesh[0]:
         fail(f"batch {args.batch} is not divisible by mesh dim 0 (size {args.mesh[0]})")
-    try:
-        args.mesh_dim_names = mesh_names(args.mesh_names, args.mesh)  # the dry run's mesh is named
-    except ValueError as err:
-        fail(str(err))
+    if args.mesh_names is None and len(args.mesh) > len(DEFAULT_MESH_NAMES):  # the names are only a label here
+        args.mesh_dim_names = tuple(f"m{i}" for i in range(len(args.mesh)))
+    else:
+        try:
+            args.mesh_dim_names = mesh_names(args.mesh_names, args.mesh)  # the dry run's mesh is named
+        except ValueError as err:
+            fail(str(err))
     if args.compare and len(args.mesh) != 2:
         fail(f"--compare {args.compare} needs a 2-D (dp, tp) mesh, got {args.mesh}")
     if args.time_limit is not None and args.time_limit <= 0:
@@ -160,7 +163,7 @@ def run_plan(args: argparse.Namespace) -> int:
     _setup_logging()
     mesh_text = "x".join(map(str, args.mesh))
     out = args.out if args.out is not None else Path("plans") / f"{args.model}-{mesh_text}"
-    run = {"model": args.model, "mesh": list(args.mesh), "mesh_names": args.mesh_names, "batch": args.batch,
+    run = {"model": args.model, "mesh": list(args.mesh), "mesh_names": list(args.mesh_dim_names), "batch": args.batch,
            "seq": args.seq, "network": args.network, "device": args.device, "backend": args.backend,
            "memory_budget": args.memory_budget, "dry_run": args.dry_run}
     extra: dict = {"run": run}

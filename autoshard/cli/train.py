@@ -88,7 +88,7 @@ class Settings:
 
 # ---------------------------------------------------------------------------------- set-up
 def _parse(argv: list[str] | None) -> Settings:
-    parser = RaisingArgumentParser(prog="autoshard.train", description=__doc__,
+    parser = RaisingArgumentParser(prog="python -m autoshard train", description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
     s = Settings(**vars(add_dataclass_arguments(parser, Settings).parse_args(argv)))
     try:
@@ -235,14 +235,24 @@ def _load_checkpoint(path: Path, pmodel, optim) -> None:
 
 
 # ---------------------------------------------------------------------------------- memory
-def _estimate_memory(pmodel, plan, rank: int):
-    """The dry run of this rank's program (fake tensors: no memory, no communication), logged."""
-    from autoshard.runtime.dryrun import estimate
+def _estimate_memory(pmodel, plan) -> DryRunResult | None:
+    """Every rank calls this: rank 0 dry-runs its program (fake tensors: no memory, no
+    communication; every rank holds the same local shapes) and logs the estimate; a program that
+    cannot run is every rank's one-line error, not rank 0's traceback and the others' hang."""
+    from autoshard.runtime.dryrun import DryRunError, estimate
 
-    start = time.perf_counter()
-    result = DryRunResult(plan.mesh_shape, {rank: estimate(pmodel.program, rank, plan.module_paths)})
-    result.seconds = time.perf_counter() - start
-    log.info("autoshard.train: dry run estimate: %s", result.summary())
+    result, outcome = None, ("ok", "")
+    if dist.get_rank() == 0:
+        start = time.perf_counter()
+        try:
+            result = DryRunResult(plan.mesh_shape, {0: estimate(pmodel.program, 0, plan.module_paths)})
+            result.seconds = time.perf_counter() - start
+            log.info("autoshard train: dry run estimate: %s", result.summary())
+        except DryRunError as err:
+            outcome = ("error", err.line)
+    kind, line = _broadcast(outcome)
+    if kind == "error":
+        raise UsageError(f"the planned program cannot run: {line}")
     return result
 
 
@@ -261,7 +271,7 @@ def _memory_row(tracker, memory) -> dict:
     if memory is not None:
         row["dry_run_peak_bytes"] = memory.peak_bytes
         log.info("memory: tracked peak %s per rank, dry run estimate %s (ratio %.3f)",
-                 [human_bytes(p) for p in peaks], human_bytes(memory.peak_bytes), memory.peak_bytes / max(peaks))
+                 [human_bytes(p) for p in peaks], human_bytes(memory.peak_bytes), memory.peak_bytes / max(max(peaks), 1))
     return row
 
 
@@ -287,20 +297,19 @@ def train(settings: Settings) -> list[float]:
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, format="%(message)s", force=True)
     network = settings.network or ("cpu-gloo" if device == "cpu" else "h100-node")
     profile = settings.device_profile or ("cpu" if device == "cpu" else "h100")
-    log.info("autoshard.train: %s on mesh %s (%s), %s/%s profiles", settings.model,
+    log.info("autoshard train: %s on mesh %s (%s), %s/%s profiles", settings.model,
              "x".join(map(str, settings.mesh)), ",".join(settings.mesh_names), network, profile)
 
     plan, pmodel, timings, fingerprint = _plan(settings, workload, mesh, network, profile, saved)
-    memory = None
-    if rank == 0:  # every rank holds the same local shapes (ranks_to_check): rank 0's estimate is everyone's
-        memory = _estimate_memory(pmodel, plan, rank)
+    memory = _estimate_memory(pmodel, plan)  # rank 0's; None elsewhere
+    if rank == 0:
         timings["dry_run"] = memory.seconds
         paths = write_report(plan, out, program=pmodel.program, dry_run=memory,
                              device=DeviceProfile.preset(profile), timings=timings, extra={
             "fingerprint": fingerprint, "solution": plan.solution.to_json(), "settings": asdict(settings)})
         for line in summary_lines(json.loads(paths[1].read_text())):
             log.info("  %s", line)
-        log.info("autoshard.train: sharding log %s", paths[0])
+        log.info("autoshard train: sharding log %s", paths[0])
 
     pmodel.init_weights(settings.seed)
     optim = make_optimizer(pmodel.parameters(), TrainSettings(lr=settings.lr))
@@ -308,7 +317,7 @@ def train(settings: Settings) -> list[float]:
     if resume_from is not None:
         _load_checkpoint(resume_from[1], pmodel, optim)
         start_step = resume_from[0]
-        log.info("autoshard.train: resumed from %s (step %d)", resume_from[1], start_step)
+        log.info("autoshard train: resumed from %s (step %d)", resume_from[1], start_step)
     metrics_path = out / "metrics.jsonl"
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
@@ -351,7 +360,7 @@ def train(settings: Settings) -> list[float]:
         if settings.checkpoint_every and step % settings.checkpoint_every == 0:
             _save_checkpoint(out, step, pmodel, optim)
     dist.barrier()  # nobody tears the process group down while a peer still talks
-    log.info("autoshard.train: done; metrics %s, sharding log %s", metrics_path, out / "sharding.log")
+    log.info("autoshard train: done; metrics %s, sharding log %s", metrics_path, out / "sharding.log")
     return losses
 
 

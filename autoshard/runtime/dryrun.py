@@ -107,10 +107,12 @@ def ranks_to_check(plan: Plan) -> list[int]:
     return [0]
 
 
-def dry_run(plan: Plan, ranks: Sequence[int] | None = None, *,
+def dry_run(plan: Plan, ranks: Sequence[int] | None = None, *, mesh: Any = None,
             mesh_dim_names: Sequence[str] | None = None) -> DryRunResult:
     """Lower `plan` and run each of `ranks` (default `ranks_to_check`) on fake tensors under a fake
-    process group. Inside an existing process group, runs this process's rank on it."""
+    process group. Inside an existing process group, runs this process's rank on `mesh` (default: a
+    CPU mesh made here); that is collective, as lowering may create flattened groups: every rank
+    calls it."""
     from torch.distributed.device_mesh import init_device_mesh
 
     start = time.perf_counter()
@@ -125,7 +127,8 @@ def dry_run(plan: Plan, ranks: Sequence[int] | None = None, *,
             raise ValueError(f"inside a process group dry_run runs this rank ({mine}) only, asked for {list(ranks)}")
         if dist.get_world_size() != world:
             raise ValueError(f"the plan's mesh {shape} has {world} ranks, the process group {dist.get_world_size()}")
-        mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+        if mesh is None:
+            mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
         result.ranks[mine] = estimate(lower(plan, mesh), mine, plan.module_paths)
     else:
         for rank in (ranks_to_check(plan) if ranks is None else ranks):

@@ -30,6 +30,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from autoshard import _torch_compat as tc
+from autoshard.pricing.ring import wire_bytes
 
 _NAMESPACES = ("_c10d_functional", "_c10d_functional_autograd", "c10d")
 
@@ -52,16 +53,14 @@ _INPUT_ARGS = ("input", "inputs", "input_tensor", "input_tensors", "input_list",
 
 
 def ring_bytes(kind: str, input_bytes: float, n: int) -> float:
-    """Bytes one rank sends for a collective over `n` ranks whose per-rank input is `input_bytes`."""
-    if n <= 1:
-        return 0.0
-    if kind == "all_gather":  # the gathered tensor is n x the input
-        return (n - 1) * input_bytes
-    if kind == "all_reduce":
-        return 2 * (n - 1) / n * input_bytes
-    if kind in ("reduce_scatter", "all_to_all"):
-        return (n - 1) / n * input_bytes
-    raise ValueError(f"no ring model for collective kind {kind!r}")
+    """Bytes one rank sends for a collective over `n` ranks whose per-rank input is `input_bytes`:
+    the planner's own ring formulas (`pricing.ring`), so metered and priced bytes cannot drift."""
+    if kind not in _METERED:
+        raise ValueError(f"no ring model for collective kind {kind!r}")
+    return wire_bytes(kind, n, input_bytes) if n > 1 else 0.0
+
+
+_METERED = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
 
 
 @dataclass
