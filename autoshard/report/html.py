@@ -364,7 +364,7 @@ def summary_section(report: dict, names: Sequence[str], colors: dict[str, str]) 
     t = report["totals"]
     run = report.get("run") if isinstance(report.get("run"), dict) else report.get("settings")
     items = [("mesh", f'{_e(_shape(mesh))} = ' + " &times; ".join(
-        f"{_md(i, names)}&nbsp;{size}" for i, size in enumerate(mesh)) + f" ({math.prod(mesh)} ranks)")]
+        f"{_md(i, names)}&nbsp;=&nbsp;{size}" for i, size in enumerate(mesh)) + f" ({math.prod(mesh)} ranks)")]
     if isinstance(run, dict):
         items += [(k, _e(run[k])) for k in _RUN_KEYS if run.get(k) is not None]
     step = t["step_time_s"]
