@@ -10,7 +10,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.autoshard-installed
 
-.PHONY: test train bench install clean
+.PHONY: test train bench install browser clean
 
 install: $(STAMP)
 
@@ -20,13 +20,20 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e '.[test,fast]'
 	touch $(STAMP)
 
-test: $(STAMP)
+# Headless chromium for tests/test_report_html.py (renders report.html in a real browser; the test
+# skips without it). Installed via apt when missing and we are root; never fails the set-up.
+browser:
+	@command -v chromium >/dev/null 2>&1 || [ "$$(id -u)" != 0 ] || ! command -v apt-get >/dev/null 2>&1 || \
+		(apt-get update -qq && apt-get install -y -qq chromium) || \
+		echo "note: could not install chromium; the browser check of report.html will be skipped"
+
+test: $(STAMP) browser
 	$(PY) -m pytest
 
 train: $(STAMP)
 	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc_per_node=4 -m autoshard train \
 		--model llama3-debug --mesh 2x2 --batch 8 --seq 64 --steps 30 --out runs/debug
-	@echo "sharding log: runs/debug/sharding.log   plan: runs/debug/plan.json   metrics: runs/debug/metrics.jsonl"
+	@echo "sharding log: runs/debug/sharding.log   report: runs/debug/report.html   plan: runs/debug/plan.json   metrics: runs/debug/metrics.jsonl"
 
 bench: $(STAMP)
 	$(PY) -m benchmarks.run

@@ -2,6 +2,7 @@
 
   plan   plan a model's sharding, write the sharding log and plan JSON (autoshard.cli.plan)
   train  distributed training (autoshard.cli.train)
+  report rebuild RUN_DIR/report.html from its plan.json and metrics.jsonl (autoshard.cli.report)
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import NoReturn, Sequence
 
 from autoshard.cli.args import ArgumentParser
 from autoshard.cli.plan import add_plan_arguments, run_plan
+from autoshard.cli.report import add_report_arguments, run_report
 
 
 def _train(argv: list[str]) -> int:
@@ -26,14 +28,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     if argv and argv[0] == "train":  # train parses its own arguments
         return _train(argv[1:])
     parser = ArgumentParser(prog="python -m autoshard", description="autoshard: automatic FSDP+TP planning")
-    commands = parser.add_subparsers(dest="command", required=True, metavar="{plan,train}",
+    commands = parser.add_subparsers(dest="command", required=True, metavar="{plan,train,report}",
                                      parser_class=ArgumentParser)
-    plan = commands.add_parser("plan", help="plan a model's sharding; write sharding.log and plan.json",
-                               description="Plan a model's sharding and write the sharding log and plan JSON.")
+    plan = commands.add_parser("plan", help="plan a model's sharding; write sharding.log, plan.json, report.html",
+                               description="Plan a model's sharding and write the sharding log, plan JSON and "
+                                           "report.html.")
     add_plan_arguments(plan)
     plan.set_defaults(run=run_plan)
     commands.add_parser("train", help="distributed training (see python -m autoshard train --help)",
                         add_help=False)
+    report = commands.add_parser("report", help="rebuild RUN_DIR/report.html from plan.json (+ metrics.jsonl)",
+                                 description="Rebuild RUN_DIR/report.html from RUN_DIR/plan.json, with the "
+                                             "training curves of RUN_DIR/metrics.jsonl when present.")
+    add_report_arguments(report)
+    report.set_defaults(run=run_report)
     args = parser.parse_args(argv)
     return args.run(args)
 

@@ -91,12 +91,12 @@ def test_applied_plan_reports_what_the_program_runs(tiny):
     assert f"run as all_gather x{ran['all_gather']}" in summary_lines(report)[1]
 
 
-def test_write_report_writes_both_files(tiny, tmp_path):
+def test_write_report_writes_all_three_files(tiny, tmp_path):
     plan, _, timings = tiny
     log_path, json_path = write_report(plan, tmp_path / "new" / "dir", timings=timings)
     assert log_path.read_text(encoding="utf-8").startswith("autoshard sharding log")
     assert len(json.loads(json_path.read_text())["parameters"]) == len(plan.param_layouts)
-    assert sorted(p.name for p in log_path.parent.iterdir()) == ["plan.json", "sharding.log"]  # no temp files
+    assert sorted(p.name for p in log_path.parent.iterdir()) == ["plan.json", "report.html", "sharding.log"]  # no temp
 
 
 def test_parse_mesh_and_bytes():
@@ -121,6 +121,7 @@ def test_plan_command_writes_log_json_and_comparison(tmp_path, capsys):
     assert manual["recipe"] == "fsdp-tp" and manual["step_time_s"] > 0 and manual["bytes_by_collective"]
     log = (out / "sharding.log").read_text(encoding="utf-8")
     assert "== compare" in log and "== parameters (21) ==" in log
+    assert "layers.*.attention.wq.weight" in (out / "report.html").read_text(encoding="utf-8")
     # the dry run ran by default: peak memory per rank beside the h100's capacity, in all three places
     memory = report["memory"]
     (rank0,) = memory["ranks"]

@@ -60,6 +60,8 @@ def test_torchrun_trains_like_single_device_and_resumes(tmp_path):
     assert all(p["layout"] for p in report["parameters"])
     log = (first / "sharding.log").read_text()
     assert all(name in log for name in names)
+    page = (first / "report.html").read_text()  # rewritten by rank 0 after the last step: with the curves
+    assert all(name in page for name in names) and page.count("<polyline") == 2 and "at step 10 (10 steps)" in page
     assert sorted(p.name for p in (first / "checkpoints").iterdir()) == ["step-000003", "step-000006", "step-000009"]
 
     second = tmp_path / "second"

@@ -1,8 +1,8 @@
-"""`python -m autoshard plan`: plan a model's sharding and write the sharding log and plan JSON.
+"""`python -m autoshard plan`: plan a model's sharding and write the sharding log, plan JSON and report.html.
 
 `python -m autoshard plan --model llama3-8b --mesh 8x8 --batch 8 --seq 8192 --out plans/8b`
 plans in one process (fake process group, model on meta: no weights, no devices) and writes the
-sharding log and plan JSON. Bad input ends with one `error: ...` line on stderr and exit code 2
+sharding log, plan JSON and report.html. Bad input ends with one `error: ...` line on stderr and exit code 2
 (autoshard.cli.args), never a traceback.
 """
 
@@ -31,7 +31,7 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     shared.BATCH.add(parser, required=True)
     shared.SEQ.add(parser, required=True)
     shared.OUT.add(parser, type=Path, default=None,
-                   help="directory for sharding.log and plan.json (default plans/<model>-<mesh>)")
+                   help="directory for sharding.log, plan.json and report.html (default plans/<model>-<mesh>)")
     shared.NETWORK.add(parser, default="h100-node", help=shared.NETWORK.kwargs["help"] + " (default h100-node)")
     shared.DEVICE.add(parser, dest="device", default="h100", help=shared.DEVICE.kwargs["help"] + " (default h100)")
     shared.MESH_NAMES.add(parser, default=None, help="mesh dim names, e.g. dp,tp (recorded in the report)")
@@ -157,7 +157,8 @@ def _say(line: str) -> None:
 def run_plan(args: argparse.Namespace) -> int:
     from autoshard.problem.recipes import recipe_pins
     from autoshard.profiles.device import DeviceProfile
-    from autoshard.report.text import compare_lines, modeled_figures, plan_report, summary_lines, write_report_files
+    from autoshard.report.text import (HTML_NAME, compare_lines, modeled_figures, plan_report, summary_lines,
+                                       write_report_files)
 
     workload = _check(args)
     _setup_logging()
@@ -193,5 +194,5 @@ def run_plan(args: argparse.Namespace) -> int:
         fail(f"cannot write the report to {out}: {err}")
     for line in summary_lines(report) + compare_lines(report):
         _say(line)
-    _say(f"wrote {log_path} and {json_path}")
+    _say(f"wrote {log_path}, {json_path} and {log_path.with_name(HTML_NAME)}")
     return 0

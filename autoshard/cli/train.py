@@ -7,11 +7,12 @@ Every rank traces the step and builds the ILP (cheap, deterministic); rank 0 sol
 solution from `--plan-file` when that file was made for the same problem (same fingerprint: graph,
 mesh, profiles, constraints), and broadcasts it; every rank checks it traced the same problem.
 Rank 0 dry-runs its program on fake tensors (every rank holds the same local shapes) and logs the
-peak memory per rank, then writes `sharding.log` and `plan.json` (reusable as `--plan-file`, with
-that memory section), one `metrics.jsonl` row
-per step, and distributed checkpoints every `--checkpoint-every` steps (written to a temporary
-directory, renamed when complete). `--resume` continues from the newest complete checkpoint with the
-losses an uninterrupted run would have had: the data is a pure function of (seed, step).
+peak memory per rank, then writes `sharding.log`, `report.html` and `plan.json` (reusable as
+`--plan-file`, with that memory section), one `metrics.jsonl` row per step, and distributed
+checkpoints every `--checkpoint-every` steps (written to a temporary directory, renamed when
+complete); at the end it rewrites report.html with the loss and tokens/s curves. `--resume`
+continues from the newest complete checkpoint with the losses an uninterrupted run would have had:
+the data is a pure function of (seed, step).
 `--wire-step K` meters step K's collectives on every rank (`autoshard.runtime.wire`: ring-model bytes per
 rank, measured the same way as any other program) and adds them to that step's metrics row;
 `--memory-step K` measures step K's live memory on every rank with torch's MemTracker, beside the
@@ -47,7 +48,8 @@ from autoshard.api import AutoShard
 from autoshard.cli import args as shared
 from autoshard.cli.args import RaisingArgumentParser, UsageError, add_dataclass_arguments, mesh_names, setting
 from autoshard.profiles.device import DeviceProfile
-from autoshard.report.text import human_bytes, summary_lines, write_report
+from autoshard.report.html import load_metrics
+from autoshard.report.text import JSON_NAME, human_bytes, summary_lines, write_html, write_report
 from autoshard.runtime.dryrun import DryRunResult
 from autoshard.runtime.wire import WireMeter, wire_row
 from autoshard.workload import Workload, get_workload
@@ -360,7 +362,10 @@ def train(settings: Settings) -> list[float]:
         if settings.checkpoint_every and step % settings.checkpoint_every == 0:
             _save_checkpoint(out, step, pmodel, optim)
     dist.barrier()  # nobody tears the process group down while a peer still talks
-    log.info("autoshard train: done; metrics %s, sharding log %s", metrics_path, out / "sharding.log")
+    if rank == 0:  # metrics.jsonl is complete: report.html again, now with the loss and tokens/s curves
+        html_path = write_html(json.loads((out / JSON_NAME).read_text()), out, load_metrics(metrics_path))
+        log.info("autoshard train: done; metrics %s, sharding log %s, report %s", metrics_path,
+                 out / "sharding.log", html_path)
     return losses
 
 

@@ -1,1 +1,1 @@
-"""One report dict -> sharding.log and plan.json."""
+"""One report dict -> sharding.log, plan.json and report.html."""

@@ -1,4 +1,5 @@
-"""The sharding log and plan JSON: what a `Plan` chose, in terms a person can check.
+"""The sharding log and plan JSON: what a `Plan` chose, in terms a person can check (report.html,
+the same dict as a page, is rendered by autoshard.report.html).
 
 One dict (`plan_report`) holds everything; the JSON file is that dict and the log
 (`format_log`) is rendered from it, so the two can never disagree. The dict is plain data
@@ -27,6 +28,7 @@ from autoshard.runtime.dryrun import DryRunResult
 
 LOG_NAME = "sharding.log"
 JSON_NAME = "plan.json"
+HTML_NAME = "report.html"
 
 # Top-level keys `plan_report` produces; anything else came in through `extra`.
 _OWN_KEYS = ("mesh_shape", "parameters", "inputs", "nodes", "sinks", "totals", "memory", "timings", "compare")
@@ -385,19 +387,32 @@ def compare_lines(report: dict) -> list[str]:
 
 # ------------------------------------------------------------------------------------ files
 def write_report(plan: Plan, out_dir: str | os.PathLike, **report_args: Any) -> tuple[Path, Path]:
-    """Write `sharding.log` and `plan.json` (`plan_report(plan, **report_args)`) into `out_dir`
-    (created), each atomically, so a reader never sees half a file. Returns (log path, json path)."""
+    """Write `sharding.log`, `plan.json` and `report.html` (`plan_report(plan, **report_args)`) into
+    `out_dir` (created), each atomically, so a reader never sees half a file. Returns (log path, json path)."""
     return write_report_files(plan_report(plan, **report_args), out_dir)
 
 
-def write_report_files(report: dict, out_dir: str | os.PathLike) -> tuple[Path, Path]:
-    """`write_report` for a report dict already built (a caller that also prints it builds it once)."""
+def write_report_files(report: dict, out_dir: str | os.PathLike,
+                       metrics: list[dict] | None = None) -> tuple[Path, Path]:
+    """`write_report` for a report dict already built (a caller that also prints it builds it once);
+    also writes `report.html` beside them (`write_html`)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     log_path, json_path = out / LOG_NAME, out / JSON_NAME
     _write_atomic(json_path, json.dumps(report, indent=1) + "\n")
     _write_atomic(log_path, format_log(report))
+    write_html(report, out, metrics)
     return log_path, json_path
+
+
+def write_html(report: dict, out_dir: str | os.PathLike, metrics: list[dict] | None = None) -> Path:
+    """Write `report.html` (the report dict, with the training `metrics` rows' curves when given) into
+    `out_dir` atomically; returns its path."""
+    from autoshard.report.html import render_html  # imported here: html.py uses this module's formatting
+
+    path = Path(out_dir) / HTML_NAME
+    _write_atomic(path, render_html(report, metrics))
+    return path
 
 
 def _write_atomic(path: Path, text: str) -> None:
