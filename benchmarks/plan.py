@@ -116,6 +116,44 @@ def speed(quick: bool = False) -> list[dict]:
     return rows
 
 
+# The first wave's figures for the whole command (ANCHORS.md): process start to exit, median of 3.
+COMMAND_BEFORE = {("llama3-8b", (8, 8)): 15.4, ("llama3-70b", (64, 8)): 16.7}
+
+
+def command_wall(quick: bool = False, repeats: int = 3) -> list[dict]:
+    """`python -m autoshard plan` as a user runs it, process start to exit, median of `repeats`:
+    without the dry run (target 8B (8,8) <= 10 s, 70B (64,8) <= 12 s) and with it (<= 5 s more)."""
+    import statistics
+    import subprocess
+    import tempfile
+
+    root = os.path.dirname(_HERE)
+    cases = [("llama3-tiny", (2, 2), 8, 64)] if quick else [("llama3-8b", (8, 8), 8, 8192),
+                                                              ("llama3-70b", (64, 8), 64, 8192)]
+    print("\nThe plan command, process start to exit (median of %d)" % repeats)
+    print(f"{'case':<26}{'--no-dry-run s':>15}{'with dry run s':>16}{'first wave s':>14}")
+    rows = []
+    for model, mesh, batch, seq in cases:
+        walls = {}
+        for dry in (False, True):
+            times = []
+            for _ in range(repeats):
+                with tempfile.TemporaryDirectory() as out:
+                    cmd = [sys.executable, "-m", "autoshard", "plan", "--model", model, "--mesh",
+                           "x".join(map(str, mesh)), "--batch", str(batch), "--seq", str(seq), "--out", out]
+                    start = time.perf_counter()
+                    subprocess.run(cmd + ([] if dry else ["--no-dry-run"]), cwd=root, check=True,
+                                   capture_output=True)
+                    times.append(time.perf_counter() - start)
+            walls[dry] = statistics.median(times)
+        before = COMMAND_BEFORE.get((model, mesh))
+        print(f"{model + ' ' + str(mesh):<26}{walls[False]:>15.1f}{walls[True]:>16.1f}"
+              f"{before if before else '-':>14}", flush=True)
+        rows.append(dict(model=model, mesh=mesh, batch=batch, seq=seq, no_dry_run_s=walls[False],
+                         dry_run_s=walls[True], first_wave_s=before))
+    return rows
+
+
 def quality(quick: bool = False) -> list[dict]:
     """Modeled step time and comm bytes per rank of autoshard's plan and the hand-written ones."""
     from autoshard.layout import Layout

@@ -7,6 +7,7 @@
 Sections (each also runs alone: benchmarks/plan.py, planner.py, training.py):
   speed     planning llama3-8b (8,8), (32,8) and llama3-70b (32,8), (64,8): seconds per stage, peak RSS,
             ILP size, beside the nearest peer (ANCHORS.md)
+  command   `python -m autoshard plan` as a whole process (median of 3), with and without the dry run
   quality   modeled step time and comm bytes of autoshard's plan vs the FSDP+TP recipe, pure FSDP,
             forced-default device orders and the analytic estimate (llama3-8b (8,8), b=1 and 8)
   planner   redistribution: our planner vs torch's greedy and graph planners (wins/ties/losses)
@@ -31,7 +32,7 @@ from benchmarks import plan as plan_bench
 from benchmarks import planner as planner_bench
 from benchmarks import training as training_bench
 
-SECTIONS = ("speed", "quality", "planner", "training")
+SECTIONS = ("speed", "command", "quality", "planner", "training")
 RESULTS = Path(__file__).resolve().parent / "results.json"
 
 
@@ -58,6 +59,8 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         if section == "speed":
             results["speed"] = plan_bench.speed(a.quick)
+        elif section == "command":
+            results["command"] = plan_bench.command_wall(a.quick, repeats=1 if a.quick else 3)
         elif section == "quality":
             results["quality"] = plan_bench.quality(a.quick)
             failures += [f"quality b={q['b']}: {name}" for q in results["quality"]
@@ -100,6 +103,13 @@ def markdown(results: dict) -> str:
             rows.append(f"| {name} | {r.get('batch', 8)} | {t['trace']:.1f} | {t['build']:.1f} | {t['solve']:.1f} | "
                         f"{r['total']:.1f} | {r['rss_gib']:.2f} GiB | {r['variables']:,} | {r['dry_s']:.1f} | "
                         f"{r['peak_gib']:.1f} GiB | {peer_text} |")
+        parts.append("\n".join(rows))
+    if "command" in results:
+        rows = ["| case | `plan --no-dry-run` s | `plan` (with dry run) s | first wave (ANCHORS.md) s |",
+                "|---|---|---|---|"]
+        rows += [f"| {r['model']} {tuple(r['mesh'])}, batch {r['batch']} | {r['no_dry_run_s']:.1f} | "
+                 f"{r['dry_run_s']:.1f} | {r['first_wave_s'] if r['first_wave_s'] else '-'} |"
+                 for r in results["command"]]
         parts.append("\n".join(rows))
     for q in results.get("quality", []):
         rows = [f"b={q['b']} (global batch {q['batch']}), seq {q['seq']}:", "",

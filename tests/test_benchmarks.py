@@ -32,6 +32,8 @@ def test_quick_planning_sections(quick):
     assert speed["model"] == "llama3-8b" and speed["layers"] == 2 and speed["variables"] > 0
     assert set(speed["timings"]) >= {"trace", "build", "solve", "dry_run"} and speed["rss_gib"] > 0
     assert speed["dry_s"] > 0 and speed["peak_gib"] > 0  # the dry run of rank 0's program ran
+    (command,) = results["command"]  # the plan command as a process, with and without the dry run
+    assert command["model"] == "llama3-tiny" and 0 < command["no_dry_run_s"] and 0 < command["dry_run_s"]
     (quality,) = results["quality"]
     assert all(quality["checks"].values()), quality["checks"]
     plans = {p["plan"]: p for p in quality["plans"]}
