@@ -118,3 +118,19 @@ def test_cli_entry_point_exits_nonzero_without_traceback():
     assert out.returncode == 2
     assert out.stderr.strip().splitlines()[-1].startswith("error: unknown model")
     assert "Traceback" not in out.stderr
+
+
+def test_a_program_that_cannot_run_is_one_error_line_before_training(tmp_path, capsys, monkeypatch):
+    """Rank 0's dry run fails: every rank (here the only one) stops with one error line, exit 2,
+    before any step runs."""
+    from autoshard.runtime import dryrun
+
+    def broken(program, rank=0, module_paths=None):
+        raise dryrun.DryRunError("dry run of rank 0, backward: node view_3 failed: cannot view")
+
+    monkeypatch.setattr(dryrun, "estimate", broken)
+    code, err = run_main([*TINY, "--mesh", "1", "--steps", "2", "--out", str(tmp_path / "run")], capsys)
+    assert code == 2
+    assert [line for line in err.splitlines() if line.startswith("error:")] == [
+        "error: the planned program cannot run: dry run of rank 0, backward: node view_3 failed: cannot view"]
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
