@@ -30,6 +30,7 @@ from autoshard import _torch_compat as tc
 from autoshard.profiles.network import NetworkProfile
 from autoshard.profiles.device import DeviceProfile
 from autoshard.layout import Layout
+from autoshard.problem.explain import MAX_SOLVES, Explanation, explain
 from autoshard.problem.plan import Plan, decode
 from autoshard.pricing.planner import Planner
 from autoshard.problem.build import ProblemSpec, ShardingProblem, build_problem
@@ -90,6 +91,9 @@ class AutoShard:
         self.spec = ProblemSpec()
         self.timings: dict[str, float] = {}
         self.plan: Plan | None = None
+        # what the last optimize() built, kept so explain() re-solves it without tracing again
+        self.sharding: ShardingProblem | None = None
+        self.planner: Planner | None = None
 
     def __enter__(self) -> "AutoShard":
         return self
@@ -167,8 +171,22 @@ class AutoShard:
             with self._stage("decode"):
                 plan = decode(sharding, solution, planner)
         log.info("autoshard plan: %s", plan.summary())
-        self.plan = plan
+        self.plan, self.sharding, self.planner = plan, sharding, planner
         return plan
+
+    def explain(self, fqn: str, top: int = 3, *, max_solves: int = MAX_SOLVES, backend: str = "auto",
+                time_limit: float | None = None) -> Explanation:
+        """Why the last `optimize()` gave parameter `fqn` (an FQN, or a pattern naming parameters
+        with one layout) its layout: the `top` next best layouts, each the optimum re-solved with
+        the parameter pinned to it (in every repeated block, as `pin` would), with its modeled
+        step-time difference and the redistributions that change. Re-solves the problem that
+        optimize() built: no tracing, no building. Raises ExplainError (a ValueError) naming close
+        matches when `fqn` names no parameter."""
+        if self.sharding is None or self.plan is None or self.planner is None:
+            raise ValueError("nothing to explain: call optimize() first")
+        with self._stage("explain"):
+            return explain(self.sharding, self.plan, self.planner, fqn, top=top, max_solves=max_solves,
+                           backend=backend, time_limit=time_limit)
 
     def apply(self, plan: Plan | None = None) -> ParallelModule:
         """The parallel module of `plan` (default: the last `optimize()` result) on this mesh."""

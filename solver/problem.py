@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Sequence, Union
+from typing import Mapping, Sequence, Union
 
 import numpy as np
 
@@ -166,6 +166,52 @@ class Problem:
         nodes = sum(n.choices[choice[n.name]].cost for n in self.nodes)
         edges = sum(e.cost[choice[e.src]][choice[e.dst]] for e in self.edges)
         return nodes, edges
+
+    def tied(self, node: str) -> list[str]:
+        """Every node that must take the same choice index as `node` (itself included, in problem
+        order): SameChoice groups and the same position in every copy of a repeated region,
+        followed transitively. Pinning `node` pins all of them."""
+        index = self.index()
+        if node not in index:
+            raise ValueError(f"unknown node {node!r}")
+        links: dict[str, set[str]] = {}
+
+        def link(names):
+            for n in names:
+                links.setdefault(n, set()).update(names)
+
+        for con in self.constraints:
+            if isinstance(con, SameChoice):
+                link(con.nodes)
+        for region in self.regions:
+            for names in zip(*region.copies):
+                link(names)
+        seen, todo = {node}, [node]
+        while todo:
+            for other in links.get(todo.pop(), ()):
+                if other not in seen:
+                    seen.add(other)
+                    todo.append(other)
+        return sorted(seen, key=index.__getitem__)
+
+    # ---- variants ---------------------------------------------------------------------------
+    def restricted(self, fixed: Mapping[str, int]) -> "Problem":
+        """This problem with `node -> choice index` pins added (as Fixed constraints), e.g. to ask
+        "what is the best plan if this node takes that choice?". Nodes tied to a pinned node
+        (`tied`) follow it. The copy shares the nodes, edge matrices and regions with this one
+        (only the lists are new; nothing is converted again), so it is cheap to make, and this
+        problem is left as it was."""
+        index = self.index()
+        pins = []
+        for name, k in fixed.items():
+            if name not in index:
+                raise ValueError(f"restricted: unknown node {name!r}")
+            if not 0 <= k < len(self.nodes[index[name]].choices):
+                raise ValueError(f"restricted: choice {k} of node {name!r} is out of range "
+                                 f"0..{len(self.nodes[index[name]].choices) - 1}")
+            pins.append(Fixed(name, int(k)))
+        return Problem(list(self.nodes), list(self.edges), [*self.constraints, *pins],
+                       list(self.regions), self._converted)
 
     # ---- validation -------------------------------------------------------------------------
     def validate(self) -> None:

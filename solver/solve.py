@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass, field
 from .diagnose import explain
 from .model import pick_backend
 from .presolve import Conflict, Reduction
-from .problem import Problem
+from .problem import InfeasibleError, Problem
 from .search import core_cost, solve_core
 
 
@@ -64,7 +64,8 @@ class Solution:
 
 
 def solve(problem: Problem, backend: str = "auto", time_limit: float | None = None,
-          msg: bool = False, rel_gap: float = 1e-6, presolve: bool = True) -> Solution:
+          msg: bool = False, rel_gap: float = 1e-6, presolve: bool = True,
+          diagnose: bool = True) -> Solution:
     """Pick one choice per node minimising node + edge cost under the problem's constraints.
 
     Raises ValueError for malformed input, InfeasibleError (a ValueError) naming the conflicting
@@ -72,7 +73,9 @@ def solve(problem: Problem, backend: str = "auto", time_limit: float | None = No
     time_limit (seconds, from the call) bounds the solver phases; each backend call gets at least
     a second, so it can be overrun by a little. rel_gap is the relative gap at which a solution
     counts as optimal; presolve=False hands the whole (shared-variable) problem to the ILP, for
-    testing and measuring.
+    testing and measuring. diagnose=False skips the search for the conflicting constraints when
+    nothing is feasible (many ILP checks): the InfeasibleError then says only where it was found,
+    for callers that expect some problems to be infeasible (e.g. trying pins one by one).
     """
     problem.validate()
     backend = pick_backend(backend)
@@ -80,8 +83,8 @@ def solve(problem: Problem, backend: str = "auto", time_limit: float | None = No
     t0 = time.perf_counter()
     try:
         red = Reduction(problem, problem.constraints, problem.regions, reduce=presolve)
-    except Conflict:
-        raise explain(problem, backend) from None
+    except Conflict as conflict:
+        raise (explain(problem, backend) if diagnose else _undiagnosed(conflict)) from None
     t1 = time.perf_counter()
     stats.presolve_s = t1 - t0
     for key, value in asdict(red.counts).items():
@@ -96,7 +99,7 @@ def solve(problem: Problem, backend: str = "auto", time_limit: float | None = No
         stats.solve_s = time.perf_counter() - t1 - model.build_s
         stats.lp_fixed, stats.triangles = result.lp_fixed, result.triangles
         if result.status == "infeasible":
-            raise explain(problem, backend)
+            raise explain(problem, backend) if diagnose else InfeasibleError("infeasible (not diagnosed)")
         if result.status == "none":
             raise SolveError(f"{backend} stopped without a solution "
                              f"(time_limit={time_limit}, {stats.variables} variables)")
@@ -109,3 +112,11 @@ def solve(problem: Problem, backend: str = "auto", time_limit: float | None = No
         max(0.0, objective - core_cost(red, core_choice) + result.lower)
     labels = {n.name: n.choices[choice[n.name]].label for n in problem.nodes}
     return Solution(choice, objective, node_cost, edge_cost, status, stats, labels)
+
+
+def _undiagnosed(conflict: Conflict) -> InfeasibleError:
+    cause = conflict.cause
+    what = cause.describe() if hasattr(cause, "describe") else (
+        f"edge {cause.src!r}->{cause.dst!r}" if hasattr(cause, "src") else str(cause))
+    where = f"node {conflict.node!r} is left without a choice" if conflict.node is not None else "a budget cannot be met"
+    return InfeasibleError(f"infeasible (not diagnosed): {where} ({what})", node=conflict.node)

@@ -40,6 +40,12 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
                         help="also plan with the hand-written FSDP+TP recipe pinned and compare (2-D meshes)")
     parser.add_argument("--backend", choices=BACKENDS, default="auto", help="ILP backend (default auto)")
     parser.add_argument("--time-limit", type=float, default=None, metavar="SECONDS", help="ILP time limit")
+    parser.add_argument("--explain", default=None, metavar="FQN",
+                        help="after planning, show the chosen layout of this parameter (FQN or pattern) and the "
+                             "next best layouts, each re-solved with it pinned, with their step-time difference "
+                             "and the redistributions that change")
+    parser.add_argument("--explain-top", type=shared._arg_type(shared._positive_int), default=3, metavar="N",
+                        help="how many next best layouts --explain shows (default 3)")
     parser.add_argument("--dry-run", action=argparse.BooleanOptionalAction, default=True,
                         help="run rank 0's lowered program on fake tensors and report its peak memory "
                              "(default on; --no-dry-run skips it)")
@@ -84,6 +90,13 @@ def _check(args: argparse.Namespace):
         fail(f"--time-limit must be positive, got {args.time_limit}")
     if args.out is not None and args.out.exists() and not args.out.is_dir():
         fail(f"--out {args.out} exists and is not a directory")
+    if args.explain is not None:  # a name check on the meta model, before planning
+        from autoshard.problem.explain import ExplainError, match_params
+
+        try:
+            match_params(args.explain, [name for name, _ in workload.build("meta").named_parameters()])
+        except ExplainError as err:
+            fail(f"--explain {err}")
     return workload
 
 
@@ -93,7 +106,7 @@ def _setup_logging() -> None:
 
 
 def _plan_once(workload, args, *, pins: dict | None = None, budget: float | None = None, what: str):
-    """One AutoShard run on a fresh meta model; returns (plan, timings)."""
+    """One AutoShard run on a fresh meta model; returns (plan, timings, the AutoShard)."""
     from autoshard.api import AutoShard
 
     model = workload.build("meta")
@@ -111,7 +124,18 @@ def _plan_once(workload, args, *, pins: dict | None = None, budget: float | None
             plan = auto.optimize(backend=args.backend, time_limit=args.time_limit)
     except ValueError as err:  # e.g. a layout that does not split a shape evenly on this mesh
         fail(f"planning {what} failed: {err}")
-    return plan, dict(auto.timings)
+    return plan, dict(auto.timings), auto
+
+
+def _explain(auto, args):
+    """`--explain`: re-solve the problem just built with the parameter pinned to each other layout."""
+    from autoshard.problem.explain import ExplainError
+
+    log.info("explaining %s: re-solving with each other layout pinned", args.explain)
+    try:
+        return auto.explain(args.explain, top=args.explain_top, backend=args.backend, time_limit=args.time_limit)
+    except ExplainError as err:
+        fail(f"--explain {err}")
 
 
 def _dry_run(plan, args):
@@ -157,8 +181,8 @@ def _say(line: str) -> None:
 def run_plan(args: argparse.Namespace) -> int:
     from autoshard.problem.recipes import recipe_pins
     from autoshard.profiles.device import DeviceProfile
-    from autoshard.report.text import (HTML_NAME, compare_lines, modeled_figures, plan_report, summary_lines,
-                                       write_report_files)
+    from autoshard.report.text import (HTML_NAME, compare_lines, explain_lines, modeled_figures, plan_report,
+                                       summary_lines, write_report_files)
 
     workload = _check(args)
     _setup_logging()
@@ -169,14 +193,17 @@ def run_plan(args: argparse.Namespace) -> int:
            "memory_budget": args.memory_budget, "dry_run": args.dry_run}
     extra: dict = {"run": run}
     with _process_group(math.prod(args.mesh)):
-        plan, timings = _plan_once(workload, args, budget=args.memory_budget, what="autoshard")
+        plan, timings, auto = _plan_once(workload, args, budget=args.memory_budget, what="autoshard")
+        explanation = _explain(auto, args) if args.explain is not None else None
+        if explanation is not None:
+            timings["explain"] = explanation.seconds
         memory = _dry_run(plan, args) if args.dry_run else None
         if memory is not None:
             timings["dry_run"] = memory.seconds
         if args.compare:
             recipe = COMPARE[args.compare]
             budget = _manual_budget(workload, recipe, args.mesh)
-            manual, manual_timings = _plan_once(workload, args, pins=recipe_pins(recipe), budget=budget,
+            manual, manual_timings, _ = _plan_once(workload, args, pins=recipe_pins(recipe), budget=budget,
                                                 what=f"{args.compare} ({recipe} recipe pinned)")
             extra["compare"] = {args.compare: {
                 "label": f"{recipe} pinned",
@@ -187,12 +214,16 @@ def run_plan(args: argparse.Namespace) -> int:
                 "non_default_order_params": len(manual.non_default_order_params()),
                 "timings": manual_timings,
             }}
-    report = plan_report(plan, dry_run=memory, device=DeviceProfile.preset(args.device), timings=timings, extra=extra)
+    report = plan_report(plan, dry_run=memory, device=DeviceProfile.preset(args.device), timings=timings,
+                         explanation=explanation, extra=extra)
     try:
         log_path, json_path = write_report_files(report, out)
     except OSError as err:
         fail(f"cannot write the report to {out}: {err}")
     for line in summary_lines(report) + compare_lines(report):
         _say(line)
+    if report.get("explain"):
+        for line in [f"explain {args.explain}:"] + explain_lines(report["explain"]):
+            _say(line)
     _say(f"wrote {log_path}, {json_path} and {log_path.with_name(HTML_NAME)}")
     return 0

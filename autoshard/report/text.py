@@ -21,6 +21,8 @@ from torch import fx
 
 from autoshard.pricing.ring import COLLECTIVE_KINDS
 from autoshard.layout import Layout
+from autoshard.problem.explain import Explanation
+from autoshard.pricing.planner import RedistributePlan
 from autoshard.problem.plan import Plan, Redistribution, Sink
 from autoshard.profiles.device import DeviceProfile
 from autoshard.program.lower import Program
@@ -31,17 +33,20 @@ JSON_NAME = "plan.json"
 HTML_NAME = "report.html"
 
 # Top-level keys `plan_report` produces; anything else came in through `extra`.
-_OWN_KEYS = ("mesh_shape", "parameters", "inputs", "nodes", "sinks", "totals", "memory", "timings", "compare")
+_OWN_KEYS = ("mesh_shape", "parameters", "inputs", "nodes", "sinks", "totals", "memory", "timings", "compare",
+             "explain")
+EXPLAIN_CHANGES = 10  # redistribution changes listed per alternative (the rest counted)
 
 
 # ------------------------------------------------------------------------------------ the dict
 def plan_report(plan: Plan, *, program: Program | None = None, dry_run: DryRunResult | None = None,
                 device: DeviceProfile | None = None, timings: dict[str, float] | None = None,
-                extra: dict | None = None) -> dict:
+                explanation: Explanation | None = None, extra: dict | None = None) -> dict:
     """Everything the plan chose, as JSON-ready data: parameters, non-parameter inputs, every
     op with its strategy and incoming redistributions, sinks (loss, gradients), and totals; with
     the `program` lowered from it, also the collectives that program runs; with its `dry_run`,
-    peak memory per rank beside the `device`'s capacity."""
+    peak memory per rank beside the `device`'s capacity; with an `explanation` (AutoShard.explain),
+    a parameter's next best layouts under "explain"."""
     graph = plan.graph
     mesh = list(plan.mesh_shape)
     by_consumer: dict[str, list[Redistribution]] = {}
@@ -118,6 +123,8 @@ def plan_report(plan: Plan, *, program: Program | None = None, dry_run: DryRunRe
         report["memory"] = memory_entry(dry_run, device)
     if timings:
         report["timings"] = {k: float(v) for k, v in timings.items()}
+    if explanation is not None:
+        report["explain"] = explain_entry(explanation)
     report.update(extra or {})
     return report
 
@@ -146,6 +153,46 @@ def modeled_figures(plan: Plan) -> dict[str, Any]:
         "bytes_by_collective": dict(sorted(plan.bytes_by_collective.items())),
         "count_by_collective": dict(sorted(plan.count_by_collective.items())),
     }
+
+
+def explain_entry(ex: Explanation, max_changes: int = EXPLAIN_CHANGES) -> dict:
+    """An Explanation as report data; each alternative lists its `max_changes` largest
+    redistribution changes (before -> after on one edge, `count` edges alike: one per block copy)
+    and counts the edges changed in all (`changes_total`)."""
+    def plan_entry(p: RedistributePlan | None) -> dict | None:
+        if p is None:
+            return None
+        return {"src": str(p.src), "dst": str(p.dst), "steps": [f"{s.kind}[{','.join(map(str, s.mesh_dims))}]"
+                                                               for s in p.steps], "cost_s": p.cost_s}
+
+    def grouped(changes) -> list[dict]:
+        # the same change on every copy of a repeated block is one entry, with a count
+        groups: dict = {}
+        for c in changes:
+            before, after = plan_entry(c.before), plan_entry(c.after)
+            key = json.dumps([before, after], sort_keys=True)
+            if key in groups:
+                groups[key]["count"] += 1
+            else:
+                groups[key] = {"producer": c.producer, "consumer": c.consumer, "slot": c.slot, "count": 1,
+                               "param": ex.param_nodes.get(c.producer, ""), "delta_s": c.delta_s,
+                               "before": before, "after": after}
+        return sorted(groups.values(), key=lambda g: -abs(g["delta_s"]) * g["count"])
+
+    entry = {
+        "fqn": ex.fqn, "params": ex.params, "layout": str(ex.layout), "step_time_s": ex.step_time_s,
+        "tied": ex.tied, "candidates": ex.candidates, "solved": ex.solved,
+        "infeasible": [str(lay) for lay in ex.infeasible], "skipped": [str(lay) for lay in ex.skipped],
+        "method": ex.method, "seconds": ex.seconds,
+        "alternatives": [{
+            "layout": str(a.layout), "step_time_s": a.step_time_s, "delta_s": a.delta_s,
+            "compute_s": a.compute_s, "comm_s": a.comm_s, "status": a.status, "solve_s": a.solve_s,
+            "moved": {fqn: [str(b), str(c)] for fqn, (b, c) in a.moved.items()},
+            "changes_total": len(a.changes),
+            "changes": grouped(a.changes)[:max_changes],
+        } for a in ex.alternatives],
+    }
+    return entry
 
 
 def _tensor_entry(node: fx.Node, layout: Layout, mesh_shape: tuple[int, ...]) -> dict:
@@ -297,7 +344,50 @@ def format_log(report: dict) -> str:
     if report.get("compare"):
         out += ["", "== compare (modeled, per rank; ratio = autoshard / other) =="]
         out += compare_lines(report)
+    if report.get("explain"):
+        out += ["", f"== explain {report['explain']['fqn']} (each alternative re-solved with it pinned) =="]
+        out += explain_lines(report["explain"])
     return "\n".join(out) + "\n"
+
+
+def _signed_time(seconds: float) -> str:
+    return ("-" if seconds < 0 else "+") + human_time(abs(seconds))
+
+
+def explain_lines(ex: dict) -> list[str]:
+    """The report's "explain" entry as text: the chosen layout, then each alternative with its
+    step-time difference and the redistributions that change (before => after)."""
+    def redist(r: dict | None) -> str:
+        if r is None:
+            return "none"
+        return f"{r['src']} -> {r['dst']}: {' -> '.join(r['steps']) or '(no steps)'} ({human_time(r['cost_s'])})"
+
+    names = ", ".join(ex["params"][:3]) + (f" (+{len(ex['params']) - 3} more)" if len(ex["params"]) > 3 else "")
+    lines = [f"{names}: chosen {ex['layout']} (modeled step {human_time(ex['step_time_s'])} per rank)"]
+    if ex["tied"]:
+        tied = ", ".join(ex["tied"][:3]) + (", ..." if len(ex["tied"]) > 3 else "")
+        lines.append(f"pinned with it (repeated blocks share choices): {len(ex['tied'])} more parameters ({tied})")
+    how = ex["method"]
+    if ex["infeasible"]:
+        how += f"; {len(ex['infeasible'])} infeasible ({', '.join(ex['infeasible'])})"
+    lines.append(f"next best layouts ({how}; {ex['seconds']:.1f} s):")
+    if not ex["alternatives"]:
+        lines.append("  none: no other layout is feasible")
+    for i, a in enumerate(ex["alternatives"], 1):
+        moved = f", {len(a['moved'])} other parameters change layout" if a["moved"] else ""
+        status = "" if a["status"] == "optimal" else f" [{a['status']}]"
+        lines.append(f"  {i}. {a['layout']}: step {human_time(a['step_time_s'])} ({_signed_time(a['delta_s'])}; "
+                     f"compute {human_time(a['compute_s'])}, comm {human_time(a['comm_s'])}){status}; "
+                     f"{a['changes_total']} redistributions change{moved}")
+        for c in a["changes"]:
+            producer = f"{c['producer']} ({c['param']})" if c.get("param") else c["producer"]
+            alike = f" (and {c['count'] - 1} edges alike)" if c["count"] > 1 else ""
+            lines.append(f"       {producer} -> {c['consumer']} [slot {c['slot']}]{alike} {_signed_time(c['delta_s'])}"
+                         f" each: {redist(c['before'])}  =>  {redist(c['after'])}")
+        listed = sum(c["count"] for c in a["changes"])
+        if a["changes_total"] > listed:
+            lines.append(f"       ... and {a['changes_total'] - listed} more edges")
+    return lines
 
 
 def _ilp_line(ilp: dict) -> str:
