@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .problem import Allowed, Edge, Fixed, MemoryBudget, Problem, SameChoice
+from .problem import Allowed, Edge, Fixed, MemoryBudget, Problem, tie_classes
 
 
 class Conflict(Exception):
@@ -85,27 +85,7 @@ class Reduction:
         self.counts = Counts()
         index = problem.index()
         self.names = [n.name for n in problem.nodes]
-        parent = list(range(len(problem.nodes)))
-
-        def find(i):
-            while parent[i] != i:
-                parent[i] = parent[parent[i]]
-                i = parent[i]
-            return i
-
-        def union(names):
-            roots = [find(index[n]) for n in names]
-            for r in roots[1:]:
-                if r != roots[0]:
-                    parent[r] = roots[0]
-
-        for con in constraints:
-            if isinstance(con, SameChoice):
-                union(con.nodes)
-        for region in regions:
-            for names in zip(*region.copies):
-                union(names)
-        self.node_class = [find(i) for i in range(len(parent))]
+        self.node_class = tie_classes(problem, constraints, regions)
         self.members: dict[int, list[int]] = {}
         for i, c in enumerate(self.node_class):
             self.members.setdefault(c, []).append(i)

@@ -170,29 +170,12 @@ class Problem:
     def tied(self, node: str) -> list[str]:
         """Every node that must take the same choice index as `node` (itself included, in problem
         order): SameChoice groups and the same position in every copy of a repeated region,
-        followed transitively. Pinning `node` pins all of them."""
+        followed transitively (`tie_classes`). Pinning `node` pins all of them."""
         index = self.index()
         if node not in index:
             raise ValueError(f"unknown node {node!r}")
-        links: dict[str, set[str]] = {}
-
-        def link(names):
-            for n in names:
-                links.setdefault(n, set()).update(names)
-
-        for con in self.constraints:
-            if isinstance(con, SameChoice):
-                link(con.nodes)
-        for region in self.regions:
-            for names in zip(*region.copies):
-                link(names)
-        seen, todo = {node}, [node]
-        while todo:
-            for other in links.get(todo.pop(), ()):
-                if other not in seen:
-                    seen.add(other)
-                    todo.append(other)
-        return sorted(seen, key=index.__getitem__)
+        classes = tie_classes(self, self.constraints, self.regions)
+        return [n.name for n, c in zip(self.nodes, classes) if c == classes[index[node]]]
 
     # ---- variants ---------------------------------------------------------------------------
     def restricted(self, fixed: Mapping[str, int]) -> "Problem":
@@ -287,6 +270,34 @@ class Problem:
         from .io import problem_from_json
 
         return problem_from_json(text)
+
+
+def tie_classes(problem: Problem, constraints: Sequence, regions: Sequence[RepeatedRegion]) -> list[int]:
+    """Node index -> the index of its class's representative: nodes that must take the same choice
+    (a SameChoice group, one position in every copy of a repeated region), joined transitively.
+    Presolve solves one variable group per class; `Problem.tied` lists a node's class."""
+    index = problem.index()
+    parent = list(range(len(problem.nodes)))
+
+    def find(i):
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    def union(names):
+        roots = [find(index[n]) for n in names]
+        for r in roots[1:]:
+            if r != roots[0]:
+                parent[r] = roots[0]
+
+    for con in constraints:
+        if isinstance(con, SameChoice):
+            union(con.nodes)
+    for region in regions:
+        for names in zip(*region.copies):
+            union(names)
+    return [find(i) for i in range(len(parent))]
 
 
 def _check_cost(v: float, what: str) -> None:
