@@ -56,8 +56,8 @@ def execute_bucket(plans: Sequence[RedistributePlan], local_tensors: Sequence[to
     bucket: one launch and one synchronisation instead of one per tensor); the rest of each plan
     then runs alone. Same results (values and strides) as `execute` on each."""
     firsts = [plan.steps[0] for plan in plans]
-    kind, phys = firsts[0].kind, tuple(sorted(firsts[0].mesh_dims))
-    if kind not in _BUCKETED or any(f.kind != kind or tuple(sorted(f.mesh_dims)) != phys for f in firsts):
+    kind, phys = firsts[0].kind, group_dims(firsts[0])
+    if kind not in _BUCKETED or any(f.kind != kind or group_dims(f) != phys for f in firsts):
         raise ValueError(f"a bucket needs one collective kind on one set of mesh dims, got {[str(f) for f in firsts]}")
     coord = mesh.get_coordinate()
     outs = _BUCKETED[kind](firsts, list(local_tensors), mesh, phys)
@@ -119,12 +119,18 @@ def _group(mesh: Any, dims: tuple[int, ...]) -> Any:
     return (mesh, dims[0]) if len(dims) == 1 else tc.flattened_mesh(mesh, dims)
 
 
+def group_dims(step: Step) -> tuple[int, ...]:
+    """The mesh dims of the process group a collective step runs on: ascending (the flattened
+    mesh torch builds), except a permute, whose exchange is indexed in the step's own order."""
+    return step.mesh_dims if step.kind == "permute" else tuple(sorted(step.mesh_dims))
+
+
 def prepare_groups(plans: Sequence[RedistributePlan], mesh: Any) -> None:
     """Make every flattened process group the plans' steps will use, now and in one order, so that
     no step creates one mid-run: creating a group is a collective every rank must join at the same
     point, and a mesh cannot be flattened under fake tensors (a dry run)."""
-    needed = {step.mesh_dims if step.kind == "permute" else tuple(sorted(step.mesh_dims))
-              for plan in plans for step in plan.steps if step.kind in COLLECTIVE_KINDS and len(step.mesh_dims) > 1}
+    needed = {group_dims(step) for plan in plans for step in plan.steps
+              if step.kind in COLLECTIVE_KINDS and len(step.mesh_dims) > 1}
     for dims in sorted(needed):
         _group(mesh, dims)
 
@@ -166,7 +172,7 @@ def _reduce_op(step: Step) -> str:
 # ---------------------------------------------------------------------------- steps
 def _all_gather(step: Step, x: torch.Tensor, mesh: Any, coord: Any) -> torch.Tensor:
     (d,) = step.tensor_dims
-    phys = tuple(sorted(step.mesh_dims))
+    phys = group_dims(step)
     n = math.prod(mesh.shape[m] for m in phys)
     gathered = tc.wait(tc.funcol.all_gather_single(x.contiguous(), 0, _group(mesh, phys)))
     chunks = _reindex(gathered.reshape([n] + list(x.shape)), mesh.shape, phys, step.mesh_dims)
@@ -175,7 +181,7 @@ def _all_gather(step: Step, x: torch.Tensor, mesh: Any, coord: Any) -> torch.Ten
 
 def _reduce_scatter(step: Step, x: torch.Tensor, mesh: Any, coord: Any) -> torch.Tensor:
     (d,) = step.tensor_dims
-    phys = tuple(sorted(step.mesh_dims))
+    phys = group_dims(step)
     n = math.prod(mesh.shape[m] for m in phys)
     chunks = _reindex(_split(x, d, n), mesh.shape, step.mesh_dims, phys)
     out = tc.wait(tc.funcol.reduce_scatter_single(_stacked(chunks), "sum", 0, _group(mesh, phys)))
@@ -184,7 +190,7 @@ def _reduce_scatter(step: Step, x: torch.Tensor, mesh: Any, coord: Any) -> torch
 
 
 def _all_reduce(step: Step, x: torch.Tensor, mesh: Any, coord: Any) -> torch.Tensor:
-    phys = tuple(sorted(step.mesh_dims))
+    phys = group_dims(step)
     n = math.prod(mesh.shape[m] for m in phys)
     out = tc.wait(tc.funcol.all_reduce(x.contiguous(), "sum", _group(mesh, phys)))
     return out / n if _reduce_op(step) == "avg" else out
@@ -192,7 +198,7 @@ def _all_reduce(step: Step, x: torch.Tensor, mesh: Any, coord: Any) -> torch.Ten
 
 def _all_to_all(step: Step, x: torch.Tensor, mesh: Any, coord: Any) -> torch.Tensor:
     a, b = step.tensor_dims
-    phys = tuple(sorted(step.mesh_dims))
+    phys = group_dims(step)
     n = math.prod(mesh.shape[m] for m in phys)
     send = _reindex(_split(x, b, n), mesh.shape, step.mesh_dims, phys)
     recv = tc.wait(tc.funcol.all_to_all_single(_stacked(send), None, None, _group(mesh, phys)))
@@ -202,7 +208,7 @@ def _all_to_all(step: Step, x: torch.Tensor, mesh: Any, coord: Any) -> torch.Ten
 
 def _permute(step: Step, x: torch.Tensor, mesh: Any, coord: Any) -> torch.Tensor:
     (d,) = step.tensor_dims
-    phys = step.mesh_dims
+    phys = group_dims(step)
     n = math.prod(mesh.shape[m] for m in phys)
     src_order, dst_order = dict(step.src.order)[d], dict(step.dst.order)[d]
     splits = _permute_splits(tuple(coord[m] for m in phys), tuple(mesh.shape), phys, src_order, dst_order, x.numel())

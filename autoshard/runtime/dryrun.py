@@ -310,12 +310,11 @@ class _Replay:
             else:
                 index = storages.setdefault(sid, len(storages))
                 outputs.append(("new", index, *meta))
-        sized = {sid: i for sid, i in storages.items()}
-        store = [None] * len(sized)
+        store = [None] * len(storages)
         for t in outs:
             sid = id(t.untyped_storage())
-            if sid in sized:
-                store[sized[sid]] = (t.untyped_storage().nbytes() // t.element_size(), t.dtype)
+            if sid in storages:
+                store[storages[sid]] = (t.untyped_storage().nbytes() // t.element_size(), t.dtype)
         return _Replay(store, outputs, isinstance(result, torch.Tensor), max(0, excess - kept)), result
 
     def replay(self, live: "_LiveBytes", args) -> Any:
