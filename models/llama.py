@@ -30,9 +30,9 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [batch, seq, heads, head_dim]; cos/sin: [seq, head_dim]."""
-    cos = cos[None, :, None, :]
-    sin = sin[None, :, None, :]
+    """x: [batch, seq, heads, head_dim]; cos/sin: [seq, head_dim] (fp32 tables, applied in x's dtype)."""
+    cos = cos[None, :, None, :].to(x.dtype)
+    sin = sin[None, :, None, :].to(x.dtype)
     return x * cos + rotate_half(x) * sin
 
 
@@ -51,7 +51,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+        # normalized in fp32 whatever the compute dtype (as torchtitan and HF do), scaled in x's
+        h = x.float()
+        return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.weight
 
 
 class Attention(nn.Module):

@@ -26,6 +26,8 @@ class TrainSettings:
     weight_decay: float = 0.0
     seed: int = 0
     data_seed: int = 0
+    param_dtype: torch.dtype | None = None  # mixed precision: compute dtype (None: the parameters')
+    reduce_dtype: torch.dtype | None = None  # gradient dtype before it lands in fp32 (None: param_dtype)
 
 
 @dataclass
@@ -37,6 +39,27 @@ class TrainResult:
 def make_optimizer(params, settings: TrainSettings) -> torch.optim.AdamW:
     """The optimizer every run (single-device or parallel) uses, so their numbers can match."""
     return torch.optim.AdamW(params, lr=settings.lr, weight_decay=settings.weight_decay, foreach=False)
+
+
+def step_loss(model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor,
+              param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Forward and backward of one step; `.grad` of every parameter filled in its own dtype.
+
+    With `param_dtype`, FSDP2-style mixed precision on one device: the forward and backward run on
+    copies of the parameters cast to `param_dtype` (the parameters stay fp32 master weights), and
+    each gradient passes through `reduce_dtype` before it lands in the parameter's dtype."""
+    if param_dtype is None:
+        loss = cross_entropy_loss(model(inputs), targets)
+        loss.backward()
+        return loss
+    masters = dict(model.named_parameters())
+    compute = {name: p.detach().to(param_dtype).requires_grad_() for name, p in masters.items()}
+    loss = cross_entropy_loss(torch.func.functional_call(model, compute, (inputs,)), targets)
+    loss.backward()
+    for name, p in masters.items():
+        grad = compute[name].grad.to(reduce_dtype or param_dtype).to(p.dtype)
+        p.grad = grad if p.grad is None else p.grad + grad
+    return loss
 
 
 def train_single(settings: TrainSettings, log=None) -> TrainResult:
@@ -51,8 +74,7 @@ def train_single(settings: TrainSettings, log=None) -> TrainResult:
     start = time.perf_counter()
     for step in range(settings.steps):
         batch = data.batch(step, settings.batch, settings.seq)
-        loss = cross_entropy_loss(model(batch.inputs), batch.targets)
-        loss.backward()
+        loss = step_loss(model, batch.inputs, batch.targets, settings.param_dtype, settings.reduce_dtype)
         optim.step()
         optim.zero_grad(set_to_none=True)
         result.losses.append(loss.item())
