@@ -21,6 +21,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy
 
 import solver
 
@@ -34,6 +35,7 @@ from autoshard.problem.explain import MAX_SOLVES, Explanation, explain
 from autoshard.problem.plan import Plan, decode
 from autoshard.pricing.planner import Planner
 from autoshard.problem.build import ProblemSpec, ShardingProblem, build_problem
+from autoshard.capture.precision import Precision, cast_floating
 from autoshard.capture.repeat import trace_step
 from autoshard.capture.trace import mark_outputs
 
@@ -65,6 +67,9 @@ class AutoShard:
     `mesh` is a DeviceMesh or a mesh shape (planning needs no process group). `network` and
     `device` are preset names or profiles: they price communication and compute. `unroll=False`
     traces every repeated block instead of three (for blocks whose code depends on their depth).
+    `mp_policy` (torch's `MixedPrecisionPolicy`, FSDP2's meaning): parameters and optimizer states
+    stay in their dtype; compute and parameter gathers run in `param_dtype`, gradients are reduced in
+    `reduce_dtype` and arrive in the parameter's dtype.
     """
 
     def __init__(
@@ -78,8 +83,10 @@ class AutoShard:
         network: NetworkProfile | str = "h100-node",
         device: DeviceProfile | str = "h100",
         unroll: bool = True,
+        mp_policy: MixedPrecisionPolicy | None = None,
     ):
         self.model = model
+        self.precision = Precision.of(mp_policy)
         self.input_fn = input_fn
         self.mesh = mesh
         self.mesh_shape = _mesh_shape(mesh)
@@ -129,10 +136,14 @@ class AutoShard:
 
     # ------------------------------------------------------------------ planning
     def _step(self, model: nn.Module, *inputs: Any) -> torch.Tensor:
+        precision = self.precision
+        k = self.n_model_inputs if self.loss_fn is not None else len(inputs)
+        model_inputs = inputs[:k]
+        if precision.cast_forward_inputs:
+            model_inputs = cast_floating(model_inputs, precision.param_dtype)
+        outputs = cast_floating(model(*model_inputs), precision.output_dtype)
         if self.loss_fn is None:
-            return model(*inputs)
-        k = self.n_model_inputs
-        outputs = model(*inputs[:k])
+            return outputs
         if self.spec.output_layouts:
             count = sum(isinstance(leaf, torch.Tensor) for leaf in tc.tree_leaves(outputs))
             if max(self.spec.output_layouts) >= count:
@@ -159,7 +170,8 @@ class AutoShard:
         # Planning sees global shapes only: no ambient mode (e.g. LocalTensorMode) applies to it.
         with tc.no_dispatch_modes(), contextlib.ExitStack() as stack:  # the tracer's fake mode ends here
             with self._stage("trace"):
-                graph = trace_step(self.model, self._step, inputs, stack, unroll=self.unroll)
+                graph = trace_step(self.model, self._step, inputs, stack, unroll=self.unroll,
+                                   precision=self.precision)
             with self._stage("build"):
                 sharding = build_problem(graph, self.mesh_shape, planner, self.device, self.spec)
             with self._stage("solve"):
@@ -232,7 +244,7 @@ def auto_shard(
     **options: Any,
 ) -> ParallelModule:
     """Plan and apply in one call: the parallel module for `model` on the DeviceMesh `mesh`.
-    `options` go to `AutoShard` (n_model_inputs, network, device)."""
+    `options` go to `AutoShard` (n_model_inputs, network, device, unroll, mp_policy)."""
     with AutoShard(model, input_fn, mesh, loss_fn=loss_fn, **options) as auto:
         if input_layouts:
             auto.constrain_inputs(*input_layouts)

@@ -191,9 +191,11 @@ def test_fsdp_over_tp_mlp_runs_one_gather_and_a_reduce_scatter_per_weight():
         assert weight_gathers == [(weights, "all_gather", (0,))]
         assert sorted((k, d) for p, _, k, d in steps["forward"] if not set(p.split(",")) & weights) == [
             ("all_reduce", (0,)), ("all_reduce", (1,))]
-        # The ILP reduce-scatters w2's gradient before its final transpose: not a gradient output,
-        # so not bucketed with w1's.
-        assert [(k, d) for _, _, k, d in steps["backward"]] == [("reduce_scatter", (0,)), ("reduce_scatter", (0,))]
+        # The ILP reduce-scatters w2's gradient before its final transpose (inside the gradient's
+        # tail): still a gradient reduction, bucketed with w1's once both are ready.
+        assert [(k, d) for _, _, k, d in steps["backward"]] == [("reduce_scatter", (0,))]
+        (bucket,) = [m for m in pmodel.program.backward.children() if isinstance(m, Bucket)]
+        assert len(bucket.members) == 2
         loss = pmodel(*pmodel.shard_inputs(x))
         loss.backward()
         ref = loss_fn(model(x))

@@ -25,6 +25,7 @@ from torch import fx, nn
 
 from autoshard import _torch_compat as tc
 from autoshard.capture.regions import assign_blocks, flat_args
+from autoshard.capture.precision import Precision
 from autoshard.capture.trace import MODULE_KEY, JointGraph, trace_joint
 
 log = logging.getLogger("autoshard")
@@ -44,6 +45,7 @@ def trace_step(
     stack: contextlib.ExitStack,
     *,
     unroll: bool = True,
+    precision: Precision = Precision(),
 ) -> JointGraph:
     """The joint graph of `step_fn(model, *example_args)`: traced in full, or (when the model has a
     list of >= 4 identical blocks and `unroll`) from three blocks, unrolled."""
@@ -53,7 +55,7 @@ def trace_step(
         cut_stack = contextlib.ExitStack()  # the cut trace's fake mode; closed if we fall back
         try:
             with tc.truncated_module_list(blocks, TRACED_BLOCKS):
-                short = trace_joint(model, step_fn, example_args, cut_stack)
+                short = trace_joint(model, step_fn, example_args, cut_stack, precision)
             graph = unroll_blocks(short, prefix, len(blocks))
         except NotRepeating as why:
             cut_stack.close()
@@ -66,7 +68,7 @@ def trace_step(
             log.info("autoshard: traced %d of the %d blocks of %s and unrolled the rest",
                      TRACED_BLOCKS, len(blocks), prefix)
             return graph
-    return trace_joint(model, step_fn, example_args, stack)
+    return trace_joint(model, step_fn, example_args, stack, precision)
 
 
 # ------------------------------------------------------------------------------ finding blocks
@@ -283,4 +285,4 @@ class _Unroller:
             gm=gm, params={fqn: node for fqn, (node, _, _) in self.params.items()},
             buffers={fqn: self.lookup(node) for fqn, node in g.buffers.items()},
             inputs=[self.lookup(n) for n in g.inputs], tangents=[self.lookup(n) for n in g.tangents],
-            loss=loss, grads=grads)
+            loss=loss, grads=grads, precision=g.precision)

@@ -18,6 +18,7 @@ import torch
 from torch import fx, nn
 
 from autoshard import _torch_compat as tc
+from autoshard.capture.precision import Precision, cast_parameters
 
 MODULE_KEY = "autoshard_module"
 OUTPUT_KEY = "autoshard_output"  # index of a model output marked by `mark_outputs`
@@ -34,6 +35,7 @@ class JointGraph:
     tangents: list[fx.Node]  # seed gradient of the loss
     loss: fx.Node  # the loss value (first output)
     grads: dict[str, fx.Node]  # parameter FQN -> node computing its gradient
+    precision: Precision = Precision()  # the casts the trace applied to parameters
 
     @property
     def nodes(self) -> list[fx.Node]:
@@ -149,19 +151,23 @@ def trace_joint(
     step_fn: Callable[..., torch.Tensor],
     example_args: Sequence[Any],
     stack: contextlib.ExitStack,
+    precision: Precision = Precision(),
 ) -> JointGraph:
     """Trace `step_fn(model, *example_args)` and its backward into one joint graph.
 
     `example_args` carry global shapes and dtypes only (real, meta or fake tensors all work).
     `stack` must stay open while the returned graph is compiled into a runnable step.
+    `precision` casts parameters for compute (see `capture.precision`).
     """
     device = torch.device("cpu")
     fake_mode = tc.new_fake_mode()
     args = tuple(_fake_like(a, fake_mode, device) for a in example_args)
     wrapper = _StepModule(model, step_fn)
-    with _fake_parameters(model, fake_mode, device), _module_path_annotations(model):
+    # the path annotations open before the casts run, so a cast is tagged with its module's path
+    with _fake_parameters(model, fake_mode, device), _module_path_annotations(model), \
+            cast_parameters(model, precision):
         joint = tc.export_joint(stack, wrapper, args)
-    return _describe(joint)
+    return _describe(joint, precision)
 
 
 def _strip(fqn: str) -> str:
@@ -169,7 +175,7 @@ def _strip(fqn: str) -> str:
     return fqn[len(prefix):] if fqn.startswith(prefix) else fqn
 
 
-def _describe(joint) -> JointGraph:
+def _describe(joint, precision: Precision) -> JointGraph:
     gm = joint.graph_module
     params, buffers, inputs, tangents = {}, {}, [], []
     for node in gm.graph.find_nodes(op="placeholder"):
@@ -198,4 +204,4 @@ def _describe(joint) -> JointGraph:
     if missing:
         raise ValueError(f"these parameters get no gradient from the loss: {', '.join(missing)}")
     return JointGraph(gm=gm, params=params, buffers=buffers, inputs=inputs, tangents=tangents,
-                      loss=loss, grads=grads)
+                      loss=loss, grads=grads, precision=precision)

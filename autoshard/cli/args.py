@@ -52,6 +52,25 @@ def parse_bytes(text: str) -> float:
     return value
 
 
+def dtype_option(text: str) -> str:
+    """A floating dtype's short name ('bf16', 'fp32', ...) from any name torch or we use for it."""
+    from autoshard.capture.precision import dtype_name, parse_dtype
+
+    return dtype_name(parse_dtype(text))
+
+
+def mp_policy(param_dtype: str | None, reduce_dtype: str | None):
+    """The `MixedPrecisionPolicy` of --param-dtype/--reduce-dtype (None when neither is given)."""
+    if param_dtype is None and reduce_dtype is None:
+        return None
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from autoshard.capture.precision import parse_dtype
+
+    return MixedPrecisionPolicy(param_dtype=parse_dtype(param_dtype) if param_dtype else None,
+                                reduce_dtype=parse_dtype(reduce_dtype) if reduce_dtype else None)
+
+
 def _positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -134,6 +153,11 @@ NETWORK = option("--network", help="network profile preset for planning (h100-no
 DEVICE = option("--device", "--device-profile", help="device (compute) profile preset for planning (h100, h200, cpu)")
 MEMORY_BUDGET = option("--memory-budget", type=_arg_type(parse_bytes), metavar="BYTES",
                        help="parameter bytes per rank, e.g. 2e9 or 16GiB (default: total / world size)")
+PARAM_DTYPE = option("--param-dtype", type=_arg_type(dtype_option), metavar="DTYPE",
+                     help="mixed precision: compute and gather parameters in this dtype (bf16, fp16; parameters "
+                          "and optimizer states stay fp32; default: no cast)")
+REDUCE_DTYPE = option("--reduce-dtype", type=_arg_type(dtype_option), metavar="DTYPE",
+                      help="mixed precision: reduce gradients in this dtype (fp32, bf16; default: --param-dtype)")
 OUT = option("--out", help="output directory")
 
 _OPTION = "autoshard.option"  # dataclass field metadata key

@@ -36,6 +36,8 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     shared.DEVICE.add(parser, dest="device", default="h100", help=shared.DEVICE.kwargs["help"] + " (default h100)")
     shared.MESH_NAMES.add(parser, default=None, help="mesh dim names, e.g. dp,tp (recorded in the report)")
     shared.MEMORY_BUDGET.add(parser, default=None)
+    shared.PARAM_DTYPE.add(parser, default=None)
+    shared.REDUCE_DTYPE.add(parser, default=None)
     parser.add_argument("--compare", choices=sorted(COMPARE), default=None,
                         help="also plan with the hand-written FSDP+TP recipe pinned and compare (2-D meshes)")
     parser.add_argument("--backend", choices=BACKENDS, default="auto", help="ILP backend (default auto)")
@@ -117,7 +119,8 @@ def _plan_once(workload, args, *, pins: dict | None = None, budget: float | None
     log.info("planning %s: %s on mesh %s, batch %d, seq %d", what, workload.name, args.mesh, args.batch, args.seq)
     try:
         with AutoShard(model, inputs, args.mesh, loss_fn=workload.loss_fn, n_model_inputs=workload.n_model_inputs,
-                       network=args.network, device=args.device) as auto:
+                       network=args.network, device=args.device,
+                       mp_policy=shared.mp_policy(args.param_dtype, args.reduce_dtype)) as auto:
             if pins:
                 auto.pin(pins)
             auto.memory_budget(budget)

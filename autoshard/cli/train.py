@@ -77,6 +77,8 @@ class Settings:
     device_profile: str | None = setting(None, shared.DEVICE, "--device-profile", "--device",
                                          help="compute profile for planning (default: cpu on CPU, h100 on GPUs)")
     memory_budget: float | None = setting(None, shared.MEMORY_BUDGET)
+    param_dtype: str | None = setting(None, shared.PARAM_DTYPE)
+    reduce_dtype: str | None = setting(None, shared.REDUCE_DTYPE)
     plan_file: str | None = setting(None, help="reuse a plan.json written by an earlier run or `plan`")
     checkpoint_every: int = setting(0, type=int, help="checkpoint every K steps (0: never)")
     resume: bool = setting(False, help="continue from the newest checkpoint in --out")
@@ -189,7 +191,8 @@ def _plan(settings: Settings, workload: Workload, mesh, network: str, profile: s
     example = lambda: workload.example_inputs(settings.batch, settings.seq, "meta")  # noqa: E731
     model = workload.build("meta")
     with AutoShard(model, example, mesh, loss_fn=workload.loss_fn, n_model_inputs=workload.n_model_inputs,
-                   network=network, device=profile) as auto:
+                   network=network, device=profile,
+                   mp_policy=shared.mp_policy(settings.param_dtype, settings.reduce_dtype)) as auto:
         if settings.memory_budget is not None:
             auto.memory_budget(settings.memory_budget)
         solve_with = _solve_on_rank0(settings, saved)

@@ -1,8 +1,8 @@
 """Compute price of a node's strategies: a per-rank roofline on the device profile.
 
 flops come from torch's flop counter formulas on global shapes (matmuls, attention,
-convolutions), divided by the work split of the strategy; bytes are the local input + output
-sizes. Views cost nothing.
+convolutions), divided by the work split of the strategy, at the device's rate for the dtype the
+op computes in; bytes are the local input + output sizes. Views cost nothing.
 """
 
 from __future__ import annotations
@@ -76,7 +76,15 @@ def roofline_s(call: OpCall, outs: Layouts, ins: Layouts, flops: float, device: 
     for lay, t in zip(layouts, call.out_vals + call.in_vals):
         if lay is not None and t is not None:
             nbytes += math.prod(lay.local_shape(t.shape, ms)) * t.element_size()
-    return device.roofline_s(flops / split, nbytes)
+    return device.roofline_s(flops / split, nbytes, compute_dtype(call))
+
+
+def compute_dtype(call: OpCall):
+    """The dtype an op computes in: its first floating-point input's (a matmul's operands)."""
+    for t in call.in_vals:
+        if t is not None and t.is_floating_point():
+            return t.dtype
+    return None
 
 
 class ComputePricer:

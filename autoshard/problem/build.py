@@ -25,6 +25,7 @@ from autoshard.profiles.device import DeviceProfile
 from autoshard.layout import Layout
 from autoshard.pricing.compute import ComputePricer
 from autoshard.pricing.planner import Planner
+from autoshard.capture.precision import gradient_tail
 from autoshard.capture.regions import find_repeated_blocks
 from autoshard.strategies import Strategy, StrategyCatalog, input_slots
 from autoshard.capture.trace import JointGraph
@@ -219,11 +220,13 @@ def _fill_solver_problem(sp: ShardingProblem, planner: Planner, spec: ProblemSpe
     # looked up by Strategy identity first: comparing layouts is the slow part.
     matrix_cache: dict = {}  # by layouts
     matrix_by_id: dict = {}  # by Strategy identity
+    reduce_dtypes = _gradient_reduce_dtypes(sp)
     for consumer, producers in sp.inputs.items():
         merged: dict[str, list[list[float]]] = {}
         for slot, producer in enumerate(producers):
             shape, dtype = sp.tensor_meta(producer)
             src_choices, dst_choices = sp.strategies[producer.node], sp.strategies[consumer]
+            no_reduction = consumer in reduce_dtypes and dtype != reduce_dtypes[consumer]
             key = (tuple(map(id, src_choices)), producer.output, tuple(map(id, dst_choices)), slot, shape, dtype.itemsize)
             matrix = matrix_by_id.get(key)
             if matrix is None:
@@ -234,6 +237,8 @@ def _fill_solver_problem(sp: ShardingProblem, planner: Planner, spec: ProblemSpe
                 if matrix is None:
                     matrix = matrix_cache[by_value] = _cost_matrix(planner, srcs, dsts, shape, dtype.itemsize)
                 matrix_by_id[key] = matrix
+            if no_reduction:
+                matrix = _without_reduction(matrix, src_choices, producer.output, dst_choices, slot)
             if producer.node in merged:
                 merged[producer.node] = [[a + b for a, b in zip(r1, r2)]
                                          for r1, r2 in zip(merged[producer.node], matrix)]
@@ -251,6 +256,35 @@ def _fill_solver_problem(sp: ShardingProblem, planner: Planner, spec: ProblemSpe
 
     for copies in find_repeated_blocks(sp.graph):
         problem.add_region([_ilp_names(sp, copy) for copy in copies])
+
+
+def _gradient_reduce_dtypes(sp: ShardingProblem) -> dict[str, torch.dtype]:
+    """Under mixed precision: ILP node -> the only dtype in which an edge into it may reduce a
+    partial gradient (its parameter's reduce dtype), for every gradient sink and node of a
+    gradient's tail (`capture.precision.gradient_tail`). Empty without mixed precision."""
+    precision = sp.graph.precision
+    if not precision.casts:
+        return {}
+    dtypes: dict[str, torch.dtype] = {}
+    for fqn, grad in sp.graph.grads.items():
+        dtype = precision.gradient_dtype(_val(sp.graph.params[fqn]).dtype)
+        dtypes[grad_sink(fqn)] = dtype
+        for node in gradient_tail(grad):
+            if node.name in sp.strategies:
+                dtypes[node.name] = dtype
+    return dtypes
+
+
+def _without_reduction(matrix, src_choices, output: int, dst_choices, slot: int) -> list[list[float]]:
+    """`matrix` with inf where the edge would reduce a partial value (a mesh dim partial in the
+    source layout and not in the destination's)."""
+    def reduces(src: Layout | None, dst: Layout | None) -> bool:
+        return src is not None and dst is not None and any(
+            a.kind == "P" and b.kind != "P" for a, b in zip(src.placements, dst.placements))
+    srcs = [s.outputs[output] for s in src_choices]
+    dsts = [s.inputs[slot] for s in dst_choices]
+    return [[math.inf if reduces(src, dst) else cost for dst, cost in zip(dsts, row)]
+            for src, row in zip(srcs, matrix)]
 
 
 def _ilp_names(sp: ShardingProblem, copy: Sequence[fx.Node]) -> list[str]:

@@ -1,9 +1,9 @@
 """Compute profiles of one rank's device, for the roofline cost of a node.
 
-A node's compute time is max(flops / peak_flops, bytes / mem_bw): matmuls and attention are
-bound by the first, everything elementwise by the second. One peak per device (the dense
-16-bit tensor-core rate on GPUs) is enough for the planner: it compares strategies of the same op
-against the network cost of the edges, not kernels against each other.
+A node's compute time is max(flops / peak, bytes / mem_bw): matmuls and attention are bound by
+the first, everything elementwise by the second. Two peaks per device: the dense 16-bit rate
+(bf16/fp16: tensor cores on GPUs) and the fp32 rate (on GPUs the plain FP32 units: torch runs fp32
+matmuls without TF32 by default), chosen by the dtype an op computes in.
 """
 
 from __future__ import annotations
@@ -11,15 +11,20 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-# name -> (peak flops/s, memory bandwidth bytes/s, memory capacity bytes; None = this machine's RAM)
+import torch
+
+# name -> (16-bit peak flops/s, fp32 peak flops/s, memory bandwidth bytes/s, memory capacity bytes;
+# None = this machine's RAM)
 _PRESETS = {
-    # H100 SXM: 989 TFLOP/s dense bf16, 3.35 TB/s HBM3, 79.2 GiB as torch.cuda reports it.
-    "h100": (989e12, 3.35e12, 85.0e9),
+    # H100 SXM: 989 TFLOP/s dense bf16, 67 TFLOP/s FP32, 3.35 TB/s HBM3, 79.2 GiB as torch.cuda reports it.
+    "h100": (989e12, 67e12, 3.35e12, 85.0e9),
     # H200 SXM: same compute as H100, 4.8 TB/s HBM3e, 139.8 GiB as torch.cuda reports it.
-    "h200": (989e12, 4.8e12, 150.1e9),
-    # A small CPU share (the 2-core CI machine class): ~100 GFLOP/s fp32, ~20 GB/s DRAM.
-    "cpu": (100e9, 20e9, None),
+    "h200": (989e12, 67e12, 4.8e12, 150.1e9),
+    # A small CPU share (the 2-core CI machine class): ~100 GFLOP/s fp32, ~20 GB/s DRAM. bf16 is
+    # anywhere from much slower to 4x faster by the CPU's ISA: the same rate here; calibrate measures it.
+    "cpu": (100e9, 100e9, 20e9, None),
 }
+_FP32_RATE = frozenset({torch.float32, torch.float64})
 
 
 def _physical_memory() -> float:
@@ -28,22 +33,31 @@ def _physical_memory() -> float:
 
 @dataclass(frozen=True)
 class DeviceProfile:
-    peak_flops: float  # flop/s
+    peak_flops: float  # flop/s of 16-bit (bf16/fp16) compute
     mem_bw: float  # bytes/s
     name: str = "custom"
     memory_bytes: float | None = None  # capacity of one device; None = unknown
+    peak_flops_fp32: float | None = None  # flop/s of fp32 compute; None = peak_flops
 
     def __post_init__(self) -> None:
-        if not (self.peak_flops > 0 and self.mem_bw > 0):
-            raise ValueError(f"peak_flops and mem_bw must be positive, got {self.peak_flops} and {self.mem_bw}")
+        if not (self.peak_flops > 0 and self.mem_bw > 0 and (self.peak_flops_fp32 or 1) > 0):
+            raise ValueError(f"peak_flops, peak_flops_fp32 and mem_bw must be positive, got {self.peak_flops}, "
+                             f"{self.peak_flops_fp32} and {self.mem_bw}")
 
     @classmethod
     def preset(cls, name: str) -> DeviceProfile:
         if name not in _PRESETS:
             raise ValueError(f"unknown device profile {name!r}; known: {sorted(_PRESETS)}")
-        flops, bw, memory = _PRESETS[name]
-        return cls(flops, bw, name, memory if memory is not None else _physical_memory())
+        flops16, flops32, bw, memory = _PRESETS[name]
+        return cls(flops16, bw, name, memory if memory is not None else _physical_memory(), flops32)
 
-    def roofline_s(self, flops: float, bytes_moved: float) -> float:
-        """Time of a kernel doing `flops` and moving `bytes_moved`, whichever bound dominates."""
-        return max(flops / self.peak_flops, bytes_moved / self.mem_bw)
+    def peak_for(self, dtype: torch.dtype | None) -> float:
+        """Peak flop/s of compute in `dtype` (fp32/fp64: the fp32 rate; anything else: 16-bit)."""
+        if dtype in _FP32_RATE and self.peak_flops_fp32 is not None:
+            return self.peak_flops_fp32
+        return self.peak_flops
+
+    def roofline_s(self, flops: float, bytes_moved: float, dtype: torch.dtype | None = None) -> float:
+        """Time of a kernel doing `flops` in `dtype` and moving `bytes_moved`, whichever bound
+        dominates."""
+        return max(flops / self.peak_for(dtype) if flops else 0.0, bytes_moved / self.mem_bw)

@@ -28,6 +28,7 @@ from autoshard.pricing.ring import COLLECTIVE_KINDS
 from autoshard.layout import Layout
 from autoshard.problem.plan import Plan
 from autoshard.pricing.planner import RedistributePlan
+from autoshard.capture.precision import gradient_tail, is_cast
 from autoshard.capture.regions import block_of
 
 aten = torch.ops.aten
@@ -201,32 +202,37 @@ def _local_shapes(node: fx.Node, layouts, mesh_shape) -> Any:
 
 # ---------------------------------------------------------------------------------- buckets
 def _bucket(plan: Plan, joint: fx.Graph, modules: dict[str, nn.Module], mesh: Any) -> None:
-    """Group parameter all-gathers (plans starting with one, reading a parameter) and gradient
-    reduce-scatters (plans starting with one, writing a gradient) by (block, mesh dims, dtype);
-    each group of 2+ becomes one `Bucket` placed where its first member was. Gathers then run
-    per block at first use, scatters at the end of the backward (where the program has them)."""
+    """Group parameter all-gathers (plans starting with one, reading a parameter or its mixed
+    precision cast) and gradient reduce-scatters (plans starting with one, on an edge where the
+    plan reduces a gradient) by (block, mesh dims, dtype); each group of 2+ becomes one `Bucket`.
+    Gathers run per block at first use, scatters once every member's gradient is ready."""
     graph = plan.graph
     output = next(iter(reversed(joint.nodes)))
     grad_of = dict(zip(output.args[0][1:], graph.params))  # gradient redistribution -> FQN
+    param_of = {node: fqn for fqn, param in graph.params.items()
+                for node in [param, *(u for u in param.users if is_cast(u))]}
+    tail_of = {node.name: fqn for fqn, grad in graph.grads.items() for node in gradient_tail(grad)}
     groups: dict[tuple, list[fx.Node]] = {}
     for node in joint.nodes:
         if node.op != "call_module" or not modules[node.target].plan.steps:
             continue
-        first = modules[node.target].plan.steps[0]
+        module = modules[node.target]
+        first = module.plan.steps[0]
         source = node.args[0].meta.get("autoshard_source")
-        if first.kind == "all_gather" and source in graph.param_names:
-            fqn, dtype = graph.param_names[source], source.meta["val"].dtype
-        elif first.kind == "reduce_scatter" and node in grad_of:
-            fqn, dtype = grad_of[node], graph.params[grad_of[node]].meta["val"].dtype
+        if first.kind == "all_gather" and source in param_of:
+            fqn = param_of[source]
+        elif first.kind == "reduce_scatter" and (node in grad_of or module.consumer in tail_of):
+            fqn = grad_of.get(node) or tail_of[module.consumer]
         else:
             continue
+        dtype = source.meta["val"].dtype
         groups.setdefault((first.kind, block_of(fqn), tuple(sorted(first.mesh_dims)), dtype), []).append(node)
     for members in groups.values():
         if len(members) < 2:
             continue
         name = f"bucket_{sum(isinstance(m, Bucket) for m in modules.values())}"
         modules[name] = Bucket(name, [modules[m.target] for m in members], mesh)
-        with joint.inserting_before(members[0]):
+        with joint.inserting_before(_bucket_site(joint, members, output)):
             bucket = joint.call_module(name, tuple(m.args[0] for m in members))
             bucket.meta[LOCAL_SHAPE] = [m.meta[LOCAL_SHAPE] for m in members]
             for i, member in enumerate(members):
@@ -236,6 +242,31 @@ def _bucket(plan: Plan, joint: fx.Graph, modules: dict[str, nn.Module], mesh: An
         for member in members:
             joint.erase_node(member)
             del modules[member.target]
+
+
+def _bucket_site(joint: fx.Graph, members: list[fx.Node], output: fx.Node) -> fx.Node:
+    """Where a bucket runs: before its first member when every member's input exists by then
+    (a parameter's mixed-precision cast computed later moves up: it reads only the parameter);
+    otherwise, for gradients still being produced, just before the output, with what the members
+    fed (the rest of each gradient's tail, which feeds only the output) moved after it."""
+    order = {n: i for i, n in enumerate(joint.nodes)}
+    start = order[members[0]]
+    late = [m.args[0] for m in members if order[m.args[0]] > start]
+    if all(is_cast(n) and all(a.op == "placeholder" for a in n.all_input_nodes) for n in late):
+        for node in sorted(late, key=order.__getitem__):
+            members[0].prepend(node)
+        return members[0]
+    downstream: list[fx.Node] = []
+    stack = [u for m in members for u in m.users]
+    while stack:
+        node = stack.pop()
+        if node is not output and node not in downstream:
+            downstream.append(node)
+            stack.extend(node.users)
+    downstream.sort(key=order.__getitem__)
+    for node in downstream:
+        output.prepend(node)
+    return downstream[0] if downstream else output
 
 
 # ---------------------------------------------------------------------------------- forward / backward split

@@ -367,6 +367,8 @@ def summary_section(report: dict, names: Sequence[str], colors: dict[str, str]) 
         f"{_md(i, names)}&nbsp;=&nbsp;{size}" for i, size in enumerate(mesh)) + f" ({math.prod(mesh)} ranks)")]
     if isinstance(run, dict):
         items += [(k, _e(run[k])) for k in _RUN_KEYS if run.get(k) is not None]
+    if report.get("precision"):
+        items.append(("precision", _e(report["precision"]["summary"])))
     step = t["step_time_s"]
     items.append(("modeled step per rank", f'{_e(human_time(step))} = compute {_e(human_time(t["compute_s"]))} + '
                   f'communication {_e(human_time(t["comm_s"]))} (no overlap)'))

@@ -17,8 +17,10 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import fx
 
+from autoshard.capture.precision import dtype_name
 from autoshard.pricing.ring import COLLECTIVE_KINDS
 from autoshard.layout import Layout
 from autoshard.problem.explain import Explanation
@@ -33,7 +35,7 @@ JSON_NAME = "plan.json"
 HTML_NAME = "report.html"
 
 # Top-level keys `plan_report` produces; anything else came in through `extra`.
-_OWN_KEYS = ("mesh_shape", "parameters", "inputs", "nodes", "sinks", "totals", "memory", "timings", "compare",
+_OWN_KEYS = ("mesh_shape", "precision", "parameters", "inputs", "nodes", "sinks", "totals", "memory", "timings", "compare",
              "explain")
 EXPLAIN_CHANGES = 10  # redistribution changes listed per alternative (the rest counted)
 
@@ -49,9 +51,10 @@ def plan_report(plan: Plan, *, program: Program | None = None, dry_run: DryRunRe
     a parameter's next best layouts under "explain"."""
     graph = plan.graph
     mesh = list(plan.mesh_shape)
-    by_consumer: dict[str, list[Redistribution]] = {}
+    dtypes = {node.name: _dtype(node) for node in graph.nodes}
+    by_consumer: dict[str, list[dict]] = {}
     for r in plan.redistributions:
-        by_consumer.setdefault(r.consumer, []).append(r)
+        by_consumer.setdefault(r.consumer, []).append(_redistribution_entry(r, dtypes.get(r.producer)))
 
     parameters = []
     for fqn, node in graph.params.items():
@@ -84,16 +87,21 @@ def plan_report(plan: Plan, *, program: Program | None = None, dry_run: DryRunRe
             "op": str(node.target),
             "module": plan.module_paths.get(node.name, ""),
             "phase": "backward" if graph.is_backward(node) else "forward",
+            "dtype": dtypes[node.name],
             "strategy": str(strategy),
             "compute_s": plan.node_compute_s[node.name],
-            "redistributions": [_redistribution_entry(r) for r in by_consumer.get(node.name, [])],
+            "redistributions": by_consumer.get(node.name, []),
         })
 
     sinks = [_sink_entry(sink, by_consumer) for sink in [plan.loss_sink, *plan.grad_sinks.values()]]
 
     stats = plan.solution.stats
+    precision = graph.precision
     report: dict[str, Any] = {
         "mesh_shape": mesh,
+        "precision": {"param_dtype": dtype_name(precision.param_dtype),
+                      "reduce_dtype": dtype_name(precision.reduce_dtype or precision.param_dtype),
+                      "output_dtype": dtype_name(precision.output_dtype), "summary": precision.describe()},
         "parameters": parameters,
         "inputs": inputs,
         "nodes": nodes,
@@ -199,15 +207,24 @@ def _tensor_entry(node: fx.Node, layout: Layout, mesh_shape: tuple[int, ...]) ->
     val = node.meta["val"]
     shape = tuple(val.shape)
     local = layout.local_shape(shape, mesh_shape)
-    return {"shape": list(shape), "dtype": str(val.dtype).removeprefix("torch."), "layout": str(layout),
+    return {"shape": list(shape), "dtype": dtype_name(val.dtype), "layout": str(layout),
             "local_shape": list(local), "bytes_per_rank": math.prod(local) * val.dtype.itemsize}
 
 
-def _redistribution_entry(r: Redistribution) -> dict:
+def _dtype(node: fx.Node) -> str | None:
+    """Short dtype name of a node's value (several outputs: joined by ','); None for non-tensors."""
+    val = node.meta.get("val")
+    vals = val if isinstance(val, (tuple, list)) else [val]
+    names = [dtype_name(v.dtype) for v in vals if isinstance(v, torch.Tensor)]
+    return ",".join(dict.fromkeys(names)) or None
+
+
+def _redistribution_entry(r: Redistribution, dtype: str | None) -> dict:
     plan = r.plan
     return {
         "from": r.producer,
         "slot": r.slot,
+        "dtype": dtype,
         "src": str(plan.src),
         "dst": str(plan.dst),
         "steps": [f"{s.kind}[{','.join(map(str, s.mesh_dims))}]" for s in plan.steps],
@@ -220,7 +237,7 @@ def _redistribution_entry(r: Redistribution) -> dict:
 
 def _sink_entry(sink: Sink, by_consumer: dict) -> dict:
     return {"name": sink.name, "kind": sink.kind, "fqn": sink.fqn, "layout": str(sink.layout),
-            "redistributions": [_redistribution_entry(r) for r in by_consumer.get(sink.name, [])]}
+            "redistributions": by_consumer.get(sink.name, [])}
 
 
 # ------------------------------------------------------------------------------------ formatting
@@ -264,7 +281,7 @@ def _table(header: list[str], rows: list[list[str]], right: set[int] = frozenset
 def _redistribution_line(r: dict) -> str:
     path = " -> ".join(r["steps"]) or "(no steps)"
     return (f"      <- {r['from']} [slot {r['slot']}] {r['src']} -> {r['dst']}: {path}"
-            f"  {human_time(r['cost_s'])}, {human_bytes(r['bytes'])}")
+            f"  {human_time(r['cost_s'])}, {human_bytes(r['bytes'])} {r.get('dtype') or ''}").rstrip()
 
 
 _JSON_ONLY = {"solution"}  # machine-readable extras (the solver's choices) stay out of the log
@@ -273,6 +290,8 @@ _JSON_ONLY = {"solution"}  # machine-readable extras (the solver's choices) stay
 def format_log(report: dict) -> str:
     """The human-readable sharding log, rendered from `plan_report`'s dict."""
     out = [f"autoshard sharding log: mesh {tuple(report['mesh_shape'])}"]
+    if "precision" in report:
+        out.append(f"mixed precision: {report['precision']['summary']}")
     for key, value in report.items():  # run description etc. passed in as `extra`
         if key not in _OWN_KEYS and key not in _JSON_ONLY:
             out.append(f"{key}: {value if isinstance(value, (str, int, float)) else json.dumps(value)}")
@@ -298,11 +317,12 @@ def format_log(report: dict) -> str:
     # line wide; those few cells just overflow.
     name_w = min(max((len(n["name"]) for n in nodes), default=0), 20)
     op_w = min(max((len(n["op"]) for n in nodes), default=0), 36)
+    dtype_w = max((len(n.get("dtype") or "-") for n in nodes), default=0)
     mod_w = min(max((len(n["module"] or "<step>") for n in nodes), default=0), 40)
     for n in nodes:
         phase = "bw" if n["phase"] == "backward" else "fw"
-        out.append(f"  {phase} {n['name']:<{name_w}}  {n['op']:<{op_w}}  {n['module'] or '<step>':<{mod_w}}  "
-                   f"{n['strategy']}")
+        out.append(f"  {phase} {n['name']:<{name_w}}  {n['op']:<{op_w}}  {n.get('dtype') or '-':<{dtype_w}}  "
+                   f"{n['module'] or '<step>':<{mod_w}}  {n['strategy']}")
         out += [_redistribution_line(r) for r in n["redistributions"]]
 
     sinks = report["sinks"]
@@ -407,6 +427,9 @@ def summary_lines(report: dict) -> list[str]:
     if "program_count_by_collective" in t:
         comm += f"; run as {_counts(t['program_count_by_collective'])}"
     lines.append(f"comm per rank: {comm}")
+    precision = report.get("precision")
+    if precision and (precision["param_dtype"] != "param" or precision["reduce_dtype"] != "param"):
+        lines.append(f"mixed precision: {precision['summary']}")
     lines.append(f"parameters: {t['non_default_order_params']} / {t['params']} in non-default device order, "
                  f"{human_bytes(t['param_bytes_per_rank'])} per rank")
     lines.append(_ilp_line(t["ilp"]))

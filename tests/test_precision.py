@@ -1,0 +1,213 @@
+"""Mixed precision with FSDP2's `MixedPrecisionPolicy` meaning: bf16 compute and parameter gathers,
+fp32 master weights and optimizer states, gradients reduced in the policy's reduce dtype and landing
+in fp32 in the parameter's layout; checked against a single-device run with the same policy."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.tensor import DTensor
+
+from autoshard import _torch_compat as tc
+from autoshard.api import AutoShard
+from autoshard.capture.precision import gradient_tail
+from autoshard.problem.build import grad_sink
+from autoshard.profiles.device import DeviceProfile
+from autoshard.runtime.module import parallelize
+from autoshard.runtime.wire import WireMeter
+from models import MarkovTokens, build_model, cross_entropy_loss, get_config
+from models.train_single import TrainSettings, make_optimizer, step_loss, train_single
+from simulation import simulated_mesh
+from test_train import ROOT, TINY, metrics, torchrun
+
+BF16_FP32 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+BF16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16)  # reduce in bf16, FSDP2's default
+BATCH, SEQ, STEPS = 8, 16, 10
+# the (2,2) plans pinned to FSDP over TP, so fp32 and bf16 plans gather the same parameters
+FSDP_TP = {"layers.*.attention.w[qkv].weight": "S(0)S(0)[1,0]", "layers.*.attention.wo.weight": "S(1)S(1)[1,0]",
+           "layers.*.feed_forward.w[13].weight": "S(0)S(0)[1,0]", "layers.*.feed_forward.w2.weight": "S(1)S(1)[1,0]"}
+
+
+def plan(name: str, mesh_shape, policy: MixedPrecisionPolicy | None, pins=None, device="h100"):
+    meta = build_model(get_config(name), device="meta")
+    example = lambda: (torch.empty(BATCH, SEQ, dtype=torch.int64, device="meta"),) * 2  # noqa: E731
+    with AutoShard(meta, example, mesh_shape, loss_fn=cross_entropy_loss, mp_policy=policy, device=device) as auto:
+        if pins:
+            auto.pin(pins)
+        return auto.optimize()
+
+
+def reference(name: str, policy: MixedPrecisionPolicy | None, steps: int = STEPS):
+    """Single-device losses and first-step gradients under `policy` (models.train_single.step_loss)."""
+    cfg = get_config(name)
+    model = build_model(cfg, seed=0)
+    optim = make_optimizer(model.parameters(), TrainSettings())
+    data = MarkovTokens(cfg.vocab_size, seed=0)
+    losses, grads = [], None
+    for step in range(steps):
+        batch = data.batch(step, BATCH, SEQ)
+        loss = step_loss(model, batch.inputs, batch.targets, policy and policy.param_dtype, policy and policy.reduce_dtype)
+        grads = grads or {n: p.grad.clone() for n, p in model.named_parameters()}
+        optim.step()
+        optim.zero_grad()
+        losses.append(loss.item())
+    return losses, grads
+
+
+@pytest.mark.parametrize("name, mesh_shape", [
+    ("llama3-tiny", (2, 2)), ("llama3-tiny", (4,)),
+    pytest.param("llama3-debug", (2, 2), marks=pytest.mark.slow), pytest.param("llama3-debug", (4,), marks=pytest.mark.slow),
+])
+def test_bf16_training_follows_the_single_device_policy(name, mesh_shape):
+    """10 AdamW steps under LocalTensorMode follow the single-device run with the same policy within
+    1e-2 relative loss; parameters, AdamW states and gradients stay fp32 DTensors in the parameter's
+    layout; and bf16's curve stays within a few percent of fp32's."""
+    ref_losses, ref_grads = reference(name, BF16_FP32)
+    fp32_losses, _ = reference(name, None)
+    assert max(abs(a - b) / b for a, b in zip(ref_losses, fp32_losses)) < 0.03
+    p = plan(name, mesh_shape, BF16_FP32)
+    cfg = get_config(name)
+    data = MarkovTokens(cfg.vocab_size, seed=0)
+    with simulated_mesh(mesh_shape) as (mesh, mode):
+        pmodel = parallelize(p, mesh, build_model(cfg, device="meta"))
+        pmodel.init_weights(0)
+        optim = make_optimizer(pmodel.parameters(), TrainSettings())
+        for step in range(STEPS):
+            with mode.disable():
+                batch = data.batch(step, BATCH, SEQ)
+            loss = pmodel(*pmodel.shard_inputs(batch.inputs, batch.targets))
+            assert loss.dtype == torch.float32  # the loss function upcasts the bf16 logits
+            loss.backward()
+            if step == 0:
+                for fqn, param in pmodel.named_parameters():
+                    assert isinstance(param.grad, DTensor) and param.grad.placements == param.placements, fqn
+                    assert param.dtype == param.grad.dtype == torch.float32, fqn
+                    with mode.disable():
+                        got = list(tc.rank_values(param.grad.full_tensor()).values())
+                    for g in got:  # bf16 compute on shards vs on the whole: rounding differs a little
+                        torch.testing.assert_close(g, ref_grads[fqn], rtol=0.05, atol=2e-3, msg=fqn)
+            optim.step()
+            optim.zero_grad()
+            with mode.disable():
+                values = [v.item() for v in tc.rank_values(loss).values()]
+            for v in values:
+                assert abs(v - ref_losses[step]) <= 1e-2 * ref_losses[step], (step, v, ref_losses[step])
+        states = [t for s in optim.state.values() for t in s.values() if isinstance(t, DTensor)]
+        assert states and all(t.dtype == torch.float32 for t in states)
+
+
+def _reducing_edges(p):
+    """(producer dtype, consumer) of every redistribution into a gradient sink or a gradient's tail
+    whose planner path reduces a partial value."""
+    graph = p.graph
+    tails = {grad_sink(fqn) for fqn in graph.grads} | {n.name for g in graph.grads.values() for n in gradient_tail(g)}
+    nodes = {n.name: n for n in graph.nodes}
+    out = []
+    for r in p.redistributions:
+        if r.consumer in tails and any(s.kind in ("reduce_scatter", "all_reduce") for s in r.plan.steps):
+            out.append((nodes[r.producer].meta["val"].dtype, r.consumer))
+    return out
+
+
+@pytest.mark.parametrize("policy, reduce_dtype", [(BF16_FP32, torch.float32), (BF16, torch.bfloat16)],
+                         ids=["reduce-fp32", "reduce-bf16"])
+def test_gradients_are_reduced_in_the_reduce_dtype_and_gathers_halve(policy, reduce_dtype):
+    """Same pinned layouts in fp32 and bf16: the lowered program's parameter all-gather bytes halve,
+    gradient reduce-scatter bytes follow the reduce dtype, every gradient reduction in the plan runs
+    in the reduce dtype, and a wire meter on a step of the program agrees with its CommStats."""
+    fp32 = plan("llama3-tiny", (2, 2), None, FSDP_TP)
+    mixed = plan("llama3-tiny", (2, 2), policy, FSDP_TP)
+    edges = _reducing_edges(mixed)
+    assert edges and {dtype for dtype, _ in edges} == {reduce_dtype}
+    assert {dtype for dtype, _ in _reducing_edges(fp32)} == {torch.float32}
+    with tc.fake_process_group(4):
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        programs = {}
+        for key, p in (("fp32", fp32), ("mixed", mixed)):
+            pmodel = parallelize(p, mesh, build_model(get_config("llama3-tiny"), device="meta"))
+            tokens = torch.zeros(pmodel.shard_inputs(*[torch.zeros(BATCH, SEQ, dtype=torch.int64)] * 2)[0].shape,
+                                 dtype=torch.int64)
+            with WireMeter() as meter:
+                pmodel(tokens, tokens).backward()
+            programs[key] = pmodel.comm.total_bytes()
+            assert dict(meter.stats.bytes) == pytest.approx(dict(programs[key]))
+    gathers = {k: v["all_gather"] for k, v in programs.items()}
+    scatters = {k: v["reduce_scatter"] for k, v in programs.items()}
+    assert gathers["mixed"] == gathers["fp32"] / 2 > 0
+    assert scatters["mixed"] == scatters["fp32"] * reduce_dtype.itemsize / 4 > 0
+
+
+def test_compute_is_priced_at_the_dtypes_rate():
+    h100 = DeviceProfile.preset("h100")
+    assert h100.peak_for(torch.bfloat16) == 989e12 and h100.peak_for(torch.float32) == 67e12
+    assert h100.roofline_s(1e12, 0, torch.float32) == pytest.approx(1 / 67)
+    flops_bound = DeviceProfile(989e12, mem_bw=1e30, peak_flops_fp32=67e12)  # tiny matmuls, priced by flops
+    fp32, mixed = (plan("llama3-tiny", (2, 2), policy, FSDP_TP, device=flops_bound) for policy in (None, BF16_FP32))
+    mm = lambda p: sum(s for n, s in p.node_compute_s.items() if n.startswith("mm"))  # noqa: E731
+    assert 0 < mm(mixed) < mm(fp32) / 5  # matmuls run at the 16-bit rate (67/989 with equal splits)
+
+
+def test_policy_that_is_not_floating_is_refused():
+    with pytest.raises(ValueError, match="param_dtype must be a floating-point dtype"):
+        plan("llama3-tiny", (2,), MixedPrecisionPolicy(param_dtype=torch.int32))
+    with pytest.raises(TypeError, match="MixedPrecisionPolicy"):
+        AutoShard(build_model(get_config("llama3-tiny"), device="meta"), lambda: (), (2,), mp_policy="bf16")
+
+
+def _plan_cli(tmp_path, *extra):
+    cmd = [sys.executable, "-m", "autoshard", "plan", *TINY, "--mesh", "2x2", "--device", "cpu",
+           "--out", str(tmp_path), *extra]
+    return subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300,
+                          env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+
+
+def test_plan_cli_shows_dtypes(tmp_path):
+    out = _plan_cli(tmp_path, "--param-dtype", "bfloat16", "--reduce-dtype", "fp32")
+    assert out.returncode == 0, out.stderr
+    assert "mixed precision: param bf16, reduce fp32" in out.stderr + out.stdout
+    report = json.loads((tmp_path / "plan.json").read_text())
+    assert report["precision"]["param_dtype"] == "bf16" and report["precision"]["reduce_dtype"] == "fp32"
+    assert {p["dtype"] for p in report["parameters"]} == {"fp32"}  # master weights
+    mm = [n for n in report["nodes"] if n["op"] == "aten.mm.default"]
+    assert mm and {n["dtype"] for n in mm} == {"bf16"}
+    log = (tmp_path / "sharding.log").read_text()
+    assert "mixed precision: param bf16, reduce fp32" in log and " bf16 " in log
+
+
+@pytest.mark.parametrize("flag, value", [("--param-dtype", "int8"), ("--reduce-dtype", "fp8")])
+def test_plan_cli_bad_dtype_is_one_line(tmp_path, flag, value):
+    out = _plan_cli(tmp_path, flag, value)
+    assert out.returncode == 2
+    lines = [line for line in out.stderr.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and f"unknown dtype {value!r}" in lines[0] and "Traceback" not in out.stderr
+    assert not (tmp_path / "plan.json").exists()
+
+
+@pytest.mark.slow
+def test_torchrun_bf16_trains_checkpoints_and_resumes(tmp_path):
+    """4 gloo ranks, --param-dtype bf16 --reduce-dtype fp32: the losses follow the single-device run
+    with the same policy; resuming from the step-2 checkpoint (fp32 master weights and AdamW states)
+    reproduces steps 3-4 exactly."""
+    args = [*TINY, "--mesh", "2x2", "--param-dtype", "bf16", "--reduce-dtype", "fp32"]
+    first = tmp_path / "first"
+    torchrun(*args, "--steps", "4", "--checkpoint-every", "2", "--out", str(first))
+    rows = metrics(first)
+    want = train_single(TrainSettings(model="llama3-tiny", steps=4, batch=8, seq=16, param_dtype=torch.bfloat16,
+                                      reduce_dtype=torch.float32)).losses
+    for row, loss in zip(rows, want, strict=True):
+        assert abs(row["loss"] - loss) <= 1e-2 * loss, (row, loss)
+    assert json.loads((first / "plan.json").read_text())["precision"]["param_dtype"] == "bf16"
+    second = tmp_path / "second"
+    second.mkdir()
+    (second / "checkpoints").mkdir()
+    import shutil
+
+    shutil.copytree(first / "checkpoints" / "step-000002", second / "checkpoints" / "step-000002")
+    torchrun(*args, "--steps", "4", "--resume", "--out", str(second))
+    assert [r["loss"] for r in metrics(second)] == [r["loss"] for r in rows[2:]]
