@@ -35,8 +35,10 @@ PEER = {
 
 
 def _plan_case(model: str, mesh: tuple, batch: int, seq: int, layers: int | None, pins: str | dict | None,
-               budget_from_recipe: bool, dry: bool) -> dict:
+               budget_from_recipe: bool, dry: bool, precision: tuple[str, str] | None = None) -> dict:
     import torch
+
+    from autoshard.cli.args import mp_policy
 
     from autoshard.api import AutoShard
     from autoshard.problem.recipes import param_bytes_per_rank, recipe_layouts, recipe_pins
@@ -48,7 +50,7 @@ def _plan_case(model: str, mesh: tuple, batch: int, seq: int, layers: int | None
     start = time.perf_counter()
     net = build_model(cfg, device="meta")
     with AutoShard(net, lambda: (torch.empty(batch, seq, dtype=torch.int64),) * 2, mesh,
-                   loss_fn=cross_entropy_loss) as auto:
+                   loss_fn=cross_entropy_loss, mp_policy=mp_policy(*precision) if precision else None) as auto:
         if pins:
             auto.pin(recipe_pins(pins) if isinstance(pins, str) else pins)
         if budget_from_recipe:
@@ -70,20 +72,24 @@ def _plan_case(model: str, mesh: tuple, batch: int, seq: int, layers: int | None
     )
 
 
-def run_case(model, mesh, batch=8, seq=8192, layers=None, pins=None, budget_from_recipe=False, dry=False) -> dict:
+def run_case(model, mesh, batch=8, seq=8192, layers=None, pins=None, budget_from_recipe=False, dry=False,
+             precision=None) -> dict:
+    """`precision`: (param dtype, reduce dtype) names for mixed precision, e.g. ("bf16", "fp32")."""
     # A fresh process per case: its peak RSS is that case's own; errors come back as exceptions.
     with mp.get_context("spawn").Pool(1, maxtasksperchild=1) as pool:
-        return pool.apply(_plan_case, (model, mesh, batch, seq, layers, pins, budget_from_recipe, dry))
+        return pool.apply(_plan_case, (model, mesh, batch, seq, layers, pins, budget_from_recipe, dry, precision))
 
 
-def analytic_gb(cfg, mesh, batch, seq, itemsize=4) -> dict:
-    """ANCHORS.md's per-rank volumes (ring-optimal), at our dtype: FSDP on dp + TP (sequence
-    parallel) on tp, and pure FSDP over every rank."""
+def analytic_gb(cfg, mesh, batch, seq, itemsize=4, reduce_itemsize=None) -> dict:
+    """ANCHORS.md's per-rank volumes (ring-optimal): FSDP on dp + TP (sequence parallel) on tp, and
+    pure FSDP over every rank; gathers and activations in `itemsize` bytes, gradient reductions in
+    `reduce_itemsize` (default the same)."""
     dp, tp = mesh
     params = sum(p.numel() for p in __import__("models").build_model(cfg, device="meta").parameters())
-    fsdp = 3 * (dp - 1) / dp * params / tp * itemsize
+    per_element = 2 * itemsize + (reduce_itemsize or itemsize)  # gather fwd, gather bwd, reduce-scatter
+    fsdp = per_element * (dp - 1) / dp * params / tp
     tp_bytes = cfg.n_layers * 8 * (tp - 1) / tp * (batch // dp) * seq * cfg.dim * itemsize
-    pure = 3 * (dp * tp - 1) / (dp * tp) * params * itemsize
+    pure = per_element * (dp * tp - 1) / (dp * tp) * params
     return dict(fsdp_tp=(fsdp + tp_bytes) / 1e9, fsdp=pure / 1e9)
 
 
@@ -155,7 +161,8 @@ def command_wall(quick: bool = False, repeats: int = 3) -> list[dict]:
 
 
 def quality(quick: bool = False) -> list[dict]:
-    """Modeled step time and comm bytes per rank of autoshard's plan and the hand-written ones."""
+    """Modeled step time and comm bytes per rank of autoshard's plan and the hand-written ones:
+    fp32 at b=1 and b=8, then bf16 compute with fp32 gradient reduction at b=1."""
     from autoshard.layout import Layout
     from models import get_config
 
@@ -163,10 +170,12 @@ def quality(quick: bool = False) -> list[dict]:
     layers = 2 if quick else None
     cfg = get_config(model).with_(n_layers=layers) if layers else get_config(model)
     results = []
-    for b in ((1,) if quick else (1, 8)):
+    cases = [(1, None)] if quick else [(1, None), (8, None), (1, ("bf16", "fp32"))]
+    for b, precision in cases:
         batch = b * mesh[0]
+        what = "fp32" if precision is None else f"param {precision[0]}, reduce {precision[1]}"
         print(f"\nPlan quality: {case_name(model, layers)} on {mesh}, b={b} (global batch {batch}), seq {seq}, "
-              "h100-node network, h100 device (modeled per step, per rank, fp32)")
+              f"h100-node network, h100 device (modeled per step, per rank, {what})")
         print(f"{'plan':<48}{'step ms':>9}{'comm ms':>9}{'comm GB':>9}{'non-default order':>19}")
         rows = []
 
@@ -177,7 +186,7 @@ def quality(quick: bool = False) -> list[dict]:
             rows.append(row)
             return r
 
-        case = dict(batch=batch, seq=seq, layers=layers)
+        case = dict(batch=batch, seq=seq, layers=layers, precision=precision)
         free = show("autoshard (budget = recipe's)", run_case(model, mesh, budget_from_recipe=True, **case))
         show("FSDP+TP recipe, params pinned (acts free)", run_case(model, mesh, pins="fsdp-tp",
                                                                    budget_from_recipe=True, **case))
@@ -186,7 +195,7 @@ def quality(quick: bool = False) -> list[dict]:
                                                                    budget_from_recipe=True, **case))
         show("autoshard (budget = total / world)", run_case(model, mesh, **case))
         show("FSDP, params pinned (acts free)", run_case(model, mesh, pins="fsdp", **case))
-        est = analytic_gb(cfg, mesh, batch, seq)
+        est = analytic_gb(cfg, mesh, batch, seq) if precision is None else analytic_gb(cfg, mesh, batch, seq, 2, 4)
         print(f"{'analytic estimate (ANCHORS.md), FSDP+TP':<48}{'':>18}{est['fsdp_tp']:>9.2f}")
         print(f"{'analytic estimate (ANCHORS.md), pure FSDP':<48}{'':>18}{est['fsdp']:>9.2f}")
         by = {r["plan"]: r for r in rows}
@@ -197,7 +206,8 @@ def quality(quick: bool = False) -> list[dict]:
             <= by["FSDP, params pinned (acts free)"]["step_ms"] * (1 + 1e-9),
         }
         print("  " + ", ".join(f"{k}: {'yes' if v else 'NO'}" for k, v in checks.items()))
-        results.append(dict(b=b, batch=batch, seq=seq, layers=layers, plans=rows, analytic_gb=est, checks=checks))
+        results.append(dict(b=b, batch=batch, seq=seq, layers=layers, precision=what, plans=rows, analytic_gb=est,
+                            checks=checks))
     return results
 
 

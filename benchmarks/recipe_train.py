@@ -28,7 +28,7 @@ sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
-from torch.distributed.fsdp import fully_shard  # noqa: E402
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # noqa: E402
 from torch.distributed.tensor import DTensor, Replicate, Shard  # noqa: E402
 from torch.distributed.tensor.parallel import (  # noqa: E402
     ColwiseParallel,
@@ -39,6 +39,7 @@ from torch.distributed.tensor.parallel import (  # noqa: E402
     parallelize_module,
 )
 
+from autoshard.cli.args import mp_policy  # noqa: E402
 from autoshard.runtime.wire import WireMeter, wire_row  # noqa: E402
 from models import MarkovTokens, build_model, cross_entropy_loss, get_config  # noqa: E402
 from models.train_single import TrainSettings, make_optimizer  # noqa: E402
@@ -70,11 +71,12 @@ def apply_tp(model, tp_mesh) -> None:
         })
 
 
-def apply_fsdp(model, dp_mesh) -> None:
+def apply_fsdp(model, dp_mesh, mp_policy: MixedPrecisionPolicy | None = None) -> None:
     """FSDP2 on dp: one unit per block, then the root (embedding, final norm, output)."""
+    policy = mp_policy or MixedPrecisionPolicy()
     for block in model.layers:
-        fully_shard(block, mesh=dp_mesh)
-    fully_shard(model, mesh=dp_mesh)
+        fully_shard(block, mesh=dp_mesh, mp_policy=policy)
+    fully_shard(model, mesh=dp_mesh, mp_policy=policy)
 
 
 def layouts(model) -> dict[str, str]:
@@ -103,7 +105,7 @@ def train(args) -> None:
         cfg = cfg.with_(max_seq_len=args.seq)
     model = build_model(cfg, seed=args.seed)  # full weights on every rank, equal to single-device
     apply_tp(model, mesh["tp"])
-    apply_fsdp(model, mesh["dp"])
+    apply_fsdp(model, mesh["dp"], mp_policy(args.param_dtype, args.reduce_dtype))
     optim = make_optimizer(model.parameters(), TrainSettings(lr=args.lr))
 
     out = Path(args.out)
@@ -155,6 +157,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0, help="weight init seed")
     p.add_argument("--data-seed", type=int, default=0)
     p.add_argument("--wire-step", type=int, default=0, help="meter this step's collectives (0: none)")
+    p.add_argument("--param-dtype", default=None, help="FSDP2 MixedPrecisionPolicy.param_dtype (bf16, ...)")
+    p.add_argument("--reduce-dtype", default=None, help="FSDP2 MixedPrecisionPolicy.reduce_dtype (fp32, ...)")
     p.add_argument("--out", default="runs/recipe")
     try:
         train(p.parse_args(argv))

@@ -9,9 +9,11 @@ Sections (each also runs alone: benchmarks/plan.py, planner.py, training.py):
             ILP size, beside the nearest peer (ANCHORS.md)
   command   `python -m autoshard plan` as a whole process (median of 3), with and without the dry run
   quality   modeled step time and comm bytes of autoshard's plan vs the FSDP+TP recipe, pure FSDP,
-            forced-default device orders and the analytic estimate (llama3-8b (8,8), b=1 and 8)
+            forced-default device orders and the analytic estimate (llama3-8b (8,8), b=1 and 8 in fp32,
+            b=1 with bf16 compute and fp32 gradient reduction)
   planner   redistribution: our planner vs torch's greedy and graph planners (wins/ties/losses)
-  training  real training on a (2,2) gloo mesh: autoshard vs torch's fully_shard+parallelize_module
+  training  real training on a (2,2) gloo mesh: autoshard vs torch's fully_shard+parallelize_module,
+            fp32 and bf16 (both under the same MixedPrecisionPolicy)
 
 Exit status 1 if a check fails: a loss curve off the single-device one, or autoshard's plan
 costing more than the recipe or pure FSDP.
@@ -68,11 +70,12 @@ def main(argv: list[str] | None = None) -> int:
         elif section == "planner":
             results["planner"] = planner_bench.run(a.quick)
         elif section == "training":
-            try:
-                results["training"] = training_bench.run(quick=a.quick)
-            except training_bench.LossMismatch as err:
-                results["training"] = err.figures
-                failures.append(f"training: {err}")
+            for key, precision in (("training", None), ("training_bf16", ("bf16", "fp32"))):
+                try:
+                    results[key] = training_bench.run(quick=a.quick, precision=precision)
+                except training_bench.LossMismatch as err:
+                    results[key] = err.figures
+                    failures.append(f"{key}: {err}")
         results["meta"][f"{section}_s"] = round(time.perf_counter() - t0, 1)
     results["meta"]["wall_s"] = round(time.perf_counter() - start, 1)
 
@@ -112,7 +115,7 @@ def markdown(results: dict) -> str:
                  for r in results["command"]]
         parts.append("\n".join(rows))
     for q in results.get("quality", []):
-        rows = [f"b={q['b']} (global batch {q['batch']}), seq {q['seq']}:", "",
+        rows = [f"b={q['b']} (global batch {q['batch']}), seq {q['seq']}, {q.get('precision', 'fp32')}:", "",
                 "| plan | step ms | comm ms | comm GB/rank | non-default order params |", "|---|---|---|---|---|"]
         rows += [f"| {r['plan']} | {r['step_ms']:.1f} | {r['comm_ms']:.1f} | {r['comm_gb']:.2f} | "
                  f"{r['non_default_order']}/{r['params']} |" for r in q["plans"]]
@@ -130,12 +133,15 @@ def markdown(results: dict) -> str:
                 cells.append(f"{g['wins']}/{g['ties']}/{g['losses']}{na} | {g['total_cost_ratio']:.3f}")
             rows.append(f"| {tuple(r['mesh'])} | {r['pairs']} | {' | '.join(cells)} |")
         parts.append("\n".join(rows))
-    if "training" in results:
-        t = results["training"]
+    for key in ("training", "training_bf16"):
+        if key not in results:
+            continue
+        t = results[key]
         w, a, r = t["workload"], t["autoshard"], t["recipe"]
         mib = 2 ** 20
-        rows = [f"{w['model']}, mesh {w['mesh']}, gloo, 4 processes, global batch {w['batch']}, seq {w['seq']}, "
-                f"{w['steps']} steps:", "",
+        dtypes = f"param {w['param_dtype']}, reduce {w['reduce_dtype']}" if w.get("param_dtype") else "fp32"
+        rows = [f"{w['model']}, mesh {w['mesh']}, {dtypes}, gloo, 4 processes, global batch {w['batch']}, "
+                f"seq {w['seq']}, {w['steps']} steps:", "",
                 "| | tokens/s | peak RSS/rank | wire MiB/rank/step | max rel. loss dev vs 1 device |",
                 "|---|---|---|---|---|"]
         for name, f in (("autoshard", a), ("recipe (fully_shard + parallelize_module)", r)):
