@@ -69,7 +69,9 @@ class AutoShard:
     traces every repeated block instead of three (for blocks whose code depends on their depth).
     `mp_policy` (torch's `MixedPrecisionPolicy`, FSDP2's meaning): parameters and optimizer states
     stay in their dtype; compute and parameter gathers run in `param_dtype`, gradients are reduced in
-    `reduce_dtype` and arrive in the parameter's dtype.
+    `reduce_dtype` and arrive in the parameter's dtype. `recompute=True` checkpoints every repeated
+    block: the backward recomputes a block's forward from its input (parameters gathered again),
+    priced in the plan, instead of keeping its activations.
     """
 
     def __init__(
@@ -84,6 +86,7 @@ class AutoShard:
         device: DeviceProfile | str = "h100",
         unroll: bool = True,
         mp_policy: MixedPrecisionPolicy | None = None,
+        recompute: bool = False,
     ):
         self.model = model
         self.precision = Precision.of(mp_policy)
@@ -95,7 +98,7 @@ class AutoShard:
         self.network = network if isinstance(network, NetworkProfile) else NetworkProfile.preset(network, len(self.mesh_shape))
         self.device = device if isinstance(device, DeviceProfile) else DeviceProfile.preset(device)
         self.unroll = unroll
-        self.spec = ProblemSpec()
+        self.spec = ProblemSpec(recompute=recompute)
         self.timings: dict[str, float] = {}
         self.plan: Plan | None = None
         # what the last optimize() built, kept so explain() re-solves it without tracing again
@@ -244,7 +247,7 @@ def auto_shard(
     **options: Any,
 ) -> ParallelModule:
     """Plan and apply in one call: the parallel module for `model` on the DeviceMesh `mesh`.
-    `options` go to `AutoShard` (n_model_inputs, network, device, unroll, mp_policy)."""
+    `options` go to `AutoShard` (n_model_inputs, network, device, unroll, mp_policy, recompute)."""
     with AutoShard(model, input_fn, mesh, loss_fn=loss_fn, **options) as auto:
         if input_layouts:
             auto.constrain_inputs(*input_layouts)

@@ -158,6 +158,9 @@ PARAM_DTYPE = option("--param-dtype", type=_arg_type(dtype_option), metavar="DTY
                           "and optimizer states stay fp32; default: no cast)")
 REDUCE_DTYPE = option("--reduce-dtype", type=_arg_type(dtype_option), metavar="DTYPE",
                       help="mixed precision: reduce gradients in this dtype (fp32, bf16; default: --param-dtype)")
+RECOMPUTE = option("--recompute", action="store_true",
+                   help="activation checkpointing: the backward recomputes each repeated block's forward "
+                        "(parameters gathered again) instead of keeping its activations")
 OUT = option("--out", help="output directory")
 
 _OPTION = "autoshard.option"  # dataclass field metadata key

@@ -38,6 +38,7 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     shared.MEMORY_BUDGET.add(parser, default=None)
     shared.PARAM_DTYPE.add(parser, default=None)
     shared.REDUCE_DTYPE.add(parser, default=None)
+    shared.RECOMPUTE.add(parser, default=False)
     parser.add_argument("--compare", choices=sorted(COMPARE), default=None,
                         help="also plan with the hand-written FSDP+TP recipe pinned and compare (2-D meshes)")
     parser.add_argument("--backend", choices=BACKENDS, default="auto", help="ILP backend (default auto)")
@@ -120,7 +121,8 @@ def _plan_once(workload, args, *, pins: dict | None = None, budget: float | None
     try:
         with AutoShard(model, inputs, args.mesh, loss_fn=workload.loss_fn, n_model_inputs=workload.n_model_inputs,
                        network=args.network, device=args.device,
-                       mp_policy=shared.mp_policy(args.param_dtype, args.reduce_dtype)) as auto:
+                       mp_policy=shared.mp_policy(args.param_dtype, args.reduce_dtype),
+                       recompute=args.recompute) as auto:
             if pins:
                 auto.pin(pins)
             auto.memory_budget(budget)

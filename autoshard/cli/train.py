@@ -79,6 +79,7 @@ class Settings:
     memory_budget: float | None = setting(None, shared.MEMORY_BUDGET)
     param_dtype: str | None = setting(None, shared.PARAM_DTYPE)
     reduce_dtype: str | None = setting(None, shared.REDUCE_DTYPE)
+    recompute: bool = setting(False, shared.RECOMPUTE)
     plan_file: str | None = setting(None, help="reuse a plan.json written by an earlier run or `plan`")
     checkpoint_every: int = setting(0, type=int, help="checkpoint every K steps (0: never)")
     resume: bool = setting(False, help="continue from the newest checkpoint in --out")
@@ -192,7 +193,8 @@ def _plan(settings: Settings, workload: Workload, mesh, network: str, profile: s
     model = workload.build("meta")
     with AutoShard(model, example, mesh, loss_fn=workload.loss_fn, n_model_inputs=workload.n_model_inputs,
                    network=network, device=profile,
-                   mp_policy=shared.mp_policy(settings.param_dtype, settings.reduce_dtype)) as auto:
+                   mp_policy=shared.mp_policy(settings.param_dtype, settings.reduce_dtype),
+                   recompute=settings.recompute) as auto:
         if settings.memory_budget is not None:
             auto.memory_budget(settings.memory_budget)
         solve_with = _solve_on_rank0(settings, saved)

@@ -26,7 +26,7 @@ from autoshard.layout import Layout
 from autoshard.pricing.compute import ComputePricer
 from autoshard.pricing.planner import Planner
 from autoshard.capture.precision import gradient_tail
-from autoshard.capture.regions import find_repeated_blocks
+from autoshard.capture.regions import assign_blocks, find_repeated_blocks
 from autoshard.strategies import Strategy, StrategyCatalog, input_slots
 from autoshard.capture.trace import JointGraph
 
@@ -53,6 +53,7 @@ class ProblemSpec:
     output_layouts: dict[int, Layout] = field(default_factory=dict)  # model output index -> layout
     pins: dict[str, Layout] = field(default_factory=dict)  # parameter FQN pattern -> layout
     param_memory_bytes: float | None = None  # per rank; None = total / world size (FSDP level)
+    recompute: bool = False  # activation checkpointing of every repeated block
 
 
 @dataclass
@@ -66,6 +67,10 @@ class ShardingProblem:
     fx_nodes: dict[str, fx.Node]  # ILP node name -> graph node (sinks: the node they consume)
     inputs: dict[str, list[Producer]]  # ILP node name -> producer of each input slot
     problem: solver.Problem
+    # activation checkpointing: block-list prefixes recomputed, and the ILP nodes that run twice
+    # (their compute and the redistributions into them are priced twice)
+    recompute_blocks: tuple[str, ...] = ()
+    recomputed: frozenset[str] = frozenset()
 
     def fingerprint(self) -> str:
         """Hash of the whole ILP (nodes, choice labels and costs, edges, constraints): equal
@@ -180,8 +185,12 @@ def build_problem(graph: JointGraph, mesh_shape: tuple[int, ...], planner: Plann
         compute_s[name] = [0.0] * len(param_choices)
         fx_nodes[name], inputs[name] = grad, [alias[grad]]
 
+    recompute_blocks, recomputed = _recomputed(graph) if spec.recompute else ((), frozenset())
+    for name in recomputed & compute_s.keys():
+        compute_s[name] = [2 * c for c in compute_s[name]]
     sharding = ShardingProblem(graph=graph, mesh_shape=mesh_shape, strategies=strategies, compute_s=compute_s,
-                               fx_nodes=fx_nodes, inputs=inputs, problem=solver.Problem())
+                               fx_nodes=fx_nodes, inputs=inputs, problem=solver.Problem(),
+                               recompute_blocks=recompute_blocks, recomputed=recomputed)
     _fill_solver_problem(sharding, planner, spec, param_fqn)
     return sharding
 
@@ -239,6 +248,8 @@ def _fill_solver_problem(sp: ShardingProblem, planner: Planner, spec: ProblemSpe
                 matrix_by_id[key] = matrix
             if no_reduction:
                 matrix = _without_reduction(matrix, src_choices, producer.output, dst_choices, slot)
+            if consumer in sp.recomputed:  # the recomputation redistributes its inputs again
+                matrix = [[2 * c for c in row] for row in matrix]
             if producer.node in merged:
                 merged[producer.node] = [[a + b for a, b in zip(r1, r2)]
                                          for r1, r2 in zip(merged[producer.node], matrix)]
@@ -256,6 +267,30 @@ def _fill_solver_problem(sp: ShardingProblem, planner: Planner, spec: ProblemSpe
 
     for copies in find_repeated_blocks(sp.graph):
         problem.add_region([_ilp_names(sp, copy) for copy in copies])
+
+
+def _recomputed(graph: JointGraph) -> tuple[tuple[str, ...], frozenset[str]]:
+    """Activation checkpointing of the repeated blocks: their list prefixes, and the forward ops
+    the backward runs again. A block's outputs (values a forward op outside the block reads) are
+    handed over as checkpoints; of the rest, what the backward reads is recomputed, with what it
+    is computed from inside the block. `program.lower` recomputes exactly these nodes."""
+    blocks = assign_blocks(graph)
+    prefixes = sorted({blocks[copy[0]][0] for copies in find_repeated_blocks(graph) for copy in copies
+                       if copy and copy[0] in blocks})
+
+    def forward(n: fx.Node) -> bool:
+        return n.op == "call_function" and not graph.is_backward(n)
+
+    block = {n: b for n, b in blocks.items() if forward(n) and b[0] in prefixes}
+    candidates = {n for n, b in block.items() if all(block.get(u) == b for u in n.users if forward(u))}
+    recomputed: set[fx.Node] = set()
+    stack = [a for n in graph.nodes if n.op == "call_function" and graph.is_backward(n) for a in n.all_input_nodes]
+    while stack:
+        n = stack.pop()
+        if n in candidates and n not in recomputed:
+            recomputed.add(n)
+            stack.extend(n.all_input_nodes)
+    return tuple(prefixes), frozenset(n.name for n in recomputed)
 
 
 def _gradient_reduce_dtypes(sp: ShardingProblem) -> dict[str, torch.dtype]:

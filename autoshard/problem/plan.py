@@ -58,6 +58,10 @@ class Plan:
     comm_s: float = 0.0
     bytes_by_collective: dict[str, float] = field(default_factory=dict)
     count_by_collective: dict[str, int] = field(default_factory=dict)
+    # activation checkpointing: prefixes of the block lists (e.g. "layers") whose forward the
+    # backward recomputes, and the graph nodes it runs again
+    recompute_blocks: tuple[str, ...] = ()
+    recomputed: frozenset[str] = frozenset()
 
     @property
     def step_time_s(self) -> float:
@@ -102,11 +106,12 @@ def decode(sp: ShardingProblem, solution: solver.Solution, planner: Planner) -> 
             shape, dtype = sp.tensor_meta(producer)
             plan = planner.plan(src, dst, shape, dtype)
             redistributions.append(Redistribution(producer.node, consumer, slot, plan))
-            comm_s += plan.cost_s
+            runs = 2 if consumer in sp.recomputed else 1  # once more in the recomputation
+            comm_s += runs * plan.cost_s
             for step in plan.steps:
                 if step.kind in COLLECTIVE_KINDS:
-                    bytes_by[step.kind] += step.bytes
-            count_by.update(plan.collective_counts)
+                    bytes_by[step.kind] += runs * step.bytes
+            count_by.update({kind: runs * n for kind, n in plan.collective_counts.items()})
     return Plan(
         mesh_shape=sp.mesh_shape,
         strategies=chosen,
@@ -123,4 +128,6 @@ def decode(sp: ShardingProblem, solution: solver.Solution, planner: Planner) -> 
         comm_s=comm_s,
         bytes_by_collective={k: float(v) for k, v in bytes_by.items()},
         count_by_collective=dict(count_by),
+        recompute_blocks=sp.recompute_blocks,
+        recomputed=sp.recomputed,
     )

@@ -213,6 +213,7 @@ def _bucket(plan: Plan, joint: fx.Graph, modules: dict[str, nn.Module], mesh: An
                 for node in [param, *(u for u in param.users if is_cast(u))]}
     tail_of = {node.name: fqn for fqn, grad in graph.grads.items() for node in gradient_tail(grad)}
     groups: dict[tuple, list[fx.Node]] = {}
+    grad_kind: set[fx.Node] = set()  # gradient reductions (the rest are parameter gathers)
     for node in joint.nodes:
         if node.op != "call_module" or not modules[node.target].plan.steps:
             continue
@@ -223,55 +224,95 @@ def _bucket(plan: Plan, joint: fx.Graph, modules: dict[str, nn.Module], mesh: An
             fqn = param_of[source]
         elif first.kind == "reduce_scatter" and (node in grad_of or module.consumer in tail_of):
             fqn = grad_of.get(node) or tail_of[module.consumer]
+            grad_kind.add(node)
         else:
             continue
         dtype = source.meta["val"].dtype
         groups.setdefault((first.kind, block_of(fqn), tuple(sorted(first.mesh_dims)), dtype), []).append(node)
+    order = _Positions(joint)
     for members in groups.values():
         if len(members) < 2:
             continue
+        site = _bucket_site(order, members, output, gradients=members[0] in grad_kind)
+        if site is None:
+            continue
         name = f"bucket_{sum(isinstance(m, Bucket) for m in modules.values())}"
         modules[name] = Bucket(name, [modules[m.target] for m in members], mesh)
-        with joint.inserting_before(_bucket_site(joint, members, output)):
+        with joint.inserting_before(site):
             bucket = joint.call_module(name, tuple(m.args[0] for m in members))
             bucket.meta[LOCAL_SHAPE] = [m.meta[LOCAL_SHAPE] for m in members]
+            order.inserted(bucket, site)
             for i, member in enumerate(members):
                 item = joint.call_function(operator.getitem, (bucket, i))
                 item.meta[LOCAL_SHAPE] = member.meta[LOCAL_SHAPE]
+                order.inserted(item, site)
                 member.replace_all_uses_with(item)
         for member in members:
             joint.erase_node(member)
             del modules[member.target]
 
 
-def _bucket_site(joint: fx.Graph, members: list[fx.Node], output: fx.Node) -> fx.Node:
-    """Where a bucket runs: before its first member when every member's input exists by then
-    (a parameter's mixed-precision cast computed later moves up: it reads only the parameter);
-    otherwise, for gradients still being produced, just before the output, with what the members
-    fed (the rest of each gradient's tail, which feeds only the output) moved after it."""
-    order = {n: i for i, n in enumerate(joint.nodes)}
+class _Positions:
+    """Graph positions kept up to date while nodes move or are inserted (numbering the graph
+    again per bucket is quadratic: 16 s for llama3-70b). A node placed before `anchor` gets a
+    position between the anchor's predecessor and the anchor, after anything placed there before."""
+
+    def __init__(self, graph: fx.Graph):
+        self.pos = {n: float(i) for i, n in enumerate(graph.nodes)}
+        self.placed = itertools.count(1)
+
+    def __getitem__(self, node: fx.Node) -> float:
+        return self.pos[node]
+
+    def inserted(self, node: fx.Node, anchor: fx.Node) -> None:
+        self.pos[node] = self.pos[anchor] - 0.5 + 1e-7 * next(self.placed)
+
+    def move_before(self, node: fx.Node, anchor: fx.Node) -> None:
+        anchor.prepend(node)
+        self.inserted(node, anchor)
+
+
+def _bucket_site(order: _Positions, members: list[fx.Node], output: fx.Node, gradients: bool) -> fx.Node | None:
+    """Where a bucket runs: before its first member when every member's input exists by then or
+    is computed from parameters alone (a mixed-precision cast, maybe of a redistributed parameter:
+    it moves up). Otherwise, for gradient reductions, just before the output, with what the
+    members fed (the rest of each gradient's tail, which feeds only the output) moved after it;
+    for anything else None: not bucketed."""
     start = order[members[0]]
-    late = [m.args[0] for m in members if order[m.args[0]] > start]
-    if all(is_cast(n) and all(a.op == "placeholder" for a in n.all_input_nodes) for n in late):
+    late: list[fx.Node] = []
+
+    def from_parameters(node: fx.Node) -> bool:
+        if node.op == "placeholder" or order[node] < start or node in late:
+            return True
+        if not (is_cast(node) or node.op == "call_module") or not all(map(from_parameters, node.all_input_nodes)):
+            return False
+        late.append(node)
+        return True
+
+    if all(from_parameters(m.args[0]) for m in members):
         for node in sorted(late, key=order.__getitem__):
-            members[0].prepend(node)
+            order.move_before(node, members[0])
         return members[0]
-    downstream: list[fx.Node] = []
+    if not gradients:
+        return None
+    downstream: dict[fx.Node, None] = {}
     stack = [u for m in members for u in m.users]
     while stack:
         node = stack.pop()
         if node is not output and node not in downstream:
-            downstream.append(node)
+            downstream[node] = None
             stack.extend(node.users)
-    downstream.sort(key=order.__getitem__)
-    for node in downstream:
-        output.prepend(node)
-    return downstream[0] if downstream else output
+    moved = sorted(downstream, key=order.__getitem__)
+    for node in moved:
+        order.move_before(node, output)
+    return moved[0] if moved else output
 
 
 # ---------------------------------------------------------------------------------- forward / backward split
 def _split(plan: Plan, joint: fx.Graph, modules: dict[str, nn.Module]):
-    """Forward = the loss and everything it depends on; backward = every other node."""
+    """Forward = the loss and everything it depends on; backward = every other node. Values of a
+    recomputed block (`plan.recompute_blocks`) that the backward reads are not handed over but
+    computed again in the backward, from the block's inputs, just before their first use there."""
     output = next(iter(reversed(joint.nodes)))
     loss, *grads = output.args[0]
     tangents = set(plan.graph.tangents)
@@ -286,17 +327,109 @@ def _split(plan: Plan, joint: fx.Graph, modules: dict[str, nn.Module]):
         if n not in needed:
             needed.add(n)
             stack.extend(n.all_input_nodes)
+    # a forward bucket's items are picked in the forward, also those only the backward reads: the
+    # backward then reads them handed over (or recomputed), never out of a recomputed bucket
+    needed |= {u for n in needed if n.op == "call_module" and isinstance(modules[n.target], Bucket)
+               for u in n.users}
     forward_nodes = [n for n in joint.nodes if n in needed and n.op != "placeholder"]
     backward_nodes = [n for n in joint.nodes if n not in needed and n.op not in ("placeholder", "output")]
-    in_backward = set(backward_nodes)
-    saved = [n for n in primal_inputs + forward_nodes
-             if n in grads or any(u in in_backward for u in n.users)]
+    recomputed = _recomputable(plan, forward_nodes, modules, loss)
+
+    # what the backward reads from the forward: recomputable values are replaced by what they
+    # are computed from, down to values that are handed over
+    saved_set: set[fx.Node] = set()
+    seen: set[fx.Node] = set()
+
+    def reads(value: fx.Node) -> None:
+        if value in seen or (value not in needed and value.op != "placeholder"):
+            return
+        seen.add(value)
+        if value in recomputed:
+            for arg in value.all_input_nodes:
+                reads(arg)
+        else:
+            saved_set.add(value)
+
+    for node in backward_nodes:
+        for arg in node.all_input_nodes:
+            reads(arg)
+    for grad in grads:
+        reads(grad)
+    saved = [n for n in primal_inputs + forward_nodes if n in saved_set]
 
     fwd = _subgraph(primal_inputs, forward_nodes, [loss, *saved])
-    bwd = _subgraph(saved + tangent_inputs, backward_nodes, grads)
-    forward = fx.GraphModule({k: m for k, m in modules.items() if _uses(fwd, k)}, fwd, "AutoshardForward")
-    backward = fx.GraphModule({k: m for k, m in modules.items() if _uses(bwd, k)}, bwd, "AutoshardBackward")
+    bwd = _backward_graph(saved + tangent_inputs, backward_nodes, grads, recomputed, modules, plan.recomputed)
+    forward = fx.GraphModule({k: modules[k] for k in _used_modules(fwd)}, fwd, "AutoshardForward")
+    backward = fx.GraphModule({k: modules[k] for k in _used_modules(bwd)}, bwd, "AutoshardBackward")
     return forward, backward, _comm_stats(forward, backward, modules)
+
+
+def _recomputable(plan: Plan, forward_nodes: list[fx.Node], modules: dict[str, nn.Module],
+                  loss: fx.Node) -> set[fx.Node]:
+    """The forward nodes of this program that the plan recomputes (`plan.recomputed`, graph node
+    names), with the redistributions into them (a bucket when any member's consumer is one)."""
+    if not plan.recomputed:
+        return set()
+    names = plan.recomputed
+    out: set[fx.Node] = set()
+    for node in forward_nodes:  # in graph order: a bucket's getitems come after the bucket
+        if node.op == "call_module":
+            module = modules[node.target]
+            members = module.members if isinstance(module, Bucket) else [module]
+            hit = any(m.consumer in names for m in members)
+        elif "autoshard_source" in node.meta:
+            hit = node.meta["autoshard_source"].name in names
+        else:  # a bucket's getitem: recomputed when its member's consumer is (the bucket gathers again
+            parent, index = node.args  # only those; a member read by the backward is handed over)
+            hit = parent in out and modules[parent.target].members[index].consumer in names
+        if hit and node is not loss:
+            out.add(node)
+    return out
+
+
+def _backward_graph(inputs: list[fx.Node], nodes: list[fx.Node], outputs: list[fx.Node],
+                    recomputed: set[fx.Node], modules: dict[str, nn.Module], names: frozenset[str]) -> fx.Graph:
+    """The backward: `nodes` in order, each recomputed forward value it reads emitted (with what
+    it needs) just before its first reader. A recomputed bucket gathers again only the members
+    whose consumers are recomputed (`names`), as the plan priced it."""
+    g = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for n in inputs:
+        env[n] = g.placeholder(n.name)
+        env[n].meta.update(n.meta)
+    kept: dict[fx.Node, dict[int, int]] = {}  # recomputed bucket -> member index -> index in its copy
+
+    def emit(n: fx.Node) -> None:
+        if n in env:
+            return
+        assert n in recomputed, f"{n.name} is neither handed over nor recomputed"
+        for arg in n.all_input_nodes:
+            emit(arg) if arg in recomputed else None
+        module = modules.get(n.target) if n.op == "call_module" else None
+        if isinstance(module, Bucket):
+            index = [i for i, m in enumerate(module.members) if m.consumer in names]
+            kept[n] = {i: j for j, i in enumerate(index)}
+            name = f"{n.target}_again"
+            modules[name] = Bucket(name, [module.members[i] for i in index], module.mesh)
+            env[n] = g.call_module(name, tuple(env[n.args[i]] for i in index))
+            env[n].meta[LOCAL_SHAPE] = [n.meta[LOCAL_SHAPE][i] for i in index]
+        elif n.op == "call_function" and n.target is operator.getitem and n.args[0] in kept:
+            env[n] = g.call_function(operator.getitem, (env[n.args[0]], kept[n.args[0]][n.args[1]]))
+            env[n].meta.update(n.meta)
+        else:
+            env[n] = g.node_copy(n, env.__getitem__)
+
+    for n in nodes:
+        for arg in n.all_input_nodes:
+            if arg in recomputed:
+                emit(arg)
+        env[n] = g.node_copy(n, env.__getitem__)
+    for n in outputs:
+        if n in recomputed:
+            emit(n)
+    g.output(tuple(env[n] for n in outputs))
+    g.lint()
+    return g
 
 
 def _comm_stats(forward: fx.GraphModule, backward: fx.GraphModule, modules: dict[str, nn.Module]) -> CommStats:
@@ -315,8 +448,8 @@ def _comm_stats(forward: fx.GraphModule, backward: fx.GraphModule, modules: dict
     return comm
 
 
-def _uses(graph: fx.Graph, module_name: str) -> bool:
-    return any(n.op == "call_module" and n.target == module_name for n in graph.nodes)
+def _used_modules(graph: fx.Graph) -> list[str]:
+    return list(dict.fromkeys(n.target for n in graph.find_nodes(op="call_module")))
 
 
 def _subgraph(inputs: list[fx.Node], nodes: list[fx.Node], outputs: list[fx.Node]) -> fx.Graph:
