@@ -35,6 +35,7 @@ from autoshard.problem.plan import Plan, decode
 from autoshard.pricing.planner import Planner
 from autoshard.problem.build import ProblemSpec, ShardingProblem, build_problem
 from autoshard.capture.repeat import trace_step
+from autoshard.capture.calls import run_step, step_inputs
 from autoshard.capture.trace import mark_outputs
 
 log = logging.getLogger("autoshard")
@@ -88,6 +89,7 @@ class AutoShard:
         self.network = network if isinstance(network, NetworkProfile) else NetworkProfile.preset(network, len(self.mesh_shape))
         self.device = device if isinstance(device, DeviceProfile) else DeviceProfile.preset(device)
         self.unroll = unroll
+        self._input_names: tuple[str, ...] | None = None  # keyword names when input_fn returns a dict
         self.spec = ProblemSpec()
         self.timings: dict[str, float] = {}
         self.plan: Plan | None = None
@@ -129,24 +131,22 @@ class AutoShard:
 
     # ------------------------------------------------------------------ planning
     def _step(self, model: nn.Module, *inputs: Any) -> torch.Tensor:
-        if self.loss_fn is None:
-            return model(*inputs)
-        k = self.n_model_inputs
-        outputs = model(*inputs[:k])
+        return run_step(model, self.loss_fn, inputs, self._input_names, self.n_model_inputs, self._mark_outputs)
+
+    def _mark_outputs(self, outputs: Any) -> Any:
         if self.spec.output_layouts:
             count = sum(isinstance(leaf, torch.Tensor) for leaf in tc.tree_leaves(outputs))
             if max(self.spec.output_layouts) >= count:
                 raise ValueError(f"output constraint for output {max(self.spec.output_layouts)}, but the model "
                                  f"returns {count} tensor(s)")
             outputs = mark_outputs(outputs)
-        return self.loss_fn(outputs, *inputs[k:])
+        return outputs
 
     def optimize(self, *, backend: str = "auto", time_limit: float | None = None,
                  solve_with: Callable[[ShardingProblem], solver.Solution] | None = None) -> Plan:
         """Trace, build the ILP, solve it, decode the plan. `solve_with(sharding_problem)` replaces
         the solve stage (e.g. a saved solution, or one rank solving for all)."""
-        inputs = self.input_fn()
-        inputs = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
+        inputs, self._input_names = step_inputs(self.input_fn())
         for index, layout in self.spec.input_layouts.items():
             if index >= len(inputs):
                 raise ValueError(f"input constraint for input {index}, but input_fn returns {len(inputs)} inputs")
