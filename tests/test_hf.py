@@ -107,3 +107,105 @@ def test_hf_causal_lm_trains_like_single_device(kind, mesh_shape, keywords, capl
                                                    msg=lambda m: f"{fqn} step {step}: {m}")
             optim.step()
             optim.zero_grad()
+
+
+# ------------------------------------------------------------------------------------ CLI
+def save_tiny(directory, seed=7, **config):
+    """A tiny Llama saved as HF does (config.json, model.safetensors): the model, its directory."""
+    model = hf.build(transformers.LlamaConfig(**(SMALL | config)), "cpu", seed=seed)
+    model.save_pretrained(directory)
+    return model, directory
+
+
+def test_hf_workload_builds_from_a_local_config_and_seeds_its_init(tmp_path):
+    from autoshard.workload import get_workload
+
+    _, directory = save_tiny(tmp_path / "m")
+    for path in (directory, directory / "config.json"):
+        w = get_workload(f"hf:{path}", seq=16)
+        model = w.build("meta")
+        assert type(model) is transformers.LlamaForCausalLM and not model.config.use_cache
+        assert model.config._attn_implementation == "sdpa"
+    first, again, other = w.initial_state(3), w.initial_state(3), w.initial_state(4)
+    want = hf.build(model.config, "cpu", seed=3)
+    assert set(first) == {n for n, _ in want.named_parameters()} | {n for n, _ in want.named_buffers()}
+    assert all(torch.equal(first[k], again[k]) and torch.equal(first[k], v) for k, v in want.state_dict().items())
+    assert not torch.equal(first["model.embed_tokens.weight"], other["model.embed_tokens.weight"])
+
+
+def test_checkpoint_values_take_weights_from_safetensors_and_buffers_from_init(tmp_path):
+    from autoshard.workload import checkpoint_values, get_workload
+
+    saved, directory = save_tiny(tmp_path / "m", seed=11)
+    w = get_workload(f"hf:{directory}", seq=16)
+    values = checkpoint_values(w, directory, seed=0)
+    for name, p in saved.named_parameters():
+        assert torch.equal(values[name], p), name
+    assert torch.equal(values["model.rotary_emb.inv_freq"], saved.model.rotary_emb.inv_freq)
+
+
+@pytest.mark.parametrize("case, message", [
+    ("missing", "hf:{tmp}/nope: no such file or directory"),
+    ("empty-dir", "the directory has no config.json"),
+    ("vit", "model_type 'vit' has no causal-LM class in transformers"),
+    ("unknown-type", "knows no model_type 'not-a-model'"),
+    ("bad-json", "not a JSON config"),
+    ("init-shapes", "weight has shape (256, 32) in the checkpoint, (128, 32) in hf:{tmp}/m"),
+    ("init-missing", "--init-from {tmp}/m/config.json: not a safetensors file"),
+])
+@pytest.mark.parametrize("command", ["plan", "train"])
+def test_bad_hf_input_is_one_error_line(tmp_path, capsys, case, message, command):
+    from autoshard.cli.plan import plan_main
+    from autoshard.cli.train import main as train_main
+
+    save_tiny(tmp_path / "m")
+    save_tiny(tmp_path / "other", vocab_size=256)
+    (tmp_path / "empty-dir").mkdir()
+    (tmp_path / "vit").mkdir()
+    (tmp_path / "vit" / "config.json").write_text('{"model_type": "vit"}')
+    (tmp_path / "unknown-type.json").write_text('{"model_type": "not-a-model"}')
+    (tmp_path / "bad-json.json").write_text("{nope")
+    model = {"missing": "nope", "empty-dir": "empty-dir", "vit": "vit", "unknown-type": "unknown-type.json",
+             "bad-json": "bad-json.json"}.get(case, "m")
+    args = ["--model", f"hf:{tmp_path / model}", "--mesh", "1", "--batch", "2", "--seq", "8", "--out", tmp_path / "o"]
+    if case == "init-shapes":
+        args += ["--init-from", tmp_path / "other"]
+    if case == "init-missing":
+        args += ["--init-from", tmp_path / "m" / "config.json"]
+    args = [str(a) for a in args]
+    if command == "plan":
+        with pytest.raises(SystemExit) as exit_:
+            plan_main(args)
+        code = exit_.value.code
+    else:
+        code = train_main(args)
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert code == 2 and len(lines) == 1, err
+    assert message.replace("{tmp}", str(tmp_path)) in lines[0], lines
+    assert "Traceback" not in err and not (tmp_path / "o").exists()
+
+
+@pytest.mark.slow
+def test_torchrun_trains_an_hf_model_from_its_safetensors_like_single_device(tmp_path):
+    """4 gloo ranks on (2,2), `--model hf:DIR --init-from DIR` (a tiny Llama saved by
+    save_pretrained): the 5 losses equal the single-device run from the same weights."""
+    from test_train import metrics, torchrun
+
+    from autoshard.workload import get_workload
+
+    model, directory = save_tiny(tmp_path / "m", seed=5, tie_word_embeddings=True)
+    torchrun("--model", f"hf:{directory}", "--init-from", str(directory), "--mesh", "2x2", "--batch", "8",
+             "--seq", "16", "--steps", "5", "--out", str(tmp_path / "run"))
+    data = get_workload(f"hf:{directory}", seq=16).data(0)
+    optim = make_optimizer(model.parameters(), TrainSettings())
+    want = []
+    for step in range(5):
+        tokens, targets = data.batch(step, 8, 16)
+        loss = cross_entropy_loss(model(tokens).logits, targets)
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        want.append(loss.item())
+    got = [row["loss"] for row in metrics(tmp_path / "run")]
+    assert len(got) == 5 and all(abs(a - b) <= 1e-5 for a, b in zip(got, want)), (got, want)

@@ -125,7 +125,10 @@ def option(*flags: str, **kwargs: Any) -> Option:
 
 
 # The options `plan` and `train` share: same flag, same meaning.
-MODEL = option("--model", help="model name, e.g. llama3-tiny, llama3-debug, llama3-8b (autoshard.workload)")
+MODEL = option("--model", help="model name, e.g. llama3-tiny, llama3-debug, llama3-8b (autoshard.workload), or "
+                                "hf:PATH, a local Hugging Face config.json or model directory")
+INIT_FROM = option("--init-from", metavar="PATH", help="start from the weights of a safetensors file or directory "
+                                                       "(e.g. an HF model directory) instead of a seeded init")
 MESH = option("--mesh", type=_arg_type(parse_mesh), help="mesh shape, e.g. 8x8, 2x2 or 4")
 MESH_NAMES = option("--mesh-names", help="mesh dim names, e.g. dp,tp (default: dp,tp,pp,cp as many as needed)")
 BATCH = option("--batch", type=_arg_type(_positive_int), help="global batch size")

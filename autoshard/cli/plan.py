@@ -36,6 +36,9 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     shared.DEVICE.add(parser, dest="device", default="h100", help=shared.DEVICE.kwargs["help"] + " (default h100)")
     shared.MESH_NAMES.add(parser, default=None, help="mesh dim names, e.g. dp,tp (recorded in the report)")
     shared.MEMORY_BUDGET.add(parser, default=None)
+    shared.INIT_FROM.add(parser, default=None, help="check that this safetensors checkpoint (file or directory) "
+                                                    "holds every parameter of the model with its shape (reads headers "
+                                                    "only), as `train --init-from` will load it")
     parser.add_argument("--compare", choices=sorted(COMPARE), default=None,
                         help="also plan with the hand-written FSDP+TP recipe pinned and compare (2-D meshes)")
     parser.add_argument("--backend", choices=BACKENDS, default="auto", help="ILP backend (default auto)")
@@ -90,6 +93,14 @@ def _check(args: argparse.Namespace):
         fail(f"--time-limit must be positive, got {args.time_limit}")
     if args.out is not None and args.out.exists() and not args.out.is_dir():
         fail(f"--out {args.out} exists and is not a directory")
+    if args.init_from is not None:  # headers only: no weights are read
+        from autoshard.workload import check_checkpoint, read_safetensors
+
+        try:
+            check_checkpoint(workload, workload.adapt_state_dict(read_safetensors(args.init_from, shapes_only=True)),
+                             args.init_from)
+        except ValueError as err:
+            fail(f"--init-from {err}")
     if args.explain is not None:  # a name check on the meta model, before planning
         from autoshard.problem.explain import ExplainError, match_params
 
