@@ -171,6 +171,34 @@ def export_joint(stack, module, args):
     return aot_export_joint_with_descriptors(stack, module, args)
 
 
+def dynamo_capture(module, args) -> torch.fx.GraphModule:
+    """Dynamo's whole-graph capture of `module(*args)` for export (torch 2.13 has no public name
+    for it). Code that checks for dynamo tracing (transformers' masks) takes its traced branch.
+    Dynamo's note about side effects it does not replay (transformers' output collectors) is
+    silenced: the captured graph is only traced further, never run in their place."""
+    import warnings
+
+    from torch._dynamo.functional_export import dynamo_graph_capture_for_export
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="While compiling, we found certain side effects")
+        return dynamo_graph_capture_for_export(module)(*args)
+
+
+def observed_user_error(err: BaseException) -> str | None:
+    """'ValueError(...)' when dynamo's capture failed because the user's code raised it (dynamo
+    reports it as 'Observed exception', the original only as its cause's text); else None."""
+    import re
+
+    from torch._dynamo.exc import ObservedException
+
+    cause = err.__cause__
+    if not isinstance(cause, ObservedException):
+        return None
+    match = re.fullmatch(r"raised exception (.*)", str(cause), flags=re.S)
+    return match[1] if match else str(cause)
+
+
 def describe_input(desc) -> tuple[str, str | int | None]:
     """('param'|'buffer'|'input'|'tangent'|'other', name or index) for a placeholder descriptor."""
     if isinstance(desc, _desc.ParamAOTInput):

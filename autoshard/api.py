@@ -32,14 +32,17 @@ from autoshard.profiles.network import NetworkProfile
 from autoshard.profiles.device import DeviceProfile
 from autoshard.layout import Layout
 from autoshard.problem.explain import MAX_SOLVES, Explanation, explain
+from autoshard.runtime.fit import MEMORY_RESERVE, MemoryFit, fit_memory
 from autoshard.problem.plan import Plan, decode
 from autoshard.pricing.planner import Planner
 from autoshard.problem.build import ProblemSpec, ShardingProblem, build_problem
 from autoshard.capture.precision import Precision, cast_floating
 from autoshard.capture.repeat import trace_step
+from autoshard.capture.calls import run_step, step_inputs
 from autoshard.capture.trace import mark_outputs
 
 log = logging.getLogger("autoshard")
+_DEVICE_CAPACITY = object()  # the default memory limit: the device's capacity less the reserve
 
 
 def _mesh_shape(mesh: Any) -> tuple[int, ...]:
@@ -98,8 +101,11 @@ class AutoShard:
         self.network = network if isinstance(network, NetworkProfile) else NetworkProfile.preset(network, len(self.mesh_shape))
         self.device = device if isinstance(device, DeviceProfile) else DeviceProfile.preset(device)
         self.unroll = unroll
+        self._input_names: tuple[str, ...] | None = None  # keyword names when input_fn returns a dict
         self.spec = ProblemSpec(recompute=recompute)
         self.timings: dict[str, float] = {}
+        self._memory_limit: float | None | object = _DEVICE_CAPACITY
+        self.fit: MemoryFit | None = None  # how the last optimize() met the memory limit
         self.plan: Plan | None = None
         # what the last optimize() built, kept so explain() re-solves it without tracing again
         self.sharding: ShardingProblem | None = None
@@ -129,6 +135,20 @@ class AutoShard:
             raise ValueError(f"memory budget must be positive, got {param_bytes_per_rank}")
         self.spec.param_memory_bytes = param_bytes_per_rank
 
+    def memory_limit(self, bytes_per_rank: float | None) -> None:
+        """Peak memory per rank a plan must fit in (None: no limit). Default: the device profile's
+        capacity less `MEMORY_RESERVE` (allocator slack, communication buffers, the CUDA context)."""
+        if bytes_per_rank is not None and not bytes_per_rank > 0:
+            raise ValueError(f"memory limit must be positive, got {bytes_per_rank}")
+        self._memory_limit = bytes_per_rank
+
+    @property
+    def resolved_memory_limit(self) -> float | None:
+        if self._memory_limit is not _DEVICE_CAPACITY:
+            return self._memory_limit
+        capacity = self.device.memory_bytes
+        return None if capacity is None else capacity * (1 - MEMORY_RESERVE)
+
     def pin(self, pins: Mapping[str, Layout | str] | str, layout: Layout | str | None = None) -> None:
         """Fix the layout of parameters matching an FQN pattern (`fnmatch`, e.g. `layers.*.wq.weight`)."""
         items = {pins: layout} if isinstance(pins, str) else dict(pins)
@@ -139,28 +159,37 @@ class AutoShard:
 
     # ------------------------------------------------------------------ planning
     def _step(self, model: nn.Module, *inputs: Any) -> torch.Tensor:
-        precision = self.precision
-        k = self.n_model_inputs if self.loss_fn is not None else len(inputs)
-        model_inputs = inputs[:k]
-        if precision.cast_forward_inputs:
-            model_inputs = cast_floating(model_inputs, precision.param_dtype)
-        outputs = cast_floating(model(*model_inputs), precision.output_dtype)
-        if self.loss_fn is None:
-            return outputs
+        return run_step(self._with_casts(model), self.loss_fn, inputs, self._input_names, self.n_model_inputs,
+                        self._mark_outputs)
+
+    def _with_casts(self, model: nn.Module) -> Callable[..., Any]:
+        """The model as the step calls it under the mixed precision policy: floating inputs cast to
+        `param_dtype` (`cast_forward_inputs`), floating outputs to `output_dtype`."""
+        p = self.precision
+        cast_in = p.param_dtype if p.cast_forward_inputs else None
+        if cast_in is None and p.output_dtype is None:
+            return model
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            return cast_floating(model(*cast_floating(args, cast_in), **cast_floating(kwargs, cast_in)),
+                                 p.output_dtype)
+
+        return call
+
+    def _mark_outputs(self, outputs: Any) -> Any:
         if self.spec.output_layouts:
             count = sum(isinstance(leaf, torch.Tensor) for leaf in tc.tree_leaves(outputs))
             if max(self.spec.output_layouts) >= count:
                 raise ValueError(f"output constraint for output {max(self.spec.output_layouts)}, but the model "
                                  f"returns {count} tensor(s)")
             outputs = mark_outputs(outputs)
-        return self.loss_fn(outputs, *inputs[k:])
+        return outputs
 
     def optimize(self, *, backend: str = "auto", time_limit: float | None = None,
                  solve_with: Callable[[ShardingProblem], solver.Solution] | None = None) -> Plan:
         """Trace, build the ILP, solve it, decode the plan. `solve_with(sharding_problem)` replaces
         the solve stage (e.g. a saved solution, or one rank solving for all)."""
-        inputs = self.input_fn()
-        inputs = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
+        inputs, self._input_names = step_inputs(self.input_fn())
         for index, layout in self.spec.input_layouts.items():
             if index >= len(inputs):
                 raise ValueError(f"input constraint for input {index}, but input_fn returns {len(inputs)} inputs")
@@ -185,6 +214,11 @@ class AutoShard:
                     solution = solver.solve(sharding.problem, backend=backend, time_limit=time_limit)
             with self._stage("decode"):
                 plan = decode(sharding, solution, planner)
+            limit = self.resolved_memory_limit
+            if limit is not None and solve_with is None:  # a collective solve (train) is not re-solved
+                with self._stage("memory"), tc.no_dispatch_modes():  # the dry run makes its own fake mode
+                    plan, sharding, self.fit = fit_memory(plan, sharding, planner, self.device, self.spec,
+                                                          limit, backend=backend, time_limit=time_limit)
         log.info("autoshard plan: %s", plan.summary())
         self.plan, self.sharding, self.planner = plan, sharding, planner
         return plan
@@ -223,6 +257,9 @@ class AutoShard:
         if plan is None:
             raise ValueError("nothing to dry-run: call optimize() first or pass a plan")
         mesh = self.mesh if hasattr(self.mesh, "get_coordinate") else None  # a DeviceMesh: run on it
+        if mesh is None and self.fit is not None and self.fit.plan is plan and self.fit.dry_run is not None:
+            self.timings["dry_run"] = 0.0  # fitting the memory limit ran this very dry run
+            return self.fit.dry_run
         with self._stage("dry_run"):
             return dry_run(plan, mesh=mesh, mesh_dim_names=getattr(self.mesh, "mesh_dim_names", None))
 

@@ -127,8 +127,9 @@ class Transformer(nn.Module):
         seq_len = tokens.shape[1]
         if seq_len > self.cfg.max_seq_len:
             raise ValueError(f"sequence length {seq_len} exceeds max_seq_len {self.cfg.max_seq_len}")
-        cos, sin = self.rope_cos[:seq_len], self.rope_sin[:seq_len]
         h = self.tok_embeddings(tokens)
+        # the rope tables in the compute dtype, once for every block (a no-op in fp32)
+        cos, sin = self.rope_cos[:seq_len].to(h.dtype), self.rope_sin[:seq_len].to(h.dtype)
         for layer in self.layers:
             h = layer(h, cos, sin)
         return self.output(self.norm(h))

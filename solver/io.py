@@ -45,6 +45,8 @@ def problem_to_json(problem: Problem, **kwargs) -> str:
 def _constraint(kind: str, fields: dict) -> dict:
     if "limit" in fields:
         fields["limit"] = _enc(fields["limit"])
+    if "memory" in fields and fields["memory"] is None:  # a budget over the choices' own memory
+        del fields["memory"]
     return {"kind": kind, **fields}
 
 

@@ -123,9 +123,10 @@ class Reduction:
         for con in constraints:
             if isinstance(con, MemoryBudget):
                 mem: dict[int, np.ndarray] = {}
-                for i in {index[n] for n in con.nodes}:
+                for n in dict.fromkeys(con.nodes):
+                    i = index[n]
                     c = self.node_class[i]
-                    row = arrays.memory[i]
+                    row = arrays.memory[i] if con.memory is None else np.array(con.memory[n], float)
                     mem[c] = mem[c] + row if c in mem else row
                 self.budgets.append((con, mem, con.limit))
         if reduce:

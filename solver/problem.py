@@ -69,11 +69,13 @@ class SameChoice:
 
 @dataclass
 class MemoryBudget:
-    """Sum of the chosen `memory` over `nodes` must not exceed `limit`."""
+    """Sum of the chosen `memory` over `nodes` must not exceed `limit`. `memory` (node -> bytes per
+    choice) gives this budget its own figures; without it, each choice's `Choice.memory` counts."""
 
     nodes: list[str]
     limit: float
     name: str = ""
+    memory: dict[str, list[float]] | None = None
 
     def describe(self) -> str:
         return f"MemoryBudget({self.name or '-'!s}: {len(self.nodes)} nodes <= {self.limit:g})"
@@ -144,8 +146,10 @@ class Problem:
     def same_choice(self, nodes: Sequence[str], name: str = "") -> SameChoice:
         return self._add(SameChoice(list(nodes), name))
 
-    def memory_budget(self, nodes: Sequence[str], limit: float, name: str = "") -> MemoryBudget:
-        return self._add(MemoryBudget(list(nodes), float(limit), name))
+    def memory_budget(self, nodes: Sequence[str], limit: float, name: str = "",
+                      memory: Mapping[str, Sequence[float]] | None = None) -> MemoryBudget:
+        table = None if memory is None else {n: [float(m) for m in memory[n]] for n in nodes}
+        return self._add(MemoryBudget(list(nodes), float(limit), name, table))
 
     def add_region(self, copies: Sequence[Sequence[str]]) -> RepeatedRegion:
         region = RepeatedRegion([list(c) for c in copies])
@@ -244,7 +248,11 @@ class Problem:
                     raise ValueError(f"{what}: nodes have different numbers of choices {sizes}")
             elif isinstance(con, MemoryBudget):
                 for n in con.nodes:
-                    known(n, what)
+                    k = known(n, what)
+                    row = con.memory.get(n) if con.memory is not None else None
+                    if con.memory is not None and (row is None or len(row) != k
+                                                   or not all(0 <= m < math.inf for m in row)):
+                        raise ValueError(f"{what}: node {n!r} needs {k} finite memory figures >= 0")
                 if math.isnan(con.limit):
                     raise ValueError(f"{what}: limit is NaN")
             else:

@@ -11,9 +11,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 # Stage order of autoshard's packages and top-level modules (DESIGN.md): lower may not import higher.
-STAGES = ["_torch_compat", "layout", "workload", "profiles", "capture", "strategies", "pricing", "problem",
+STAGES = ["_torch_compat", "layout", "workload", "hf", "profiles", "capture", "strategies", "pricing", "problem",
           "program", "runtime", "report", "api", "cli", "__main__", "__init__"]
-FOUNDATION = {"_torch_compat": 0, "layout": 1, "workload": 1}  # layout and workload may use _torch_compat only
+FOUNDATION = {"_torch_compat": 0, "layout": 1, "workload": 1, "hf": 1}  # these may use _torch_compat and each other only
 
 
 def _rank(stage: str) -> int:

@@ -28,17 +28,17 @@ def plan_tiny(mesh_shape, **options):
         return auto.optimize()
 
 
-def train(plan, mesh_shape, steps=3):
+def train(plan, mesh_shape, steps=3, cfg=TINY, batch_size=BATCH, seq=SEQ):
     """Losses of `steps` AdamW steps, first-step gradients (rank 0's shards), and the module."""
-    data = MarkovTokens(TINY.vocab_size, seed=0)
+    data = MarkovTokens(cfg.vocab_size, seed=0)
     losses, grads = [], None
     with simulated_mesh(mesh_shape) as (mesh, mode):
-        pmodel = parallelize(plan, mesh, build_model(TINY, device="meta"))
+        pmodel = parallelize(plan, mesh, build_model(cfg, device="meta"))
         pmodel.init_weights(0)
         optim = make_optimizer(pmodel.parameters(), TrainSettings())
         for step in range(steps):
             with mode.disable():
-                batch = data.batch(step, BATCH, SEQ)
+                batch = data.batch(step, batch_size, seq)
             loss = pmodel(*pmodel.shard_inputs(batch.inputs, batch.targets))
             loss.backward()
             with mode.disable():
@@ -83,3 +83,83 @@ def test_recompute_lowers_the_dry_runs_activations_and_is_priced():
     assert not free.recomputed and plan.step_time_s > free.step_time_s  # recomputation costs time
     forward_mm = [n for n in plan.recomputed if n.startswith("mm")]
     assert forward_mm and all(plan.node_compute_s[n] > 0 for n in forward_mm)
+
+
+# ---------------------------------------------------------------------------------- memory limit
+DEBUG = get_config("llama3-debug")
+DEBUG_BATCH, DEBUG_SEQ = 8, 128
+
+
+def plan_debug(limit, **options):
+    """llama3-debug on (2,2) under `limit` bytes per rank (the cpu profile); (plan, fit, dry run)."""
+    example = lambda: (torch.empty(DEBUG_BATCH, DEBUG_SEQ, dtype=torch.int64, device="meta"),) * 2  # noqa: E731
+    with AutoShard(build_model(DEBUG, device="meta"), example, (2, 2), loss_fn=cross_entropy_loss, device="cpu",
+                   **options) as auto:
+        auto.memory_limit(limit)
+        plan = auto.optimize()
+        return plan, auto.fit, auto.dry_run(plan)
+
+
+@pytest.fixture(scope="module")
+def unconstrained():
+    return plan_debug(None)
+
+
+@pytest.mark.slow
+def test_a_tight_limit_turns_on_checkpointing_and_the_plan_fits_and_trains_alike(unconstrained):
+    """Without a limit the plan keeps every activation (~85 MiB per rank); under 60 MB only
+    recomputing the blocks fits: the fit chooses it, the dry run fits, and 10 steps give the
+    unconstrained plan's losses (other layouts: equal to fp32 rounding)."""
+    free, free_fit, free_memory = unconstrained
+    assert free_fit is None and not free.recomputed and free_memory.peak_bytes > 80e6
+    limit = 60e6
+    plan, fit, memory = plan_debug(limit)
+    assert fit.constrained and fit.recompute and plan.recomputed
+    assert memory.peak_bytes <= limit and fit.peak_bytes == memory.peak_bytes
+    assert fit.tried[0] == (False, free_memory.peak_bytes)  # it dry-ran the unconstrained optimum first
+    assert plan.step_time_s > free.step_time_s  # fitting costs modeled time
+
+    def losses(p):
+        return train(p, (2, 2), steps=10, cfg=DEBUG, batch_size=DEBUG_BATCH, seq=DEBUG_SEQ)[0]
+
+    for a, b in zip(losses(plan), losses(free), strict=True):
+        assert abs(a - b) <= 1e-5 * b, (a, b)
+
+
+def test_a_limit_the_plan_already_meets_changes_nothing(unconstrained):
+    free, _, free_memory = unconstrained
+    plan, fit, memory = plan_debug(10 * free_memory.peak_bytes)
+    assert not fit.constrained and not fit.recompute and fit.peak_bytes is None  # far below: no dry run
+    assert plan.param_layouts == free.param_layouts and plan.step_time_s == free.step_time_s
+
+
+def test_no_plan_fits_is_one_clear_error():
+    from autoshard.runtime.fit import MemoryLimitError
+
+    with pytest.raises(MemoryLimitError, match=r"no plan fits 9\.5 MiB per rank: the smallest peak reached is "
+                                               r"[0-9.]+ MiB \(largest: "):
+        plan_debug(10e6)
+
+
+def test_plan_cli_memory_limit(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    from test_train import ROOT
+
+    cmd = [sys.executable, "-m", "autoshard", "plan", "--model", "llama3-debug", "--mesh", "2x2", "--batch",
+           str(DEBUG_BATCH), "--seq", str(DEBUG_SEQ), "--device", "cpu", "--out", str(tmp_path)]
+    env = {"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}
+    out = subprocess.run([*cmd, "--memory-limit", "60MB"], capture_output=True, text=True, cwd=ROOT, env=env,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr
+    report = json.loads((tmp_path / "plan.json").read_text())
+    assert report["memory_fit"]["recompute"] and report["recompute"]["blocks"] == ["layers"]
+    assert report["memory"]["peak_bytes"] <= 60e6
+    assert "activation checkpointing: the backward recomputes the forward of every block of layers" in out.stdout + out.stderr
+    bad = subprocess.run([*cmd, "--memory-limit", "1MB"], capture_output=True, text=True, cwd=ROOT, env=env,
+                         timeout=300)
+    errors = [line for line in bad.stderr.splitlines() if line.startswith("error:")]
+    assert bad.returncode == 2 and len(errors) == 1 and "no plan fits 976.6 KiB" not in errors[0]
+    assert "no plan fits" in errors[0] and "Traceback" not in bad.stderr

@@ -97,6 +97,27 @@ def test_memory_budget_binding_changes_the_answer():
     assert tight.objective > free.objective
 
 
+def test_a_budget_with_its_own_memory_table():
+    """A budget may carry its own figures per choice (a peak-memory budget weighs a parameter more
+    than the parameter-bytes budget does): those count, not `Choice.memory`; both budgets hold at
+    once; the table survives JSON; a table of the wrong length is refused."""
+    from solver.io import problem_from_json, problem_to_json
+
+    p = tiny()
+    free = solve(p)
+    assert free.choice["w"] == 1
+    p.memory_budget(["w", "v"], 15.0, "params")  # over the choices' own memory: S needs 2, fits
+    table = {"w": [1.0, 40.0], "v": [1.0, 1.0]}  # w's S heavy in this budget only
+    budget = p.memory_budget(["w", "v"], 20.0, "peak", memory=table)
+    tight = solve(p)
+    assert tight.choice["w"] == 0 and tight.objective > free.objective
+    again = problem_from_json(problem_to_json(p))
+    assert again.constraints[-1] == budget and solve(again).choice == tight.choice
+    p.constraints.append(type(budget)(["w"], 1.0, "bad", {"w": [1.0]}))
+    with pytest.raises(ValueError, match="needs 2 finite memory figures"):
+        p.validate()
+
+
 def test_pins_and_same_choice_are_respected():
     p = tiny()
     p.fix("w", 0)

@@ -36,7 +36,7 @@ def test_unknown_workload_names_the_known_ones():
         get_workload("nope", seq=16)
     with pytest.raises(ValueError) as want:
         get_config("nope")
-    assert str(err.value) == str(want.value)
+    assert str(err.value) == str(want.value) + ", hf:PATH (a local transformers config.json or model directory)"
 
 
 def test_mesh_names():

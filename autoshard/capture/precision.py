@@ -16,6 +16,7 @@ measures bf16 activations. Where a gradient may be reduced is a constraint of th
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -98,34 +99,57 @@ class _CastForCompute(torch.autograd.Function):
         return (grad if ctx.reduce_dtype is None else grad.to(ctx.reduce_dtype)), None, None
 
 
+def _cast(param: torch.Tensor, precision: Precision) -> torch.Tensor:
+    """param in `param_dtype`, its gradient through `reduce_dtype`. A plain `.to` where its own
+    backward does that (the gradient comes back in the parameter's dtype: reducing in either of
+    the two dtypes is then the ILP's edge constraint); the autograd function only for a reduce
+    dtype that is neither (dynamo tags its nodes with no module path, so such a model is traced
+    whole rather than three blocks)."""
+    param_dtype = precision.param_dtype or param.dtype
+    if precision.reduce_dtype in (None, param_dtype, param.dtype) and param_dtype != param.dtype:
+        return param.to(param_dtype)
+    return _CastForCompute.apply(param, precision.param_dtype, precision.reduce_dtype)
+
+
 @contextlib.contextmanager
 def cast_parameters(model: nn.Module, precision: Precision) -> Iterator[None]:
     """For the duration of one traced step, each module's forward reads its floating parameters
     cast by `_CastForCompute` (cast once per parameter, at the first forward of a module owning
-    it: a tied weight is one cast). Nothing happens when `precision` casts nothing."""
+    it: a tied weight is one cast). Nothing happens when `precision` casts nothing. The hooks
+    key casts by FQN strings (no object identities), so dynamo traces them too."""
     if not precision.casts:
         yield
         return
-    casts: dict[int, torch.Tensor] = {}  # id(parameter) -> its cast, for this step
-    swapped: list[tuple[dict, str, torch.Tensor]] = []
+    first_name: dict[int, str] = {}  # id(parameter) -> its first FQN: tied weights share a cast
+    owned: dict[nn.Module, list[tuple[str, str]]] = {}
+    for module_name, module in model.named_modules(remove_duplicate=False):
+        for name, param in module.named_parameters(recurse=False, remove_duplicate=False):
+            if param.is_floating_point():
+                key = first_name.setdefault(id(param), f"{module_name}.{name}")
+                owned.setdefault(module, []).append((name, key))
+    casts: dict[str, torch.Tensor] = {}  # FQN -> its cast, for this step
+    originals = [(module._parameters, name, module._parameters[name]) for module, items in owned.items()
+                 for name, _ in items]
 
-    def pre_forward(module: nn.Module, args) -> None:
-        for name, param in list(module._parameters.items()):
-            if param is None or not param.is_floating_point() or id(param) in map(id, casts.values()):
-                continue
-            cast = casts.get(id(param))
-            if cast is None:
-                cast = casts[id(param)] = _CastForCompute.apply(param, precision.param_dtype, precision.reduce_dtype)
-            swapped.append((module._parameters, name, param))
-            module._parameters[name] = cast
+    def casting(module: nn.Module, forward, items: list[tuple[str, str]]):
+        # the cast runs inside the module's forward, so both tracers tag it with the module's path
+        def forward_in_compute_dtype(*args, **kwargs):
+            for name, key in items:
+                if key not in casts:
+                    casts[key] = _cast(module._parameters[name], precision)
+                module._parameters[name] = casts[key]
+            return forward(*args, **kwargs)
+        return forward_in_compute_dtype
 
-    handles = [m.register_forward_pre_hook(pre_forward) for m in model.modules()]
+    patched = [module for module in owned if "forward" not in module.__dict__]
+    for module in patched:
+        module.forward = casting(module, module.forward, owned[module])
     try:
         yield
     finally:
-        for handle in handles:
-            handle.remove()
-        for table, name, param in reversed(swapped):
+        for module in patched:
+            del module.forward
+        for table, name, param in originals:
             table[name] = param
 
 
@@ -137,8 +161,8 @@ def cast_floating(value, dtype: torch.dtype | None):
         return value.to(dtype) if value.is_floating_point() else value
     if isinstance(value, (tuple, list)):
         return type(value)(cast_floating(v, dtype) for v in value)
-    if isinstance(value, dict):
-        return type(value)((k, cast_floating(v, dtype)) for k, v in value.items())
+    if isinstance(value, Mapping):  # a dict or a ModelOutput (a dataclass taking its fields by name)
+        return type(value)(**{k: cast_floating(v, dtype) for k, v in value.items()})
     return value
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -19,6 +20,8 @@ from torch import fx, nn
 
 from autoshard import _torch_compat as tc
 from autoshard.capture.precision import Precision, cast_parameters
+
+log = logging.getLogger("autoshard")
 
 MODULE_KEY = "autoshard_module"
 OUTPUT_KEY = "autoshard_output"  # index of a model output marked by `mark_outputs`
@@ -120,8 +123,10 @@ def _module_path_annotations(model: nn.Module):
 
 @contextlib.contextmanager
 def _fake_parameters(model: nn.Module, fake_mode, device: torch.device):
-    """Temporarily replace every parameter and buffer by a fake tensor of the same shape/dtype."""
+    """Temporarily replace every parameter and buffer by a fake tensor of the same shape/dtype;
+    a tensor shared by several modules (tied embeddings) stays one shared fake."""
     saved: list[tuple[nn.Module, str, str, Any]] = []
+    fakes: dict[int, Any] = {}
     try:
         for module in model.modules():
             for kind in ("_parameters", "_buffers"):
@@ -130,8 +135,11 @@ def _fake_parameters(model: nn.Module, fake_mode, device: torch.device):
                     if value is None:
                         continue
                     saved.append((module, kind, name, value))
-                    fake = _fake_like(value, fake_mode, device)
-                    table[name] = nn.Parameter(fake, requires_grad=value.requires_grad) if kind == "_parameters" else fake
+                    if id(value) not in fakes:
+                        fake = _fake_like(value, fake_mode, device)
+                        fakes[id(value)] = (nn.Parameter(fake, requires_grad=value.requires_grad)
+                                            if kind == "_parameters" else fake)
+                    table[name] = fakes[id(value)]
         yield
     finally:
         for module, kind, name, value in reversed(saved):
@@ -163,11 +171,47 @@ def trace_joint(
     fake_mode = tc.new_fake_mode()
     args = tuple(_fake_like(a, fake_mode, device) for a in example_args)
     wrapper = _StepModule(model, step_fn)
-    # the path annotations open before the casts run, so a cast is tagged with its module's path
-    with _fake_parameters(model, fake_mode, device), _module_path_annotations(model), \
-            cast_parameters(model, precision):
-        joint = tc.export_joint(stack, wrapper, args)
-    return _describe(joint, precision)
+    with _fake_parameters(model, fake_mode, device):
+        joint = _export(stack, wrapper, model, args, precision)
+    return _describe(joint, precision, _tied_aliases(model))
+
+
+def _tied_aliases(model: nn.Module) -> set[str]:
+    """Names under which a parameter is seen a second time (`lm_head.weight` tied to the input
+    embedding): the model has one parameter there, so the graph must too."""
+    first = {name for name, _ in model.named_parameters()}
+    return {name for name, _ in model.named_parameters(remove_duplicate=False) if name not in first}
+
+
+def _export(stack: contextlib.ExitStack, wrapper: nn.Module, model: nn.Module, args: tuple, precision: Precision):
+    """Dynamo capture, then the joint export of the captured graph; where capture fails, the
+    direct joint export of the step (which raises the error a user can act on)."""
+    from autoshard.capture.dynamo import capture
+
+    try:
+        with cast_parameters(model, precision):
+            captured = capture(wrapper, args, MODULE_KEY)
+    except Exception as err:  # dynamo cannot capture the step as one graph
+        log.info("autoshard: traced by direct joint export (dynamo capture failed: %s)", _first_line(err))
+        try:
+            # the path annotations open before the casts run, so a cast is tagged with its module's path
+            with _module_path_annotations(model), cast_parameters(model, precision):
+                return tc.export_joint(stack, wrapper, args)
+        except Exception as direct:
+            # The step's own error (a bad loss, say) beats a tracer's: when the direct route
+            # stops earlier (at transformers' masks), report what the step raised under dynamo.
+            raised = tc.observed_user_error(err)
+            if raised is None or isinstance(direct, (ValueError, TypeError)):
+                raise
+            raise ValueError(f"the training step raised {raised}") from direct
+    log.info("autoshard: traced by dynamo graph capture (%d nodes), then the joint export", len(captured.graph.nodes))
+    with fx.traceback.preserve_node_meta():  # the captured nodes' module paths reach the aten nodes
+        return tc.export_joint(stack, captured, args)
+
+
+def _first_line(err: Exception) -> str:
+    text = str(err).strip()
+    return f"{type(err).__name__}: {text.splitlines()[0] if text else ''}"
 
 
 def _strip(fqn: str) -> str:
@@ -175,12 +219,14 @@ def _strip(fqn: str) -> str:
     return fqn[len(prefix):] if fqn.startswith(prefix) else fqn
 
 
-def _describe(joint, precision: Precision) -> JointGraph:
+def _describe(joint, precision: Precision, tied: set[str] = frozenset()) -> JointGraph:
     gm = joint.graph_module
     params, buffers, inputs, tangents = {}, {}, [], []
     for node in gm.graph.find_nodes(op="placeholder"):
         kind, target = tc.describe_input(node.meta.get("desc"))
-        if kind == "param":
+        if kind == "param" and _strip(target) in tied and not node.users:
+            gm.graph.erase_node(node)  # dynamo's capture lists a tied parameter under both names
+        elif kind == "param":
             params[_strip(target)] = node
         elif kind == "buffer":
             buffers[_strip(target)] = node

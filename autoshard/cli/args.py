@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import re
 import sys
 from dataclasses import dataclass
@@ -69,6 +70,11 @@ def mp_policy(param_dtype: str | None, reduce_dtype: str | None):
 
     return MixedPrecisionPolicy(param_dtype=parse_dtype(param_dtype) if param_dtype else None,
                                 reduce_dtype=parse_dtype(reduce_dtype) if reduce_dtype else None)
+
+
+def parse_limit(text: str) -> float:
+    """--memory-limit: bytes ('70GiB', '8e10'), or 'none' for no limit (inf)."""
+    return math.inf if text.strip().lower() == "none" else parse_bytes(text)
 
 
 def _positive_int(text: str) -> int:
@@ -144,7 +150,10 @@ def option(*flags: str, **kwargs: Any) -> Option:
 
 
 # The options `plan` and `train` share: same flag, same meaning.
-MODEL = option("--model", help="model name, e.g. llama3-tiny, llama3-debug, llama3-8b (autoshard.workload)")
+MODEL = option("--model", help="model name, e.g. llama3-tiny, llama3-debug, llama3-8b (autoshard.workload), or "
+                                "hf:PATH, a local Hugging Face config.json or model directory")
+INIT_FROM = option("--init-from", metavar="PATH", help="start from the weights of a safetensors file or directory "
+                                                       "(e.g. an HF model directory) instead of a seeded init")
 MESH = option("--mesh", type=_arg_type(parse_mesh), help="mesh shape, e.g. 8x8, 2x2 or 4")
 MESH_NAMES = option("--mesh-names", help="mesh dim names, e.g. dp,tp (default: dp,tp,pp,cp as many as needed)")
 BATCH = option("--batch", type=_arg_type(_positive_int), help="global batch size")
@@ -158,6 +167,10 @@ PARAM_DTYPE = option("--param-dtype", type=_arg_type(dtype_option), metavar="DTY
                           "and optimizer states stay fp32; default: no cast)")
 REDUCE_DTYPE = option("--reduce-dtype", type=_arg_type(dtype_option), metavar="DTYPE",
                       help="mixed precision: reduce gradients in this dtype (fp32, bf16; default: --param-dtype)")
+MEMORY_LIMIT = option("--memory-limit", type=_arg_type(parse_limit), metavar="BYTES",
+                      help="peak memory per rank a plan must fit, e.g. 70GiB, or 'none' (default: the device "
+                           "profile's capacity less 10%%); the ILP then chooses layouts and activation "
+                           "checkpointing under it, checked by the dry run")
 RECOMPUTE = option("--recompute", action="store_true",
                    help="activation checkpointing: the backward recomputes each repeated block's forward "
                         "(parameters gathered again) instead of keeping its activations")

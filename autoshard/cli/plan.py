@@ -39,6 +39,10 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     shared.PARAM_DTYPE.add(parser, default=None)
     shared.REDUCE_DTYPE.add(parser, default=None)
     shared.RECOMPUTE.add(parser, default=False)
+    shared.MEMORY_LIMIT.add(parser, default=None)
+    shared.INIT_FROM.add(parser, default=None, help="check that this safetensors checkpoint (file or directory) "
+                                                    "holds every parameter of the model with its shape (reads headers "
+                                                    "only), as `train --init-from` will load it")
     parser.add_argument("--compare", choices=sorted(COMPARE), default=None,
                         help="also plan with the hand-written FSDP+TP recipe pinned and compare (2-D meshes)")
     parser.add_argument("--backend", choices=BACKENDS, default="auto", help="ILP backend (default auto)")
@@ -93,6 +97,14 @@ def _check(args: argparse.Namespace):
         fail(f"--time-limit must be positive, got {args.time_limit}")
     if args.out is not None and args.out.exists() and not args.out.is_dir():
         fail(f"--out {args.out} exists and is not a directory")
+    if args.init_from is not None:  # headers only: no weights are read
+        from autoshard.workload import check_checkpoint, read_safetensors
+
+        try:
+            check_checkpoint(workload, workload.adapt_state_dict(read_safetensors(args.init_from, shapes_only=True)),
+                             args.init_from)
+        except ValueError as err:
+            fail(f"--init-from {err}")
     if args.explain is not None:  # a name check on the meta model, before planning
         from autoshard.problem.explain import ExplainError, match_params
 
@@ -126,6 +138,10 @@ def _plan_once(workload, args, *, pins: dict | None = None, budget: float | None
             if pins:
                 auto.pin(pins)
             auto.memory_budget(budget)
+            if what != "autoshard":  # a compared recipe is planned as it is, memory aside
+                auto.memory_limit(None)
+            elif args.memory_limit is not None:  # else the device's capacity less the reserve
+                auto.memory_limit(None if math.isinf(args.memory_limit) else args.memory_limit)
             plan = auto.optimize(backend=args.backend, time_limit=args.time_limit)
     except ValueError as err:  # e.g. a layout that does not split a shape evenly on this mesh
         fail(f"planning {what} failed: {err}")
@@ -143,10 +159,12 @@ def _explain(auto, args):
         fail(f"--explain {err}")
 
 
-def _dry_run(plan, args):
+def _dry_run(plan, args, auto):
     """Run the plan's program on fake tensors (in the fake process group); one error line if it cannot."""
     from autoshard.runtime.dryrun import DryRunError, dry_run
 
+    if auto.fit is not None and auto.fit.plan is plan and auto.fit.dry_run is not None:
+        return auto.fit.dry_run  # fitting the memory limit dry-ran this plan already
     log.info("dry run: rank 0's program on fake tensors")
     try:
         return dry_run(plan, mesh_dim_names=args.mesh_dim_names)
@@ -195,16 +213,18 @@ def run_plan(args: argparse.Namespace) -> int:
     out = args.out if args.out is not None else Path("plans") / f"{args.model}-{mesh_text}"
     run = {"model": args.model, "mesh": list(args.mesh), "mesh_names": list(args.mesh_dim_names), "batch": args.batch,
            "seq": args.seq, "network": args.network, "device": args.device, "backend": args.backend,
-           "memory_budget": args.memory_budget, "dry_run": args.dry_run}
+           "memory_budget": args.memory_budget, "dry_run": args.dry_run, "recompute": args.recompute,
+           "param_dtype": args.param_dtype, "reduce_dtype": args.reduce_dtype,
+           "memory_limit": args.memory_limit}
     extra: dict = {"run": run}
     with _process_group(math.prod(args.mesh)):
         plan, timings, auto = _plan_once(workload, args, budget=args.memory_budget, what="autoshard")
         explanation = _explain(auto, args) if args.explain is not None else None
         if explanation is not None:
             timings["explain"] = explanation.seconds
-        memory = _dry_run(plan, args) if args.dry_run else None
-        if memory is not None:
-            timings["dry_run"] = memory.seconds
+        memory = _dry_run(plan, args, auto) if args.dry_run else None
+        if memory is not None and not (auto.fit is not None and memory is auto.fit.dry_run):
+            timings["dry_run"] = memory.seconds  # (a dry run that fitting the limit ran is in its stage)
         if args.compare:
             recipe = COMPARE[args.compare]
             budget = _manual_budget(workload, recipe, args.mesh)
@@ -220,7 +240,7 @@ def run_plan(args: argparse.Namespace) -> int:
                 "timings": manual_timings,
             }}
     report = plan_report(plan, dry_run=memory, device=DeviceProfile.preset(args.device), timings=timings,
-                         explanation=explanation, extra=extra)
+                         explanation=explanation, memory_fit=auto.fit, extra=extra)
     try:
         log_path, json_path = write_report_files(report, out)
     except OSError as err:

@@ -1,4 +1,4 @@
-"""Train a llama model with an autoshard plan under torchrun.
+"""Train a model (ours, or `hf:PATH`; `--init-from` safetensors weights) with an autoshard plan under torchrun.
 
     torchrun --standalone --nproc_per_node=4 -m autoshard train --model llama3-debug --mesh 2x2 \\
         --steps 50 --out runs/debug
@@ -71,6 +71,7 @@ class Settings:
     steps: int = setting(50, type=int, help="train until this step")
     lr: float = setting(3e-3, type=float)
     seed: int = setting(0, type=int, help="weight init seed")
+    init_from: str | None = setting(None, shared.INIT_FROM)
     data_seed: int = setting(0, type=int)
     network: str | None = setting(None, shared.NETWORK,  # None: by device
                                   help="network profile for planning (default: cpu-gloo on CPU, h100-node on GPUs)")
@@ -114,7 +115,23 @@ def _parse(argv: list[str] | None) -> Settings:
 
 
 def _workload(settings: Settings) -> Workload:
-    return get_workload(settings.model, settings.seq)  # ValueError names the known models
+    try:
+        return get_workload(settings.model, settings.seq)  # ValueError names the known models
+    except ValueError as err:
+        raise UsageError(str(err)) from None
+
+
+def _initial_values(settings: Settings, workload: Workload) -> dict[str, torch.Tensor]:
+    """Full values to train from: the --init-from checkpoint (buffers from the seed's init), else
+    the seed's init."""
+    from autoshard.workload import checkpoint_values
+
+    if settings.init_from is None:
+        return workload.initial_state(settings.seed)
+    try:
+        return checkpoint_values(workload, settings.init_from, settings.seed)
+    except ValueError as err:
+        raise UsageError(f"--init-from {err}") from None
 
 
 def _init_distributed(settings: Settings) -> tuple[Any, str]:
@@ -292,6 +309,7 @@ def train(settings: Settings) -> list[float]:
     from models.train_single import TrainSettings, make_optimizer
 
     workload = _workload(settings)
+    initial = _initial_values(settings, workload)  # every rank: a bad checkpoint fails them together
     out = Path(settings.out)
     resume_from = None
     if settings.resume:
@@ -318,7 +336,8 @@ def train(settings: Settings) -> list[float]:
             log.info("  %s", line)
         log.info("autoshard train: sharding log %s", paths[0])
 
-    pmodel.init_weights(settings.seed)
+    pmodel.load_full(initial)
+    del initial
     optim = make_optimizer(pmodel.parameters(), TrainSettings(lr=settings.lr))
     start_step = 0
     if resume_from is not None:

@@ -262,6 +262,8 @@ def _unravel(i: int, sizes: Sequence[int]) -> list[int]:
 def _chunk(step: Step, x: torch.Tensor, mesh: Any, coord: Any) -> torch.Tensor:
     (d,), (m,) = step.tensor_dims, step.mesh_dims
     size = x.shape[d] // mesh.shape[m]
+    if not isinstance(coord[m], int):  # simulated ranks (LocalTensorMode): narrow takes no per-rank start
+        return x.index_select(d, torch.arange(size, device=x.device) + coord[m] * size)
     return torch.narrow(x, d, coord[m] * size, size).contiguous()
 
 

@@ -39,6 +39,7 @@ _SIZE_ARG = {
     aten.new_empty.default: 1, aten.new_zeros.default: 1, aten.new_ones.default: 1, aten.new_full.default: 1,
     aten.full.default: 0, aten.zeros.default: 0, aten.ones.default: 0, aten.empty.memory_format: 0,
     aten.empty_strided.default: 0,
+    aten.slice_backward.default: 1, aten.select_backward.default: 1,  # input_sizes (HF's rotate_half)
 }
 LOCAL_SHAPE = "autoshard_local_shape"  # node meta: expected local shape(s) on every rank
 

@@ -369,6 +369,11 @@ def summary_section(report: dict, names: Sequence[str], colors: dict[str, str]) 
         items += [(k, _e(run[k])) for k in _RUN_KEYS if run.get(k) is not None]
     if report.get("precision"):
         items.append(("precision", _e(report["precision"]["summary"])))
+    if report.get("memory_fit"):
+        items.append(("memory limit", _e(report["memory_fit"]["summary"])))
+    if (report.get("recompute") or {}).get("blocks"):
+        items.append(("activation checkpointing", _e(f"every block of {', '.join(report['recompute']['blocks'])} "
+                                                     f"recomputes its forward ({report['recompute']['ops']} ops)")))
     step = t["step_time_s"]
     items.append(("modeled step per rank", f'{_e(human_time(step))} = compute {_e(human_time(t["compute_s"]))} + '
                   f'communication {_e(human_time(t["comm_s"]))} (no overlap)'))

@@ -29,13 +29,14 @@ from autoshard.problem.plan import Plan, Redistribution, Sink
 from autoshard.profiles.device import DeviceProfile
 from autoshard.program.lower import Program
 from autoshard.runtime.dryrun import DryRunResult
+from autoshard.runtime.fit import MemoryFit
 
 LOG_NAME = "sharding.log"
 JSON_NAME = "plan.json"
 HTML_NAME = "report.html"
 
 # Top-level keys `plan_report` produces; anything else came in through `extra`.
-_OWN_KEYS = ("mesh_shape", "precision", "parameters", "inputs", "nodes", "sinks", "totals", "memory", "timings", "compare",
+_OWN_KEYS = ("mesh_shape", "precision", "recompute", "memory_fit", "parameters", "inputs", "nodes", "sinks", "totals", "memory", "timings", "compare",
              "explain")
 EXPLAIN_CHANGES = 10  # redistribution changes listed per alternative (the rest counted)
 
@@ -43,7 +44,8 @@ EXPLAIN_CHANGES = 10  # redistribution changes listed per alternative (the rest 
 # ------------------------------------------------------------------------------------ the dict
 def plan_report(plan: Plan, *, program: Program | None = None, dry_run: DryRunResult | None = None,
                 device: DeviceProfile | None = None, timings: dict[str, float] | None = None,
-                explanation: Explanation | None = None, extra: dict | None = None) -> dict:
+                explanation: Explanation | None = None, memory_fit: MemoryFit | None = None,
+                extra: dict | None = None) -> dict:
     """Everything the plan chose, as JSON-ready data: parameters, non-parameter inputs, every
     op with its strategy and incoming redistributions, sinks (loss, gradients), and totals; with
     the `program` lowered from it, also the collectives that program runs; with its `dry_run`,
@@ -102,6 +104,7 @@ def plan_report(plan: Plan, *, program: Program | None = None, dry_run: DryRunRe
         "precision": {"param_dtype": dtype_name(precision.param_dtype),
                       "reduce_dtype": dtype_name(precision.reduce_dtype or precision.param_dtype),
                       "output_dtype": dtype_name(precision.output_dtype), "summary": precision.describe()},
+        "recompute": {"blocks": list(plan.recompute_blocks), "ops": len(plan.recomputed)},
         "parameters": parameters,
         "inputs": inputs,
         "nodes": nodes,
@@ -129,6 +132,12 @@ def plan_report(plan: Plan, *, program: Program | None = None, dry_run: DryRunRe
         report["totals"]["program_count_by_collective"] = dict(sorted(program.comm.total_count().items()))
     if dry_run is not None:
         report["memory"] = memory_entry(dry_run, device)
+    if memory_fit is not None:
+        report["memory_fit"] = {"limit_bytes": memory_fit.limit, "modeled_bytes": memory_fit.modeled_bytes,
+                                "peak_bytes": memory_fit.peak_bytes, "constrained": memory_fit.constrained,
+                                "recompute": memory_fit.recompute,
+                                "tried": [{"recompute": rc, "peak_bytes": peak} for rc, peak in memory_fit.tried],
+                                "summary": memory_fit.summary()}
     if timings:
         report["timings"] = {k: float(v) for k, v in timings.items()}
     if explanation is not None:
@@ -354,9 +363,10 @@ def format_log(report: dict) -> str:
     out.append(f"parameters: {t['non_default_order_params']} / {t['params']} in non-default device order, "
                f"{human_bytes(t['param_bytes_per_rank'])} per rank")
     out.append(_ilp_line(t["ilp"]))
-    if report.get("memory"):
+    if report.get("memory") or report.get("memory_fit") or (report.get("recompute") or {}).get("blocks"):
         out += ["", "== memory per rank (dry run of the lowered program on fake tensors) =="]
-        out += _memory_lines(report["memory"])
+        out += _memory_lines(report["memory"]) if report.get("memory") else []
+        out += [line for line in _fit_lines(report)]
     if report.get("timings"):
         out += ["", "== timings =="]
         out += [f"{stage:<8} {seconds:8.2f} s" for stage, seconds in report["timings"].items()]
@@ -435,6 +445,7 @@ def summary_lines(report: dict) -> list[str]:
     lines.append(_ilp_line(t["ilp"]))
     if report.get("memory"):
         lines.append(memory_line(report["memory"]))
+    lines += _fit_lines(report)
     if report.get("timings"):
         stages = ", ".join(f"{k} {v:.1f} s" for k, v in report["timings"].items())
         lines.append(f"stages: {stages} (total {sum(report['timings'].values()):.1f} s)")
@@ -457,6 +468,18 @@ def _memory_lines(memory: dict) -> list[str]:
         lines.append(f"rank {r['rank']}: forward peak {human_bytes(r['forward_peak_bytes'])}, backward peak "
                      f"{human_bytes(r['backward_peak_bytes'])}, forward hands the backward {human_bytes(r['saved_bytes'])}")
     lines.append(memory_line(memory))
+    return lines
+
+
+def _fit_lines(report: dict) -> list[str]:
+    """The memory limit's verdict and which blocks recompute their forward."""
+    lines = []
+    if report.get("memory_fit"):
+        lines.append(report["memory_fit"]["summary"])
+    blocks = (report.get("recompute") or {}).get("blocks")
+    if blocks:
+        lines.append(f"activation checkpointing: the backward recomputes the forward of every block of "
+                     f"{', '.join(blocks)} ({report['recompute']['ops']} ops run twice)")
     return lines
 
 

@@ -38,9 +38,9 @@ from torch import fx
 
 from autoshard import _torch_compat as tc
 from autoshard.program.lower import LOCAL_SHAPE, Bucket, CheckedRun, Program, Redistribute, lower
+from autoshard.problem.memory import ADAMW_STATE_BYTES
 from autoshard.problem.plan import Plan
 
-ADAMW_STATE_BYTES = 8  # two fp32 states per parameter element
 CATEGORIES = ("params", "buffers", "inputs", "activations", "gathered_params", "grads", "transient")
 
 

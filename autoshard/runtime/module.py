@@ -103,6 +103,11 @@ class ParallelModule(nn.Module):
             missing = [n for n in self.program.param_names if n not in values]
             if missing:
                 raise KeyError(f"full values lack {len(missing)} parameters, e.g. {missing[:3]}")
+            # a state dict leaves out non-persistent buffers (rotary tables): left empty, they are garbage
+            missing = [n for n in self.program.buffer_names if n not in values]
+            if missing:
+                raise KeyError(f"full values lack {len(missing)} buffers, e.g. {missing[:3]} (a state dict leaves "
+                               "out non-persistent ones: add dict(model.named_buffers()))")
         for fqn in names:
             if fqn not in values:
                 continue

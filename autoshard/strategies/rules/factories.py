@@ -21,3 +21,11 @@ def fill_factory(call: OpCall, layouts: LayoutCache) -> list[Found] | None:
         return None
     (out,) = call.out_vals
     return [((lay,), ()) for lay in layouts(out.shape, allow_partial=False, all_orders=True)]
+
+
+@rule(aten.arange.default, aten.arange.start, aten.arange.start_step)
+def arange(call: OpCall, layouts: LayoutCache) -> list[Found]:
+    """Positions (Hugging Face decoders build theirs from `arange`): one value per sequence
+    position, small, made whole on every rank. A shard would need rank-dependent bounds the
+    lowered program does not rewrite; consumers that want one slice the replicated value for free."""
+    return [call.replicated()]

@@ -1,0 +1,91 @@
+"""Modeled memory per rank, linear in the ILP's choices: what a budget on the peak can constrain.
+
+At the peak of a step (early in the backward) a rank holds its parameter shards and their AdamW
+states for the whole step, and every value the forward hands to the backward. Both are sums over
+ILP nodes of a figure per choice: a parameter's local bytes plus two fp32 states per local
+element; a handed-over value's local bytes in the layout its producer chose. What is not linear —
+the transient working set of the op running at the peak, a recomputed block's activations while
+its backward runs — is measured by the dry run and carried as a constant (`api.AutoShard` fits a
+plan under a limit that way).
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+
+import solver
+from torch import fx
+
+from autoshard.capture.trace import JointGraph
+from autoshard.problem.build import ShardingProblem
+
+ADAMW_STATE_BYTES = 8  # AdamW keeps two fp32 states per parameter element
+
+
+def handed_over(graph: JointGraph, recomputed: frozenset[str]) -> dict[fx.Node, set[int]]:
+    """Forward values the backward reads (those of recomputed nodes replaced by what they are
+    computed from): producing node -> which of its outputs. Placeholders are not listed."""
+    out: dict[fx.Node, set[int]] = {}
+    seen: set[fx.Node] = set()
+
+    def reads(value: fx.Node) -> None:
+        if value in seen or value.op != "call_function" or graph.is_backward(value):
+            return
+        seen.add(value)
+        if value.name in recomputed:
+            for arg in value.all_input_nodes:
+                reads(arg)
+        elif value.target is operator.getitem:
+            parent, index = value.args
+            out.setdefault(parent, set()).add(index)
+        else:
+            out.setdefault(value, set()).add(0)
+
+    for node in graph.nodes:
+        if node.op == "call_function" and graph.is_backward(node):
+            for arg in node.all_input_nodes:
+                reads(arg)
+    for grad in graph.grads.values():
+        reads(grad)
+    return out
+
+
+def peak_memory_table(sp: ShardingProblem) -> dict[str, list[float]]:
+    """ILP node -> modeled bytes per rank of each of its choices at the step's peak: parameters
+    with their AdamW states, and the values handed to the backward (under the problem's
+    recomputation)."""
+    ms = sp.mesh_shape
+    table: dict[str, list[float]] = {}
+    for node in sp.graph.params.values():
+        val = node.meta["val"]
+        table[node.name] = [math.prod(s.outputs[0].local_shape(tuple(val.shape), ms))
+                            * (val.dtype.itemsize + ADAMW_STATE_BYTES) for s in sp.strategies[node.name]]
+    for node, outputs in handed_over(sp.graph, sp.recomputed).items():
+        if node.name not in sp.strategies:
+            continue
+        vals = node.meta["val"] if isinstance(node.meta["val"], (tuple, list)) else [node.meta["val"]]
+        row = []
+        for strategy in sp.strategies[node.name]:
+            total = 0.0
+            for i in outputs:
+                layout, val = strategy.outputs[i], vals[i]
+                if layout is not None and hasattr(val, "shape"):
+                    total += math.prod(layout.local_shape(tuple(val.shape), ms)) * val.dtype.itemsize
+            row.append(total)
+        table[node.name] = row
+    return table
+
+
+def modeled_bytes(table: dict[str, list[float]], choice: dict[str, int]) -> float:
+    """The table's bytes for one solution's choices."""
+    return sum(row[choice[name]] for name, row in table.items())
+
+
+def with_peak_budget(sp: ShardingProblem, table: dict[str, list[float]], limit: float) -> solver.Problem:
+    """The problem with one more constraint: the table's bytes of the chosen layouts <= `limit`."""
+    problem = sp.problem
+    extended = solver.Problem(list(problem.nodes), list(problem.edges), list(problem.constraints),
+                              list(problem.regions))
+    extended.memory_budget(list(table), limit, name="modeled peak bytes per rank", memory=table)
+    return extended

@@ -1,0 +1,119 @@
+"""Fit a plan under a memory limit per rank: the ILP chooses layouts and activation checkpointing
+under a budget on the modeled peak, and the dry run checks the result.
+
+The budget's linear part is `problem.memory.peak_memory_table` (parameters with their AdamW
+states, values handed to the backward). What is not linear in the choices — the working set of the
+op running at the peak, a recomputed block's activations during its backward — is taken from the
+dry run of the last plan and subtracted from the limit. When a plan needs more than the limit:
+
+1. for each recomputation option (none; every repeated block), solve with the budget;
+2. keep the feasible plan with the lowest modeled step time; dry-run it;
+3. if its peak is still over the limit, the non-linear part grew: tighten and go again (3 rounds).
+
+A plan whose linear part is under `TRUST` of the limit is not dry-run here: far from binding.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+
+import solver
+
+from autoshard.pricing.planner import Planner
+from autoshard.problem.build import ProblemSpec, ShardingProblem, build_problem
+from autoshard.problem.memory import modeled_bytes, peak_memory_table, with_peak_budget
+from autoshard.problem.plan import Plan, decode
+from autoshard.profiles.device import DeviceProfile
+from autoshard.runtime.dryrun import DryRunResult, dry_run
+
+log = logging.getLogger("autoshard")
+
+MEMORY_RESERVE = 0.10  # of a device's capacity kept free: allocator slack, collective buffers, context
+TRUST = 0.5  # a plan whose linear part is under this share of the limit fits without a dry run
+ROUNDS = 3
+
+
+class MemoryLimitError(ValueError):
+    """No plan fits the memory limit: names the smallest peak reached and what fills it."""
+
+
+@dataclass
+class MemoryFit:
+    """How a plan meets the memory limit (bytes per rank)."""
+
+    limit: float
+    plan: Plan
+    modeled_bytes: float  # the linear part for the chosen plan
+    peak_bytes: float | None  # its dry run's peak (None: not dry-run, the linear part was far below)
+    constrained: bool  # the unconstrained optimum did not fit; the budget chose this plan
+    recompute: bool
+    dry_run: DryRunResult | None = None
+    tried: list[tuple[bool, float]] = dataclasses.field(default_factory=list)  # (recompute, peak) dry-run
+
+    def summary(self) -> str:
+        peak = "not dry-run (far below)" if self.peak_bytes is None else f"dry-run peak {_size(self.peak_bytes)}"
+        how = "planned under the budget" if self.constrained else "the unconstrained optimum fits"
+        return (f"memory limit {_size(self.limit)} per rank: {how}; modeled {_size(self.modeled_bytes)} "
+                f"(params + AdamW states + handed-over values), {peak}; "
+                f"activation checkpointing {'on' if self.recompute else 'off'}")
+
+
+def _size(n: float) -> str:
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def fit_memory(plan: Plan, sharding: ShardingProblem, planner: Planner, device: DeviceProfile, spec: ProblemSpec,
+               limit: float, *, backend: str = "auto", time_limit: float | None = None
+               ) -> tuple[Plan, ShardingProblem, MemoryFit]:
+    """`plan` if it fits `limit`, else the best plan that does (with the problem it solves);
+    MemoryLimitError when none does."""
+    table = peak_memory_table(sharding)
+    linear = modeled_bytes(table, plan.solution.choice)
+    if linear <= TRUST * limit:
+        return plan, sharding, MemoryFit(limit, plan, linear, None, False, bool(plan.recomputed))
+    result = dry_run(plan)
+    tried = [(bool(plan.recomputed), float(result.peak_bytes))]
+    if result.peak_bytes <= limit:
+        return plan, sharding, MemoryFit(limit, plan, linear, result.peak_bytes, False, bool(plan.recomputed),
+                                         result, tried)
+    log.info("autoshard: the plan needs %.1f GiB per rank, over the %.1f GiB limit: planning under a budget",
+             result.peak_bytes / 2**30, limit / 2**30)
+    problems = {spec.recompute: sharding}
+    if not spec.recompute:  # the user did not ask for recomputation: the budget may choose it
+        problems[True] = build_problem(sharding.graph, sharding.mesh_shape, planner, device,
+                                       dataclasses.replace(spec, recompute=True))
+    tables = {rc: table if sp is sharding else peak_memory_table(sp) for rc, sp in problems.items()}
+    extra = result.peak_bytes - linear  # the non-linear part, as the dry run found it
+    smallest = (result.peak_bytes, result)
+    for _ in range(ROUNDS):
+        best = None
+        for rc, sp in problems.items():
+            try:
+                solution = solver.solve(with_peak_budget(sp, tables[rc], limit - extra), backend=backend,
+                                        time_limit=time_limit)
+            except solver.InfeasibleError:
+                continue
+            candidate = decode(sp, solution, planner)
+            if best is None or candidate.step_time_s < best[0].step_time_s:
+                best = (candidate, sp, rc)
+        if best is None:
+            break
+        candidate, sp, rc = best
+        result = dry_run(candidate)
+        linear = modeled_bytes(tables[rc], candidate.solution.choice)
+        tried.append((rc, float(result.peak_bytes)))
+        if result.peak_bytes < smallest[0]:
+            smallest = (result.peak_bytes, result)
+        if result.peak_bytes <= limit:
+            return candidate, sp, MemoryFit(limit, candidate, linear, result.peak_bytes, True, rc, result, tried)
+        extra = max(extra, result.peak_bytes - linear) * 1.02
+    peak, worst = smallest
+    rank = max(worst.ranks.values(), key=lambda m: m.peak_bytes)
+    parts = sorted(((getattr(rank, k), k) for k in ("activations", "gathered_params", "transient", "params",
+                                                     "optimizer", "grads")), reverse=True)
+    largest = ", ".join(f"{k} {_size(v)}" for v, k in parts[:3])
+    raise MemoryLimitError(f"no plan fits {_size(limit)} per rank: the smallest peak reached is {_size(peak)} "
+                           f"(largest: {largest}); use more devices, a smaller batch or sequence, or bf16 "
+                           f"parameters (--param-dtype bf16)")

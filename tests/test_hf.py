@@ -1,0 +1,211 @@
+"""Hugging Face causal LMs (tiny configs built here, nothing downloaded): traced by dynamo capture,
+planned, and run on every rank under LocalTensorMode, they reproduce the single-device loss and
+every gradient through 3 AdamW steps; their weights load from an HF state dict."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import transformers
+
+from autoshard import _torch_compat as tc
+from autoshard.api import AutoShard
+from autoshard import hf
+from autoshard.runtime.module import parallelize
+from models import MarkovTokens, cross_entropy_loss
+from models.train_single import TrainSettings, make_optimizer
+from simulation import simulated_mesh
+
+BATCH, SEQ, VOCAB, STEPS = 4, 8, 128, 3
+SMALL = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2, use_cache=False)
+CONFIGS = {
+    "llama": lambda: transformers.LlamaConfig(**SMALL),
+    "qwen2": lambda: transformers.Qwen2Config(**SMALL),  # q/k/v biases
+    "qwen3": lambda: transformers.Qwen3Config(**SMALL, head_dim=8, tie_word_embeddings=True),  # q/k norms, tied
+}
+
+
+def batches():
+    data = MarkovTokens(VOCAB, seed=0)
+    return [data.batch(step, BATCH, SEQ) for step in range(STEPS)]
+
+
+def logits_loss(logits, targets):
+    return cross_entropy_loss(logits, targets)
+
+
+def single_device(config, keywords: bool):
+    """Initial state dict, and per step (loss, gradients), of AdamW on one device."""
+    model = hf.build(config, "cpu", seed=0)
+    initial = {k: v.clone() for k, v in (model.state_dict() | dict(model.named_buffers())).items()}
+    optim = make_optimizer(model.parameters(), TrainSettings())
+    steps = []
+    for batch in batches():
+        if keywords:
+            loss = model(input_ids=batch.inputs, labels=batch.targets).loss
+        else:
+            loss = logits_loss(model(batch.inputs).logits, batch.targets)
+        loss.backward()
+        steps.append((loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+        optim.step()
+        optim.zero_grad()
+    return initial, steps
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind, mesh_shape, keywords", [
+    ("llama", (2, 2), False), ("llama", (4,), True),
+    ("qwen2", (2, 2), True), ("qwen2", (4,), False),
+    ("qwen3", (2, 2), False), ("qwen3", (4,), True),
+])
+def test_hf_causal_lm_trains_like_single_device(kind, mesh_shape, keywords, caplog):
+    config = CONFIGS[kind]()
+    initial, ref = single_device(config, keywords)
+    meta = hf.build(config, "meta")
+    if keywords:  # HF's own convention: keyword inputs, the loss from `.loss`
+        example = lambda: {"input_ids": torch.empty(BATCH, SEQ, dtype=torch.int64, device="meta"),  # noqa: E731
+                           "labels": torch.empty(BATCH, SEQ, dtype=torch.int64, device="meta")}
+        loss_fn = None
+    else:  # a loss function of one's own gets `.logits`
+        example = lambda: (torch.empty(BATCH, SEQ, dtype=torch.int64, device="meta"),) * 2  # noqa: E731
+        loss_fn = logits_loss
+    with caplog.at_level(logging.INFO, logger="autoshard"):
+        plan = AutoShard(meta, example, mesh_shape, loss_fn=loss_fn).optimize()
+    assert "traced by dynamo graph capture" in caplog.text
+    assert "will run replicated" not in caplog.text  # no op without a strategy
+    names = [n for n, _ in meta.named_parameters()]
+    assert sorted(plan.param_layouts) == sorted(names)
+    if config.tie_word_embeddings:  # one parameter, one gradient, one layout
+        assert "lm_head.weight" not in names and "model.embed_tokens.weight" in names
+    data = batches()  # one global value, made outside LocalTensorMode
+    with simulated_mesh(mesh_shape) as (mesh, mode):
+        pmodel = parallelize(plan, mesh, meta)
+        state = {k: v for k, v in initial.items() if "rotary_emb" not in k}  # an HF state dict as it is
+        with pytest.raises(KeyError, match="lack 2 buffers.*rotary_emb.inv_freq"):  # not garbage rotary tables
+            pmodel.load_full(state)
+        pmodel.load_full(initial)  # the state dict (tied lm_head.weight included) and the buffers
+        optim = make_optimizer(pmodel.parameters(), TrainSettings())
+        for step, batch in enumerate(data):
+            loss = pmodel(*pmodel.shard_inputs(batch.inputs, batch.targets))
+            loss.backward()
+            want_loss, want_grads = ref[step]
+            with mode.disable():
+                for got in tc.rank_values(loss).values():
+                    assert abs(got.item() - want_loss) <= 1e-5 * max(1.0, abs(want_loss)), (step, got, want_loss)
+            # AdamW's normalized steps turn reduction-order ulps (batch-sharded sums) into ~1e-7
+            # weight differences: later steps' gradients get a 1e-5 floor instead of 1e-6
+            atol = 1e-6 if step == 0 else 1e-5
+            for fqn, p in pmodel.named_parameters():
+                assert p.grad.placements == p.placements, fqn
+                full = p.grad.full_tensor()
+                with mode.disable():
+                    for got in tc.rank_values(full).values():
+                        torch.testing.assert_close(got, want_grads[fqn], rtol=1e-5, atol=atol,
+                                                   msg=lambda m: f"{fqn} step {step}: {m}")
+            optim.step()
+            optim.zero_grad()
+
+
+# ------------------------------------------------------------------------------------ CLI
+def save_tiny(directory, seed=7, **config):
+    """A tiny Llama saved as HF does (config.json, model.safetensors): the model, its directory."""
+    model = hf.build(transformers.LlamaConfig(**(SMALL | config)), "cpu", seed=seed)
+    model.save_pretrained(directory)
+    return model, directory
+
+
+def test_hf_workload_builds_from_a_local_config_and_seeds_its_init(tmp_path):
+    from autoshard.workload import get_workload
+
+    _, directory = save_tiny(tmp_path / "m")
+    for path in (directory, directory / "config.json"):
+        w = get_workload(f"hf:{path}", seq=16)
+        model = w.build("meta")
+        assert type(model) is transformers.LlamaForCausalLM and not model.config.use_cache
+        assert model.config._attn_implementation == "sdpa"
+    first, again, other = w.initial_state(3), w.initial_state(3), w.initial_state(4)
+    want = hf.build(model.config, "cpu", seed=3)
+    assert set(first) == {n for n, _ in want.named_parameters()} | {n for n, _ in want.named_buffers()}
+    assert all(torch.equal(first[k], again[k]) and torch.equal(first[k], v) for k, v in want.state_dict().items())
+    assert not torch.equal(first["model.embed_tokens.weight"], other["model.embed_tokens.weight"])
+
+
+def test_checkpoint_values_take_weights_from_safetensors_and_buffers_from_init(tmp_path):
+    from autoshard.workload import checkpoint_values, get_workload
+
+    saved, directory = save_tiny(tmp_path / "m", seed=11)
+    w = get_workload(f"hf:{directory}", seq=16)
+    values = checkpoint_values(w, directory, seed=0)
+    for name, p in saved.named_parameters():
+        assert torch.equal(values[name], p), name
+    assert torch.equal(values["model.rotary_emb.inv_freq"], saved.model.rotary_emb.inv_freq)
+
+
+@pytest.mark.parametrize("case, message", [
+    ("missing", "hf:{tmp}/nope: no such file or directory"),
+    ("empty-dir", "the directory has no config.json"),
+    ("vit", "model_type 'vit' has no causal-LM class in transformers"),
+    ("unknown-type", "knows no model_type 'not-a-model'"),
+    ("bad-json", "not a JSON config"),
+    ("init-shapes", "weight has shape (256, 32) in the checkpoint, (128, 32) in hf:{tmp}/m"),
+    ("init-missing", "--init-from {tmp}/m/config.json: not a safetensors file"),
+])
+@pytest.mark.parametrize("command", ["plan", "train"])
+def test_bad_hf_input_is_one_error_line(tmp_path, capsys, case, message, command):
+    from autoshard.cli.plan import plan_main
+    from autoshard.cli.train import main as train_main
+
+    save_tiny(tmp_path / "m")
+    save_tiny(tmp_path / "other", vocab_size=256)
+    (tmp_path / "empty-dir").mkdir()
+    (tmp_path / "vit").mkdir()
+    (tmp_path / "vit" / "config.json").write_text('{"model_type": "vit"}')
+    (tmp_path / "unknown-type.json").write_text('{"model_type": "not-a-model"}')
+    (tmp_path / "bad-json.json").write_text("{nope")
+    model = {"missing": "nope", "empty-dir": "empty-dir", "vit": "vit", "unknown-type": "unknown-type.json",
+             "bad-json": "bad-json.json"}.get(case, "m")
+    args = ["--model", f"hf:{tmp_path / model}", "--mesh", "1", "--batch", "2", "--seq", "8", "--out", tmp_path / "o"]
+    if case == "init-shapes":
+        args += ["--init-from", tmp_path / "other"]
+    if case == "init-missing":
+        args += ["--init-from", tmp_path / "m" / "config.json"]
+    args = [str(a) for a in args]
+    if command == "plan":
+        with pytest.raises(SystemExit) as exit_:
+            plan_main(args)
+        code = exit_.value.code
+    else:
+        code = train_main(args)
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert code == 2 and len(lines) == 1, err
+    assert message.replace("{tmp}", str(tmp_path)) in lines[0], lines
+    assert "Traceback" not in err and not (tmp_path / "o").exists()
+
+
+@pytest.mark.slow
+def test_torchrun_trains_an_hf_model_from_its_safetensors_like_single_device(tmp_path):
+    """4 gloo ranks on (2,2), `--model hf:DIR --init-from DIR` (a tiny Llama saved by
+    save_pretrained): the 5 losses equal the single-device run from the same weights."""
+    from test_train import metrics, torchrun
+
+    from autoshard.workload import get_workload
+
+    model, directory = save_tiny(tmp_path / "m", seed=5, tie_word_embeddings=True)
+    torchrun("--model", f"hf:{directory}", "--init-from", str(directory), "--mesh", "2x2", "--batch", "8",
+             "--seq", "16", "--steps", "5", "--out", str(tmp_path / "run"))
+    data = get_workload(f"hf:{directory}", seq=16).data(0)
+    optim = make_optimizer(model.parameters(), TrainSettings())
+    want = []
+    for step in range(5):
+        tokens, targets = data.batch(step, 8, 16)
+        loss = cross_entropy_loss(model(tokens).logits, targets)
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        want.append(loss.item())
+    got = [row["loss"] for row in metrics(tmp_path / "run")]
+    assert len(got) == 5 and all(abs(a - b) <= 1e-5 for a, b in zip(got, want)), (got, want)
