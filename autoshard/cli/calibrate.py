@@ -43,7 +43,7 @@ def calibrate_parser(prog: str = "python -m autoshard calibrate") -> argparse.Ar
     p.add_argument("--repeats", type=shared._arg_type(shared._positive_int), default=7,
                    help="timed calls per size (default 7; sizes above 4 MiB get 3), after 2 warm-up calls")
     p.add_argument("--quick", action="store_true",
-                   help="a smoke test: tiny sizes, 2 calls each (a usable but rough profile)")
+                   help="a smoke test: collectives up to 1 MiB, small matmuls, 2 calls each (a usable but rough profile)")
     return p
 
 
@@ -53,7 +53,7 @@ def _settings(a: argparse.Namespace):
     if a.min_size > a.max_size:
         raise UsageError(f"--min-size {a.min_size:g} is larger than --max-size {a.max_size:g}")
     if a.quick:
-        a.max_size = min(a.max_size, 64 * KIB)
+        a.max_size = min(a.max_size, MIB)
         a.min_size = min(a.min_size, a.max_size)
     sizes = []
     size = int(a.min_size)

@@ -79,6 +79,9 @@ class Settings:
                                          help="compute profile for planning (default: cpu on CPU, h100 on GPUs)")
     memory_budget: float | None = setting(None, shared.MEMORY_BUDGET)
     plan_file: str | None = setting(None, help="reuse a plan.json written by an earlier run or `plan`")
+    recipe: str | None = setting(None, choices=("fsdp-tp", "fsdp"),
+                                 help="pin the parameters to a hand-written recipe's layouts (autoshard.problem.recipes), "
+                                      "at its own parameter bytes per rank: to measure it beside autoshard's plan")
     checkpoint_every: int = setting(0, type=int, help="checkpoint every K steps (0: never)")
     resume: bool = setting(False, help="continue from the newest checkpoint in --out")
     wire_step: int = setting(0, type=int,
@@ -191,6 +194,11 @@ def _plan(settings: Settings, workload: Workload, mesh, network: str, profile: s
     model = workload.build("meta")
     with AutoShard(model, example, mesh, loss_fn=workload.loss_fn, n_model_inputs=workload.n_model_inputs,
                    network=network, device=profile) as auto:
+        if settings.recipe is not None:
+            from autoshard.problem.recipes import param_bytes_per_rank, recipe_layouts, recipe_pins
+
+            auto.pin(recipe_pins(settings.recipe))
+            auto.memory_budget(param_bytes_per_rank(model, recipe_layouts(model, settings.recipe), settings.mesh))
         if settings.memory_budget is not None:
             auto.memory_budget(settings.memory_budget)
         solve_with = _solve_on_rank0(settings, saved)
