@@ -35,6 +35,7 @@ from benchmarks.training import ROOT, _torchrun  # noqa: E402
 GOAL = 0.25  # |modeled / measured - 1|
 PLANS = {"autoshard": None, "FSDP+TP recipe pinned": "fsdp-tp", "FSDP pinned": "fsdp"}
 PRESETS = ("cpu-gloo", "cpu")
+SHOWN = ("layers.0.attention.wq.weight", "layers.0.feed_forward.w2.weight", "norm.weight")
 
 
 @dataclass(frozen=True)
@@ -82,12 +83,14 @@ def train(case: Case, recipe: str | None, network: str, device: str, out: Path) 
          out / "console.txt")
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
     timed = [r["step_s"] for r in rows if r["step"] > case.warmup]
-    totals = json.loads((out / "plan.json").read_text())["totals"]
+    report = json.loads((out / "plan.json").read_text())
+    totals = report["totals"]
     measured = statistics.median(timed)
     modeled = rows[0]["modeled_step_s"]
     return {"modeled_s": modeled, "compute_s": totals["compute_s"], "comm_s": totals["comm_s"],
             "measured_s": measured, "measured_steps_s": timed, "ratio": modeled / measured,
-            "collectives": totals.get("count_by_collective")}
+            "collectives": totals.get("count_by_collective"),
+            "layouts": {p["fqn"]: p["layout"] for p in report["parameters"] if p["fqn"] in SHOWN}}
 
 
 def run(quick: bool = False, out_dir: str | os.PathLike = ROOT / "runs" / "bench-accuracy") -> dict:

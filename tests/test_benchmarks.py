@@ -77,5 +77,9 @@ def test_quick_accuracy_section(quick):
         assert r["modeled_s"] == pytest.approx(r["compute_s"] + r["comm_s"]) and r["modeled_s"] > 0
         assert r["measured_s"] > 0 and r["ratio"] == pytest.approx(r["modeled_s"] / r["measured_s"])
     assert sorted(calibrated["modeled_ranking"]) == sorted(calibrated["plans"])
+    # train --recipe pinned the recipes' layouts
+    recipe, fsdp = calibrated["plans"]["FSDP+TP recipe pinned"]["layouts"], calibrated["plans"]["FSDP pinned"]["layouts"]
+    assert recipe["layers.0.attention.wq.weight"] == "S(0)S(0)[1,0]" and recipe["norm.weight"] == "S(0)R"
+    assert set(fsdp.values()) == {"S(0)S(0)[0,1]"} and len(fsdp) == 3
     assert figures["profile"]["network"]["groups"][0]["mesh_dims"] == [0, 1]
     assert "| profiles | plan | modeled ms" in quick[1]

@@ -93,7 +93,7 @@ def test_group_override_prices_flattened_steps():
 
 
 def test_profile_file_round_trips(tmp_path):
-    device = DeviceProfile(3.2e10, 2.9e10, "calibrated cpu", 8e9)
+    device = DeviceProfile(peak_flops=3.2e10, mem_bw=2.9e10, name="calibrated cpu", memory_bytes=8e9)
     path = ProfileFile(TRUE, device, (2, 2), {"host": "x"}).save(tmp_path / "p.json")
     back = read_profile(path)
     assert back.network == TRUE and back.device == device and back.mesh_shape == (2, 2)

@@ -123,7 +123,8 @@ def _device_profile(timings: dict, device, name: str):
                            "mem_bw": mem.rate, "mem_overhead_s": mem.overhead_s, "mem_fit_rel_rms": mem.rel_rms,
                            "timings": parts}
     base = by_dtype.get("float32") or next(iter(by_dtype.values()))
-    profile = DeviceProfile(base["matmul_flops"], base["mem_bw"], name, memory_capacity(device))
+    profile = DeviceProfile(peak_flops=base["matmul_flops"], mem_bw=base["mem_bw"], name=name,
+                            memory_bytes=memory_capacity(device))
     return profile, by_dtype
 
 

@@ -78,8 +78,9 @@ class ProfileFile:
             if data.get("device") is not None:
                 d = data["device"]
                 memory = d.get("memory_bytes")
-                device = DeviceProfile(float(d["peak_flops"]), float(d["mem_bw"]), str(d.get("name", "calibrated")),
-                                       None if memory is None else float(memory))
+                device = DeviceProfile(peak_flops=float(d["peak_flops"]), mem_bw=float(d["mem_bw"]),
+                                       name=str(d.get("name", "calibrated")),
+                                       memory_bytes=None if memory is None else float(memory))
             return cls(network, device, mesh, dict(data.get("details") or {}))
         except (KeyError, TypeError, AttributeError) as err:
             raise ValueError(f"malformed profile ({type(err).__name__}: {err})") from None
