@@ -2,6 +2,7 @@
 
   plan   plan a model's sharding, write the sharding log and plan JSON (autoshard.cli.plan)
   train  distributed training (autoshard.cli.train)
+  calibrate  measure the network and device into a profile file (autoshard.cli.calibrate)
   report rebuild RUN_DIR/report.html from its plan.json and metrics.jsonl (autoshard.cli.report)
 """
 
@@ -23,12 +24,20 @@ def _train(argv: list[str]) -> int:
     return int(train.main(argv) or 0)
 
 
+def _calibrate(argv: list[str]) -> int:
+    from autoshard.cli import calibrate
+
+    return int(calibrate.main(argv) or 0)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] == "train":  # train parses its own arguments
+    if argv and argv[0] == "train":  # train and calibrate parse their own arguments (under torchrun)
         return _train(argv[1:])
+    if argv and argv[0] == "calibrate":
+        return _calibrate(argv[1:])
     parser = ArgumentParser(prog="python -m autoshard", description="autoshard: automatic FSDP+TP planning")
-    commands = parser.add_subparsers(dest="command", required=True, metavar="{plan,train,report}",
+    commands = parser.add_subparsers(dest="command", required=True, metavar="{plan,train,calibrate,report}",
                                      parser_class=ArgumentParser)
     plan = commands.add_parser("plan", help="plan a model's sharding; write sharding.log, plan.json, report.html",
                                description="Plan a model's sharding and write the sharding log, plan JSON and "
@@ -37,6 +46,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     plan.set_defaults(run=run_plan)
     commands.add_parser("train", help="distributed training (see python -m autoshard train --help)",
                         add_help=False)
+    commands.add_parser("calibrate", help="measure network and device into a profile file for --network/--device "
+                                          "(see python -m autoshard calibrate --help)", add_help=False)
     report = commands.add_parser("report", help="rebuild RUN_DIR/report.html from plan.json (+ metrics.jsonl)",
                                  description="Rebuild RUN_DIR/report.html from RUN_DIR/plan.json, with the "
                                              "training curves of RUN_DIR/metrics.jsonl when present.")

@@ -30,6 +30,7 @@ from autoshard.runtime.module import ParallelModule, parallelize
 from autoshard import _torch_compat as tc
 from autoshard.profiles.network import NetworkProfile
 from autoshard.profiles.device import DeviceProfile
+from autoshard.profiles.files import device_profile, network_profile
 from autoshard.layout import Layout
 from autoshard.problem.explain import MAX_SOLVES, Explanation, explain
 from autoshard.runtime.fit import MEMORY_RESERVE, MemoryFit, fit_memory
@@ -68,7 +69,8 @@ class AutoShard:
     """Collects constraints, then traces, builds the ILP, solves it and decodes a `Plan`.
 
     `mesh` is a DeviceMesh or a mesh shape (planning needs no process group). `network` and
-    `device` are preset names or profiles: they price communication and compute. `unroll=False`
+    `device` are preset names, profiles, or paths of a profile file from `autoshard calibrate`:
+    they price communication and compute. `unroll=False`
     traces every repeated block instead of three (for blocks whose code depends on their depth).
     `mp_policy` (torch's `MixedPrecisionPolicy`, FSDP2's meaning): parameters and optimizer states
     stay in their dtype; compute and parameter gathers run in `param_dtype`, gradients are reduced in
@@ -98,8 +100,8 @@ class AutoShard:
         self.mesh_shape = _mesh_shape(mesh)
         self.loss_fn = loss_fn
         self.n_model_inputs = n_model_inputs
-        self.network = network if isinstance(network, NetworkProfile) else NetworkProfile.preset(network, len(self.mesh_shape))
-        self.device = device if isinstance(device, DeviceProfile) else DeviceProfile.preset(device)
+        self.network = network_profile(network, self.mesh_shape)  # a preset name, a profile file or a profile
+        self.device = device_profile(device)
         self.unroll = unroll
         self._input_names: tuple[str, ...] | None = None  # keyword names when input_fn returns a dict
         self.spec = ProblemSpec(recompute=recompute)

@@ -14,6 +14,8 @@ Sections (each also runs alone: benchmarks/plan.py, planner.py, training.py):
   planner   redistribution: our planner vs torch's greedy and graph planners (wins/ties/losses)
   training  real training on a (2,2) gloo mesh: autoshard vs torch's fully_shard+parallelize_module,
             fp32 and bf16 (both under the same MixedPrecisionPolicy)
+  accuracy  the cost model vs the clock: calibrate this machine, then modeled vs measured step time of
+            autoshard's plan, the FSDP+TP recipe pinned and pure FSDP pinned, calibrated vs presets
 
 Exit status 1 if a check fails: a loss curve off the single-device one, or autoshard's plan
 costing more than the recipe or pure FSDP.
@@ -30,11 +32,12 @@ import sys
 import time
 from pathlib import Path
 
+from benchmarks import accuracy as accuracy_bench
 from benchmarks import plan as plan_bench
 from benchmarks import planner as planner_bench
 from benchmarks import training as training_bench
 
-SECTIONS = ("speed", "command", "quality", "planner", "training")
+SECTIONS = ("speed", "command", "quality", "planner", "training", "accuracy")
 RESULTS = Path(__file__).resolve().parent / "results.json"
 
 
@@ -76,6 +79,8 @@ def main(argv: list[str] | None = None) -> int:
                 except training_bench.LossMismatch as err:
                     results[key] = err.figures
                     failures.append(f"{key}: {err}")
+        elif section == "accuracy":
+            results["accuracy"] = accuracy_bench.run(quick=a.quick)
         results["meta"][f"{section}_s"] = round(time.perf_counter() - t0, 1)
     results["meta"]["wall_s"] = round(time.perf_counter() - start, 1)
 
@@ -150,6 +155,8 @@ def markdown(results: dict) -> str:
         rows += ["", f"Throughput ratio autoshard / recipe: **{t['throughput_ratio']:.2f}** (target >= 1.0); "
                  f"autoshard planning {a['planning_s']:.1f} s (not in tokens/s)."]
         parts.append("\n".join(rows))
+    if "accuracy" in results:
+        parts.append(accuracy_bench.markdown(results["accuracy"]))
     return "\n\n".join(parts)
 
 

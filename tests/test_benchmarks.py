@@ -69,3 +69,22 @@ def test_quick_training_section(quick, key, param_dtype):
     assert layouts["layers.0.attention.wq.weight"].startswith("_StridedShard(dim=0")
     assert layouts["layers.0.feed_forward.w2.weight"] == "Shard(dim=0)Shard(dim=1)"
     assert layouts["norm.weight"] == "Shard(dim=0)Replicate()"
+
+
+@pytest.mark.slow
+def test_quick_accuracy_section(quick):
+    """The calibrated profile's modeled step time of each of the three plans beside its measured
+    one (the accuracy goal itself is the full benchmark's, not a test's: this machine is shared)."""
+    figures = quick[0]["accuracy"]
+    (calibrated,) = figures["sets"].values()
+    assert list(calibrated["plans"]) == ["autoshard", "FSDP+TP recipe pinned", "FSDP pinned"]
+    for r in calibrated["plans"].values():
+        assert r["modeled_s"] == pytest.approx(r["compute_s"] + r["comm_s"]) and r["modeled_s"] > 0
+        assert r["measured_s"] > 0 and r["ratio"] == pytest.approx(r["modeled_s"] / r["measured_s"])
+    assert sorted(calibrated["modeled_ranking"]) == sorted(calibrated["plans"])
+    # train --recipe pinned the recipes' layouts
+    recipe, fsdp = calibrated["plans"]["FSDP+TP recipe pinned"]["layouts"], calibrated["plans"]["FSDP pinned"]["layouts"]
+    assert recipe["layers.0.attention.wq.weight"] == "S(0)S(0)[1,0]" and recipe["norm.weight"] == "S(0)R"
+    assert set(fsdp.values()) == {"S(0)S(0)[0,1]"} and len(fsdp) == 3
+    assert figures["profile"]["network"]["groups"][0]["mesh_dims"] == [0, 1]
+    assert "| profiles | plan | modeled ms" in quick[1]

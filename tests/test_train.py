@@ -38,9 +38,13 @@ def test_torchrun_trains_like_single_device_and_resumes(tmp_path):
     every parameter; a run resumed from the step-3 checkpoint (later ones gone, as if killed after
     step 3) reproduces steps 4-6, reusing the saved plan."""
     first = tmp_path / "first"
-    torchrun(*TINY, "--mesh", "2x2", "--steps", "10", "--checkpoint-every", "3", "--memory-step", "2",
-             "--out", str(first))
+    out = torchrun(*TINY, "--mesh", "2x2", "--steps", "10", "--checkpoint-every", "3", "--memory-step", "2",
+                   "--out", str(first))
     rows = metrics(first)
+    # modeled vs measured step time, per row and in the log (median of steps 3-10)
+    modeled = json.loads((first / "plan.json").read_text())["totals"]["step_time_s"]
+    assert all(r["modeled_step_s"] == modeled and r["modeled_over_measured"] == modeled / r["step_s"] for r in rows)
+    assert "step time: modeled" in out.stdout + out.stderr and "(median of steps 3-10)" in out.stdout + out.stderr
     # torch's MemTracker on every real gloo rank, step 2 (AdamW states exist): the dry run's estimate
     # of rank 0 (in plan.json and the row) is within 10% of every rank's measured peak
     tracked, estimated = rows[1]["tracked_peak_bytes_per_rank"], rows[1]["dry_run_peak_bytes"]

@@ -158,8 +158,10 @@ MESH = option("--mesh", type=_arg_type(parse_mesh), help="mesh shape, e.g. 8x8, 
 MESH_NAMES = option("--mesh-names", help="mesh dim names, e.g. dp,tp (default: dp,tp,pp,cp as many as needed)")
 BATCH = option("--batch", type=_arg_type(_positive_int), help="global batch size")
 SEQ = option("--seq", type=_arg_type(_positive_int), help="sequence length")
-NETWORK = option("--network", help="network profile preset for planning (h100-node, cpu-gloo, ...)")
-DEVICE = option("--device", "--device-profile", help="device (compute) profile preset for planning (h100, h200, cpu)")
+NETWORK = option("--network", help="network profile for planning: a preset (h100-node, cpu-gloo) or a profile file "
+                                   "from `autoshard calibrate`")
+DEVICE = option("--device", "--device-profile", help="device (compute) profile for planning: a preset (h100, h200, "
+                                                     "cpu) or a profile file from `autoshard calibrate`")
 MEMORY_BUDGET = option("--memory-budget", type=_arg_type(parse_bytes), metavar="BYTES",
                        help="parameter bytes per rank, e.g. 2e9 or 16GiB (default: total / world size)")
 PARAM_DTYPE = option("--param-dtype", type=_arg_type(dtype_option), metavar="DTYPE",

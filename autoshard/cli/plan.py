@@ -72,14 +72,13 @@ def plan_main(argv: Sequence[str] | None = None) -> int:
 # ------------------------------------------------------------------------------------ plan
 def _check(args: argparse.Namespace):
     """Validate everything cheap before the expensive part; returns the workload."""
-    from autoshard.profiles.network import NetworkProfile
-    from autoshard.profiles.device import DeviceProfile
+    from autoshard.profiles.files import device_profile, network_profile
     from autoshard.workload import get_workload
 
     try:
         workload = get_workload(args.model, args.seq)
-        NetworkProfile.preset(args.network, len(args.mesh))
-        DeviceProfile.preset(args.device)
+        args.network_profile = network_profile(args.network, args.mesh)  # a preset or a calibrated file
+        args.device_profile = device_profile(args.device)
     except ValueError as err:
         fail(str(err))
     if args.batch % args.mesh[0]:
@@ -132,7 +131,7 @@ def _plan_once(workload, args, *, pins: dict | None = None, budget: float | None
     log.info("planning %s: %s on mesh %s, batch %d, seq %d", what, workload.name, args.mesh, args.batch, args.seq)
     try:
         with AutoShard(model, inputs, args.mesh, loss_fn=workload.loss_fn, n_model_inputs=workload.n_model_inputs,
-                       network=args.network, device=args.device,
+                       network=args.network_profile, device=args.device_profile,
                        mp_policy=shared.mp_policy(args.param_dtype, args.reduce_dtype),
                        recompute=args.recompute) as auto:
             if pins:
@@ -203,7 +202,6 @@ def _say(line: str) -> None:
 
 def run_plan(args: argparse.Namespace) -> int:
     from autoshard.problem.recipes import recipe_pins
-    from autoshard.profiles.device import DeviceProfile
     from autoshard.report.text import (HTML_NAME, compare_lines, explain_lines, modeled_figures, plan_report,
                                        summary_lines, write_report_files)
 
@@ -239,7 +237,7 @@ def run_plan(args: argparse.Namespace) -> int:
                 "non_default_order_params": len(manual.non_default_order_params()),
                 "timings": manual_timings,
             }}
-    report = plan_report(plan, dry_run=memory, device=DeviceProfile.preset(args.device), timings=timings,
+    report = plan_report(plan, dry_run=memory, device=args.device_profile, timings=timings,
                          explanation=explanation, memory_fit=auto.fit, extra=extra)
     try:
         log_path, json_path = write_report_files(report, out)

@@ -31,6 +31,7 @@ import os
 import re
 import resource
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -47,7 +48,7 @@ from autoshard import _torch_compat as tc
 from autoshard.api import AutoShard
 from autoshard.cli import args as shared
 from autoshard.cli.args import RaisingArgumentParser, UsageError, add_dataclass_arguments, mesh_names, setting
-from autoshard.profiles.device import DeviceProfile
+from autoshard.profiles.files import device_profile, network_profile
 from autoshard.report.html import load_metrics
 from autoshard.report.text import JSON_NAME, human_bytes, summary_lines, write_html, write_report
 from autoshard.runtime.dryrun import DryRunResult
@@ -82,6 +83,9 @@ class Settings:
     reduce_dtype: str | None = setting(None, shared.REDUCE_DTYPE)
     recompute: bool = setting(False, shared.RECOMPUTE)
     plan_file: str | None = setting(None, help="reuse a plan.json written by an earlier run or `plan`")
+    recipe: str | None = setting(None, choices=("fsdp-tp", "fsdp"),
+                                 help="pin the parameters to a hand-written recipe's layouts (autoshard.problem.recipes), "
+                                      "at its own parameter bytes per rank: to measure it beside autoshard's plan")
     checkpoint_every: int = setting(0, type=int, help="checkpoint every K steps (0: never)")
     resume: bool = setting(False, help="continue from the newest checkpoint in --out")
     wire_step: int = setting(0, type=int,
@@ -212,6 +216,11 @@ def _plan(settings: Settings, workload: Workload, mesh, network: str, profile: s
                    network=network, device=profile,
                    mp_policy=shared.mp_policy(settings.param_dtype, settings.reduce_dtype),
                    recompute=settings.recompute) as auto:
+        if settings.recipe is not None:
+            from autoshard.problem.recipes import param_bytes_per_rank, recipe_layouts, recipe_pins
+
+            auto.pin(recipe_pins(settings.recipe))
+            auto.memory_budget(param_bytes_per_rank(model, recipe_layouts(model, settings.recipe), settings.mesh))
         if settings.memory_budget is not None:
             auto.memory_budget(settings.memory_budget)
         solve_with = _solve_on_rank0(settings, saved)
@@ -300,6 +309,31 @@ def _memory_row(tracker, memory) -> dict:
 
 
 # ---------------------------------------------------------------------------------- training
+WARMUP_STEPS = 2  # left out of the measured step time: the first steps allocate and warm caches
+
+
+def _check_profiles(settings: Settings) -> None:
+    """A profile named on the command line (preset or file) is usable for this mesh: every rank
+    checks before the process group exists, so a bad file is one error line, not a hang."""
+    try:
+        if settings.network is not None:
+            network_profile(settings.network, settings.mesh)
+        if settings.device_profile is not None:
+            device_profile(settings.device_profile)
+    except ValueError as err:
+        raise UsageError(str(err)) from None
+
+
+def step_time_line(modeled_s: float, rows: list[dict]) -> str:
+    """Modeled vs measured step time: the median of the steps after warm-up (all steps when
+    there are no more), and their ratio."""
+    timed = [r for r in rows if r["step"] > WARMUP_STEPS] or rows
+    measured = statistics.median(r["step_s"] for r in timed)
+    steps = f"step {timed[0]['step']}" if len(timed) == 1 else f"steps {timed[0]['step']}-{timed[-1]['step']}"
+    return (f"step time: modeled {modeled_s * 1e3:.1f} ms, measured {measured * 1e3:.1f} ms (median of {steps}); "
+            f"modeled / measured {modeled_s / measured:.2f}")
+
+
 def _peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
 
@@ -317,6 +351,7 @@ def train(settings: Settings) -> list[float]:
         if resume_from is None:
             raise UsageError(f"--resume: no complete checkpoint in {out / 'checkpoints'}")
     saved = _load_plan_file(settings.plan_file) if settings.plan_file else None  # every rank: fail together
+    _check_profiles(settings)
     mesh, device = _init_distributed(settings)
     rank = dist.get_rank()
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, format="%(message)s", force=True)
@@ -330,7 +365,7 @@ def train(settings: Settings) -> list[float]:
     if rank == 0:
         timings["dry_run"] = memory.seconds
         paths = write_report(plan, out, program=pmodel.program, dry_run=memory,
-                             device=DeviceProfile.preset(profile), timings=timings, extra={
+                             device=device_profile(profile), timings=timings, extra={
             "fingerprint": fingerprint, "solution": plan.solution.to_json(), "settings": asdict(settings)})
         for line in summary_lines(json.loads(paths[1].read_text())):
             log.info("  %s", line)
@@ -373,7 +408,8 @@ def train(settings: Settings) -> list[float]:
         dist.all_gather_object(peaks, round(_peak_rss_mb(), 1))
         losses.append(value)
         row = {"step": step, "loss": value, "step_s": elapsed, "tokens_per_s": tokens / elapsed,
-               "peak_rss_mb_per_rank": peaks}
+               "peak_rss_mb_per_rank": peaks, "modeled_step_s": plan.step_time_s,
+               "modeled_over_measured": plan.step_time_s / elapsed}
         if meter is not None:
             row |= wire_row(meter.stats)  # every rank takes part
         if tracker is not None:
@@ -381,11 +417,14 @@ def train(settings: Settings) -> list[float]:
         if rank == 0:
             with metrics_path.open("a") as f:
                 f.write(json.dumps(row) + "\n")
-            log.info("step %4d/%d  loss %.4f  %8.0f tok/s  peak rss %.0f MiB", step, settings.steps, value,
-                     tokens / elapsed, max(peaks))
+            log.info("step %4d/%d  loss %.4f  %8.0f tok/s  peak rss %.0f MiB  step %.1f ms (modeled %.1f, x%.2f)",
+                     step, settings.steps, value, tokens / elapsed, max(peaks), elapsed * 1e3, plan.step_time_s * 1e3,
+                     plan.step_time_s / elapsed)
         if settings.checkpoint_every and step % settings.checkpoint_every == 0:
             _save_checkpoint(out, step, pmodel, optim)
     dist.barrier()  # nobody tears the process group down while a peer still talks
+    if rank == 0 and losses:
+        log.info("autoshard train: %s", step_time_line(plan.step_time_s, load_metrics(metrics_path)))
     if rank == 0:  # metrics.jsonl is complete: report.html again, now with the loss and tokens/s curves
         html_path = write_html(json.loads((out / JSON_NAME).read_text()), out, load_metrics(metrics_path))
         log.info("autoshard train: done; metrics %s, sharding log %s, report %s", metrics_path,

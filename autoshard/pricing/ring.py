@@ -13,7 +13,8 @@ the bandwidth of the two is identical and the ring latency of the big group is l
 
 A flattened group over several mesh dims is priced as one ring through all its ranks: its
 bandwidth is the slowest involved dim's beta (some hop of the ring crosses that link) and each
-ring step pays the largest involved alpha (steps are synchronous).
+ring step pays the largest involved alpha (steps are synchronous) — unless the profile measured
+that group (`NetworkProfile.link`). Calibration (`pricing.fit`) fits exactly these terms.
 """
 
 from __future__ import annotations
@@ -38,15 +39,21 @@ _LOCAL = {
 COLLECTIVE_KINDS = tuple(_COLLECTIVE)
 STEP_KINDS = COLLECTIVE_KINDS + tuple(_LOCAL)
 
+def collective_terms(kind: str, group_size: int) -> tuple[float, float]:
+    """(wire bytes per local input byte, latency steps) of a collective over `group_size` ranks:
+    the coefficients of 1/beta and alpha in its cost."""
+    wire, steps = _COLLECTIVE[kind]
+    return float(wire(group_size)), float(steps(group_size))
+
+
 def linear_cost(profile: NetworkProfile, kind: str, mesh_dims: Sequence[int], group_size: int) -> tuple[float, float]:
     """(seconds per local input byte, fixed seconds) of one step, so that
     cost = per_byte * in_bytes + fixed. The planner precomputes these per graph edge."""
     if kind in _LOCAL:
         return _LOCAL[kind](group_size) / profile.mem_bw, 0.0
-    wire, steps = _COLLECTIVE[kind]
-    alpha = max(profile.alpha[m] for m in mesh_dims)
-    beta = min(profile.beta[m] for m in mesh_dims)
-    return wire(group_size) / beta, profile.launch_s + steps(group_size) * alpha
+    wire, steps = collective_terms(kind, group_size)
+    alpha, beta = profile.link(mesh_dims)
+    return wire / beta, profile.launch_s + steps * alpha
 
 
 def step_cost(profile: NetworkProfile, kind: str, mesh_dims: Sequence[int], group_size: int, in_bytes: float) -> float:

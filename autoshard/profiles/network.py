@@ -1,8 +1,14 @@
 """Alpha-beta network profiles as data: per mesh dim latency and bandwidth, a launch overhead per
-collective, and local memory bandwidth. What a step costs under a profile is `pricing.ring`'s job."""
+collective, and local memory bandwidth. What a step costs under a profile is `pricing.ring`'s job.
+
+A flattened group over several mesh dims runs on the slowest involved link unless the profile says
+otherwise: a calibrated profile (`autoshard.profiles.files`) carries the latency and bandwidth it
+measured on each flattened group (`groups`), since one ring through all ranks of a 2x2 CPU mesh is
+not simply its slowest dim's ring."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 # name -> (inter-node alpha, beta), (last-dim alpha, beta), launch_s, mem_bw
@@ -24,14 +30,36 @@ class NetworkProfile:
     launch_s: float = 10e-6
     mem_bw: float = 1e12
     name: str = "custom"
+    # measured (mesh dims ascending, alpha, beta) of flattened groups over 2+ mesh dims
+    groups: tuple[tuple[tuple[int, ...], float, float], ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "alpha", tuple(float(a) for a in self.alpha))
         object.__setattr__(self, "beta", tuple(float(b) for b in self.beta))
+        object.__setattr__(self, "groups", tuple(sorted(
+            (tuple(sorted(int(m) for m in dims)), float(a), float(b)) for dims, a, b in self.groups)))
         if len(self.alpha) != len(self.beta) or not self.alpha:
             raise ValueError(f"alpha and beta need one entry per mesh dim, got {self.alpha} and {self.beta}")
         if min(self.alpha) < 0 or min(self.beta) <= 0 or self.launch_s < 0 or self.mem_bw <= 0:
             raise ValueError(f"profile values must be positive (latencies may be 0): {self}")
+        for dims, a, b in self.groups:
+            if len(dims) < 2 or len(set(dims)) != len(dims) or not all(0 <= m < len(self.alpha) for m in dims):
+                raise ValueError(f"a group override needs 2+ distinct mesh dims of {len(self.alpha)}, got {dims}")
+            if a < 0 or b <= 0:
+                raise ValueError(f"group {dims}: latency must be >= 0 and bandwidth > 0, got {a} and {b}")
+
+    def link(self, mesh_dims: Sequence[int]) -> tuple[float, float]:
+        """(alpha, beta) of a collective over `mesh_dims`: the dim's own, a measured flattened
+        group's, or else the largest latency and smallest bandwidth involved (synchronous ring
+        steps, and some hop crosses the slowest link)."""
+        if len(mesh_dims) == 1:
+            m = mesh_dims[0]
+            return self.alpha[m], self.beta[m]
+        key = tuple(sorted(mesh_dims))
+        for dims, a, b in self.groups:
+            if dims == key:
+                return a, b
+        return max(self.alpha[m] for m in mesh_dims), min(self.beta[m] for m in mesh_dims)
 
     @property
     def mesh_ndim(self) -> int:

@@ -1,0 +1,226 @@
+"""`python -m autoshard calibrate`: measure this cluster's network and device, write a profile file.
+
+    torchrun --standalone --nproc_per_node=4 -m autoshard calibrate --mesh 2x2 --out profile.json
+    python -m autoshard calibrate --out device.json          # one process: the device part only
+
+Under torchrun every rank times all_gather, reduce_scatter, all_reduce and all_to_all on each mesh
+dim and on each flattened group of mesh dims the planner uses (`profiles.calibrate`), then
+matmuls and an elementwise add per dtype, all ranks at once; rank 0 fits the planner's
+parameters (`pricing.fit`) and writes the file, which `plan` and `train` take as `--network FILE`
+and `--device FILE` (and the API as `AutoShard(network=FILE, device=FILE)`). Calibrate once per
+cluster and mesh shape; the file records how it was measured and how well the model fits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import math
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from typing import Any, Sequence
+
+from autoshard.cli import args as shared
+from autoshard.cli.args import RaisingArgumentParser, UsageError, mesh_names, parse_bytes
+
+KIB, MIB = 2**10, 2**20
+
+
+def calibrate_parser(prog: str = "python -m autoshard calibrate") -> argparse.ArgumentParser:
+    p = RaisingArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    shared.MESH.add(p, default=None, help="mesh shape to calibrate, e.g. 2x2 (default: all ranks in one dim; "
+                                          "its product must be the world size)")
+    shared.MESH_NAMES.add(p, default=None)
+    shared.OUT.add(p, default="profile.json", help="profile file to write (default profile.json)")
+    p.add_argument("--min-size", type=shared._arg_type(parse_bytes), default=4 * KIB, metavar="BYTES",
+                   help="smallest collective, local input bytes (default 4KiB)")
+    p.add_argument("--max-size", type=shared._arg_type(parse_bytes), default=32 * MIB, metavar="BYTES",
+                   help="largest collective, local input bytes (default 32MiB); sizes grow 4x from --min-size")
+    p.add_argument("--repeats", type=shared._arg_type(shared._positive_int), default=7,
+                   help="timed calls per size (default 7; sizes above 4 MiB get 3), after 2 warm-up calls")
+    p.add_argument("--quick", action="store_true",
+                   help="a smoke test: collectives up to 1 MiB, small matmuls, 2 calls each (a usable but rough profile)")
+    return p
+
+
+def _settings(a: argparse.Namespace):
+    from autoshard.profiles.calibrate import CalibrationSettings
+
+    if a.min_size > a.max_size:
+        raise UsageError(f"--min-size {a.min_size:g} is larger than --max-size {a.max_size:g}")
+    if a.quick:
+        a.max_size = min(a.max_size, MIB)
+        a.min_size = min(a.min_size, a.max_size)
+    sizes = []
+    size = int(a.min_size)
+    while size < a.max_size:
+        sizes.append(size)
+        size *= 4
+    sizes.append(int(a.max_size))
+    if len(sizes) < 2:
+        raise UsageError("--min-size and --max-size must differ: the fit needs two sizes or more")
+    if a.quick:
+        return CalibrationSettings(sizes=tuple(sizes), warmup=1, repeats=2, big_repeats=2, matmul_sizes=(32, 64, 128),
+                                   memory_sizes=(16 * KIB, 64 * KIB, 256 * KIB), min_seconds=0.0)
+    return CalibrationSettings(sizes=tuple(sizes), repeats=a.repeats, big_repeats=min(3, a.repeats))
+
+
+def _init(a: argparse.Namespace):
+    """The process group (gloo on CPU, nccl on GPUs; a world of 1 without torchrun), the mesh
+    (None in a world of 1) and the device."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    mesh_shape = a.mesh if a.mesh is not None else (world,)
+    if math.prod(mesh_shape) != world:
+        hint = (f"torchrun --nproc_per_node={math.prod(mesh_shape)}" if world == 1 else
+                f"the world size is {world}")
+        raise UsageError(f"mesh {'x'.join(map(str, mesh_shape))} has {math.prod(mesh_shape)} ranks: the network "
+                         f"is measured with that many processes ({hint})")
+    try:
+        names = mesh_names(a.mesh_names, mesh_shape)
+    except ValueError as err:
+        raise UsageError(str(err)) from None
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    if "RANK" in os.environ:
+        dist.init_process_group("nccl" if cuda else "gloo")
+    else:
+        store = dist.FileStore(os.path.join(tempfile.mkdtemp(prefix="autoshard-"), "store"), 1)
+        dist.init_process_group("nccl" if cuda else "gloo", store=store, rank=0, world_size=1)
+    mesh = init_device_mesh(device.type, mesh_shape, mesh_dim_names=names) if world > 1 else None
+    return mesh, mesh_shape, names, device
+
+
+def _median_rows(per_rank: list[dict]) -> dict:
+    """Device timings of every rank -> one set: the median seconds of each sample over ranks."""
+    out: dict = {}
+    for dtype, parts in per_rank[0].items():
+        out[dtype] = {part: [dict(row, seconds=statistics.median(r[dtype][part][i]["seconds"] for r in per_rank))
+                             for i, row in enumerate(rows)] for part, rows in parts.items()}
+    return out
+
+
+def _device_profile(timings: dict, device, name: str):
+    """DeviceProfile (the bf16 matmul rate as the 16-bit peak, the fp32 one as the fp32 peak, fp32
+    memory bandwidth) and per-dtype details."""
+    from autoshard.pricing.fit import fit_rate
+    from autoshard.profiles.calibrate import memory_capacity
+    from autoshard.profiles.device import DeviceProfile
+
+    by_dtype = {}
+    for dtype, parts in timings.items():
+        mm = fit_rate([r["flops"] for r in parts["matmul"]], [r["seconds"] for r in parts["matmul"]])
+        mem = fit_rate([r["bytes"] for r in parts["memory"]], [r["seconds"] for r in parts["memory"]])
+        by_dtype[dtype] = {"matmul_flops": mm.rate, "matmul_overhead_s": mm.overhead_s, "matmul_fit_rel_rms": mm.rel_rms,
+                           "mem_bw": mem.rate, "mem_overhead_s": mem.overhead_s, "mem_fit_rel_rms": mem.rel_rms,
+                           "timings": parts}
+    fp32 = by_dtype.get("float32") or next(iter(by_dtype.values()))
+    half = by_dtype.get("bfloat16") or fp32  # the 16-bit rate: what bf16 compute runs at
+    profile = DeviceProfile(peak_flops=half["matmul_flops"], mem_bw=fp32["mem_bw"], name=name,
+                            memory_bytes=memory_capacity(device), peak_flops_fp32=fp32["matmul_flops"])
+    return profile, by_dtype
+
+
+def calibrate(a: argparse.Namespace) -> int:
+    import torch.distributed as dist
+    from torch import __version__ as torch_version
+
+    from autoshard.pricing.fit import CollectiveSample, fit_network
+    from autoshard.profiles.calibrate import time_collectives, time_device
+    from autoshard.profiles.files import ProfileFile
+
+    settings = _settings(a)
+    mesh, mesh_shape, names, device = _init(a)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    start = time.perf_counter()
+
+    def say(line: str) -> None:
+        if rank == 0:
+            print(f"[calibrate {time.perf_counter() - start:5.1f}s] {line}", flush=True)
+
+    say(f"{world} rank(s) on {device.type}, mesh {'x'.join(map(str, mesh_shape))} ({','.join(names)}), "
+        f"torch {torch_version}")
+    samples = time_collectives(mesh, settings, say) if mesh is not None else []
+    mine = time_device(device, settings, say)
+    per_rank: list[Any] = [None] * world
+    dist.all_gather_object(per_rank, mine)
+    if rank != 0:
+        return 0
+    timings = _median_rows(per_rank)
+    host = platform.node() or "host"
+    device_prof, by_dtype = _device_profile(timings, device, f"calibrated {device.type} ({host})")
+    network, fit = None, None
+    if samples:
+        fit = fit_network([CollectiveSample(s["kind"], tuple(s["mesh_dims"]), s["group_size"], s["in_bytes"],
+                                            s["seconds"]) for s in samples], mesh_shape, device_prof.mem_bw,
+                          name=f"calibrated {'x'.join(map(str, mesh_shape))} ({host})")
+        network = fit.profile
+        for s in samples:
+            s["model_s"] = fit.model_s(CollectiveSample(s["kind"], tuple(s["mesh_dims"]), s["group_size"],
+                                                        s["in_bytes"], s["seconds"]))
+    details = {
+        "created": datetime.datetime.now().isoformat(timespec="seconds"), "host": host, "torch": torch_version,
+        "backend": dist.get_backend(), "device_type": device.type, "world_size": world, "mesh_names": list(names),
+        "ranks_timed_at_once": world, "seconds": round(time.perf_counter() - start, 1),
+        "settings": {"sizes": list(settings.sizes), "warmup": settings.warmup, "repeats": settings.repeats,
+                     "big_repeats": settings.big_repeats},
+        "device": by_dtype,
+    }
+    if fit is not None:
+        details["network_fit"] = {"rel_rms": fit.rel_rms, "groups": [
+            {"mesh_dims": list(g.mesh_dims), "group_size": g.group_size, "alpha": g.alpha, "beta": g.beta,
+             "rel_rms": g.rel_rms, "max_rel_err": g.max_rel_err, "samples": g.samples,
+             "rel_rms_by_kind": g.rel_rms_by_kind} for g in fit.groups]}
+        details["collectives"] = samples
+    try:
+        path = ProfileFile(network, device_prof, tuple(mesh_shape) if network is not None else None, details).save(a.out)
+    except OSError as err:
+        raise UsageError(f"cannot write the profile to {a.out}: {err}") from None
+    for line in summary_lines(network, fit, by_dtype):
+        say(line)
+    use = ([f"--network {path}"] if network is not None else []) + [f"--device {path}"]
+    say(f"wrote {path} in {time.perf_counter() - start:.1f} s; plan or train with {' '.join(use)}")
+    return 0
+
+
+def summary_lines(network, fit, by_dtype: dict) -> list[str]:
+    lines = []
+    if network is not None and fit is not None:
+        lines.append(f"network: launch {network.launch_s * 1e6:.1f} us per collective; "
+                     f"fit error {fit.rel_rms:.1%} rms over all samples")
+        for g in fit.groups:
+            kinds = ", ".join(f"{k} {e:.0%}" for k, e in g.rel_rms_by_kind.items())
+            lines.append(f"  mesh dims {list(g.mesh_dims)} ({g.group_size} ranks): alpha {g.alpha * 1e6:.1f} us, "
+                         f"beta {g.beta / 1e9:.3f} GB/s; fit error {g.rel_rms:.1%} rms, max {g.max_rel_err:.0%} "
+                         f"({kinds})")
+    for dtype, d in by_dtype.items():
+        lines.append(f"device {dtype}: matmul {d['matmul_flops'] / 1e9:.2f} GFLOP/s (+{d['matmul_overhead_s'] * 1e6:.0f} "
+                     f"us per call), memory {d['mem_bw'] / 1e9:.2f} GB/s (+{d['mem_overhead_s'] * 1e6:.0f} us per call)")
+    return lines
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    import torch.distributed as dist
+
+    try:
+        return calibrate(calibrate_parser().parse_args(argv))
+    except ValueError as err:  # UsageError, a fit that cannot be made
+        if int(os.environ.get("RANK", "0")) == 0 or not isinstance(err, UsageError):
+            print(f"error: {err}", file=sys.stderr)
+        return 2
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

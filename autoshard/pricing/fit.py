@@ -1,0 +1,181 @@
+"""Least-squares fits of the planner's cost parameters to measured timings (`autoshard calibrate`).
+
+A collective of `kind` over a group of mesh dims G (n ranks) reading `in_bytes` costs, in
+`pricing.ring`'s model,
+
+    launch_s + steps(kind, n) * alpha_G + wire(kind, n) * in_bytes / beta_G
+
+which is linear in (launch_s, alpha_G, 1/beta_G): one weighted non-negative least-squares problem
+over every sample of every group fits them all at once, with the coefficients taken from
+`ring.collective_terms`, so the fit and the planner cannot disagree about what alpha and beta mean.
+Rows are weighted by 1/seconds: the fit minimises relative error, so a 4 KiB call counts as much as
+a 32 MiB one (otherwise the large sizes would decide everything and the latencies would be noise).
+Device rates (flop/s, bytes/s) are the same fit with one work column: t = overhead + work / rate.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from autoshard.pricing.ring import COLLECTIVE_KINDS, collective_terms
+from autoshard.profiles.network import NetworkProfile
+
+
+@dataclass(frozen=True)
+class CollectiveSample:
+    """One timed collective: `seconds` per call over the group of `mesh_dims` (ascending)."""
+
+    kind: str
+    mesh_dims: tuple[int, ...]
+    group_size: int
+    in_bytes: float
+    seconds: float
+
+
+@dataclass(frozen=True)
+class GroupFit:
+    """The fitted link of one group and how well the model reproduces its samples."""
+
+    mesh_dims: tuple[int, ...]
+    group_size: int
+    alpha: float
+    beta: float
+    rel_rms: float  # root mean square of (model - measured) / measured over its samples
+    max_rel_err: float
+    samples: int
+    rel_rms_by_kind: dict[str, float]
+
+
+@dataclass(frozen=True)
+class NetworkFit:
+    profile: NetworkProfile
+    groups: tuple[GroupFit, ...]
+    rel_rms: float
+
+    def model_s(self, sample: CollectiveSample) -> float:
+        wire, steps = collective_terms(sample.kind, sample.group_size)
+        alpha, beta = self.profile.link(sample.mesh_dims)
+        return self.profile.launch_s + steps * alpha + wire * sample.in_bytes / beta
+
+
+@dataclass(frozen=True)
+class RateFit:
+    """t = overhead_s + work / rate, fitted to (work, seconds) samples."""
+
+    rate: float
+    overhead_s: float
+    rel_rms: float
+    samples: int
+
+
+def nnls(a: np.ndarray, b: np.ndarray, max_iter: int | None = None) -> np.ndarray:
+    """argmin ||a x - b|| subject to x >= 0 (Lawson and Hanson's active-set method; numpy only)."""
+    m, n = a.shape
+    passive = np.zeros(n, dtype=bool)
+    x = np.zeros(n)
+    tol = 10 * np.finfo(float).eps * np.abs(a).sum(axis=0).max() * max(m, n)
+    w = a.T @ (b - a @ x)
+    for _ in range(max_iter or 3 * n + 10):
+        if passive.all() or w[~passive].max() <= tol:
+            break
+        passive[np.argmax(np.where(passive, -np.inf, w))] = True
+        while True:
+            z = np.zeros(n)
+            z[passive] = np.linalg.lstsq(a[:, passive], b, rcond=None)[0]
+            if z[passive].min() > 0:
+                x = z
+                break
+            blocked = passive & (z <= 0)
+            step = np.min(x[blocked] / (x[blocked] - z[blocked]))
+            x = x + step * (z - x)
+            passive &= x > tol
+            x[~passive] = 0.0
+        w = a.T @ (b - a @ x)
+    return x
+
+
+def _weighted_nnls(rows: np.ndarray, seconds: np.ndarray) -> np.ndarray:
+    """NNLS minimising relative error, with columns scaled to unit norm for conditioning."""
+    a = rows / seconds[:, None]
+    scale = np.linalg.norm(a, axis=0)
+    scale[scale == 0] = 1.0
+    return nnls(a / scale, np.ones(len(seconds))) / scale
+
+
+def _rel_errors(predicted: np.ndarray, seconds: np.ndarray) -> np.ndarray:
+    return (predicted - seconds) / seconds
+
+
+def fit_network(samples: Sequence[CollectiveSample], mesh_shape: Sequence[int], mem_bw: float,
+                name: str = "calibrated") -> NetworkFit:
+    """Fit launch_s and each group's (alpha, beta) to `samples`; single mesh dims become the
+    profile's per-dim values, groups over 2+ dims its `groups` overrides. Every mesh dim of size
+    > 1 needs samples of its own; size-1 dims (never in a collective) get the slowest fitted link.
+    ValueError when samples are missing or cannot determine a bandwidth."""
+    mesh_shape = tuple(mesh_shape)
+    active = [m for m, s in enumerate(mesh_shape) if s > 1]
+    if not active:
+        raise ValueError(f"mesh {mesh_shape} has no dim of size > 1: nothing to calibrate")
+    bad = [s for s in samples if s.kind not in COLLECTIVE_KINDS or s.seconds <= 0 or s.in_bytes <= 0]
+    if bad:
+        raise ValueError(f"unusable sample(s), e.g. {bad[0]}: known kind, positive bytes and seconds needed")
+    groups = sorted({s.mesh_dims for s in samples}, key=lambda g: (len(g), g))
+    missing = [m for m in active if (m,) not in groups]
+    if missing:
+        raise ValueError(f"no timings for mesh dim(s) {missing} of mesh {mesh_shape}")
+    for g in groups:
+        if any(not 0 <= m < len(mesh_shape) or mesh_shape[m] == 1 for m in g) or list(g) != sorted(set(g)):
+            raise ValueError(f"samples name group {g}, which is not a set of mesh dims of size > 1 of {mesh_shape}")
+    column = {g: i for i, g in enumerate(groups)}
+    k = len(groups)
+    rows = np.zeros((len(samples), 1 + 2 * k))
+    seconds = np.array([s.seconds for s in samples])
+    for r, s in enumerate(samples):
+        wire, steps = collective_terms(s.kind, s.group_size)
+        rows[r, 0] = 1.0
+        rows[r, 1 + column[s.mesh_dims]] = steps
+        rows[r, 1 + k + column[s.mesh_dims]] = wire * s.in_bytes
+    x = _weighted_nnls(rows, seconds)
+    launch_s, alphas, inv_betas = float(x[0]), x[1:1 + k], x[1 + k:]
+    flat = [g for g, inv in zip(groups, inv_betas) if not inv > 0]
+    if flat:
+        raise ValueError(f"timings of group(s) {flat} do not grow with the bytes moved: no bandwidth to fit "
+                         "(use larger sizes)")
+    errors = _rel_errors(rows @ x, seconds)
+    fits = []
+    for g in groups:
+        idx = [r for r, s in enumerate(samples) if s.mesh_dims == g]
+        e = errors[idx]
+        by_kind = {kind: _rms(errors[[r for r in idx if samples[r].kind == kind]])
+                   for kind in sorted({samples[r].kind for r in idx})}
+        fits.append(GroupFit(g, samples[idx[0]].group_size, float(alphas[column[g]]), float(1 / inv_betas[column[g]]),
+                             _rms(e), float(np.abs(e).max()), len(idx), by_kind))
+    single = {f.mesh_dims[0]: f for f in fits if len(f.mesh_dims) == 1}
+    slowest = max(fits, key=lambda f: (1 / f.beta, f.alpha))
+    alpha = tuple(single[m].alpha if m in single else slowest.alpha for m in range(len(mesh_shape)))
+    beta = tuple(single[m].beta if m in single else slowest.beta for m in range(len(mesh_shape)))
+    profile = NetworkProfile(alpha, beta, launch_s, mem_bw, name,
+                             groups=tuple((f.mesh_dims, f.alpha, f.beta) for f in fits if len(f.mesh_dims) > 1))
+    return NetworkFit(profile, tuple(fits), _rms(errors))
+
+
+def fit_rate(work: Sequence[float], seconds: Sequence[float]) -> RateFit:
+    """Fit t = overhead + work / rate (relative error, both terms >= 0). ValueError when the
+    times do not grow with the work."""
+    w, t = np.asarray(work, dtype=float), np.asarray(seconds, dtype=float)
+    if len(w) < 2 or (w <= 0).any() or (t <= 0).any():
+        raise ValueError("a rate fit needs 2+ samples with positive work and seconds")
+    rows = np.stack([np.ones_like(w), w], axis=1)
+    overhead, inv_rate = _weighted_nnls(rows, t)
+    if not inv_rate > 0:
+        raise ValueError("timings do not grow with the work: no rate to fit (use larger sizes)")
+    return RateFit(float(1 / inv_rate), float(overhead), _rms(_rel_errors(rows @ np.array([overhead, inv_rate]), t)),
+                   len(w))
+
+
+def _rms(e: np.ndarray) -> float:
+    return float(math.sqrt(float(np.mean(np.square(e))))) if len(e) else 0.0

@@ -1,0 +1,217 @@
+"""Calibration: the fit recovers the planner's parameters from timings, profile files round-trip
+and are accepted where presets are, bad files are one clear error, and `autoshard calibrate` under
+torchrun writes a profile the planner uses."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from autoshard.__main__ import main as autoshard_main
+from autoshard.cli.train import step_time_line
+from autoshard.pricing.fit import CollectiveSample, fit_network, fit_rate, nnls
+from autoshard.pricing.planner import Planner
+from autoshard.pricing.ring import linear_cost, step_cost
+from autoshard.profiles.calibrate import CalibrationSettings, planner_groups
+from autoshard.profiles.device import DeviceProfile
+from autoshard.profiles.files import ProfileFile, device_profile, network_profile, read_profile
+from autoshard.profiles.network import NetworkProfile
+
+ROOT = Path(__file__).resolve().parents[1]
+KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
+TRUE = NetworkProfile((20e-6, 50e-6), (2e9, 0.5e9), 80e-6, 10e9, "true", groups=(((0, 1), 70e-6, 0.4e9),))
+
+
+def synthetic(profile: NetworkProfile, noise: float = 0.0, seed: int = 0) -> list[CollectiveSample]:
+    """Timings the planner's own formulas give on a (2,2) mesh, times (1 + noise * N(0,1))."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for dims in planner_groups((2, 2)):
+        n = 2 ** len(dims)
+        for kind in KINDS:
+            for size in (4096 * 4**i for i in range(8)):
+                t = step_cost(profile, kind, dims, n, size) * (1 + noise * rng.standard_normal())
+                out.append(CollectiveSample(kind, dims, n, size, t))
+    return out
+
+
+def test_fit_recovers_latency_and_bandwidth_of_every_group():
+    exact = fit_network(synthetic(TRUE), (2, 2), mem_bw=10e9)
+    p = exact.profile
+    assert p.launch_s == pytest.approx(TRUE.launch_s, rel=1e-6)
+    assert p.alpha == pytest.approx(TRUE.alpha, rel=1e-6) and p.beta == pytest.approx(TRUE.beta, rel=1e-6)
+    assert p.link((1, 0)) == pytest.approx((70e-6, 0.4e9), rel=1e-6)  # the flattened group, either order
+    assert exact.rel_rms < 1e-6 and p.mem_bw == 10e9
+    # 3% noise per timing: parameters within 10%, the model within a few % of every timing
+    noisy = fit_network(synthetic(TRUE, noise=0.03), (2, 2), mem_bw=10e9)
+    q = noisy.profile
+    for got, want in [(q.launch_s, TRUE.launch_s), *zip(q.alpha + q.beta, TRUE.alpha + TRUE.beta),
+                      *zip(q.link((0, 1)), (70e-6, 0.4e9))]:
+        assert got == pytest.approx(want, rel=0.10)
+    assert 0.01 < noisy.rel_rms < 0.05
+    assert {g.mesh_dims for g in noisy.groups} == {(0,), (1,), (0, 1)}
+
+
+def test_fit_refuses_missing_dims_and_flat_timings():
+    samples = [s for s in synthetic(TRUE) if s.mesh_dims != (1,)]
+    with pytest.raises(ValueError, match=r"no timings for mesh dim\(s\) \[1\]"):
+        fit_network(samples, (2, 2), 10e9)
+    flat = [CollectiveSample(s.kind, s.mesh_dims, s.group_size, s.in_bytes, 1e-3) for s in synthetic(TRUE)]
+    with pytest.raises(ValueError, match="do not grow with the bytes"):
+        fit_network(flat, (2, 2), 10e9)
+    # a size-1 mesh dim takes no part in any collective: it needs no timings
+    one = [CollectiveSample(s.kind, (1,), 2, s.in_bytes, s.seconds) for s in synthetic(TRUE) if s.mesh_dims == (1,)]
+    assert fit_network(one, (1, 2), 10e9).profile.beta[1] == pytest.approx(0.5e9, rel=1e-6)
+
+
+def test_fit_rate_and_nnls():
+    work = [1e6, 1e7, 1e8, 1e9]
+    fit = fit_rate(work, [2e-5 + w / 3e10 for w in work])
+    assert fit.rate == pytest.approx(3e10, rel=1e-6) and fit.overhead_s == pytest.approx(2e-5, rel=1e-4)
+    with pytest.raises(ValueError, match="do not grow"):
+        fit_rate(work, [1e-3] * 4)
+    # the unconstrained optimum has a negative coordinate; NNLS pins it at 0 and refits the rest
+    a = np.array([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]])
+    b = np.array([2.0, -1.0, 1.0])
+    assert np.linalg.lstsq(a, b, rcond=None)[0][1] < 0
+    assert nnls(a, b) == pytest.approx([1.5, 0.0])
+
+
+def test_group_override_prices_flattened_steps():
+    plain = NetworkProfile(TRUE.alpha, TRUE.beta, TRUE.launch_s, TRUE.mem_bw)
+    assert plain.link((0, 1)) == (50e-6, 0.5e9)  # slowest link without a measurement
+    per_byte, fixed = linear_cost(TRUE, "all_gather", (1, 0), 4)
+    assert per_byte == pytest.approx(3 / 0.4e9) and fixed == pytest.approx(80e-6 + 3 * 70e-6)
+    with pytest.raises(ValueError, match="2\\+ distinct mesh dims"):
+        NetworkProfile((1e-6,), (1e9,), groups=(((0,), 1e-6, 1e9),))
+
+
+def test_profile_file_round_trips(tmp_path):
+    device = DeviceProfile(peak_flops=3.2e10, mem_bw=2.9e10, name="calibrated cpu", memory_bytes=8e9)
+    path = ProfileFile(TRUE, device, (2, 2), {"host": "x"}).save(tmp_path / "p.json")
+    back = read_profile(path)
+    assert back.network == TRUE and back.device == device and back.mesh_shape == (2, 2)
+    assert back.details == {"host": "x"}
+    assert network_profile(str(path), (2, 2)) == TRUE and device_profile(str(path)) == device
+    # the planner prices with the loaded profile exactly as with the original
+    shape, src, dst = (64, 32), "S(0)S(0)[0,1]", "RR"
+    assert Planner((2, 2), network_profile(str(path), (2, 2))).cost(src, dst, shape, 4) == Planner((2, 2), TRUE).cost(
+        src, dst, shape, 4)
+    device_only = read_profile(ProfileFile(device=device).save(tmp_path / "d.json"))
+    assert device_only.network is None and device_only.device == device
+    assert network_profile("cpu-gloo", (2, 2)).name == "cpu-gloo" and device_profile("cpu").name == "cpu"
+
+
+def bad_files(tmp_path: Path) -> dict[str, tuple[Path, str]]:
+    good = ProfileFile(TRUE, DeviceProfile(1e10, 1e10), (2, 2))
+    (tmp_path / "corrupt.json").write_text('{"format": "autoshard-profile", ')
+    (tmp_path / "other.json").write_text(json.dumps({"fingerprint": "abc"}))
+    broken = good.to_json()
+    del broken["network"]["beta"]
+    (tmp_path / "broken.json").write_text(json.dumps(broken))
+    return {
+        "missing": (tmp_path / "missing.json", "no such file"),
+        "corrupt": (tmp_path / "corrupt.json", "not JSON"),
+        "other": (tmp_path / "other.json", "not an autoshard profile"),
+        "broken": (tmp_path / "broken.json", "malformed profile"),
+        "mesh": (good.save(tmp_path / "2x2.json"), "measured on mesh 2x2, planning for mesh 4x2"),
+        "device only": (ProfileFile(device=DeviceProfile(1e10, 1e10)).save(tmp_path / "d.json"),
+                        "has no network profile"),
+    }
+
+
+def test_bad_profile_files_are_one_clear_error(tmp_path):
+    from autoshard.api import AutoShard
+    from models import build_model, get_config
+
+    model = build_model(get_config("llama3-tiny"), device="meta")
+    for what, (path, message) in bad_files(tmp_path).items():
+        with pytest.raises(ValueError, match=message) as err:
+            AutoShard(model, lambda: (), (4, 2), network=str(path), device="cpu")
+        assert str(path) in str(err.value) and "\n" not in str(err.value), what
+    with pytest.raises(ValueError, match="not JSON"):
+        device_profile(str(tmp_path / "corrupt.json"))
+    with pytest.raises(ValueError, match="unknown network profile 'nope'.*or the path of a profile file"):
+        network_profile("nope", (2, 2))
+
+
+def test_cli_refuses_bad_profile_files(tmp_path, capsys):
+    files = bad_files(tmp_path)
+    plan = ["plan", "--model", "llama3-tiny", "--batch", "8", "--seq", "16", "--no-dry-run", "--out", str(tmp_path / "o")]
+    with pytest.raises(SystemExit) as done:
+        autoshard_main([*plan, "--mesh", "4x2", "--network", str(files["mesh"][0])])
+    assert done.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: profile file") and "planning for mesh 4x2" in err and "\n" not in err
+    with pytest.raises(SystemExit):
+        autoshard_main([*plan, "--mesh", "2x2", "--device", str(files["corrupt"][0])])
+    assert capsys.readouterr().err.strip().startswith("error: profile file") and not (tmp_path / "o").exists()
+    # train checks before it makes a process group: one line, exit 2
+    code = autoshard_main(["train", "--model", "llama3-tiny", "--mesh", "1", "--batch", "8", "--seq", "16",
+                           "--device", str(files["missing"][0]), "--out", str(tmp_path / "t")])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and err == f"error: profile file {files['missing'][0]}: no such file"
+
+
+def test_step_time_line_uses_steps_after_warmup():
+    rows = [{"step": 1, "step_s": 9.0}, {"step": 2, "step_s": 5.0}, {"step": 3, "step_s": 0.2},
+            {"step": 4, "step_s": 0.4}, {"step": 5, "step_s": 0.3}]
+    line = step_time_line(0.15, rows)
+    assert line == "step time: modeled 150.0 ms, measured 300.0 ms (median of steps 3-5); modeled / measured 0.50"
+    assert "(median of step 1);" in step_time_line(0.15, rows[:1])
+
+
+def test_calibration_settings_validate():
+    with pytest.raises(ValueError, match="unknown collective kind or dtype"):
+        CalibrationSettings(kinds=("broadcast",))
+    assert planner_groups((2, 1, 4)) == [(0,), (2,), (0, 2)]
+
+
+def _run(cmd: list[str], timeout: int = 300) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    assert out.returncode == 0, f"{cmd} failed:\n{out.stdout[-3000:]}\n{out.stderr[-5000:]}"
+    return out
+
+
+def test_single_process_calibrate_writes_a_device_profile(tmp_path):
+    out = _run([sys.executable, "-m", "autoshard", "calibrate", "--quick", "--out", str(tmp_path / "d.json")])
+    assert "device cpu float32: matmul" in out.stdout and "wrote" in out.stdout
+    data = read_profile(tmp_path / "d.json")
+    assert data.network is None and data.device.peak_flops > 1e8 and data.device.mem_bw > 1e8
+    assert set(data.details["device"]) == {"float32", "bfloat16"}
+    with pytest.raises(ValueError, match="has no network profile"):
+        network_profile(str(tmp_path / "d.json"), (1,))
+
+
+@pytest.mark.slow
+def test_torchrun_calibrate_writes_a_profile_the_planner_uses(tmp_path):
+    """4 gloo ranks, (2,2), tiny sizes: every planner group timed with every kind, a fit per group,
+    and the file plans llama3-tiny through the API with the flattened group's own link."""
+    path = tmp_path / "profile.json"
+    out = _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4", "-m",
+                "autoshard", "calibrate", "--mesh", "2x2", "--quick", "--out", str(path)])
+    assert "collectives on mesh dims [0, 1] (4 ranks)" in out.stdout and f"--network {path}" in out.stdout
+    data = read_profile(path)
+    assert data.mesh_shape == (2, 2) and [dims for dims, _, _ in data.network.groups] == [(0, 1)]
+    rows = data.details["collectives"]
+    assert {(r["kind"], tuple(r["mesh_dims"])) for r in rows} == {(k, g) for k in KINDS for g in planner_groups((2, 2))}
+    assert all(r["seconds"] > 0 and r["model_s"] > 0 for r in rows)
+    assert [g["mesh_dims"] for g in data.details["network_fit"]["groups"]] == [[0], [1], [0, 1]]
+
+    from autoshard.api import AutoShard
+    from models import build_model, cross_entropy_loss, get_config
+    from autoshard.workload import get_workload
+
+    work = get_workload("llama3-tiny", 16)
+    with AutoShard(build_model(get_config("llama3-tiny"), device="meta"), lambda: work.example_inputs(8, 16, "meta"),
+                   (2, 2), loss_fn=cross_entropy_loss, network=str(path), device=str(path)) as auto:
+        plan = auto.optimize()
+    assert auto.network == data.network and auto.device == data.device
+    assert plan.step_time_s > 0 and plan.compute_s > 0
