@@ -218,9 +218,13 @@ class AutoShard:
                 plan = decode(sharding, solution, planner)
             limit = self.resolved_memory_limit
             if limit is not None and solve_with is None:  # a collective solve (train) is not re-solved
-                with self._stage("memory"), tc.no_dispatch_modes():  # the dry run makes its own fake mode
+                start = time.perf_counter()
+                with tc.no_dispatch_modes():  # the dry run makes its own fake mode
                     plan, sharding, self.fit = fit_memory(plan, sharding, planner, self.device, self.spec,
                                                           limit, backend=backend, time_limit=time_limit)
+                if self.fit.peak_bytes is not None:  # a stage only when it dry-ran (and maybe re-planned)
+                    self.timings["memory"] = time.perf_counter() - start
+                    log.info("autoshard: memory took %.2f s", self.timings["memory"])
         log.info("autoshard plan: %s", plan.summary())
         self.plan, self.sharding, self.planner = plan, sharding, planner
         return plan

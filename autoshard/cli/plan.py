@@ -141,6 +141,9 @@ def _plan_once(workload, args, *, pins: dict | None = None, budget: float | None
                 auto.memory_limit(None)
             elif args.memory_limit is not None:  # else the device's capacity less the reserve
                 auto.memory_limit(None if math.isinf(args.memory_limit) else args.memory_limit)
+            elif not args.dry_run:  # fitting the default limit dry-runs plans: --no-dry-run skips it
+                log.info("memory limit not checked (--no-dry-run; give --memory-limit to check one)")
+                auto.memory_limit(None)
             plan = auto.optimize(backend=args.backend, time_limit=args.time_limit)
     except ValueError as err:  # e.g. a layout that does not split a shape evenly on this mesh
         fail(f"planning {what} failed: {err}")
