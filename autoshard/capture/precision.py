@@ -113,10 +113,10 @@ def _cast(param: torch.Tensor, precision: Precision) -> torch.Tensor:
 
 @contextlib.contextmanager
 def cast_parameters(model: nn.Module, precision: Precision) -> Iterator[None]:
-    """For the duration of one traced step, each module's forward reads its floating parameters
-    cast by `_CastForCompute` (cast once per parameter, at the first forward of a module owning
-    it: a tied weight is one cast). Nothing happens when `precision` casts nothing. The hooks
-    key casts by FQN strings (no object identities), so dynamo traces them too."""
+    """For the duration of one traced step, each module's forward first swaps its floating
+    parameters for their casts (`_cast`; one per parameter, made at the first forward of a module
+    owning it: a tied weight is one cast), then runs. Nothing happens when `precision` casts
+    nothing. Casts are keyed by FQN strings (no object identities), so dynamo traces this too."""
     if not precision.casts:
         yield
         return
