@@ -8,6 +8,7 @@ the two can be compared step by step (benchmarks/training.py does). The parallel
 ANCHORS.md: `parallelize_module` on the "tp" mesh dim (sequence parallel norms, column-wise
 wq/wk/wv/w1/w3, row-wise wo/w2 reduce-scattering to sequence shards, row-wise embedding, column-wise
 output with loss parallel), then `fully_shard` on the "dp" mesh dim per block and on the root.
+With `--mesh Nx1` there is no TP: pure FSDP2, `fully_shard` per block and root over all N ranks.
 """
 
 from __future__ import annotations
@@ -104,7 +105,9 @@ def train(args) -> None:
     if args.seq > cfg.max_seq_len:
         cfg = cfg.with_(max_seq_len=args.seq)
     model = build_model(cfg, seed=args.seed)  # full weights on every rank, equal to single-device
-    apply_tp(model, mesh["tp"])
+    tp = mesh_shape[1] > 1
+    if tp:  # Nx1: pure FSDP2 over every rank
+        apply_tp(model, mesh["tp"])
     apply_fsdp(model, mesh["dp"], mp_policy(args.param_dtype, args.reduce_dtype))
     optim = make_optimizer(model.parameters(), TrainSettings(lr=args.lr))
 
@@ -122,13 +125,14 @@ def train(args) -> None:
         inputs = batch.inputs[dp_rank * local:(dp_rank + 1) * local]
         targets = batch.targets[dp_rank * local:(dp_rank + 1) * local]
         meter = WireMeter() if step == args.wire_step else None
-        with contextlib.nullcontext() if meter is None else meter, loss_parallel():
+        with contextlib.nullcontext() if meter is None else meter, \
+                loss_parallel() if tp else contextlib.nullcontext():
             loss = cross_entropy_loss(model(inputs), targets)  # mean over this dp rank's rows
             loss.backward()
             optim.step()
             optim.zero_grad(set_to_none=True)
             # the global mean, for the log: gloo has no AVG, so sum and divide
-            total = loss.detach().to_local().clone()
+            total = (loss.detach().to_local() if isinstance(loss, DTensor) else loss.detach()).clone()
             dist.all_reduce(total, group=mesh["dp"].get_group())
             value = total.item() / dp
         elapsed = time.perf_counter() - t0

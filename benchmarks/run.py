@@ -149,10 +149,15 @@ def markdown(results: dict) -> str:
                 f"seq {w['seq']}, {w['steps']} steps:", "",
                 "| | tokens/s | peak RSS/rank | wire MiB/rank/step | max rel. loss dev vs 1 device |",
                 "|---|---|---|---|---|"]
-        for name, f in (("autoshard", a), ("recipe (fully_shard + parallelize_module)", r)):
+        named = [("autoshard", a), ("recipe (fully_shard + parallelize_module)", r)]
+        if "fsdp2" in t:  # pure FSDP2 (fully_shard over every rank) since issue 18's baseline landed
+            named.append(("pure FSDP2 (fully_shard per block and root, all ranks)", t["fsdp2"]))
+        for name, f in named:
             rows.append(f"| {name} | {f['tokens_per_s']:,.0f} | {f['peak_rss_mb']:,.0f} MiB | "
                         f"{f['wire_bytes'] / mib:.2f} | {f['max_rel_loss_dev']:.1e} |")
-        rows += ["", f"Throughput ratio autoshard / recipe: **{t['throughput_ratio']:.2f}** (target >= 1.0); "
+        best = (f"; autoshard / best baseline ({t['best_baseline']}): **{t['best_baseline_ratio']:.2f}**"
+                if "best_baseline" in t else "")
+        rows += ["", f"Throughput ratio autoshard / recipe: **{t['throughput_ratio']:.2f}**{best} (target >= 1.0); "
                  f"autoshard planning {a['planning_s']:.1f} s (not in tokens/s)."]
         parts.append("\n".join(rows))
     if "accuracy" in results:

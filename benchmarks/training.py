@@ -5,6 +5,7 @@ under torchrun (OMP_NUM_THREADS=1):
 
   autoshard   `python -m autoshard train` (plans, applies, trains; planning is timed apart)
   recipe      benchmarks/recipe_train.py (torchtitan's llama3 TP plan + FSDP2, torch's own APIs)
+  fsdp2       benchmarks/recipe_train.py --mesh Nx1 (pure FSDP2: fully_shard per block and root, all ranks)
 
 and, in this process, the single-device reference (models/train_single.py). Both parallel loss
 curves must match the reference (fp32); a mismatch exits non-zero. Bytes on the wire are measured
@@ -186,14 +187,23 @@ def run(quick: bool = False, out_dir: str | os.PathLike = ROOT / "runs" / "bench
     recipe = _figures("recipe", recipe_dir, work, wall)
     recipe.layouts = {k: v for k, v in json.loads((recipe_dir / "layouts.json").read_text()).items() if k in SHOWN}
 
+    fsdp2_dir = out / "fsdp2"  # the same script on an Nx1 mesh: no TP, fully_shard over every rank
+    world = 1
+    for size in work.mesh.split("x"):
+        world *= int(size)
+    wall = _launch("fsdp2", [str(Path(_HERE) / "recipe_train.py")], replace(work, mesh=f"{world}x1"), fsdp2_dir)
+    fsdp2 = _figures("fsdp2", fsdp2_dir, work, wall)
+    fsdp2.layouts = {k: v for k, v in json.loads((fsdp2_dir / "layouts.json").read_text()).items() if k in SHOWN}
+
     start = time.perf_counter()
     single = train_single(TrainSettings(model=work.model, steps=work.steps, batch=work.batch, seq=work.seq,
                                         lr=work.lr, seed=work.seed, data_seed=work.data_seed,
                                         param_dtype=parse_dtype(work.param_dtype) if work.param_dtype else None,
                                         reduce_dtype=parse_dtype(work.reduce_dtype) if work.reduce_dtype else None))
     reference_s = time.perf_counter() - start
-    for r in (auto, recipe):
+    for r in (auto, recipe, fsdp2):
         _compare(r, single.losses)
+    best = max((recipe, fsdp2), key=lambda r: r.tokens_per_s)
 
     from autoshard.report.text import summary_lines
 
@@ -203,14 +213,17 @@ def run(quick: bool = False, out_dir: str | os.PathLike = ROOT / "runs" / "bench
                                      "planning_s": planning_s, "planning_stages_s": report["timings"],
                                      "plan_summary": summary_lines(report)},
         "recipe": asdict(recipe) | {"peak_rss_mb": recipe.peak_rss_mb, "wire_bytes": recipe.wire_bytes},
+        "fsdp2": asdict(fsdp2) | {"peak_rss_mb": fsdp2.peak_rss_mb, "wire_bytes": fsdp2.wire_bytes},
+        "best_baseline": best.name,
+        "best_baseline_ratio": auto.tokens_per_s / best.tokens_per_s,
         "reference": {"losses": single.losses, "wall_s": reference_s, "tokens_per_s": single.tokens_per_s},
         "throughput_ratio": auto.tokens_per_s / recipe.tokens_per_s,
         "wire_ratio": auto.wire_bytes / recipe.wire_bytes if recipe.wire_bytes else None,
         "loss_rtol": work.loss_rtol,
         "wall_s": time.perf_counter() - total_start,
     }
-    _print(figures, auto, recipe)
-    bad = [r.name for r in (auto, recipe) if not r.max_rel_loss_dev <= work.loss_rtol]
+    _print(figures, auto, recipe, fsdp2)
+    bad = [r.name for r in (auto, recipe, fsdp2) if not r.max_rel_loss_dev <= work.loss_rtol]
     if bad:
         raise LossMismatch(f"loss curve of {', '.join(bad)} differs from the single-device reference by more "
                            f"than {work.loss_rtol:g} relative (see the table)", figures)
@@ -218,34 +231,35 @@ def run(quick: bool = False, out_dir: str | os.PathLike = ROOT / "runs" / "bench
 
 
 # ---------------------------------------------------------------------------------- printing
-def _print(figures: dict, auto: RunFigures, recipe: RunFigures) -> None:
+def _print(figures: dict, auto: RunFigures, recipe: RunFigures, fsdp2: RunFigures) -> None:
     w = figures["workload"]
     mib = 2 ** 20
     dtypes = f"param {w['param_dtype']}, reduce {w['reduce_dtype']}" if w.get("param_dtype") else "fp32"
     print(f"\n{w['model']} on mesh {w['mesh']} ({dtypes}; gloo, 4 processes, OMP_NUM_THREADS=1): global batch {w['batch']}, "
           f"seq {w['seq']}, {w['steps']} steps; throughput = mean of steps {w['warmup'] + 1}-{w['steps']}; "
           f"wire = ring-model bytes per rank during step {w['wire_step']}")
+    runs = (auto, recipe, fsdp2)
+    kinds = sorted(set().union(*(r.wire_bytes_by_kind for r in runs)))
     rows = [
-        ("tokens/s", f"{auto.tokens_per_s:,.0f}", f"{recipe.tokens_per_s:,.0f}"),
-        ("tokens/s (median)", f"{auto.median_tokens_per_s:,.0f}", f"{recipe.median_tokens_per_s:,.0f}"),
-        ("step s", f"{auto.step_s:.3f}", f"{recipe.step_s:.3f}"),
-        ("peak RSS MiB per rank (max)", f"{auto.peak_rss_mb:,.0f}", f"{recipe.peak_rss_mb:,.0f}"),
-        ("peak RSS MiB per rank (each)", " ".join(f"{x:.0f}" for x in auto.peak_rss_mb_per_rank),
-         " ".join(f"{x:.0f}" for x in recipe.peak_rss_mb_per_rank)),
-        ("wire MiB per rank per step", f"{auto.wire_bytes / mib:.2f}", f"{recipe.wire_bytes / mib:.2f}"),
-        *[(f"  {kind} MiB (count)", _kind(auto, kind), _kind(recipe, kind))
-          for kind in sorted(set(auto.wire_bytes_by_kind) | set(recipe.wire_bytes_by_kind))],
-        ("max |loss - single|", f"{auto.max_abs_loss_dev:.2e}", f"{recipe.max_abs_loss_dev:.2e}"),
-        ("max relative loss dev", f"{auto.max_rel_loss_dev:.2e}", f"{recipe.max_rel_loss_dev:.2e}"),
-        ("planning s", f"{figures['autoshard']['planning_s']:.1f}", "-"),
-        ("torchrun wall s", f"{auto.wall_s:.1f}", f"{recipe.wall_s:.1f}"),
+        ("tokens/s", *(f"{r.tokens_per_s:,.0f}" for r in runs)),
+        ("tokens/s (median)", *(f"{r.median_tokens_per_s:,.0f}" for r in runs)),
+        ("step s", *(f"{r.step_s:.3f}" for r in runs)),
+        ("peak RSS MiB per rank (max)", *(f"{r.peak_rss_mb:,.0f}" for r in runs)),
+        ("peak RSS MiB per rank (each)", *(" ".join(f"{x:.0f}" for x in r.peak_rss_mb_per_rank) for r in runs)),
+        ("wire MiB per rank per step", *(f"{r.wire_bytes / mib:.2f}" for r in runs)),
+        *[(f"  {kind} MiB (count)", *(_kind(r, kind) for r in runs)) for kind in kinds],
+        ("max |loss - single|", *(f"{r.max_abs_loss_dev:.2e}" for r in runs)),
+        ("max relative loss dev", *(f"{r.max_rel_loss_dev:.2e}" for r in runs)),
+        ("planning s", f"{figures['autoshard']['planning_s']:.1f}", "-", "-"),
+        ("torchrun wall s", *(f"{r.wall_s:.1f}" for r in runs)),
     ]
     width = max(len(r[0]) for r in rows) + 2
-    print(f"{'':<{width}}{'autoshard':>22}{'recipe (FSDP2+TP)':>22}")
-    for label, a, b in rows:
-        print(f"{label:<{width}}{a:>22}{b:>22}")
-    print(f"throughput ratio autoshard / recipe: {figures['throughput_ratio']:.2f} (target >= 1.0); "
-          f"wire ratio: {figures['wire_ratio']:.2f}; single-device loss {auto.losses[0]:.4f} -> "
+    print(f"{'':<{width}}{'autoshard':>22}{'recipe (FSDP2+TP)':>22}{'pure FSDP2':>22}")
+    for label, *cells in rows:
+        print(f"{label:<{width}}" + "".join(f"{c:>22}" for c in cells))
+    print(f"throughput ratio autoshard / recipe: {figures['throughput_ratio']:.2f}; autoshard / best baseline "
+          f"({figures['best_baseline']}): {figures['best_baseline_ratio']:.2f} (target >= 1.0); "
+          f"wire ratio vs recipe: {figures['wire_ratio']:.2f}; single-device loss {auto.losses[0]:.4f} -> "
           f"{figures['reference']['losses'][-1]:.4f}; total wall {figures['wall_s']:.0f} s")
     print("\nparameter layouts [dp, tp]:")
     print(f"{'parameter':<34}{'autoshard':>22}   recipe (torch placements)")

@@ -54,7 +54,7 @@ def test_quick_training_section(quick, key, param_dtype):
     steps = figures["workload"]["steps"]
     reference = figures["reference"]["losses"]
     assert len(reference) == steps and reference[-1] < reference[0]
-    for name in ("autoshard", "recipe"):
+    for name in ("autoshard", "recipe", "fsdp2"):  # fsdp2: the recipe script with no TP (Nx1 mesh)
         run = figures[name]
         assert len(run["losses"]) == steps
         assert run["max_rel_loss_dev"] <= figures["loss_rtol"], (name, run["losses"], reference)
@@ -62,6 +62,10 @@ def test_quick_training_section(quick, key, param_dtype):
         assert len(run["wire_bytes_per_rank"]) == 4 and run["wire_bytes"] > 0
         assert sum(run["wire_bytes_by_kind"].values()) == pytest.approx(run["wire_bytes_per_rank"][0], abs=4)
     assert figures["autoshard"]["planning_s"] > 0
+    best = max(("recipe", "fsdp2"), key=lambda k: figures[k]["tokens_per_s"])
+    assert figures["best_baseline"] == best and math.isclose(
+        figures["best_baseline_ratio"], figures["autoshard"]["tokens_per_s"] / figures[best]["tokens_per_s"])
+    assert all(v == "Shard(dim=0)" for v in figures["fsdp2"]["layouts"].values())  # fully_shard alone
     assert math.isclose(figures["throughput_ratio"],
                         figures["autoshard"]["tokens_per_s"] / figures["recipe"]["tokens_per_s"])
     # the recipe's parameters are laid out as ANCHORS.md says torchtitan's are
