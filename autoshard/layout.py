@@ -217,6 +217,16 @@ class Layout:
         return cls(tuple(ours), order)
 
 
+def split_digits(index: int, sizes: Sequence[int]) -> list[int]:
+    """The coordinates on mesh dims of `sizes` of piece `index` of a tensor dim they split in that
+    order (the first split most significant)."""
+    out = []
+    for size in reversed(sizes):
+        out.append(index % size)
+        index //= size
+    return out[::-1]
+
+
 def _valid(p: Placement) -> bool:
     if p.kind == "S":
         return isinstance(p.dim, int) and p.dim >= 0 and p.op == ""

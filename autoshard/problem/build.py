@@ -185,13 +185,14 @@ def build_problem(graph: JointGraph, mesh_shape: tuple[int, ...], planner: Plann
         compute_s[name] = [0.0] * len(param_choices)
         fx_nodes[name], inputs[name] = grad, [alias[grad]]
 
-    recompute_blocks, recomputed = _recomputed(graph) if spec.recompute else ((), frozenset())
+    repeated = find_repeated_blocks(graph)
+    recompute_blocks, recomputed = _recomputed(graph, repeated) if spec.recompute else ((), frozenset())
     for name in recomputed & compute_s.keys():
         compute_s[name] = [2 * c for c in compute_s[name]]
     sharding = ShardingProblem(graph=graph, mesh_shape=mesh_shape, strategies=strategies, compute_s=compute_s,
                                fx_nodes=fx_nodes, inputs=inputs, problem=solver.Problem(),
                                recompute_blocks=recompute_blocks, recomputed=recomputed)
-    _fill_solver_problem(sharding, planner, spec, param_fqn)
+    _fill_solver_problem(sharding, planner, spec, param_fqn, repeated)
     return sharding
 
 
@@ -213,7 +214,8 @@ def _resolve_pins(graph: JointGraph, pins: dict[str, Layout], mesh_shape) -> dic
     return {fqn: layout for fqn, (_, layout) in chosen.items()}
 
 
-def _fill_solver_problem(sp: ShardingProblem, planner: Planner, spec: ProblemSpec, param_fqn) -> None:
+def _fill_solver_problem(sp: ShardingProblem, planner: Planner, spec: ProblemSpec, param_fqn,
+                         repeated: list[list[list[fx.Node]]]) -> None:
     problem = sp.problem
     mesh_shape = sp.mesh_shape
     for name, choices in sp.strategies.items():
@@ -265,17 +267,17 @@ def _fill_solver_problem(sp: ShardingProblem, planner: Planner, spec: ProblemSpe
     problem.memory_budget([node.name for node in sp.graph.params.values()], limit * (1 + 1e-9),
                           name="parameter bytes per rank")
 
-    for copies in find_repeated_blocks(sp.graph):
+    for copies in repeated:
         problem.add_region([_ilp_names(sp, copy) for copy in copies])
 
 
-def _recomputed(graph: JointGraph) -> tuple[tuple[str, ...], frozenset[str]]:
+def _recomputed(graph: JointGraph, repeated: list[list[list[fx.Node]]]) -> tuple[tuple[str, ...], frozenset[str]]:
     """Activation checkpointing of the repeated blocks: their list prefixes, and the forward ops
     the backward runs again. A block's outputs (values a forward op outside the block reads) are
     handed over as checkpoints; of the rest, what the backward reads is recomputed, with what it
     is computed from inside the block. `program.lower` recomputes exactly these nodes."""
     blocks = assign_blocks(graph)
-    prefixes = sorted({blocks[copy[0]][0] for copies in find_repeated_blocks(graph) for copy in copies
+    prefixes = sorted({blocks[copy[0]][0] for copies in repeated for copy in copies
                        if copy and copy[0] in blocks})
 
     def forward(n: fx.Node) -> bool:

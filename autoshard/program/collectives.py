@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from autoshard import _torch_compat as tc
+from autoshard.layout import split_digits
 from autoshard.pricing.planner import RedistributePlan, Step
 from autoshard.pricing.ring import COLLECTIVE_KINDS
 
@@ -234,7 +235,7 @@ def _permute_splits(
         return _ravel([c[m] for m in order], [mesh_shape[m] for m in order])
 
     def rank_with(order: tuple[int, ...], chunk: int) -> int:
-        c = dict(zip(order, _unravel(chunk, [mesh_shape[m] for m in order])))
+        c = dict(zip(order, split_digits(chunk, [mesh_shape[m] for m in order])))
         return _ravel([c[m] for m in phys], [mesh_shape[m] for m in phys])
 
     n = math.prod(mesh_shape[m] for m in phys)
@@ -249,14 +250,6 @@ def _ravel(coords: Sequence[int], sizes: Sequence[int]) -> int:
     for c, s in zip(coords, sizes):
         i = i * s + c
     return i
-
-
-def _unravel(i: int, sizes: Sequence[int]) -> list[int]:
-    out = []
-    for s in reversed(sizes):
-        out.append(i % s)
-        i //= s
-    return out[::-1]
 
 
 def _chunk(step: Step, x: torch.Tensor, mesh: Any, coord: Any) -> torch.Tensor:

@@ -16,7 +16,7 @@ import math
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
-from autoshard.layout import Layout
+from autoshard.layout import Layout, split_digits
 from autoshard.report.text import HTML_NAME, human_bytes, human_time  # noqa: F401 (HTML_NAME re-exported)
 
 # One colour per mesh dim (split lines and names), and per bar segment kind.
@@ -103,15 +103,6 @@ def _bar(segments: Sequence[tuple[str, float, str]], scale: float, width: int = 
 
 
 # ------------------------------------------------------------------------------------ layouts
-def _digits(index: int, sizes: Sequence[int]) -> list[int]:
-    """Piece `index` along a tensor dim split by mesh dims of `sizes` (first split most significant)."""
-    out = []
-    for size in reversed(sizes):
-        out.append(index % size)
-        index //= size
-    return out[::-1]
-
-
 def layout_svg(shape: Sequence[int], layout: str, mesh_shape: Sequence[int], names: Sequence[str]) -> str:
     """A parameter's global shape as a rectangle (dim 0 down, dim 1 across; a 1-D tensor is one row),
     split along each tensor dim by the mesh dims that shard it, in device order: the first split is the
@@ -143,7 +134,7 @@ def layout_svg(shape: Sequence[int], layout: str, mesh_shape: Sequence[int], nam
             fill = "#e6ecf5" if (i + j) % 2 == 0 else "#f6f8fb"
             out.append(f'<rect x="{j * cw:.1f}" y="{i * ch:.1f}" width="{cw:.1f}" height="{ch:.1f}" fill="{fill}"></rect>')
             if label_cells and (row_mds or col_mds):
-                coords = [*zip(row_mds, _digits(i, row_sizes)), *zip(col_mds, _digits(j, col_sizes))]  # split order
+                coords = [*zip(row_mds, split_digits(i, row_sizes)), *zip(col_mds, split_digits(j, col_sizes))]  # split order
                 text = " ".join(f"{names[m]}{c}" for m, c in coords)
                 out.append(f'<text x="{j * cw + cw / 2:.1f}" y="{i * ch + ch / 2 + 3.5:.1f}" font-size="9.5" '
                            f'text-anchor="middle" fill="#3c4657">{_e(text)}</text>')

@@ -366,7 +366,7 @@ def format_log(report: dict) -> str:
     if report.get("memory") or report.get("memory_fit") or (report.get("recompute") or {}).get("blocks"):
         out += ["", "== memory per rank (dry run of the lowered program on fake tensors) =="]
         out += _memory_lines(report["memory"]) if report.get("memory") else []
-        out += [line for line in _fit_lines(report)]
+        out += _fit_lines(report)
     if report.get("timings"):
         out += ["", "== timings =="]
         out += [f"{stage:<8} {seconds:8.2f} s" for stage, seconds in report["timings"].items()]
