@@ -243,8 +243,9 @@ class AutoShard:
             return explain(self.sharding, self.plan, self.planner, fqn, top=top, max_solves=max_solves,
                            backend=backend, time_limit=time_limit)
 
-    def apply(self, plan: Plan | None = None) -> ParallelModule:
-        """The parallel module of `plan` (default: the last `optimize()` result) on this mesh."""
+    def apply(self, plan: Plan | None = None, *, prefetch: int = 1) -> ParallelModule:
+        """The parallel module of `plan` (default: the last `optimize()` result) on this mesh.
+        Bucketed gathers and gradient reductions run up to `prefetch` buckets ahead (0: none)."""
         plan = plan if plan is not None else self.plan
         if plan is None:
             raise ValueError("nothing to apply: call optimize() first or pass a plan")
@@ -252,7 +253,7 @@ class AutoShard:
             raise TypeError(f"applying a plan needs a DeviceMesh, got mesh shape {self.mesh_shape}; "
                             "planning alone works with a shape")
         with self._stage("apply"):
-            return parallelize(plan, self.mesh, self.model)
+            return parallelize(plan, self.mesh, self.model, prefetch)
 
     def dry_run(self, plan: Plan | None = None) -> DryRunResult:
         """Run rank 0's program of `plan` (default: the last `optimize()` result) on fake tensors

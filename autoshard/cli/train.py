@@ -86,6 +86,9 @@ class Settings:
     recipe: str | None = setting(None, choices=("fsdp-tp", "fsdp"),
                                  help="pin the parameters to a hand-written recipe's layouts (autoshard.problem.recipes), "
                                       "at its own parameter bytes per rank: to measure it beside autoshard's plan")
+    prefetch: int = setting(1, type=int, help="launch bucketed parameter gathers and gradient reductions up to N "
+                                              "buckets ahead of their use, overlapping compute (0: wait on each "
+                                              "where it is launched)")
     checkpoint_every: int = setting(0, type=int, help="checkpoint every K steps (0: never)")
     resume: bool = setting(False, help="continue from the newest checkpoint in --out")
     wire_step: int = setting(0, type=int,
@@ -115,6 +118,8 @@ def _parse(argv: list[str] | None) -> Settings:
         raise UsageError(f"--wire-step must be >= 0, got {s.wire_step}")
     if s.memory_step < 0:
         raise UsageError(f"--memory-step must be >= 0, got {s.memory_step}")
+    if s.prefetch < 0:
+        raise UsageError(f"--prefetch must be >= 0, got {s.prefetch}")
     return s
 
 
@@ -225,7 +230,7 @@ def _plan(settings: Settings, workload: Workload, mesh, network: str, profile: s
             auto.memory_budget(settings.memory_budget)
         solve_with = _solve_on_rank0(settings, saved)
         plan = auto.optimize(solve_with=solve_with)
-        pmodel = auto.apply(plan)
+        pmodel = auto.apply(plan, prefetch=settings.prefetch)
     return plan, pmodel, auto.timings, solve_with.fingerprint
 
 
@@ -409,7 +414,8 @@ def train(settings: Settings) -> list[float]:
         losses.append(value)
         row = {"step": step, "loss": value, "step_s": elapsed, "tokens_per_s": tokens / elapsed,
                "peak_rss_mb_per_rank": peaks, "modeled_step_s": plan.step_time_s,
-               "modeled_over_measured": plan.step_time_s / elapsed}
+               "modeled_over_measured": plan.step_time_s / elapsed,
+               "modeled_overlapped_step_s": pmodel.program.step.overlapped_s}
         if meter is not None:
             row |= wire_row(meter.stats)  # every rank takes part
         if tracker is not None:
@@ -425,6 +431,8 @@ def train(settings: Settings) -> list[float]:
     dist.barrier()  # nobody tears the process group down while a peer still talks
     if rank == 0 and losses:
         log.info("autoshard train: %s", step_time_line(plan.step_time_s, load_metrics(metrics_path)))
+        log.info("autoshard train: modeled step with the program's overlap %.1f ms (prefetch %d; no overlap %.1f ms)",
+                 pmodel.program.step.overlapped_s * 1e3, settings.prefetch, plan.step_time_s * 1e3)
     if rank == 0:  # metrics.jsonl is complete: report.html again, now with the loss and tokens/s curves
         html_path = write_html(json.loads((out / JSON_NAME).read_text()), out, load_metrics(metrics_path))
         log.info("autoshard train: done; metrics %s, sharding log %s, report %s", metrics_path,

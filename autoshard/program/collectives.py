@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -50,23 +51,65 @@ def execute(plan: RedistributePlan, local_tensor: torch.Tensor, mesh: Any,
     return in_dim_order(x, dim_order)
 
 
-def execute_bucket(plans: Sequence[RedistributePlan], local_tensors: Sequence[torch.Tensor], mesh: Any,
-                   dim_orders: Sequence[Sequence[int] | None] | None = None) -> list[torch.Tensor]:
-    """Run several plans whose first steps are all-gathers (or all reduce-scatters) over the same
-    mesh dims, the first steps as ONE collective on the concatenated buffers (what FSDP calls a
-    bucket: one launch and one synchronisation instead of one per tensor); the rest of each plan
-    then runs alone. Same results (values and strides) as `execute` on each."""
+@dataclass
+class PendingBucket:
+    """A bucket's collective in flight (`launch_bucket`): `finish_bucket` waits for it, splits the
+    result per member and runs the rest of each plan. Between the two the rank computes on."""
+
+    plans: list[RedistributePlan]
+    result: torch.Tensor  # the collective's output; asynchronous until waited on
+    parts: list[tuple[int, ...]]  # per member, the shape of its part of the buffer
+    mesh: Any
+    dim_orders: list[Sequence[int] | None]
+
+
+def launch_bucket(plans: Sequence[RedistributePlan], local_tensors: Sequence[torch.Tensor], mesh: Any,
+                  dim_orders: Sequence[Sequence[int] | None] | None = None) -> PendingBucket:
+    """Start the first steps of several plans (all all-gathers, or all reduce-scatters, over the
+    same mesh dims) as ONE collective on the concatenated buffers: what FSDP calls a bucket, one
+    launch and one synchronisation instead of one per tensor. Returns without waiting."""
     firsts = [plan.steps[0] for plan in plans]
     kind, phys = firsts[0].kind, group_dims(firsts[0])
     if kind not in _BUCKETED or any(f.kind != kind or group_dims(f) != phys for f in firsts):
         raise ValueError(f"a bucket needs one collective kind on one set of mesh dims, got {[str(f) for f in firsts]}")
+    n = math.prod(mesh.shape[m] for m in phys)
+    group = _group(mesh, phys)
+    if kind == "all_gather":
+        parts = [tuple(x.shape) for x in local_tensors]
+        flat = torch.cat([x.reshape(-1) for x in local_tensors])
+        result = tc.funcol.all_gather_single(flat, 0, group)
+    else:
+        chunks = [_reindex(_split(x, f.tensor_dims[0], n), mesh.shape, f.mesh_dims, phys)
+                  for f, x in zip(firsts, local_tensors)]
+        parts = [tuple(c.shape[1:]) for c in chunks]
+        flat = torch.cat([c.reshape(n, -1) for c in chunks], dim=1).reshape(-1)
+        result = tc.funcol.reduce_scatter_single(flat, "sum", 0, group)
+    orders = list(dim_orders) if dim_orders is not None else [None] * len(plans)
+    return PendingBucket(list(plans), result, parts, mesh, orders)
+
+
+def finish_bucket(pending: PendingBucket) -> list[torch.Tensor]:
+    """Wait for a launched bucket; each member's result, as `execute` gives it (values and strides)."""
+    mesh, firsts = pending.mesh, [plan.steps[0] for plan in pending.plans]
+    phys = group_dims(firsts[0])
+    n = math.prod(mesh.shape[m] for m in phys)
+    out = tc.wait(pending.result)
+    gathered = out.reshape(n, -1) if firsts[0].kind == "all_gather" else None
+    outs, offset = [], 0
+    for step, shape in zip(firsts, pending.parts):
+        size = math.prod(shape)
+        if gathered is not None:
+            part = gathered[:, offset:offset + size].reshape([n, *shape])
+            outs.append(_merge(_reindex(part, mesh.shape, phys, step.mesh_dims), step.tensor_dims[0]))
+        else:
+            part = out[offset:offset + size].reshape(shape)
+            outs.append(part / n if _reduce_op(step) == "avg" else part)
+        offset += size
     coord = mesh.get_coordinate()
-    outs = _BUCKETED[kind](firsts, list(local_tensors), mesh, phys)
-    orders = dim_orders if dim_orders is not None else [None] * len(plans)
-    for i, plan in enumerate(plans):
+    for i, plan in enumerate(pending.plans):
         for step in plan.steps[1:]:
             outs[i] = _RUN[step.kind](step, outs[i], mesh, coord)
-        outs[i] = in_dim_order(outs[i], orders[i])
+        outs[i] = in_dim_order(outs[i], pending.dim_orders[i])
     return outs
 
 
@@ -87,32 +130,6 @@ def in_dim_order(x: torch.Tensor, order: Sequence[int] | None = None) -> torch.T
         return x
     inverse = sorted(range(len(order)), key=lambda i: order[i])
     return x.permute(*order).contiguous().permute(*inverse)
-
-
-def _all_gather_bucket(steps: list[Step], xs: list[torch.Tensor], mesh: Any, phys: tuple[int, ...]) -> list[torch.Tensor]:
-    n = math.prod(mesh.shape[m] for m in phys)
-    flat = torch.cat([x.reshape(-1) for x in xs])
-    gathered = tc.wait(tc.funcol.all_gather_single(flat, 0, _group(mesh, phys))).reshape(n, flat.numel())
-    outs, offset = [], 0
-    for step, x in zip(steps, xs):
-        part = gathered[:, offset:offset + x.numel()].reshape([n] + list(x.shape))
-        offset += x.numel()
-        outs.append(_merge(_reindex(part, mesh.shape, phys, step.mesh_dims), step.tensor_dims[0]))
-    return outs
-
-
-def _reduce_scatter_bucket(steps: list[Step], xs: list[torch.Tensor], mesh: Any, phys: tuple[int, ...]) -> list[torch.Tensor]:
-    n = math.prod(mesh.shape[m] for m in phys)
-    chunks = [_reindex(_split(x, step.tensor_dims[0], n), mesh.shape, step.mesh_dims, phys) for step, x in zip(steps, xs)]
-    flat = torch.cat([c.reshape(n, -1) for c in chunks], dim=1).reshape(-1)
-    out = tc.wait(tc.funcol.reduce_scatter_single(flat, "sum", 0, _group(mesh, phys)))
-    outs, offset = [], 0
-    for step, c in zip(steps, chunks):
-        size = c[0].numel()
-        part = out[offset:offset + size].reshape(c.shape[1:])
-        offset += size
-        outs.append(part / n if _reduce_op(step) == "avg" else part)
-    return outs
 
 
 # ---------------------------------------------------------------------------- helpers
@@ -285,4 +302,4 @@ _RUN = {
     "reorder": _reorder,
 }
 
-_BUCKETED = {"all_gather": _all_gather_bucket, "reduce_scatter": _reduce_scatter_bucket}
+_BUCKETED = ("all_gather", "reduce_scatter")

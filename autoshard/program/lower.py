@@ -5,9 +5,12 @@ Each op of the joint graph runs unchanged on this rank's shard; the only rewrite
   plan (the one the ILP paid for) with our executor, and
 - size arguments of view/expand/factory ops become the output's local shape.
 
-The joint graph is then split in two: `forward` (everything the loss needs, returning the loss and
-the values the backward reads) and `backward` (the rest: tangent in, gradients out, each already
-in its parameter's layout). Nothing is recomputed: a value computed in the forward is handed over.
+A block's parameter gathers (gradient reductions) become one `Bucket` each. The joint graph is
+then split in two: `forward` (everything the loss needs, returning the loss and the values the
+backward reads) and `backward` (the rest: tangent in, gradients out, each already in its
+parameter's layout). A value computed in the forward is handed over, unless the plan recomputes
+its block (`Plan.recomputed`). Last, each bucket is launched ahead of its wait (`_overlap`), as
+FSDP2 prefetches, and the program's step is modeled on two streams (`schedule.model_step`).
 The first run of either half can be checked node by node against the local shapes the plan
 implies (`CheckedRun`), so a lowering mistake names its node instead of corrupting numbers.
 """
@@ -23,11 +26,11 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from autoshard.program.collectives import dim_order, execute, execute_bucket, prepare_groups
-from autoshard.pricing.ring import COLLECTIVE_KINDS
+from autoshard.program.collectives import dim_order, prepare_groups
+from autoshard.program.modules import AWAIT, AwaitBucket, Bucket, Redistribute
 from autoshard.layout import Layout
 from autoshard.problem.plan import Plan
-from autoshard.pricing.planner import RedistributePlan
+from autoshard.program.schedule import StepModel, model_step
 from autoshard.capture.precision import gradient_tail, is_cast
 from autoshard.capture.regions import block_of
 
@@ -42,58 +45,6 @@ _SIZE_ARG = {
     aten.slice_backward.default: 1, aten.select_backward.default: 1,  # input_sizes (HF's rotate_half)
 }
 LOCAL_SHAPE = "autoshard_local_shape"  # node meta: expected local shape(s) on every rank
-
-
-class Redistribute(nn.Module):
-    """One planned redistribution, run by the executor on this rank's shard. Its result is laid
-    out in memory in the dim order the traced value had (`dim_order`), so the traced consumer
-    (a `view` above all) accepts it as it accepted the traced value."""
-
-    def __init__(self, plan: RedistributePlan, mesh: Any, producer: str, consumer: str,
-                 dim_order: tuple[int, ...] | None = None):
-        super().__init__()
-        self.plan, self.mesh, self.producer, self.consumer = plan, mesh, producer, consumer
-        self.dim_order = dim_order
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return execute(self.plan, x, self.mesh, self.dim_order)
-
-    def extra_repr(self) -> str:
-        steps = " -> ".join(f"{s.kind}{list(s.mesh_dims)}" for s in self.plan.steps)
-        return f"{self.producer} -> {self.consumer}: {self.plan.src} => {self.plan.dst} via {steps}"
-
-    def collectives(self, first: int = 0) -> list[tuple[str, str, str, tuple[int, ...], float]]:
-        """(producer, consumer, kind, mesh dims, bytes) of each collective it runs from step
-        `first` on, in order."""
-        return [(self.producer, self.consumer, st.kind, st.mesh_dims, st.bytes)
-                for st in self.plan.steps[first:] if st.kind in COLLECTIVE_KINDS]
-
-
-class Bucket(nn.Module):
-    """Redistributions whose first steps are one kind of collective on one set of mesh dims, run
-    with that step as one collective: parameter all-gathers and gradient reduce-scatters, grouped
-    per repeated block as FSDP groups them. Returns one local tensor per member."""
-
-    def __init__(self, name: str, members: list[Redistribute], mesh: Any):
-        super().__init__()
-        self.name, self.members, self.mesh = name, members, mesh
-
-    def forward(self, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return tuple(execute_bucket([m.plan for m in self.members], xs, self.mesh,
-                                    [m.dim_order for m in self.members]))
-
-    def extra_repr(self) -> str:
-        first = self.members[0].plan.steps[0]
-        return f"{first.kind}{list(first.mesh_dims)} of {len(self.members)}: " + ", ".join(
-            m.producer for m in self.members)
-
-    def collectives(self) -> list[tuple[str, str, str, tuple[int, ...], float]]:
-        """The shared first step (one collective carrying every member; producers joined by ','),
-        then each member's remaining collectives."""
-        first = self.members[0].plan.steps[0]
-        shared = (",".join(m.producer for m in self.members), self.name, first.kind, first.mesh_dims,
-                  sum(m.plan.steps[0].bytes for m in self.members))
-        return [shared] + [c for m in self.members for c in m.collectives(first=1)]
 
 
 @dataclass
@@ -123,10 +74,14 @@ class Program:
     buffer_names: list[str]
     input_shapes: list[tuple[tuple[int, ...], Layout]]  # (global shape, layout) per user input
     comm: CommStats
+    step: StepModel  # modeled step time on two streams, as this program overlaps its collectives
 
 
-def lower(plan: Plan, mesh: Any) -> Program:
-    """The per-rank program of `plan` on `mesh` (a DeviceMesh of the plan's mesh shape)."""
+def lower(plan: Plan, mesh: Any, prefetch: int = 1) -> Program:
+    """The per-rank program of `plan` on `mesh` (a DeviceMesh of the plan's mesh shape). Bucketed
+    collectives run `prefetch` buckets ahead of their use (`_overlap`); 0 waits on each at once."""
+    if prefetch < 0:
+        raise ValueError(f"prefetch must be >= 0, got {prefetch}")
     if tuple(mesh.shape) != plan.mesh_shape:
         raise ValueError(f"the plan is for mesh {plan.mesh_shape}, got a mesh of shape {tuple(mesh.shape)}")
     if mesh.mesh_dim_names is None and any(len(st.mesh_dims) > 1 for r in plan.redistributions for st in r.plan.steps):
@@ -135,10 +90,11 @@ def lower(plan: Plan, mesh: Any) -> Program:
     prepare_groups([r.plan for r in plan.redistributions], mesh)
     joint, modules = _local_joint_graph(plan, mesh)
     _bucket(plan, joint, modules, mesh)
-    forward, backward, comm = _split(plan, joint, modules)
+    forward, backward, comm = _split(plan, joint, modules, prefetch)
     graph = plan.graph
     inputs = [(tuple(n.meta["val"].shape), lay) for n, lay in zip(graph.inputs, plan.input_layouts)]
-    return Program(forward, backward, list(graph.params), list(graph.buffers), inputs, comm)
+    return Program(forward, backward, list(graph.params), list(graph.buffers), inputs, comm,
+                   model_step(plan, [forward, backward]))
 
 
 # ---------------------------------------------------------------------------------- the local joint graph
@@ -310,7 +266,7 @@ def _bucket_site(order: _Positions, members: list[fx.Node], output: fx.Node, gra
 
 
 # ---------------------------------------------------------------------------------- forward / backward split
-def _split(plan: Plan, joint: fx.Graph, modules: dict[str, nn.Module]):
+def _split(plan: Plan, joint: fx.Graph, modules: dict[str, nn.Module], prefetch: int):
     """Forward = the loss and everything it depends on; backward = every other node. Values of a
     recomputed block (`plan.recompute_blocks`) that the backward reads are not handed over but
     computed again in the backward, from the block's inputs, just before their first use there."""
@@ -359,7 +315,10 @@ def _split(plan: Plan, joint: fx.Graph, modules: dict[str, nn.Module]):
     saved = [n for n in primal_inputs + forward_nodes if n in saved_set]
 
     fwd = _subgraph(primal_inputs, forward_nodes, [loss, *saved])
-    bwd = _backward_graph(saved + tangent_inputs, backward_nodes, grads, recomputed, modules, plan.recomputed)
+    bwd = _backward_graph(saved, tangent_inputs, backward_nodes, grads, recomputed, modules, plan.recomputed)
+    modules[AWAIT] = AwaitBucket()
+    for g in (fwd, bwd):
+        _overlap(g, modules, prefetch)
     forward = fx.GraphModule({k: modules[k] for k in _used_modules(fwd)}, fwd, "AutoshardForward")
     backward = fx.GraphModule({k: modules[k] for k in _used_modules(bwd)}, bwd, "AutoshardBackward")
     return forward, backward, _comm_stats(forward, backward, modules)
@@ -388,26 +347,33 @@ def _recomputable(plan: Plan, forward_nodes: list[fx.Node], modules: dict[str, n
     return out
 
 
-def _backward_graph(inputs: list[fx.Node], nodes: list[fx.Node], outputs: list[fx.Node],
+def _backward_graph(saved: list[fx.Node], tangents: list[fx.Node], nodes: list[fx.Node], outputs: list[fx.Node],
                     recomputed: set[fx.Node], modules: dict[str, nn.Module], names: frozenset[str]) -> fx.Graph:
-    """The backward: `nodes` in order, each recomputed forward value it reads emitted (with what
-    it needs) just before its first reader. A recomputed bucket gathers again only the members
-    whose consumers are recomputed (`names`), as the plan priced it."""
+    """The backward: `nodes` in order, except that recomputed forward values and backward nodes
+    that do not depend on the tangent (the joint graph places those, e.g. `detach` of a saved
+    value, at their forward position) are emitted, with what they need, just before their first
+    reader: otherwise the backward would start by recomputing every block. A recomputed bucket
+    gathers again only the members whose consumers are recomputed (`names`), as the plan priced it."""
     g = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
-    for n in inputs:
+    tangent_dependent = set(tangents)
+    for n in saved + tangents:
         env[n] = g.placeholder(n.name)
         env[n].meta.update(n.meta)
+    for n in nodes:
+        if any(a in tangent_dependent for a in n.all_input_nodes):
+            tangent_dependent.add(n)
+    lazy = recomputed | {n for n in nodes if n not in tangent_dependent}
     kept: dict[fx.Node, dict[int, int]] = {}  # recomputed bucket -> member index -> index in its copy
 
     def emit(n: fx.Node) -> None:
         if n in env:
             return
-        assert n in recomputed, f"{n.name} is neither handed over nor recomputed"
+        assert n in lazy, f"{n.name} is neither handed over nor recomputed"
         for arg in n.all_input_nodes:
-            emit(arg) if arg in recomputed else None
+            emit(arg) if arg in lazy else None
         module = modules.get(n.target) if n.op == "call_module" else None
-        if isinstance(module, Bucket):
+        if isinstance(module, Bucket) and n in recomputed:
             index = [i for i, m in enumerate(module.members) if m.consumer in names]
             kept[n] = {i: j for j, i in enumerate(index)}
             name = f"{n.target}_again"
@@ -421,16 +387,95 @@ def _backward_graph(inputs: list[fx.Node], nodes: list[fx.Node], outputs: list[f
             env[n] = g.node_copy(n, env.__getitem__)
 
     for n in nodes:
+        if n in lazy:
+            continue
         for arg in n.all_input_nodes:
-            if arg in recomputed:
+            if arg in lazy:
                 emit(arg)
         env[n] = g.node_copy(n, env.__getitem__)
     for n in outputs:
-        if n in recomputed:
+        if n in lazy:
             emit(n)
     g.output(tuple(env[n] for n in outputs))
     g.lint()
     return g
+
+
+# ---------------------------------------------------------------------------------- overlap
+def _overlap(graph: fx.Graph, modules: dict[str, nn.Module], prefetch: int) -> None:
+    """Give every bucket its wait (an `AwaitBucket` node, where the results are first needed) and
+    move launches ahead of it, as FSDP2 schedules its collectives:
+    - parameter gathers: gather k launches just after gather k-`prefetch` is waited on, so the
+      rank computes one block while the next blocks' parameters arrive; at most `prefetch`
+      gathers in flight beside the one in use;
+    - gradient reductions: each launches as soon as its gradients exist and is waited on just
+      before reduction k+`prefetch` launches (at most `prefetch` in flight), or where its result
+      is first read, if that is earlier.
+    Values do not change: only where each collective starts and where the rank waits for it."""
+    buckets = [n for n in graph.nodes if n.op == "call_module" and isinstance(modules[n.target], Bucket)]
+    waits: dict[fx.Node, fx.Node] = {}
+    for launch in buckets:
+        with graph.inserting_after(launch):
+            wait = graph.call_module(AWAIT, (launch,))
+        launch.replace_all_uses_with(wait, delete_user_cb=lambda user: user is not wait)
+        wait.meta[LOCAL_SHAPE] = launch.meta.pop(LOCAL_SHAPE, None)
+        wait.meta["autoshard_bucket"] = launch.target
+        waits[launch] = wait
+    if prefetch == 0:
+        return
+    gathers = [b for b in buckets if modules[b.target].kind == "all_gather"]
+    reductions = [b for b in buckets if modules[b.target].kind == "reduce_scatter"]
+    pos = _numbered(graph)
+    for k in range(prefetch, len(gathers)):
+        _launch_early(gathers[k], waits[gathers[k - prefetch]], pos, modules)
+    for launch in reductions:
+        _launch_early(launch, None, pos, modules)
+    pos = _numbered(graph)
+    reductions.sort(key=pos.__getitem__)
+    for k in range(len(reductions) - prefetch):
+        wait, bound = waits[reductions[k]], reductions[k + prefetch]
+        if pos[wait] > pos[bound]:
+            for node in [wait, *wait.users]:  # the wait and its getitems; their readers come later
+                bound.prepend(node)
+
+
+def _numbered(graph: fx.Graph) -> dict[fx.Node, float]:
+    return {n: float(i) for i, n in enumerate(graph.nodes)}
+
+
+def _launch_early(launch: fx.Node, after: fx.Node | None, pos: dict[fx.Node, float],
+                  modules: dict[str, nn.Module]) -> None:
+    """Move `launch` up to just after `after` (None: as early as its inputs allow). Inputs computed
+    later from parameters alone (mixed-precision casts, redistributions) move up with it; any
+    other input holds it just after that input."""
+    if after is not None and pos[after] >= pos[launch]:
+        return
+    late: list[fx.Node] = []
+    seen: set[fx.Node] = set()
+    stack = list(launch.all_input_nodes)
+    movable = True
+    while stack and after is not None:
+        node = stack.pop()
+        if node in seen or pos[node] <= pos[after]:
+            continue
+        seen.add(node)
+        movable &= is_cast(node) or (node.op == "call_module" and isinstance(modules[node.target], Redistribute))
+        late.append(node)
+        stack.extend(node.all_input_nodes)
+    if after is None or not movable:
+        anchor = max([*launch.all_input_nodes, *([after] if after is not None else [])], key=pos.__getitem__)
+        if anchor.op == "placeholder":  # nothing runs among the placeholders
+            anchor = max((n for n in pos if n.op == "placeholder"), key=pos.__getitem__)
+        late = []
+    else:
+        anchor = after
+    if pos[anchor] >= pos[launch]:
+        return
+    cursor = anchor
+    for i, node in enumerate(sorted(late, key=pos.__getitem__) + [launch], start=1):
+        cursor.append(node)
+        pos[node] = pos[anchor] + i * 1e-6
+        cursor = node
 
 
 def _comm_stats(forward: fx.GraphModule, backward: fx.GraphModule, modules: dict[str, nn.Module]) -> CommStats:
@@ -439,7 +484,7 @@ def _comm_stats(forward: fx.GraphModule, backward: fx.GraphModule, modules: dict
     for phase, gm in (("forward", forward), ("backward", backward)):
         count, nbytes, steps = Counter(), Counter(), []
         for n in gm.graph.nodes:
-            if n.op != "call_module":
+            if n.op != "call_module" or n.target == AWAIT:
                 continue
             for producer, consumer, kind, mesh_dims, size in modules[n.target].collectives():
                 count[kind] += 1

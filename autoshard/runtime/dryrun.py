@@ -29,6 +29,7 @@ import time
 import weakref
 from collections import Counter
 from collections.abc import Sequence
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,7 +38,10 @@ import torch.distributed as dist
 from torch import fx
 
 from autoshard import _torch_compat as tc
-from autoshard.program.lower import LOCAL_SHAPE, Bucket, CheckedRun, Program, Redistribute, lower
+from autoshard.program.collectives import PendingBucket
+from autoshard.program.lower import LOCAL_SHAPE, CheckedRun, Program, lower
+from autoshard.program.modules import AwaitBucket, Redistribute
+from autoshard.program.schedule import StepModel
 from autoshard.problem.memory import ADAMW_STATE_BYTES
 from autoshard.problem.plan import Plan
 
@@ -91,6 +95,7 @@ class DryRunResult:
     mesh_shape: tuple[int, ...]
     ranks: dict[int, MemoryEstimate] = field(default_factory=dict)
     seconds: float = 0.0
+    step: StepModel | None = None  # the lowered program's modeled step (the same on every rank)
 
     @property
     def peak_bytes(self) -> int:
@@ -108,9 +113,9 @@ def ranks_to_check(plan: Plan) -> list[int]:
 
 
 def dry_run(plan: Plan, ranks: Sequence[int] | None = None, *, mesh: Any = None,
-            mesh_dim_names: Sequence[str] | None = None) -> DryRunResult:
-    """Lower `plan` and run each of `ranks` (default `ranks_to_check`) on fake tensors under a fake
-    process group. Inside an existing process group, runs this process's rank on `mesh` (default: a
+            mesh_dim_names: Sequence[str] | None = None, prefetch: int = 1) -> DryRunResult:
+    """Lower `plan` (with `prefetch`, as `parallelize` does) and run each of `ranks` (default
+    `ranks_to_check`) on fake tensors under a fake process group. Inside an existing process group, runs this process's rank on `mesh` (default: a
     CPU mesh made here); that is collective, as lowering may create flattened groups: every rank
     calls it."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -129,14 +134,16 @@ def dry_run(plan: Plan, ranks: Sequence[int] | None = None, *, mesh: Any = None,
             raise ValueError(f"the plan's mesh {shape} has {world} ranks, the process group {dist.get_world_size()}")
         if mesh is None:
             mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
-        result.ranks[mine] = estimate(lower(plan, mesh), mine, plan.module_paths)
+        program = lower(plan, mesh, prefetch)
+        result.ranks[mine], result.step = estimate(program, mine, plan.module_paths), program.step
     else:
         for rank in (ranks_to_check(plan) if ranks is None else ranks):
             if not 0 <= rank < world:
                 raise ValueError(f"rank {rank} is not on mesh {shape} ({world} ranks)")
             with tc.fake_process_group(world, rank):
                 mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
-                result.ranks[rank] = estimate(lower(plan, mesh), rank, plan.module_paths)
+                program = lower(plan, mesh, prefetch)
+                result.ranks[rank], result.step = estimate(program, rank, plan.module_paths), program.step
     result.seconds = time.perf_counter() - start
     return result
 
@@ -229,8 +236,9 @@ class _Run(CheckedRun):
                     if n.args[0] in params:
                         self.from_param.add(n)
                 elif n.op == "call_function" and n.args and isinstance(n.args[0], fx.Node) \
-                        and n.args[0].op == "call_module" and isinstance(gm.get_submodule(n.args[0].target), Bucket):
-                    if n.args[0].args[n.args[1]] in params:
+                        and n.args[0].op == "call_module" and isinstance(gm.get_submodule(n.args[0].target), AwaitBucket):
+                    launch = n.args[0].args[0]  # a bucket's item: the launch read the member's input
+                    if launch.args[n.args[1]] in params:
                         self.from_param.add(n)
         self.saved_bytes = 0
 
@@ -238,15 +246,21 @@ class _Run(CheckedRun):
         """Redistributions repeat per layer with the same plan and shapes: the first of a kind runs
         (collectives and all), the others replay its outputs' layout and its transient peak."""
         module = self.fetch_attr(target)
-        plans = [module] if isinstance(module, Redistribute) else list(getattr(module, "members", ()))
-        key = (tuple((id(m.plan), m.dim_order) for m in plans),
-               tuple((tuple(a.shape), a.stride(), a.dtype) for a in args))
+        if isinstance(module, AwaitBucket):  # what it waits for stands in for its inputs
+            (pending,) = args
+            plans, tensors = list(zip(pending.plans, pending.dim_orders)), (pending.result,)
+        else:
+            members = [module] if isinstance(module, Redistribute) else module.members
+            plans, tensors = [(m.plan, m.dim_order) for m in members], args
+        key = (type(module), tuple((id(p), order) for p, order in plans),
+               tuple((tuple(a.shape), a.stride(), a.dtype) for a in tensors))
         record = self.live.replays.get(key)
         if record is None:
-            record, result = _Replay.record(self.live, lambda: super(_Run, self).call_module(target, args, kwargs), args)
+            run = lambda: super(_Run, self).call_module(target, args, kwargs)  # noqa: E731
+            record, result = _Replay.record(self.live, run, tensors)
             self.live.replays[key] = record
             return result
-        return record.replay(self.live, args)
+        return record.replay(self.live, tensors)
 
     def run_node(self, n: fx.Node) -> Any:
         try:
@@ -290,6 +304,7 @@ class _Replay:
     outputs: list[tuple[str, int, tuple, tuple, int]]  # ("new"|"input", index, shape, stride, offset)
     single: bool  # the module returned one tensor, not a tuple
     excess: int  # peak while running minus bytes it kept
+    pending: PendingBucket | None = None  # a bucket's launch, less its buffer: replayed with a new one
 
     @staticmethod
     def record(live: "_LiveBytes", run, args) -> tuple["_Replay", Any]:
@@ -298,7 +313,8 @@ class _Replay:
         result = run()
         kept, excess = live.total - start, live.window - start
         live.window = None
-        outs = [result] if isinstance(result, torch.Tensor) else list(result)
+        pending = result if isinstance(result, PendingBucket) else None
+        outs = [result] if isinstance(result, torch.Tensor) else [pending.result] if pending else list(result)
         inputs = {id(a.untyped_storage()): i for i, a in enumerate(args)}
         storages: dict[int, int] = {}
         outputs = []
@@ -315,13 +331,16 @@ class _Replay:
             sid = id(t.untyped_storage())
             if sid in storages:
                 store[storages[sid]] = (t.untyped_storage().nbytes() // t.element_size(), t.dtype)
-        return _Replay(store, outputs, isinstance(result, torch.Tensor), max(0, excess - kept)), result
+        return _Replay(store, outputs, isinstance(result, torch.Tensor), max(0, excess - kept),
+                        pending and dataclasses.replace(pending, result=None)), result
 
     def replay(self, live: "_LiveBytes", args) -> Any:
         bufs = [torch.empty(n, dtype=dtype) for n, dtype in self.storages]
         live.update_peak(extra=self.excess)
         outs = [(bufs[i] if kind == "new" else args[i]).as_strided(shape, stride, offset)
                 for kind, i, shape, stride, offset in self.outputs]
+        if self.pending is not None:
+            return dataclasses.replace(self.pending, result=outs[0])
         return outs[0] if self.single else tuple(outs)
 
 

@@ -168,9 +168,10 @@ class ParallelModule(nn.Module):
                                  f"{layout} on mesh {self.plan.mesh_shape}), got {got}")
 
 
-def parallelize(plan: Plan, mesh: Any, model: nn.Module) -> ParallelModule:
-    """The parallel module of `plan` on `mesh`; values are copied from `model` unless it is on meta."""
-    program = lower(plan, mesh)
+def parallelize(plan: Plan, mesh: Any, model: nn.Module, prefetch: int = 1) -> ParallelModule:
+    """The parallel module of `plan` on `mesh`; values are copied from `model` unless it is on meta.
+    Bucketed collectives run up to `prefetch` buckets ahead (0: each waited on where it is launched)."""
+    program = lower(plan, mesh, prefetch)
     pmodel = ParallelModule(plan, mesh, model, program)
     params = dict(model.named_parameters()) | dict(model.named_buffers())
     if not any(t.is_meta for t in params.values()):
