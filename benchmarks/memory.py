@@ -88,11 +88,13 @@ def _plan(case: Case, recipe: bool) -> dict:
         how = "every block recomputed"
     elif fit is None or not fit.constrained:
         how = "fits as planned" + (", blocks recomputed" if plan.recomputed else "")
-    else:
-        how = "every block recomputed" if fit.recompute else "budgeted layouts, no checkpointing"
+    else:  # the plan as solved was dry-run first (fit.tried[0]) and did not fit
+        how = (f"{'every block recomputed' if fit.recompute else 'budgeted layouts, no checkpointing'}; "
+               f"as solved {_size(fit.tried[0][1])}")
     return dict(runs=True, limit_bytes=limit, peak_bytes=memory.peak_bytes, peak_phase=memory.ranks[0].phase,
                 step_ms=plan.step_time_s * 1e3, compute_ms=plan.compute_s * 1e3, comm_ms=plan.comm_s * 1e3,
                 recompute=bool(plan.recomputed), constrained=bool(fit and fit.constrained), how=how,
+                solved_peak_bytes=fit.tried[0][1] if fit and fit.tried else None,
                 plan_s=plan_s, fit=fit.summary() if fit else None)
 
 
@@ -100,7 +102,7 @@ def run(quick: bool = False) -> dict:
     """Each case's autoshard plan and recipe plan, and whether autoshard meets the goal."""
     print(f"Memory: autoshard under the memory limit vs the {RECIPE} recipe with full activation checkpointing "
           f"(param {PRECISION[0]}, reduce {PRECISION[1]}; dry-run peak per rank, modeled step)")
-    print(f"{'case':<34}{'autoshard peak':>15}{'step ms':>10}  {'how':<36}{'recipe+AC peak':>15}{'step ms':>10}")
+    print(f"{'case':<34}{'autoshard peak':>15}{'step ms':>10}  {'how':<56}{'recipe+AC peak':>15}{'step ms':>10}")
     rows = []
     for case in QUICK if quick else FULL:
         ours = in_fresh_process(_plan, case, False)
@@ -110,7 +112,7 @@ def run(quick: bool = False) -> dict:
         row = dict(**asdict(case), autoshard=ours, recipe=theirs, fits=fits, goal=fits and faster)
         rows.append(row)
         name = f"{case.model} {case.mesh}, batch {case.batch}"
-        mine = (f"{_size(ours['peak_bytes']):>15}{ours['step_ms']:>10.1f}  {ours['how']:<36}" if ours["runs"]
+        mine = (f"{_size(ours['peak_bytes']):>15}{ours['step_ms']:>10.1f}  {ours['how']:<56}" if ours["runs"]
                 else f"  cannot fit: {ours['reason']}\n{'':<34}")
         other = (f"{_size(theirs['peak_bytes']):>15}{theirs['step_ms']:>10.1f}" if theirs["runs"]
                  else f"  cannot run: {theirs['reason']}")
