@@ -33,7 +33,7 @@ from autoshard.profiles.device import DeviceProfile
 from autoshard.profiles.files import device_profile, network_profile
 from autoshard.layout import Layout
 from autoshard.problem.explain import MAX_SOLVES, Explanation, explain
-from autoshard.runtime.fit import MEMORY_RESERVE, MemoryFit, fit_memory
+from autoshard.runtime.fit import MEMORY_RESERVE, FitSteps, MemoryFit, fit_memory
 from autoshard.problem.plan import Plan, decode
 from autoshard.pricing.planner import Planner
 from autoshard.problem.build import ProblemSpec, ShardingProblem, build_problem
@@ -188,9 +188,12 @@ class AutoShard:
         return outputs
 
     def optimize(self, *, backend: str = "auto", time_limit: float | None = None,
-                 solve_with: Callable[[ShardingProblem], solver.Solution] | None = None) -> Plan:
-        """Trace, build the ILP, solve it, decode the plan. `solve_with(sharding_problem)` replaces
-        the solve stage (e.g. a saved solution, or one rank solving for all)."""
+                 solve_with: Callable[[ShardingProblem], solver.Solution] | None = None,
+                 fit_steps: FitSteps | None = None) -> Plan:
+        """Trace, build the ILP, solve it, decode the plan, fit it under the memory limit.
+        `solve_with(sharding_problem)` replaces the solve stage (e.g. a saved solution, or one rank
+        solving for all); the limit is then fitted only with `fit_steps`, the fit's own solves and
+        dry runs done the same way (ranks fitting side by side must decide alike)."""
         inputs, self._input_names = step_inputs(self.input_fn())
         for index, layout in self.spec.input_layouts.items():
             if index >= len(inputs):
@@ -217,11 +220,12 @@ class AutoShard:
             with self._stage("decode"):
                 plan = decode(sharding, solution, planner)
             limit = self.resolved_memory_limit
-            if limit is not None and solve_with is None:  # a collective solve (train) is not re-solved
+            if limit is not None and (solve_with is None or fit_steps is not None):
                 start = time.perf_counter()
                 with tc.no_dispatch_modes():  # the dry run makes its own fake mode
                     plan, sharding, self.fit = fit_memory(plan, sharding, planner, self.device, self.spec,
-                                                          limit, backend=backend, time_limit=time_limit)
+                                                          limit, backend=backend, time_limit=time_limit,
+                                                          steps=fit_steps)
                 if self.fit.peak_bytes is not None:  # a stage only when it dry-ran (and maybe re-planned)
                     self.timings["memory"] = time.perf_counter() - start
                     log.info("autoshard: memory took %.2f s", self.timings["memory"])

@@ -76,9 +76,14 @@ def _plan_case(model: str, mesh: tuple, batch: int, seq: int, layers: int | None
 def run_case(model, mesh, batch=8, seq=8192, layers=None, pins=None, budget_from_recipe=False, dry=False,
              precision=None) -> dict:
     """`precision`: (param dtype, reduce dtype) names for mixed precision, e.g. ("bf16", "fp32")."""
-    # A fresh process per case: its peak RSS is that case's own; errors come back as exceptions.
+    return in_fresh_process(_plan_case, model, mesh, batch, seq, layers, pins, budget_from_recipe, dry, precision)
+
+
+def in_fresh_process(fn, *args):
+    """`fn(*args)` in a fresh process: its peak RSS and memory are that case's own; errors come
+    back as exceptions."""
     with mp.get_context("spawn").Pool(1, maxtasksperchild=1) as pool:
-        return pool.apply(_plan_case, (model, mesh, batch, seq, layers, pins, budget_from_recipe, dry, precision))
+        return pool.apply(fn, args)
 
 
 def analytic_gb(cfg, mesh, batch, seq, itemsize=4, reduce_itemsize=None) -> dict:

@@ -4,21 +4,24 @@
     python -m benchmarks.run --quick    # smoke check: small cases, writes nothing unless --json
     python -m benchmarks.run --only speed,quality --json /tmp/r.json
 
-Sections (each also runs alone: benchmarks/plan.py, planner.py, training.py):
+Sections (each also runs alone: benchmarks/plan.py, planner.py, training.py, memory.py, accuracy.py):
   speed     planning llama3-8b (8,8), (32,8) and llama3-70b (32,8), (64,8): seconds per stage, peak RSS,
             ILP size, beside the nearest peer (ANCHORS.md)
   command   `python -m autoshard plan` as a whole process (median of 3), with and without the dry run
   quality   modeled step time and comm bytes of autoshard's plan vs the FSDP+TP recipe, pure FSDP,
             forced-default device orders and the analytic estimate (llama3-8b (8,8), b=1 and 8 in fp32,
             b=1 with bf16 compute and fp32 gradient reduction)
+  memory    autoshard under the memory limit vs the FSDP+TP recipe with full activation checkpointing:
+            dry-run peak per rank and modeled step (llama3-8b (8,8), llama3-70b (32,8) and (64,8), bf16/fp32)
   planner   redistribution: our planner vs torch's greedy and graph planners (wins/ties/losses)
   training  real training on a (2,2) gloo mesh: autoshard vs torch's fully_shard+parallelize_module,
             fp32 and bf16 (both under the same MixedPrecisionPolicy)
   accuracy  the cost model vs the clock: calibrate this machine, then modeled vs measured step time of
             autoshard's plan, the FSDP+TP recipe pinned and pure FSDP pinned, calibrated vs presets
 
-Exit status 1 if a check fails: a loss curve off the single-device one, or autoshard's plan
-costing more than the recipe or pure FSDP.
+Exit status 1 if a check fails: a loss curve off the single-device one, autoshard's plan
+costing more than the recipe or pure FSDP, or its plan under the memory limit not fitting or
+costing more than the recipe with full activation checkpointing.
 """
 
 from __future__ import annotations
@@ -33,11 +36,12 @@ import time
 from pathlib import Path
 
 from benchmarks import accuracy as accuracy_bench
+from benchmarks import memory as memory_bench
 from benchmarks import plan as plan_bench
 from benchmarks import planner as planner_bench
 from benchmarks import training as training_bench
 
-SECTIONS = ("speed", "command", "quality", "planner", "training", "accuracy")
+SECTIONS = ("speed", "command", "quality", "memory", "planner", "training", "accuracy")
 RESULTS = Path(__file__).resolve().parent / "results.json"
 
 
@@ -70,6 +74,10 @@ def main(argv: list[str] | None = None) -> int:
             results["quality"] = plan_bench.quality(a.quick)
             failures += [f"quality b={q['b']}: {name}" for q in results["quality"]
                          for name, ok in q["checks"].items() if not ok]
+        elif section == "memory":
+            results["memory"] = memory_bench.run(a.quick)
+            failures += [f"memory {r['model']} {tuple(r['mesh'])}: goal not met" for r in results["memory"]["cases"]
+                         if not r["goal"]]
         elif section == "planner":
             results["planner"] = planner_bench.run(a.quick)
         elif section == "training":
@@ -128,6 +136,8 @@ def markdown(results: dict) -> str:
         rows += [f"| analytic, FSDP+TP (ANCHORS.md) | | | {est['fsdp_tp']:.2f} | |",
                  f"| analytic, pure FSDP (ANCHORS.md) | | | {est['fsdp']:.2f} | |"]
         parts.append("\n".join(rows))
+    if "memory" in results:
+        parts.append(memory_bench.markdown(results["memory"]))
     if "planner" in results:
         rows = ["| mesh | pairs | vs torch greedy W/T/L | cost ratio | vs torch graph W/T/L | cost ratio |",
                 "|---|---|---|---|---|---|"]

@@ -44,6 +44,21 @@ def test_quick_planning_sections(quick):
 
 
 @pytest.mark.slow
+def test_quick_memory_section(quick):
+    """llama3-debug (2,2) under 45 MB per rank (the plan as solved needs more): autoshard's fitted plan
+    recomputes the blocks and its dry run fits; the recipe with full activation checkpointing ran
+    the same dry run; the goal compares their modeled steps."""
+    figures = quick[0]["memory"]
+    (case,) = figures["cases"]
+    ours, theirs = case["autoshard"], case["recipe"]
+    assert ours["runs"] and ours["limit_bytes"] == 45e6 and ours["constrained"] and ours["recompute"]
+    assert ours["peak_bytes"] <= ours["limit_bytes"] < ours["solved_peak_bytes"] and case["fits"]
+    assert theirs["runs"] and theirs["recompute"] and theirs["limit_bytes"] is None and theirs["peak_bytes"] > 0
+    assert case["goal"] == (ours["step_ms"] <= theirs["step_ms"] * (1 + 1e-9)) and figures["goal"] == case["goal"]
+    assert "| case (seq, device, bf16/fp32) | autoshard under 42.9 MiB" in quick[1]
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("key, param_dtype", [("training", None), ("training_bf16", "bf16")])
 def test_quick_training_section(quick, key, param_dtype):
     """fp32, and bf16 with fp32 reduction (both trainers under the same MixedPrecisionPolicy, the

@@ -81,6 +81,26 @@ def test_torchrun_trains_like_single_device_and_resumes(tmp_path):
         assert a["loss"] == b["loss"], (a, b)
 
 
+@pytest.mark.slow
+def test_torchrun_under_a_memory_limit_recomputes_and_trains_like_single_device(tmp_path):
+    """llama3-debug on 4 gloo ranks (2,2) under 60 MB per rank: the plan as solved does not fit
+    (~85 MiB); the ranks fit it together (rank 0 solving and dry-running for all) into one plan
+    that recomputes the blocks, every rank's measured peak (MemTracker, step 2) stays under the
+    limit, and the losses are the single-device run's, as the unconstrained plan's are."""
+    run = tmp_path / "run"
+    torchrun("--model", "llama3-debug", "--batch", "8", "--seq", "128", "--mesh", "2x2", "--steps", "3",
+             "--memory-limit", "60MB", "--memory-step", "2", "--out", str(run))
+    report = json.loads((run / "plan.json").read_text())
+    fit = report["memory_fit"]
+    assert fit["constrained"] and fit["recompute"] and report["recompute"]["blocks"] == ["layers"]
+    assert fit["tried"][0]["peak_bytes"] > 60e6 >= report["memory"]["peak_bytes"]
+    rows = metrics(run)
+    assert max(rows[1]["tracked_peak_bytes_per_rank"]) <= 60e6
+    want = train_single(TrainSettings(model="llama3-debug", steps=3, batch=8, seq=128)).losses
+    for row, loss in zip(rows, want, strict=True):
+        assert abs(row["loss"] - loss) <= 1e-5 * loss, (row, loss)
+
+
 def run_main(args: list[str], capsys) -> tuple[int, str]:
     code = main(args)
     err = capsys.readouterr().err
@@ -98,6 +118,10 @@ def run_main(args: list[str], capsys) -> tuple[int, str]:
     ([*TINY, "--mesh", "1", "--memory-budget", "1", "--out", "{tmp}/run"], "infeasible"),
     ([*TINY, "--mesh", "1", "--wire-step", "-1"], "--wire-step must be >= 0"),
     ([*TINY, "--mesh", "1", "--memory-step", "-1"], "--memory-step must be >= 0"),
+    ([*TINY, "--mesh", "1", "--memory-limit", "0"], "--memory-limit: bad byte count '0': must be positive"),
+    ([*TINY, "--mesh", "1", "--memory-limit", "lots"], "--memory-limit: bad byte count 'lots'"),
+    ([*TINY, "--mesh", "1", "--memory-limit", "1MiB", "--out", "{tmp}/run"],
+     "no plan fits 1.0 MiB per rank: the smallest peak reached is"),
 ])
 def test_bad_input_is_one_line(tmp_path, capsys, args, message):
     (tmp_path / "corrupt.json").write_text("{not json")
@@ -106,6 +130,37 @@ def test_bad_input_is_one_line(tmp_path, capsys, args, message):
     lines = [line for line in err.splitlines() if line.startswith("error:")]
     assert len(lines) == 1 and message in lines[0], err
     assert "Traceback" not in err
+
+
+def test_memory_limit_in_train(tmp_path, capsys):
+    """One process (mesh 1): by default the plan is checked against the cpu profile's capacity less
+    the reserve; `none` checks nothing; under 3 MiB (the plan as solved peaks at ~3.7 MiB) the
+    blocks are recomputed, the run stays under it with the single-device losses, and its plan file
+    reused (with checkpointing, as saved) trains alike."""
+    from autoshard.profiles.files import device_profile
+    from autoshard.runtime.fit import MEMORY_RESERVE
+
+    def run(name: str, *extra: str) -> tuple[dict, str]:
+        code, err = run_main([*TINY, "--mesh", "1", "--steps", "3", "--out", str(tmp_path / name), *extra], capsys)
+        assert code == 0, err
+        return json.loads((tmp_path / name / "plan.json").read_text()), err
+
+    default = run("default")[0]["memory_fit"]
+    assert default["limit_bytes"] == device_profile("cpu").memory_bytes * (1 - MEMORY_RESERVE)
+    assert not default["constrained"] and not default["recompute"]
+    assert "memory_fit" not in run("none", "--memory-limit", "none")[0]
+    tight, _ = run("tight", "--memory-limit", "3MiB")
+    fit = tight["memory_fit"]
+    assert fit["constrained"] and fit["recompute"] and tight["recompute"]["blocks"] == ["layers"]
+    assert not fit["tried"][0]["recompute"]  # the plan as solved, dry-run first: over the limit
+    assert fit["tried"][0]["peak_bytes"] > 3 * 2**20 >= tight["memory"]["peak_bytes"] == fit["peak_bytes"]
+    want = train_single(TrainSettings(model="llama3-tiny", steps=3, batch=8, seq=16)).losses
+    for row, loss in zip(metrics(tmp_path / "tight"), want, strict=True):
+        assert abs(row["loss"] - loss) <= 1e-5 * loss, (row, loss)
+    reused, err = run("reused", "--memory-limit", "3MiB", "--plan-file", str(tmp_path / "tight" / "plan.json"))
+    assert "reusing the solution" in err and not reused["memory_fit"]["constrained"]  # it fits as saved
+    assert reused["solution"] == tight["solution"] and reused["recompute"]["blocks"] == ["layers"]
+    assert [r["loss"] for r in metrics(tmp_path / "reused")] == [r["loss"] for r in metrics(tmp_path / "tight")]
 
 
 def test_plan_file_for_another_problem_is_refused(tmp_path, capsys):

@@ -171,8 +171,8 @@ REDUCE_DTYPE = option("--reduce-dtype", type=_arg_type(dtype_option), metavar="D
                       help="mixed precision: reduce gradients in this dtype (fp32, bf16; default: --param-dtype)")
 MEMORY_LIMIT = option("--memory-limit", type=_arg_type(parse_limit), metavar="BYTES",
                       help="peak memory per rank a plan must fit, e.g. 70GiB, or 'none' (default: the device "
-                           "profile's capacity less 10%%, unchecked with --no-dry-run); the ILP then chooses "
-                           "layouts and activation checkpointing under it, checked by the dry run")
+                           "profile's capacity less 10%%; `plan --no-dry-run` leaves it unchecked); the ILP then "
+                           "chooses layouts and activation checkpointing under it, checked by the dry run")
 RECOMPUTE = option("--recompute", action="store_true",
                    help="activation checkpointing: the backward recomputes each repeated block's forward "
                         "(parameters gathered again) instead of keeping its activations")

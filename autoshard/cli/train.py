@@ -6,6 +6,10 @@
 Every rank traces the step and builds the ILP (cheap, deterministic); rank 0 solves it, or takes the
 solution from `--plan-file` when that file was made for the same problem (same fingerprint: graph,
 mesh, profiles, constraints), and broadcasts it; every rank checks it traced the same problem.
+The plan must fit `--memory-limit` per rank (default: the device profile's capacity less 10%; `none`:
+no limit), as in `plan`: every rank runs the fit beside the others, rank 0 solving its budgeted
+problems and dry-running the candidates, so every rank takes the same decisions; the ranks then
+check that they hold the same plan.
 Rank 0 dry-runs its program on fake tensors (every rank holds the same local shapes) and logs the
 peak memory per rank, then writes `sharding.log`, `report.html` and `plan.json` (reusable as
 `--plan-file`, with that memory section), one `metrics.jsonl` row per step, and distributed
@@ -24,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
 import json
 import logging
 import math
@@ -52,6 +57,7 @@ from autoshard.profiles.files import device_profile, network_profile
 from autoshard.report.html import load_metrics
 from autoshard.report.text import JSON_NAME, human_bytes, summary_lines, write_html, write_report
 from autoshard.runtime.dryrun import DryRunResult
+from autoshard.runtime.fit import FitSteps, MemoryLimitError
 from autoshard.runtime.wire import WireMeter, wire_row
 from autoshard.workload import Workload, get_workload
 
@@ -82,6 +88,8 @@ class Settings:
     param_dtype: str | None = setting(None, shared.PARAM_DTYPE)
     reduce_dtype: str | None = setting(None, shared.REDUCE_DTYPE)
     recompute: bool = setting(False, shared.RECOMPUTE)
+    # None: the device profile's capacity less the reserve; inf: no limit (`--memory-limit none`)
+    memory_limit: float | None = setting(None, shared.MEMORY_LIMIT)
     plan_file: str | None = setting(None, help="reuse a plan.json written by an earlier run or `plan`")
     recipe: str | None = setting(None, choices=("fsdp-tp", "fsdp"),
                                  help="pin the parameters to a hand-written recipe's layouts (autoshard.problem.recipes), "
@@ -183,15 +191,21 @@ def _broadcast(value: Any) -> Any:
     return box[0]
 
 
+def _same_on_every_rank(what: str, value: str) -> None:
+    """Every rank calls this: one error, raised alike everywhere, unless all ranks hold the same
+    `value` (a fingerprint)."""
+    values = [None] * dist.get_world_size()
+    dist.all_gather_object(values, value)
+    if len(set(values)) != 1:
+        raise UsageError(f"ranks {what} (fingerprints {values}); same code and inputs on every rank?")
+
+
 def _solve_on_rank0(settings: Settings, saved: dict | None):
     """`solve_with` hook: rank 0 solves (or reuses the saved solution), everyone gets its answer."""
 
     def solve_with(sharding):
-        fingerprint = solve_with.fingerprint = sharding.fingerprint()
-        prints = [None] * dist.get_world_size()
-        dist.all_gather_object(prints, fingerprint)
-        if len(set(prints)) != 1:
-            raise RuntimeError(f"ranks traced different problems (fingerprints {prints}); same code and inputs?")
+        fingerprint = sharding.fingerprint()
+        _same_on_every_rank("traced different problems", fingerprint)
         answer: tuple[str, str] = ("", "")
         if dist.get_rank() == 0:
             if saved is not None and saved["fingerprint"] != fingerprint:
@@ -214,13 +228,38 @@ def _solve_on_rank0(settings: Settings, saved: dict | None):
     return solve_with
 
 
+def _fit_steps(mesh) -> FitSteps:
+    """The memory fit's solves and dry runs, with the same result on every rank: rank 0 solves a
+    budgeted problem and broadcasts the solution (or that none fits); every rank lowers a
+    candidate (lowering may create flattened groups, a collective) and gets rank 0's dry run."""
+    from autoshard.program.lower import lower
+
+    def solve(problem: solver.Problem) -> solver.Solution:
+        answer = ("", "")
+        if dist.get_rank() == 0:
+            try:
+                answer = ("ok", solver.solve(problem).to_json())
+            except solver.InfeasibleError as err:
+                answer = ("infeasible", str(err))
+        kind, payload = _broadcast(answer)
+        if kind == "infeasible":
+            raise solver.InfeasibleError(payload)
+        return solver.Solution.from_json(payload)
+
+    return FitSteps(solve, lambda plan: _dry_run_on_rank0(lower(plan, mesh), plan))
+
+
 def _plan(settings: Settings, workload: Workload, mesh, network: str, profile: str, saved: dict | None):
+    """Plan on every rank (rank 0 solving for all) and apply; returns (plan, parallel module,
+    AutoShard, fingerprint of the problem the plan solves)."""
     example = lambda: workload.example_inputs(settings.batch, settings.seq, "meta")  # noqa: E731
     model = workload.build("meta")
+    # a plan file whose plan recomputes the blocks (the fit chose it) solves the problem with recomputation
+    recompute = settings.recompute or bool(((saved or {}).get("recompute") or {}).get("blocks"))
     with AutoShard(model, example, mesh, loss_fn=workload.loss_fn, n_model_inputs=workload.n_model_inputs,
                    network=network, device=profile,
                    mp_policy=shared.mp_policy(settings.param_dtype, settings.reduce_dtype),
-                   recompute=settings.recompute) as auto:
+                   recompute=recompute) as auto:
         if settings.recipe is not None:
             from autoshard.problem.recipes import param_bytes_per_rank, recipe_layouts, recipe_pins
 
@@ -228,10 +267,17 @@ def _plan(settings: Settings, workload: Workload, mesh, network: str, profile: s
             auto.memory_budget(param_bytes_per_rank(model, recipe_layouts(model, settings.recipe), settings.mesh))
         if settings.memory_budget is not None:
             auto.memory_budget(settings.memory_budget)
-        solve_with = _solve_on_rank0(settings, saved)
-        plan = auto.optimize(solve_with=solve_with)
+        if settings.memory_limit is not None:  # else the device's capacity less the reserve
+            auto.memory_limit(None if math.isinf(settings.memory_limit) else settings.memory_limit)
+        try:
+            plan = auto.optimize(solve_with=_solve_on_rank0(settings, saved), fit_steps=_fit_steps(mesh))
+        except MemoryLimitError as err:  # every rank reached it alike: one line, from rank 0
+            raise UsageError(str(err)) from None
+        fingerprint = auto.sharding.fingerprint()  # the fit may have moved to the problem with recomputation
+        _same_on_every_rank("planned different plans",
+                            fingerprint + hashlib.sha256(plan.solution.to_json().encode()).hexdigest()[:16])
         pmodel = auto.apply(plan, prefetch=settings.prefetch)
-    return plan, pmodel, auto.timings, solve_with.fingerprint
+    return plan, pmodel, auto, fingerprint
 
 
 # ---------------------------------------------------------------------------------- checkpoints
@@ -273,25 +319,26 @@ def _load_checkpoint(path: Path, pmodel, optim) -> None:
 
 
 # ---------------------------------------------------------------------------------- memory
-def _estimate_memory(pmodel, plan) -> DryRunResult | None:
-    """Every rank calls this: rank 0 dry-runs its program (fake tensors: no memory, no
-    communication; every rank holds the same local shapes) and logs the estimate; a program that
-    cannot run is every rank's one-line error, not rank 0's traceback and the others' hang."""
+def _dry_run_on_rank0(program, plan) -> DryRunResult:
+    """Every rank calls this with its program of `plan`: rank 0 dry-runs its own (fake tensors: no
+    memory, no communication; every rank holds the same local shapes) and every rank gets the
+    result; a program that cannot run is every rank's one-line error, not rank 0's traceback and
+    the others' hang."""
     from autoshard.runtime.dryrun import DryRunError, estimate
 
-    result, outcome = None, ("ok", "")
+    outcome: tuple[str, Any] = ("", None)
     if dist.get_rank() == 0:
         start = time.perf_counter()
         try:
-            result = DryRunResult(plan.mesh_shape, {0: estimate(pmodel.program, 0, plan.module_paths)})
+            result = DryRunResult(plan.mesh_shape, {0: estimate(program, 0, plan.module_paths)})
             result.seconds = time.perf_counter() - start
-            log.info("autoshard train: dry run estimate: %s", result.summary())
+            outcome = ("ok", result)
         except DryRunError as err:
             outcome = ("error", err.line)
-    kind, line = _broadcast(outcome)
+    kind, payload = _broadcast(outcome)
     if kind == "error":
-        raise UsageError(f"the planned program cannot run: {line}")
-    return result
+        raise UsageError(f"the planned program cannot run: {payload}")
+    return payload
 
 
 def _memory_tracker(pmodel, optim, inputs):
@@ -365,11 +412,16 @@ def train(settings: Settings) -> list[float]:
     log.info("autoshard train: %s on mesh %s (%s), %s/%s profiles", settings.model,
              "x".join(map(str, settings.mesh)), ",".join(settings.mesh_names), network, profile)
 
-    plan, pmodel, timings, fingerprint = _plan(settings, workload, mesh, network, profile, saved)
-    memory = _estimate_memory(pmodel, plan)  # rank 0's; None elsewhere
-    if rank == 0:
+    plan, pmodel, auto, fingerprint = _plan(settings, workload, mesh, network, profile, saved)
+    timings = auto.timings
+    if auto.fit is not None and auto.fit.plan is plan and auto.fit.dry_run is not None:
+        memory = auto.fit.dry_run  # fitting the memory limit dry-ran this very plan
+    else:
+        memory = _dry_run_on_rank0(pmodel.program, plan)
         timings["dry_run"] = memory.seconds
-        paths = write_report(plan, out, program=pmodel.program, dry_run=memory,
+    log.info("autoshard train: dry run estimate: %s", memory.summary())
+    if rank == 0:
+        paths = write_report(plan, out, program=pmodel.program, dry_run=memory, memory_fit=auto.fit,
                              device=device_profile(profile), timings=timings, extra={
             "fingerprint": fingerprint, "solution": plan.solution.to_json(), "settings": asdict(settings)})
         for line in summary_lines(json.loads(paths[1].read_text())):

@@ -11,6 +11,10 @@ dry run of the last plan and subtracted from the limit. When a plan needs more t
 3. if its peak is still over the limit, the non-linear part grew: tighten and go again (3 rounds).
 
 A plan whose linear part is under `TRUST` of the limit is not dry-run here: far from binding.
+
+How it solves and dry-runs is a `FitSteps` (default: here, on a fake process group). Under torchrun
+every rank runs the fit beside the others; `train` gives steps whose results are the same on every
+rank (rank 0 solves and dry-runs, and broadcasts the results), so every rank decides alike.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from dataclasses import dataclass
+from typing import Callable
 
 import solver
 
@@ -54,10 +59,19 @@ class MemoryFit:
 
     def summary(self) -> str:
         peak = "not dry-run (far below)" if self.peak_bytes is None else f"dry-run peak {_size(self.peak_bytes)}"
-        how = "planned under the budget" if self.constrained else "the unconstrained optimum fits"
+        how = "planned under the budget" if self.constrained else "the plan as solved fits"
         return (f"memory limit {_size(self.limit)} per rank: {how}; modeled {_size(self.modeled_bytes)} "
                 f"(params + AdamW states + handed-over values), {peak}; "
                 f"activation checkpointing {'on' if self.recompute else 'off'}")
+
+
+@dataclass(frozen=True)
+class FitSteps:
+    """What `fit_memory` asks of the outside: solve a budgeted problem (InfeasibleError when nothing
+    fits the budget) and dry-run a plan. Replaceable so that ranks fitting side by side agree."""
+
+    solve: Callable[[solver.Problem], solver.Solution]
+    dry_run: Callable[[Plan], DryRunResult]
 
 
 def _size(n: float) -> str:
@@ -65,21 +79,23 @@ def _size(n: float) -> str:
 
 
 def fit_memory(plan: Plan, sharding: ShardingProblem, planner: Planner, device: DeviceProfile, spec: ProblemSpec,
-               limit: float, *, backend: str = "auto", time_limit: float | None = None
-               ) -> tuple[Plan, ShardingProblem, MemoryFit]:
+               limit: float, *, backend: str = "auto", time_limit: float | None = None,
+               steps: FitSteps | None = None) -> tuple[Plan, ShardingProblem, MemoryFit]:
     """`plan` if it fits `limit`, else the best plan that does (with the problem it solves);
-    MemoryLimitError when none does."""
+    MemoryLimitError when none does. `steps` default to solving and dry-running in this process."""
+    if steps is None:
+        steps = FitSteps(lambda problem: solver.solve(problem, backend=backend, time_limit=time_limit), dry_run)
     table = peak_memory_table(sharding)
     linear = modeled_bytes(table, plan.solution.choice)
     if linear <= TRUST * limit:
         return plan, sharding, MemoryFit(limit, plan, linear, None, False, bool(plan.recomputed))
-    result = dry_run(plan)
+    result = steps.dry_run(plan)
     tried = [(bool(plan.recomputed), float(result.peak_bytes))]
     if result.peak_bytes <= limit:
         return plan, sharding, MemoryFit(limit, plan, linear, result.peak_bytes, False, bool(plan.recomputed),
                                          result, tried)
-    log.info("autoshard: the plan needs %.1f GiB per rank, over the %.1f GiB limit: planning under a budget",
-             result.peak_bytes / 2**30, limit / 2**30)
+    log.info("autoshard: the plan needs %s per rank, over the %s limit: planning under a budget",
+             _size(result.peak_bytes), _size(limit))
     problems = {spec.recompute: sharding}
     if not spec.recompute:  # the user did not ask for recomputation: the budget may choose it
         problems[True] = build_problem(sharding.graph, sharding.mesh_shape, planner, device,
@@ -91,8 +107,7 @@ def fit_memory(plan: Plan, sharding: ShardingProblem, planner: Planner, device: 
         best = None
         for rc, sp in problems.items():
             try:
-                solution = solver.solve(with_peak_budget(sp, tables[rc], limit - extra), backend=backend,
-                                        time_limit=time_limit)
+                solution = steps.solve(with_peak_budget(sp, tables[rc], limit - extra))
             except solver.InfeasibleError:
                 continue
             candidate = decode(sp, solution, planner)
@@ -101,7 +116,7 @@ def fit_memory(plan: Plan, sharding: ShardingProblem, planner: Planner, device: 
         if best is None:
             break
         candidate, sp, rc = best
-        result = dry_run(candidate)
+        result = steps.dry_run(candidate)
         linear = modeled_bytes(tables[rc], candidate.solution.choice)
         tried.append((rc, float(result.peak_bytes)))
         if result.peak_bytes < smallest[0]:
