@@ -155,15 +155,19 @@ def markdown(results: dict) -> str:
         w, a, r = t["workload"], t["autoshard"], t["recipe"]
         mib = 2 ** 20
         dtypes = f"param {w['param_dtype']}, reduce {w['reduce_dtype']}" if w.get("param_dtype") else "fp32"
+        repeats = f", median of {t['repeats']} runs each" if t.get("repeats", 1) > 1 else ""
         rows = [f"{w['model']}, mesh {w['mesh']}, {dtypes}, gloo, 4 processes, global batch {w['batch']}, "
-                f"seq {w['seq']}, {w['steps']} steps:", "",
+                f"seq {w['seq']}, {w['steps']} steps{repeats}:", "",
                 "| | tokens/s | peak RSS/rank | wire MiB/rank/step | max rel. loss dev vs 1 device |",
                 "|---|---|---|---|---|"]
         named = [("autoshard", a), ("recipe (fully_shard + parallelize_module)", r)]
         if "fsdp2" in t:  # pure FSDP2 (fully_shard over every rank) since issue 18's baseline landed
             named.append(("pure FSDP2 (fully_shard per block and root, all ranks)", t["fsdp2"]))
+        if "autoshard_sync" in t:
+            named.append(("autoshard `--prefetch 0` (no overlap)", t["autoshard_sync"]))
         for name, f in named:
-            rows.append(f"| {name} | {f['tokens_per_s']:,.0f} | {f['peak_rss_mb']:,.0f} MiB | "
+            each = f" ({' / '.join(f'{x:,.0f}' for x in f['runs_tokens_per_s'])})" if len(f.get("runs_tokens_per_s", [])) > 1 else ""
+            rows.append(f"| {name} | {f['tokens_per_s']:,.0f}{each} | {f['peak_rss_mb']:,.0f} MiB | "
                         f"{f['wire_bytes'] / mib:.2f} | {f['max_rel_loss_dev']:.1e} |")
         best = (f"; autoshard / best baseline ({t['best_baseline']}): **{t['best_baseline_ratio']:.2f}**"
                 if "best_baseline" in t else "")

@@ -6,13 +6,18 @@ under torchrun (OMP_NUM_THREADS=1):
   autoshard   `python -m autoshard train` (plans, applies, trains; planning is timed apart)
   recipe      benchmarks/recipe_train.py (torchtitan's llama3 TP plan + FSDP2, torch's own APIs)
   fsdp2       benchmarks/recipe_train.py --mesh Nx1 (pure FSDP2: fully_shard per block and root, all ranks)
+  autoshard_sync  `python -m autoshard train --prefetch 0` (full runs only): every bucket waited on where
+              it is launched, to show what the overlap brings
+
+Each trainer runs `repeats` times (3 in a full run), interleaved round by round so that a busy
+spell of the machine hits all alike; a trainer's figures are those of its median run by tokens/s.
 
 and, in this process, the single-device reference (models/train_single.py). Both parallel loss
 curves must match the reference (fp32); a mismatch exits non-zero. Bytes on the wire are measured
 the same way for both: `autoshard.runtime.wire.WireMeter` around one training step on every rank, pricing
 each collective it sees (functional or c10d) with the ring model.
 
-    python benchmarks/training.py            # llama3-debug, global batch 8, seq 256, 20 steps (~4 min)
+    python benchmarks/training.py            # llama3-debug, global batch 8, seq 256, 20 steps, 3 rounds (~15 min)
     python benchmarks/training.py --quick    # llama3-tiny, 5 steps (CI smoke check)
     python benchmarks/training.py --json out.json [--out runs/bench-training]
     python benchmarks/training.py --param-dtype bf16 --reduce-dtype fp32   # both trainers in bf16
@@ -93,6 +98,7 @@ class RunFigures:
     max_rel_loss_dev: float = 0.0
     wall_s: float = 0.0  # the whole torchrun, start-up and planning included
     run_dir: str = ""
+    runs_tokens_per_s: list[float] = field(default_factory=list)  # each repeat's tokens/s (this is the median run)
     layouts: dict[str, str] = field(default_factory=dict)  # SHOWN parameters
 
     @property
@@ -161,39 +167,53 @@ def _compare(run: RunFigures, reference: list[float]) -> None:
     run.max_rel_loss_dev = max(d / abs(b) for d, b in zip(devs, reference))
 
 
+def _median_run(runs: list[RunFigures]) -> RunFigures:
+    """The run with the median tokens/s (the lower middle of an even count), knowing all of them."""
+    ranked = sorted(runs, key=lambda r: r.tokens_per_s)
+    median = ranked[(len(ranked) - 1) // 2]
+    median.runs_tokens_per_s = [r.tokens_per_s for r in runs]
+    return median
+
+
 def run(quick: bool = False, out_dir: str | os.PathLike = ROOT / "runs" / "bench-training",
-        precision: tuple[str, str] | None = None) -> dict:
-    """Train both parallel versions and the reference; print and return the comparison.
-    `precision`: (param dtype, reduce dtype) for both trainers and the reference, e.g. ("bf16", "fp32").
-    Raises `LossMismatch` (after printing) when a parallel loss curve leaves the reference."""
+        precision: tuple[str, str] | None = None, repeats: int | None = None) -> dict:
+    """Train the parallel versions `repeats` times each (default 3, 1 with `quick`) and the
+    reference once; print and return the comparison. `precision`: (param dtype, reduce dtype) for
+    every trainer and the reference, e.g. ("bf16", "fp32"). Raises `LossMismatch` (after printing)
+    when a parallel loss curve leaves the reference."""
     from autoshard.capture.precision import parse_dtype
     from models.train_single import TrainSettings, train_single
 
     work = QUICK if quick else FULL
+    repeats = repeats or (1 if quick else 3)
     if precision:
         work = replace(work, param_dtype=precision[0], reduce_dtype=precision[1])
     out = Path(out_dir) / ("fp32" if not precision else f"{precision[0]}-{precision[1]}")
     total_start = time.perf_counter()
-
-    auto_dir = out / "autoshard"
-    wall = _launch("autoshard", ["-m", "autoshard", "train"], work, auto_dir)
-    auto = _figures("autoshard", auto_dir, work, wall)
-    report = json.loads((auto_dir / "plan.json").read_text())
-    planning_s = sum(s for stage, s in report["timings"].items() if stage != "dry_run")  # the dry run is not planning
-    auto.layouts = {p["fqn"]: p["layout"] for p in report["parameters"] if p["fqn"] in SHOWN}
-
-    recipe_dir = out / "recipe"
-    wall = _launch("recipe", [str(Path(_HERE) / "recipe_train.py")], work, recipe_dir)
-    recipe = _figures("recipe", recipe_dir, work, wall)
-    recipe.layouts = {k: v for k, v in json.loads((recipe_dir / "layouts.json").read_text()).items() if k in SHOWN}
-
-    fsdp2_dir = out / "fsdp2"  # the same script on an Nx1 mesh: no TP, fully_shard over every rank
     world = 1
     for size in work.mesh.split("x"):
         world *= int(size)
-    wall = _launch("fsdp2", [str(Path(_HERE) / "recipe_train.py")], replace(work, mesh=f"{world}x1"), fsdp2_dir)
-    fsdp2 = _figures("fsdp2", fsdp2_dir, work, wall)
-    fsdp2.layouts = {k: v for k, v in json.loads((fsdp2_dir / "layouts.json").read_text()).items() if k in SHOWN}
+    recipe = [str(Path(_HERE) / "recipe_train.py")]
+    trainers = [("autoshard", ["-m", "autoshard", "train"], work),
+                ("recipe", recipe, work),
+                ("fsdp2", recipe, replace(work, mesh=f"{world}x1")),  # no TP: fully_shard over every rank
+                *([("autoshard_sync", ["-m", "autoshard", "train", "--prefetch", "0"], work)] if not quick else [])]
+    runs: dict[str, list[RunFigures]] = {name: [] for name, _, _ in trainers}
+    for repeat in range(repeats):
+        for name, target, w in trainers:
+            run_dir = out / name / f"run{repeat + 1}" if repeats > 1 else out / name
+            figures = _figures(name, run_dir, work, _launch(name, target, w, run_dir))
+            if name.startswith("autoshard"):
+                report = json.loads((run_dir / "plan.json").read_text())
+                figures.layouts = {p["fqn"]: p["layout"] for p in report["parameters"] if p["fqn"] in SHOWN}
+            else:
+                figures.layouts = {k: v for k, v in json.loads((run_dir / "layouts.json").read_text()).items()
+                                   if k in SHOWN}
+            runs[name].append(figures)
+    chosen = {name: _median_run(r) for name, r in runs.items()}
+    auto, recipe_run, fsdp2 = chosen["autoshard"], chosen["recipe"], chosen["fsdp2"]
+    report = json.loads((Path(auto.run_dir) / "plan.json").read_text())
+    planning_s = sum(s for stage, s in report["timings"].items() if stage != "dry_run")  # the dry run is not planning
 
     start = time.perf_counter()
     single = train_single(TrainSettings(model=work.model, steps=work.steps, batch=work.batch, seq=work.seq,
@@ -201,29 +221,37 @@ def run(quick: bool = False, out_dir: str | os.PathLike = ROOT / "runs" / "bench
                                         param_dtype=parse_dtype(work.param_dtype) if work.param_dtype else None,
                                         reduce_dtype=parse_dtype(work.reduce_dtype) if work.reduce_dtype else None))
     reference_s = time.perf_counter() - start
-    for r in (auto, recipe, fsdp2):
+    for r in (f for every in runs.values() for f in every):
         _compare(r, single.losses)
-    best = max((recipe, fsdp2), key=lambda r: r.tokens_per_s)
+    best = max((recipe_run, fsdp2), key=lambda r: r.tokens_per_s)
 
     from autoshard.report.text import summary_lines
 
+    def entry(f: RunFigures) -> dict:
+        return asdict(f) | {"peak_rss_mb": f.peak_rss_mb, "wire_bytes": f.wire_bytes}
+
     figures = {
         "workload": asdict(work),
-        "autoshard": asdict(auto) | {"peak_rss_mb": auto.peak_rss_mb, "wire_bytes": auto.wire_bytes,
-                                     "planning_s": planning_s, "planning_stages_s": report["timings"],
-                                     "plan_summary": summary_lines(report)},
-        "recipe": asdict(recipe) | {"peak_rss_mb": recipe.peak_rss_mb, "wire_bytes": recipe.wire_bytes},
-        "fsdp2": asdict(fsdp2) | {"peak_rss_mb": fsdp2.peak_rss_mb, "wire_bytes": fsdp2.wire_bytes},
+        "repeats": repeats,
+        "autoshard": entry(auto) | {"planning_s": planning_s, "planning_stages_s": report["timings"],
+                                    "plan_summary": summary_lines(report),
+                                    "modeled_step_s": report["totals"]["step_time_s"],
+                                    "modeled_overlapped_step_s": report["totals"].get("overlapped_step_s")},
+        "recipe": entry(recipe_run),
+        "fsdp2": entry(fsdp2),
         "best_baseline": best.name,
         "best_baseline_ratio": auto.tokens_per_s / best.tokens_per_s,
         "reference": {"losses": single.losses, "wall_s": reference_s, "tokens_per_s": single.tokens_per_s},
-        "throughput_ratio": auto.tokens_per_s / recipe.tokens_per_s,
-        "wire_ratio": auto.wire_bytes / recipe.wire_bytes if recipe.wire_bytes else None,
+        "throughput_ratio": auto.tokens_per_s / recipe_run.tokens_per_s,
+        "wire_ratio": auto.wire_bytes / recipe_run.wire_bytes if recipe_run.wire_bytes else None,
         "loss_rtol": work.loss_rtol,
         "wall_s": time.perf_counter() - total_start,
     }
-    _print(figures, auto, recipe, fsdp2)
-    bad = [r.name for r in (auto, recipe, fsdp2) if not r.max_rel_loss_dev <= work.loss_rtol]
+    if "autoshard_sync" in chosen:
+        figures["autoshard_sync"] = entry(chosen["autoshard_sync"])
+        figures["overlap_ratio"] = auto.tokens_per_s / chosen["autoshard_sync"].tokens_per_s
+    _print(figures, [chosen[name] for name, _, _ in trainers])
+    bad = sorted({r.name for every in runs.values() for r in every if not r.max_rel_loss_dev <= work.loss_rtol})
     if bad:
         raise LossMismatch(f"loss curve of {', '.join(bad)} differs from the single-device reference by more "
                            f"than {work.loss_rtol:g} relative (see the table)", figures)
@@ -231,17 +259,23 @@ def run(quick: bool = False, out_dir: str | os.PathLike = ROOT / "runs" / "bench
 
 
 # ---------------------------------------------------------------------------------- printing
-def _print(figures: dict, auto: RunFigures, recipe: RunFigures, fsdp2: RunFigures) -> None:
+TITLES = {"autoshard": "autoshard", "recipe": "recipe (FSDP2+TP)", "fsdp2": "pure FSDP2",
+          "autoshard_sync": "autoshard, prefetch 0"}
+
+
+def _print(figures: dict, runs: list[RunFigures]) -> None:
     w = figures["workload"]
     mib = 2 ** 20
     dtypes = f"param {w['param_dtype']}, reduce {w['reduce_dtype']}" if w.get("param_dtype") else "fp32"
     print(f"\n{w['model']} on mesh {w['mesh']} ({dtypes}; gloo, 4 processes, OMP_NUM_THREADS=1): global batch {w['batch']}, "
           f"seq {w['seq']}, {w['steps']} steps; throughput = mean of steps {w['warmup'] + 1}-{w['steps']}; "
-          f"wire = ring-model bytes per rank during step {w['wire_step']}")
-    runs = (auto, recipe, fsdp2)
+          f"wire = ring-model bytes per rank during step {w['wire_step']}; the median of {figures['repeats']} "
+          f"run(s) per trainer")
+    auto = runs[0]
     kinds = sorted(set().union(*(r.wire_bytes_by_kind for r in runs)))
     rows = [
         ("tokens/s", *(f"{r.tokens_per_s:,.0f}" for r in runs)),
+        ("tokens/s of each run", *(" ".join(f"{x:,.0f}" for x in r.runs_tokens_per_s) for r in runs)),
         ("tokens/s (median)", *(f"{r.median_tokens_per_s:,.0f}" for r in runs)),
         ("step s", *(f"{r.step_s:.3f}" for r in runs)),
         ("peak RSS MiB per rank (max)", *(f"{r.peak_rss_mb:,.0f}" for r in runs)),
@@ -250,21 +284,22 @@ def _print(figures: dict, auto: RunFigures, recipe: RunFigures, fsdp2: RunFigure
         *[(f"  {kind} MiB (count)", *(_kind(r, kind) for r in runs)) for kind in kinds],
         ("max |loss - single|", *(f"{r.max_abs_loss_dev:.2e}" for r in runs)),
         ("max relative loss dev", *(f"{r.max_rel_loss_dev:.2e}" for r in runs)),
-        ("planning s", f"{figures['autoshard']['planning_s']:.1f}", "-", "-"),
+        ("planning s", f"{figures['autoshard']['planning_s']:.1f}", *["-"] * (len(runs) - 1)),
         ("torchrun wall s", *(f"{r.wall_s:.1f}" for r in runs)),
     ]
     width = max(len(r[0]) for r in rows) + 2
-    print(f"{'':<{width}}{'autoshard':>22}{'recipe (FSDP2+TP)':>22}{'pure FSDP2':>22}")
+    print(f"{'':<{width}}" + "".join(f"{TITLES[r.name]:>22}" for r in runs))
     for label, *cells in rows:
         print(f"{label:<{width}}" + "".join(f"{c:>22}" for c in cells))
     print(f"throughput ratio autoshard / recipe: {figures['throughput_ratio']:.2f}; autoshard / best baseline "
           f"({figures['best_baseline']}): {figures['best_baseline_ratio']:.2f} (target >= 1.0); "
-          f"wire ratio vs recipe: {figures['wire_ratio']:.2f}; single-device loss {auto.losses[0]:.4f} -> "
+          + (f"autoshard / its prefetch 0: {figures['overlap_ratio']:.2f}; " if "overlap_ratio" in figures else "")
+          + f"wire ratio vs recipe: {figures['wire_ratio']:.2f}; single-device loss {auto.losses[0]:.4f} -> "
           f"{figures['reference']['losses'][-1]:.4f}; total wall {figures['wall_s']:.0f} s")
     print("\nparameter layouts [dp, tp]:")
     print(f"{'parameter':<34}{'autoshard':>22}   recipe (torch placements)")
     for name in SHOWN:
-        print(f"{name:<34}{auto.layouts.get(name, '?'):>22}   {recipe.layouts.get(name, '?')}")
+        print(f"{name:<34}{auto.layouts.get(name, '?'):>22}   {runs[1].layouts.get(name, '?')}")
     print("\nautoshard plan: " + "\n                ".join(figures["autoshard"]["plan_summary"]))
 
 
@@ -279,10 +314,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=str(ROOT / "runs" / "bench-training"), help="run directories go here")
     p.add_argument("--param-dtype", default=None, help="mixed precision for both trainers, e.g. bf16")
     p.add_argument("--reduce-dtype", default="fp32", help="with --param-dtype (default fp32)")
+    p.add_argument("--repeats", type=int, default=None, help="runs per trainer (default 3; 1 with --quick)")
     a = p.parse_args(argv)
     code = 0
     try:
-        figures = run(quick=a.quick, out_dir=a.out,
+        figures = run(quick=a.quick, out_dir=a.out, repeats=a.repeats,
                       precision=(a.param_dtype, a.reduce_dtype) if a.param_dtype else None)
     except LossMismatch as e:
         print(f"FAIL: {e}", file=sys.stderr)

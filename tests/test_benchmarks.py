@@ -74,9 +74,11 @@ def test_quick_training_section(quick, key, param_dtype):
         assert len(run["losses"]) == steps
         assert run["max_rel_loss_dev"] <= figures["loss_rtol"], (name, run["losses"], reference)
         assert run["tokens_per_s"] > 0 and run["peak_rss_mb"] > 0
+        assert run["runs_tokens_per_s"] == [run["tokens_per_s"]]  # quick: one run per trainer
         assert len(run["wire_bytes_per_rank"]) == 4 and run["wire_bytes"] > 0
         assert sum(run["wire_bytes_by_kind"].values()) == pytest.approx(run["wire_bytes_per_rank"][0], abs=4)
-    assert figures["autoshard"]["planning_s"] > 0
+    assert figures["autoshard"]["planning_s"] > 0 and figures["repeats"] == 1 and "autoshard_sync" not in figures
+    assert 0 < figures["autoshard"]["modeled_overlapped_step_s"] <= figures["autoshard"]["modeled_step_s"]
     best = max(("recipe", "fsdp2"), key=lambda k: figures[k]["tokens_per_s"])
     assert figures["best_baseline"] == best and math.isclose(
         figures["best_baseline_ratio"], figures["autoshard"]["tokens_per_s"] / figures[best]["tokens_per_s"])
