@@ -90,7 +90,7 @@ def in_dim_order(x: torch.Tensor, order: Sequence[int] | None = None) -> torch.T
 
 
 def _all_gather_bucket(steps: list[Step], xs: list[torch.Tensor], mesh: Any, phys: tuple[int, ...]) -> list[torch.Tensor]:
-    n = math.prod(mesh.shape[m] for m in phys)
+    n = math.prod([mesh.shape[m] for m in phys])
     flat = torch.cat([x.reshape(-1) for x in xs])
     gathered = tc.wait(tc.funcol.all_gather_single(flat, 0, _group(mesh, phys))).reshape(n, flat.numel())
     outs, offset = [], 0
@@ -102,7 +102,7 @@ def _all_gather_bucket(steps: list[Step], xs: list[torch.Tensor], mesh: Any, phy
 
 
 def _reduce_scatter_bucket(steps: list[Step], xs: list[torch.Tensor], mesh: Any, phys: tuple[int, ...]) -> list[torch.Tensor]:
-    n = math.prod(mesh.shape[m] for m in phys)
+    n = math.prod([mesh.shape[m] for m in phys])
     chunks = [_reindex(_split(x, step.tensor_dims[0], n), mesh.shape, step.mesh_dims, phys) for step, x in zip(steps, xs)]
     flat = torch.cat([c.reshape(n, -1) for c in chunks], dim=1).reshape(-1)
     out = tc.wait(tc.funcol.reduce_scatter_single(flat, "sum", 0, _group(mesh, phys)))
@@ -174,7 +174,7 @@ def _reduce_op(step: Step) -> str:
 def _all_gather(step: Step, x: torch.Tensor, mesh: Any, coord: Any) -> torch.Tensor:
     (d,) = step.tensor_dims
     phys = group_dims(step)
-    n = math.prod(mesh.shape[m] for m in phys)
+    n = math.prod([mesh.shape[m] for m in phys])
     gathered = tc.wait(tc.funcol.all_gather_single(x.contiguous(), 0, _group(mesh, phys)))
     chunks = _reindex(gathered.reshape([n] + list(x.shape)), mesh.shape, phys, step.mesh_dims)
     return _merge(chunks, d)
@@ -183,7 +183,7 @@ def _all_gather(step: Step, x: torch.Tensor, mesh: Any, coord: Any) -> torch.Ten
 def _reduce_scatter(step: Step, x: torch.Tensor, mesh: Any, coord: Any) -> torch.Tensor:
     (d,) = step.tensor_dims
     phys = group_dims(step)
-    n = math.prod(mesh.shape[m] for m in phys)
+    n = math.prod([mesh.shape[m] for m in phys])
     chunks = _reindex(_split(x, d, n), mesh.shape, step.mesh_dims, phys)
     out = tc.wait(tc.funcol.reduce_scatter_single(_stacked(chunks), "sum", 0, _group(mesh, phys)))
     out = out.reshape(chunks.shape[1:])
@@ -192,7 +192,7 @@ def _reduce_scatter(step: Step, x: torch.Tensor, mesh: Any, coord: Any) -> torch
 
 def _all_reduce(step: Step, x: torch.Tensor, mesh: Any, coord: Any) -> torch.Tensor:
     phys = group_dims(step)
-    n = math.prod(mesh.shape[m] for m in phys)
+    n = math.prod([mesh.shape[m] for m in phys])
     out = tc.wait(tc.funcol.all_reduce(x.contiguous(), "sum", _group(mesh, phys)))
     return out / n if _reduce_op(step) == "avg" else out
 
@@ -200,7 +200,7 @@ def _all_reduce(step: Step, x: torch.Tensor, mesh: Any, coord: Any) -> torch.Ten
 def _all_to_all(step: Step, x: torch.Tensor, mesh: Any, coord: Any) -> torch.Tensor:
     a, b = step.tensor_dims
     phys = group_dims(step)
-    n = math.prod(mesh.shape[m] for m in phys)
+    n = math.prod([mesh.shape[m] for m in phys])
     send = _reindex(_split(x, b, n), mesh.shape, step.mesh_dims, phys)
     recv = tc.wait(tc.funcol.all_to_all_single(_stacked(send), None, None, _group(mesh, phys)))
     recv = _reindex(recv.reshape(send.shape), mesh.shape, phys, step.mesh_dims)
@@ -210,7 +210,7 @@ def _all_to_all(step: Step, x: torch.Tensor, mesh: Any, coord: Any) -> torch.Ten
 def _permute(step: Step, x: torch.Tensor, mesh: Any, coord: Any) -> torch.Tensor:
     (d,) = step.tensor_dims
     phys = group_dims(step)
-    n = math.prod(mesh.shape[m] for m in phys)
+    n = math.prod([mesh.shape[m] for m in phys])
     src_order, dst_order = dict(step.src.order)[d], dict(step.dst.order)[d]
     splits = _permute_splits(tuple(coord[m] for m in phys), tuple(mesh.shape), phys, src_order, dst_order, x.numel())
     out = tc.funcol.all_to_all_single(x.contiguous().reshape(-1), splits[n:], splits[:n], _group(mesh, phys))
@@ -238,7 +238,7 @@ def _permute_splits(
         c = dict(zip(order, split_digits(chunk, [mesh_shape[m] for m in order])))
         return _ravel([c[m] for m in phys], [mesh_shape[m] for m in phys])
 
-    n = math.prod(mesh_shape[m] for m in phys)
+    n = math.prod([mesh_shape[m] for m in phys])
     send, recv = [0] * n, [0] * n
     send[rank_with(dst_order, index(src_order, mine))] = numel
     recv[rank_with(src_order, index(dst_order, mine))] = numel
