@@ -383,3 +383,23 @@ def tracker_total(snapshot: dict) -> int:
     from torch.distributed._tools.mem_tracker import _TOTAL_KEY
 
     return sum(dev[_TOTAL_KEY] for dev in snapshot.values())
+
+
+# ---------------------------------------------------------------- compiled program (runtime/module.py)
+def dispatch_mode_blocks_compile() -> bool:
+    """Whether torch.compile would run a frame eagerly right now: dynamo skips frames under a
+    non-infra dispatch mode (LocalTensorMode, WireMeter, MemTracker); dynamo's own test."""
+    from torch._dynamo import config
+    from torch.utils import _python_dispatch as pd
+
+    if config.inline_torch_dispatch_torch_compile:
+        return pd.any_torch_dispatch_mode_on_stack()
+    return pd.is_in_any_mode_without_ignore_compile_internals()
+
+
+def dynamo_counts() -> tuple[int, int]:
+    """(graphs compiled, graph breaks) so far in this process, from dynamo's own counters: how to
+    tell that a program traced as one graph (torch has no public API for them)."""
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
