@@ -3,7 +3,9 @@ what `compile=True` changes (LocalTensorMode cannot: dynamo runs frames eagerly 
 
 1. Every kind of redistribution step (the plans of dist_redistribute.py) traces under
    `torch.compile(fullgraph=True)`, functional collectives included, and gives the executor's values.
-2. llama3-tiny trained by two parallel modules of one plan, uncompiled and `compile=True`: per-step
+2. A collective launched early and waited late (prefetch: a launch node, compute, a wait node)
+   keeps its wait after the compute once compiled with the runtime's inductor options.
+3. llama3-tiny trained by two parallel modules of one plan, uncompiled and `compile=True`: per-step
    losses, the last step's gradients and the parameters after the AdamW steps.
 
 Rank 0 prints one line `RESULT [json per rank]` with every rank's figures; the test asserts on them.
@@ -19,10 +21,14 @@ from torch.distributed.device_mesh import init_device_mesh
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from torch import fx, nn  # noqa: E402
+from torch._inductor.utils import run_and_get_code  # noqa: E402
+
+from autoshard import _torch_compat as tc  # noqa: E402
 from autoshard.api import AutoShard  # noqa: E402
 from autoshard.pricing.planner import Planner  # noqa: E402
 from autoshard.program.collectives import execute, prepare_groups  # noqa: E402
-from autoshard.runtime.module import parallelize  # noqa: E402
+from autoshard.runtime.module import INDUCTOR_OPTIONS, parallelize  # noqa: E402
 from dist_redistribute import CASES  # noqa: E402
 from models import MarkovTokens, build_model, cross_entropy_loss, get_config  # noqa: E402
 from models.train_single import TrainSettings, make_optimizer  # noqa: E402
@@ -51,6 +57,42 @@ def redistributions(mesh) -> list[dict]:
     return out
 
 
+class _Launch(nn.Module):
+    def __init__(self, mesh):
+        super().__init__()
+        self.mesh = mesh
+
+    def forward(self, x):
+        return {"pending": tc.funcol.all_gather_tensor(x, 0, (self.mesh, 0))}  # the executor's call
+
+
+class _Wait(nn.Module):
+    def forward(self, handle):
+        return tc.wait(handle["pending"])
+
+
+def late_wait(mesh) -> list[str]:
+    """The compiled code's order of the all-gather, its wait and two matmuls of a GraphModule that
+    launches the gather, multiplies, then waits (the prefetch shape)."""
+    g = fx.Graph()
+    x, y = g.placeholder("x"), g.placeholder("y")
+    handle = g.call_module("launch", (x,))
+    mm = g.call_function(torch.mm, (g.call_function(torch.mm, (y, y)), y))
+    gathered = g.call_module("wait", (handle,))
+    g.output((g.call_function(torch.add, (gathered, 1.0)), mm))
+    gm = fx.GraphModule({"launch": _Launch(mesh), "wait": _Wait()}, g)
+    torch._dynamo.reset()
+    _, (code, *_) = run_and_get_code(torch.compile(gm, fullgraph=True, options=INDUCTOR_OPTIONS),
+                                     torch.ones(2, 3), torch.randn(16, 16))
+    torch._dynamo.reset()
+    order = []
+    for line in code.splitlines():
+        for key in ("all_gather_into_tensor.default(", "wait_tensor.default(", "mm("):
+            if key in line and not line.lstrip().startswith(("#", "assert")):
+                order.append(key.split(".")[0].rstrip("("))
+    return order
+
+
 def train(pmodel, steps: int):
     """(losses, last step's local gradients, local parameters after the steps)."""
     optim = make_optimizer(pmodel.parameters(), TrainSettings())
@@ -76,7 +118,7 @@ def fp32_tolerance_used(a: dict, b: dict) -> float:
 def main() -> None:
     dist.init_process_group("gloo")
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-    result = {"redistributions": redistributions(mesh)}
+    result = {"redistributions": redistributions(mesh), "late_wait": late_wait(mesh)}
     example = lambda: (torch.empty(BATCH, SEQ, dtype=torch.int64, device="meta"),) * 2  # noqa: E731
     with AutoShard(build_model(TINY, device="meta"), example, mesh, loss_fn=cross_entropy_loss,
                    network="cpu-gloo", device="cpu", compile=True) as auto:

@@ -15,13 +15,15 @@ import pytest
 import torch
 
 from autoshard.cli.train import main
+from autoshard.runtime.module import INDUCTOR_OPTIONS
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.slow
 def test_torchrun_compiled_program_trains_like_the_uncompiled_one():
-    """4 gloo ranks on (2,2): every redistribution kind traces fullgraph; llama3-tiny, one plan,
+    """4 gloo ranks on (2,2): every redistribution kind traces fullgraph; a collective waited late
+    stays waited late once compiled (inductor alone would wait at once); llama3-tiny, one plan,
     uncompiled vs compile=True through 4 AdamW steps (steps 2-4 compiled): losses, the last
     gradients and the parameters agree within fp32 tolerance on every rank; each half of the
     program compiled to one graph with no break."""
@@ -38,6 +40,7 @@ def test_torchrun_compiled_program_trains_like_the_uncompiled_one():
         kinds = {k for case in r["redistributions"] for k in case["kinds"]}
         assert kinds == {"permute", "all_gather", "reduce_scatter", "all_reduce", "all_to_all", "chunk", "to_partial"}
         assert all(case["equal"] for case in r["redistributions"]), r["redistributions"]
+        assert r["late_wait"] == ["all_gather_into_tensor", "mm", "mm", "wait_tensor"]
         assert r["compiled"] == {"eager": False, "compiled": True}  # AutoShard(compile=True) reached the module
         assert r["collective_kinds"] == ["all_gather", "all_reduce", "reduce_scatter"]
         assert {phase: (st["graphs"], st["graph_breaks"]) for phase, st in r["stats"].items()} == {
@@ -70,7 +73,8 @@ def test_train_compile_flag_compiles_both_halves_from_the_first_unmetered_step(t
     code = main(["--model", "llama3-tiny", "--batch", "8", "--seq", "16", "--mesh", "1", "--steps", "4",
                  "--wire-step", "2", "--compile", "--out", str(out)])
     assert code == 0, capsys.readouterr().err
-    assert compiled == [("AutoshardForward", {"dynamic": False}), ("AutoshardBackward", {"dynamic": False})]
+    options = {"dynamic": False, "options": INDUCTOR_OPTIONS}
+    assert compiled == [("AutoshardForward", options), ("AutoshardBackward", options)]
     assert calls == ["AutoshardForward", "AutoshardBackward"] * 2  # steps 3 and 4
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert ["compile_s" in r for r in rows] == [False, False, True, False]
