@@ -403,3 +403,20 @@ def dynamo_counts() -> tuple[int, int]:
     from torch._dynamo.utils import counters
 
     return counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
+
+
+def inductor_unavailable(device_type: str) -> str | None:
+    """Why inductor cannot build kernels for `device_type` here (no C++ compiler for CPU, no
+    triton for CUDA), or None: inductor itself would only fail at the first compiled call."""
+    if device_type == "cuda":
+        from torch.utils._triton import has_triton
+
+        return None if has_triton() else "inductor needs triton for CUDA kernels, and it is not installed"
+    from torch._inductor import exc
+    from torch._inductor.cpp_builder import get_cpp_compiler
+
+    try:
+        get_cpp_compiler()
+    except exc.InvalidCxxCompiler as err:
+        return f"inductor needs a C++ compiler for CPU kernels: {err} (install g++ or set CXX)"
+    return None

@@ -79,3 +79,20 @@ def test_train_compile_flag_compiles_both_halves_from_the_first_unmetered_step(t
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert ["compile_s" in r for r in rows] == [False, False, True, False]
     assert "wire_bytes_per_rank" in rows[1] and rows[2]["compile_s"] > 0
+
+
+def test_train_compile_without_a_cpu_compiler_is_one_error_line(tmp_path, capsys, monkeypatch):
+    """No C++ compiler for inductor: one error line, exit 2, before planning; not a traceback from
+    inside step 2 (where inductor would first look for one)."""
+    from torch._inductor import config
+
+    missing = str(tmp_path / "no-such-g++")
+    monkeypatch.setattr(config.cpp, "cxx", (None, missing))
+    code = main(["--model", "llama3-tiny", "--batch", "8", "--seq", "16", "--mesh", "1", "--steps", "2",
+                 "--compile", "--out", str(tmp_path / "run")])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err
+    assert [line for line in err.splitlines() if line.startswith("error:")] == [
+        "error: --compile: inductor needs a C++ compiler for CPU kernels: No working C++ compiler found in "
+        f"torch._inductor.config.cpp.cxx: (None, '{missing}') (install g++ or set CXX)"]
+    assert not (tmp_path / "run").exists()

@@ -356,6 +356,9 @@ def train(settings: Settings) -> list[float]:
     saved = _load_plan_file(settings.plan_file) if settings.plan_file else None  # every rank: fail together
     _check_profiles(settings)
     mesh, device = _init_distributed(settings)
+    why = tc.inductor_unavailable(device) if settings.compile else None
+    if why is not None:  # every rank alike, before planning
+        raise UsageError(f"--compile: {why}")
     rank = dist.get_rank()
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, format="%(message)s", force=True)
     network = settings.network or ("cpu-gloo" if device == "cpu" else "h100-node")

@@ -78,6 +78,9 @@ class ParallelModule(nn.Module):
         super().__init__()
         if not isinstance(compile, bool):
             raise TypeError(f"compile must be True or False, got {compile!r}")
+        why = tc.inductor_unavailable(mesh.device_type) if compile else None
+        if why is not None:  # now, not as a traceback from inside the second step
+            raise RuntimeError(f"compile=True: {why}")
         self.plan, self.mesh = plan, mesh
         self.comm: CommStats = program.comm
         object.__setattr__(self, "_template", template)  # kept out of the module tree
