@@ -383,3 +383,40 @@ def tracker_total(snapshot: dict) -> int:
     from torch.distributed._tools.mem_tracker import _TOTAL_KEY
 
     return sum(dev[_TOTAL_KEY] for dev in snapshot.values())
+
+
+# ---------------------------------------------------------------- compiled program (runtime/module.py)
+def dispatch_mode_blocks_compile() -> bool:
+    """Whether torch.compile would run a frame eagerly right now: dynamo skips frames under a
+    non-infra dispatch mode (LocalTensorMode, WireMeter, MemTracker); dynamo's own test."""
+    from torch._dynamo import config
+    from torch.utils import _python_dispatch as pd
+
+    if config.inline_torch_dispatch_torch_compile:
+        return pd.any_torch_dispatch_mode_on_stack()
+    return pd.is_in_any_mode_without_ignore_compile_internals()
+
+
+def dynamo_counts() -> tuple[int, int]:
+    """(graphs compiled, graph breaks) so far in this process, from dynamo's own counters: how to
+    tell that a program traced as one graph (torch has no public API for them)."""
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
+
+
+def inductor_unavailable(device_type: str) -> str | None:
+    """Why inductor cannot build kernels for `device_type` here (no C++ compiler for CPU, no
+    triton for CUDA), or None: inductor itself would only fail at the first compiled call."""
+    if device_type == "cuda":
+        from torch.utils._triton import has_triton
+
+        return None if has_triton() else "inductor needs triton for CUDA kernels, and it is not installed"
+    from torch._inductor import exc
+    from torch._inductor.cpp_builder import get_cpp_compiler
+
+    try:
+        get_cpp_compiler()
+    except exc.InvalidCxxCompiler as err:
+        return f"inductor needs a C++ compiler for CPU kernels: {err} (install g++ or set CXX)"
+    return None

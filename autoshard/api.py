@@ -76,7 +76,8 @@ class AutoShard:
     stay in their dtype; compute and parameter gathers run in `param_dtype`, gradients are reduced in
     `reduce_dtype` and arrive in the parameter's dtype. `recompute=True` checkpoints every repeated
     block: the backward recomputes a block's forward from its input (parameters gathered again),
-    priced in the plan, instead of keeping its activations.
+    priced in the plan, instead of keeping its activations. `compile=True`: the applied module runs its
+    program's forward and backward through `torch.compile` (inductor) from the second step on.
     """
 
     def __init__(
@@ -92,8 +93,10 @@ class AutoShard:
         unroll: bool = True,
         mp_policy: MixedPrecisionPolicy | None = None,
         recompute: bool = False,
+        compile: bool = False,
     ):
         self.model = model
+        self.compile = compile
         self.precision = Precision.of(mp_policy)
         self.input_fn = input_fn
         self.mesh = mesh
@@ -257,7 +260,7 @@ class AutoShard:
             raise TypeError(f"applying a plan needs a DeviceMesh, got mesh shape {self.mesh_shape}; "
                             "planning alone works with a shape")
         with self._stage("apply"):
-            return parallelize(plan, self.mesh, self.model, prefetch)
+            return parallelize(plan, self.mesh, self.model, prefetch=prefetch, compile=self.compile)
 
     def dry_run(self, plan: Plan | None = None) -> DryRunResult:
         """Run rank 0's program of `plan` (default: the last `optimize()` result) on fake tensors
@@ -295,7 +298,7 @@ def auto_shard(
     **options: Any,
 ) -> ParallelModule:
     """Plan and apply in one call: the parallel module for `model` on the DeviceMesh `mesh`.
-    `options` go to `AutoShard` (n_model_inputs, network, device, unroll, mp_policy, recompute)."""
+    `options` go to `AutoShard` (n_model_inputs, network, device, unroll, mp_policy, recompute, compile)."""
     with AutoShard(model, input_fn, mesh, loss_fn=loss_fn, **options) as auto:
         if input_layouts:
             auto.constrain_inputs(*input_layouts)

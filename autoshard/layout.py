@@ -153,7 +153,7 @@ class Layout:
         self.validate(len(global_shape), mesh_shape)
         shape = list(global_shape)
         for td, mds in self.order:
-            n = math.prod(mesh_shape[m] for m in mds)
+            n = math.prod([mesh_shape[m] for m in mds])
             if shape[td] % n:
                 sizes = [mesh_shape[m] for m in mds]
                 raise ValueError(

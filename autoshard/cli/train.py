@@ -20,7 +20,8 @@ the data is a pure function of (seed, step).
 `--wire-step K` meters step K's collectives on every rank (`autoshard.runtime.wire`: ring-model bytes per
 rank, measured the same way as any other program) and adds them to that step's metrics row;
 `--memory-step K` measures step K's live memory on every rank with torch's MemTracker, beside the
-dry run's estimate.
+dry run's estimate. `--compile` runs the program through torch.compile from step 2 on (step 1 is the
+checked run); the step that compiles logs its compile time and carries `compile_s` in its row.
 Run without torchrun, it trains on one process (a world of 1).
 """
 
@@ -90,6 +91,8 @@ class Settings:
     recompute: bool = setting(False, shared.RECOMPUTE)
     # None: the device profile's capacity less the reserve; inf: no limit (`--memory-limit none`)
     memory_limit: float | None = setting(None, shared.MEMORY_LIMIT)
+    compile: bool = setting(False, help="run the program's forward and backward through torch.compile (inductor) "
+                                        "from step 2 on (step 1 runs checked, uncompiled; the next unmetered step compiles)")
     plan_file: str | None = setting(None, help="reuse a plan.json written by an earlier run or `plan`")
     recipe: str | None = setting(None, choices=("fsdp-tp", "fsdp"),
                                  help="pin the parameters to a hand-written recipe's layouts (autoshard.problem.recipes), "
@@ -259,7 +262,7 @@ def _plan(settings: Settings, workload: Workload, mesh, network: str, profile: s
     with AutoShard(model, example, mesh, loss_fn=workload.loss_fn, n_model_inputs=workload.n_model_inputs,
                    network=network, device=profile,
                    mp_policy=shared.mp_policy(settings.param_dtype, settings.reduce_dtype),
-                   recompute=recompute) as auto:
+                   recompute=recompute, compile=settings.compile) as auto:
         if settings.recipe is not None:
             from autoshard.problem.recipes import param_bytes_per_rank, recipe_layouts, recipe_pins
 
@@ -405,6 +408,9 @@ def train(settings: Settings) -> list[float]:
     saved = _load_plan_file(settings.plan_file) if settings.plan_file else None  # every rank: fail together
     _check_profiles(settings)
     mesh, device = _init_distributed(settings)
+    why = tc.inductor_unavailable(device) if settings.compile else None
+    if why is not None:  # every rank alike, before planning
+        raise UsageError(f"--compile: {why}")
     rank = dist.get_rank()
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, format="%(message)s", force=True)
     network = settings.network or ("cpu-gloo" if device == "cpu" else "h100-node")
@@ -445,6 +451,7 @@ def train(settings: Settings) -> list[float]:
 
     data = workload.data(settings.data_seed)
     losses = []
+    reported: set[str] = set()  # program phases whose compile time is logged
     tokens = settings.batch * settings.seq
     for step in range(start_step + 1, settings.steps + 1):
         t0 = time.perf_counter()
@@ -472,6 +479,13 @@ def train(settings: Settings) -> list[float]:
             row |= wire_row(meter.stats)  # every rank takes part
         if tracker is not None:
             row |= _memory_row(tracker, memory)  # every rank takes part
+        compiled = {phase: st for phase, st in pmodel.compile_stats.items() if phase not in reported}
+        if compiled:  # this step compiled (part of) the program: its time is mostly compiling
+            reported |= compiled.keys()
+            row["compile_s"] = sum(st.seconds for st in compiled.values())
+            log.info("autoshard train: compiled %s on step %d (rank 0)", ", ".join(
+                f"{phase} in {st.seconds:.1f} s ({st.graphs} graph(s), {st.graph_breaks} graph break(s))"
+                for phase, st in compiled.items()), step)
         if rank == 0:
             with metrics_path.open("a") as f:
                 f.write(json.dumps(row) + "\n")
