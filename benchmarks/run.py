@@ -14,7 +14,8 @@ Sections (each also runs alone: benchmarks/plan.py, planner.py, training.py, mem
   memory    autoshard under the memory limit vs the FSDP+TP recipe with full activation checkpointing:
             dry-run peak per rank and modeled step (llama3-8b (8,8), llama3-70b (32,8) and (64,8), bf16/fp32)
   planner   redistribution: our planner vs torch's greedy and graph planners (wins/ties/losses)
-  training  real training on a (2,2) gloo mesh: autoshard vs torch's fully_shard+parallelize_module,
+  training  real training on a (2,2) gloo mesh: autoshard (with and without prefetch) vs torch's
+            fully_shard+parallelize_module and pure fully_shard, medians of 3 runs; a wide model (one run)
             fp32 and bf16 (both under the same MixedPrecisionPolicy)
   accuracy  the cost model vs the clock: calibrate this machine, then modeled vs measured step time of
             autoshard's plan, the FSDP+TP recipe pinned and pure FSDP pinned, calibrated vs presets
@@ -81,9 +82,12 @@ def main(argv: list[str] | None = None) -> int:
         elif section == "planner":
             results["planner"] = planner_bench.run(a.quick)
         elif section == "training":
-            for key, precision in (("training", None), ("training_bf16", ("bf16", "fp32"))):
+            cases = [("training", None, False), ("training_bf16", ("bf16", "fp32"), False)]
+            cases += [] if a.quick else [("training_wide", None, True)]  # TP should win on paper; one run
+            for key, precision, wide in cases:
                 try:
-                    results[key] = training_bench.run(quick=a.quick, precision=precision)
+                    results[key] = training_bench.run(quick=a.quick, precision=precision, wide=wide,
+                                                      repeats=1 if wide else None)
                 except training_bench.LossMismatch as err:
                     results[key] = err.figures
                     failures.append(f"{key}: {err}")
@@ -148,7 +152,7 @@ def markdown(results: dict) -> str:
                 cells.append(f"{g['wins']}/{g['ties']}/{g['losses']}{na} | {g['total_cost_ratio']:.3f}")
             rows.append(f"| {tuple(r['mesh'])} | {r['pairs']} | {' | '.join(cells)} |")
         parts.append("\n".join(rows))
-    for key in ("training", "training_bf16"):
+    for key in ("training", "training_bf16", "training_wide"):
         if key not in results:
             continue
         t = results[key]

@@ -21,6 +21,7 @@ each collective it sees (functional or c10d) with the ring model.
     python benchmarks/training.py --quick    # llama3-tiny, 5 steps (CI smoke check)
     python benchmarks/training.py --json out.json [--out runs/bench-training]
     python benchmarks/training.py --param-dtype bf16 --reduce-dtype fp32   # both trainers in bf16
+    python benchmarks/training.py --wide --repeats 1   # llama3-wide, batch 4, seq 512: TP should win on paper
 """
 
 from __future__ import annotations
@@ -79,6 +80,8 @@ class Workload:
 
 FULL = Workload("llama3-debug", batch=8, seq=256, steps=20)
 QUICK = Workload("llama3-tiny", batch=8, seq=32, steps=5)
+# where tensor parallelism should win on paper: wide layers, a small batch of long sequences
+WIDE = Workload("llama3-wide", batch=4, seq=512, steps=8)  # batch: pure FSDP2 splits it over 4 ranks
 
 
 @dataclass
@@ -176,19 +179,19 @@ def _median_run(runs: list[RunFigures]) -> RunFigures:
 
 
 def run(quick: bool = False, out_dir: str | os.PathLike = ROOT / "runs" / "bench-training",
-        precision: tuple[str, str] | None = None, repeats: int | None = None) -> dict:
+        precision: tuple[str, str] | None = None, repeats: int | None = None, wide: bool = False) -> dict:
     """Train the parallel versions `repeats` times each (default 3, 1 with `quick`) and the
     reference once; print and return the comparison. `precision`: (param dtype, reduce dtype) for
     every trainer and the reference, e.g. ("bf16", "fp32"). Raises `LossMismatch` (after printing)
-    when a parallel loss curve leaves the reference."""
+    when a parallel loss curve leaves the reference. `wide`: the WIDE workload instead."""
     from autoshard.capture.precision import parse_dtype
     from models.train_single import TrainSettings, train_single
 
-    work = QUICK if quick else FULL
+    work = WIDE if wide else QUICK if quick else FULL
     repeats = repeats or (1 if quick else 3)
     if precision:
         work = replace(work, param_dtype=precision[0], reduce_dtype=precision[1])
-    out = Path(out_dir) / ("fp32" if not precision else f"{precision[0]}-{precision[1]}")
+    out = Path(out_dir) / ("fp32" if not precision else f"{precision[0]}-{precision[1]}") / work.model
     total_start = time.perf_counter()
     world = 1
     for size in work.mesh.split("x"):
@@ -315,10 +318,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--param-dtype", default=None, help="mixed precision for both trainers, e.g. bf16")
     p.add_argument("--reduce-dtype", default="fp32", help="with --param-dtype (default fp32)")
     p.add_argument("--repeats", type=int, default=None, help="runs per trainer (default 3; 1 with --quick)")
+    p.add_argument("--wide", action="store_true", help=f"the case where TP should win on paper: {WIDE.model}, "
+                                                        f"batch {WIDE.batch}, seq {WIDE.seq}, {WIDE.steps} steps")
     a = p.parse_args(argv)
     code = 0
     try:
-        figures = run(quick=a.quick, out_dir=a.out, repeats=a.repeats,
+        figures = run(quick=a.quick, out_dir=a.out, repeats=a.repeats, wide=a.wide,
                       precision=(a.param_dtype, a.reduce_dtype) if a.param_dtype else None)
     except LossMismatch as e:
         print(f"FAIL: {e}", file=sys.stderr)
