@@ -22,17 +22,26 @@ FOUR = dataclasses.replace(get_config("llama3-debug"), name="llama3-debug-4", n_
 BATCH, SEQ, MESH = 8, 64, (4,)
 
 
-@pytest.fixture(scope="module", params=[False, True], ids=["saved", "recomputed"])
-def plan(request):
+def fsdp_plan(recompute: bool):
     """Data parallel with every block's weights sharded (FSDP): a gather per block in the forward
     (and in the backward, recomputed), a reduce-scatter per block in the backward."""
     meta = build_model(FOUR, device="meta")
     example = lambda: (torch.empty(BATCH, SEQ, dtype=torch.int64, device="meta"),) * 2  # noqa: E731
-    with AutoShard(meta, example, MESH, loss_fn=cross_entropy_loss, recompute=request.param,
+    with AutoShard(meta, example, MESH, loss_fn=cross_entropy_loss, recompute=recompute,
                    device="cpu", network="cpu-gloo") as auto:
         auto.constrain_inputs("S(0)", "S(0)")
         auto.pin({"layers.*": "S(0)"})
         return auto.optimize()
+
+
+@pytest.fixture(scope="module")
+def recomputed_plan():
+    return fsdp_plan(recompute=True)
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["saved", "recomputed"])
+def plan(request, recomputed_plan):
+    return recomputed_plan if request.param else fsdp_plan(recompute=False)
 
 
 def schedule(gm, plan) -> list[tuple[str, str, str]]:
@@ -108,7 +117,10 @@ def test_gathers_run_one_block_ahead_and_reductions_in_the_background(plan):
         assert program.comm.bytes[phase] == synchronous.comm.bytes[phase]
 
 
-def test_prefetch_changes_no_number(plan):
+def test_prefetch_changes_no_number(recomputed_plan):
+    """On the recomputing plan, which launches ahead in the forward and in the backward."""
+    plan = recomputed_plan
+
     def train(prefetch: int):
         data = MarkovTokens(FOUR.vocab_size, seed=0)
         with simulated_mesh(MESH) as (mesh, mode):

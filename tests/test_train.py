@@ -4,6 +4,7 @@ trajectory, and bad input is one clear line with a non-zero exit."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import subprocess
@@ -188,8 +189,12 @@ def test_a_program_that_cannot_run_is_one_error_line_before_training(tmp_path, c
         raise dryrun.DryRunError("dry run of rank 0, backward: node view_3 failed: cannot view")
 
     monkeypatch.setattr(dryrun, "estimate", broken)
+    root = logging.getLogger()
+    before = (root.handlers[:], root.level)
     code, err = run_main([*TINY, "--mesh", "1", "--steps", "2", "--out", str(tmp_path / "run")], capsys)
     assert code == 2
+    # the caller's logging is as it was: no handler left writing to the stream captured during the run
+    assert (root.handlers, root.level) == before
     assert [line for line in err.splitlines() if line.startswith("error:")] == [
         "error: the planned program cannot run: dry run of rank 0, backward: node view_3 failed: cannot view"]
     assert not (tmp_path / "run" / "metrics.jsonl").exists()

@@ -507,6 +507,8 @@ def train(settings: Settings) -> list[float]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level  # train configures logging for its run; put it back
     try:
         train(_parse(argv))
     except ValueError as e:  # UsageError, unknown model, infeasible constraints...
@@ -517,6 +519,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+        root.handlers[:] = handlers  # in-process callers keep their own: none left writing to our stderr
+        root.setLevel(level)
     return 0
 
 
