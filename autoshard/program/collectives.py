@@ -72,7 +72,7 @@ def launch_bucket(plans: Sequence[RedistributePlan], local_tensors: Sequence[tor
     kind, phys = firsts[0].kind, group_dims(firsts[0])
     if kind not in _BUCKETED or any(f.kind != kind or group_dims(f) != phys for f in firsts):
         raise ValueError(f"a bucket needs one collective kind on one set of mesh dims, got {[str(f) for f in firsts]}")
-    n = math.prod([mesh.shape[m] for m in phys])
+    n = _group_size(mesh, phys)
     group = _group(mesh, phys)
     if kind == "all_gather":
         parts = [tuple(x.shape) for x in local_tensors]
@@ -92,7 +92,7 @@ def finish_bucket(pending: PendingBucket) -> list[torch.Tensor]:
     """Wait for a launched bucket; each member's result, as `execute` gives it (values and strides)."""
     mesh, firsts = pending.mesh, [plan.steps[0] for plan in pending.plans]
     phys = group_dims(firsts[0])
-    n = math.prod([mesh.shape[m] for m in phys])
+    n = _group_size(mesh, phys)
     out = tc.wait(pending.result)
     gathered = out.reshape(n, -1) if firsts[0].kind == "all_gather" else None
     outs, offset = [], 0
@@ -135,6 +135,11 @@ def in_dim_order(x: torch.Tensor, order: Sequence[int] | None = None) -> torch.T
 # ---------------------------------------------------------------------------- helpers
 def _group(mesh: Any, dims: tuple[int, ...]) -> Any:
     return (mesh, dims[0]) if len(dims) == 1 else tc.flattened_mesh(mesh, dims)
+
+
+def _group_size(mesh: Any, dims: Sequence[int]) -> int:
+    """Ranks in the group over mesh `dims` (a list for math.prod: dynamo cannot pass it a generator)."""
+    return math.prod([mesh.shape[m] for m in dims])
 
 
 def group_dims(step: Step) -> tuple[int, ...]:
@@ -191,7 +196,7 @@ def _reduce_op(step: Step) -> str:
 def _all_gather(step: Step, x: torch.Tensor, mesh: Any, coord: Any) -> torch.Tensor:
     (d,) = step.tensor_dims
     phys = group_dims(step)
-    n = math.prod([mesh.shape[m] for m in phys])
+    n = _group_size(mesh, phys)
     gathered = tc.wait(tc.funcol.all_gather_single(x.contiguous(), 0, _group(mesh, phys)))
     chunks = _reindex(gathered.reshape([n] + list(x.shape)), mesh.shape, phys, step.mesh_dims)
     return _merge(chunks, d)
@@ -200,7 +205,7 @@ def _all_gather(step: Step, x: torch.Tensor, mesh: Any, coord: Any) -> torch.Ten
 def _reduce_scatter(step: Step, x: torch.Tensor, mesh: Any, coord: Any) -> torch.Tensor:
     (d,) = step.tensor_dims
     phys = group_dims(step)
-    n = math.prod([mesh.shape[m] for m in phys])
+    n = _group_size(mesh, phys)
     chunks = _reindex(_split(x, d, n), mesh.shape, step.mesh_dims, phys)
     out = tc.wait(tc.funcol.reduce_scatter_single(_stacked(chunks), "sum", 0, _group(mesh, phys)))
     out = out.reshape(chunks.shape[1:])
@@ -209,7 +214,7 @@ def _reduce_scatter(step: Step, x: torch.Tensor, mesh: Any, coord: Any) -> torch
 
 def _all_reduce(step: Step, x: torch.Tensor, mesh: Any, coord: Any) -> torch.Tensor:
     phys = group_dims(step)
-    n = math.prod([mesh.shape[m] for m in phys])
+    n = _group_size(mesh, phys)
     out = tc.wait(tc.funcol.all_reduce(x.contiguous(), "sum", _group(mesh, phys)))
     return out / n if _reduce_op(step) == "avg" else out
 
@@ -217,7 +222,7 @@ def _all_reduce(step: Step, x: torch.Tensor, mesh: Any, coord: Any) -> torch.Ten
 def _all_to_all(step: Step, x: torch.Tensor, mesh: Any, coord: Any) -> torch.Tensor:
     a, b = step.tensor_dims
     phys = group_dims(step)
-    n = math.prod([mesh.shape[m] for m in phys])
+    n = _group_size(mesh, phys)
     send = _reindex(_split(x, b, n), mesh.shape, step.mesh_dims, phys)
     recv = tc.wait(tc.funcol.all_to_all_single(_stacked(send), None, None, _group(mesh, phys)))
     recv = _reindex(recv.reshape(send.shape), mesh.shape, phys, step.mesh_dims)
@@ -227,7 +232,7 @@ def _all_to_all(step: Step, x: torch.Tensor, mesh: Any, coord: Any) -> torch.Ten
 def _permute(step: Step, x: torch.Tensor, mesh: Any, coord: Any) -> torch.Tensor:
     (d,) = step.tensor_dims
     phys = group_dims(step)
-    n = math.prod([mesh.shape[m] for m in phys])
+    n = _group_size(mesh, phys)
     src_order, dst_order = dict(step.src.order)[d], dict(step.dst.order)[d]
     splits = _permute_splits(tuple(coord[m] for m in phys), tuple(mesh.shape), phys, src_order, dst_order, x.numel())
     out = tc.funcol.all_to_all_single(x.contiguous().reshape(-1), splits[n:], splits[:n], _group(mesh, phys))

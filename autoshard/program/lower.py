@@ -419,7 +419,6 @@ def _overlap(graph: fx.Graph, modules: dict[str, nn.Module], prefetch: int) -> N
             wait = graph.call_module(AWAIT, (launch,))
         launch.replace_all_uses_with(wait, delete_user_cb=lambda user: user is not wait)
         wait.meta[LOCAL_SHAPE] = launch.meta.pop(LOCAL_SHAPE, None)
-        wait.meta["autoshard_bucket"] = launch.target
         waits[launch] = wait
     if prefetch == 0:
         return

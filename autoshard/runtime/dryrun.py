@@ -24,12 +24,12 @@ adds one temporary the size of the largest parameter shard (AdamW's denominator,
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 import weakref
 from collections import Counter
 from collections.abc import Sequence
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -115,9 +115,9 @@ def ranks_to_check(plan: Plan) -> list[int]:
 def dry_run(plan: Plan, ranks: Sequence[int] | None = None, *, mesh: Any = None,
             mesh_dim_names: Sequence[str] | None = None, prefetch: int = 1) -> DryRunResult:
     """Lower `plan` (with `prefetch`, as `parallelize` does) and run each of `ranks` (default
-    `ranks_to_check`) on fake tensors under a fake process group. Inside an existing process group, runs this process's rank on `mesh` (default: a
-    CPU mesh made here); that is collective, as lowering may create flattened groups: every rank
-    calls it."""
+    `ranks_to_check`) on fake tensors under a fake process group. Inside an existing process group,
+    runs this process's rank on `mesh` (default: a CPU mesh made here); that is collective, as
+    lowering may create flattened groups: every rank calls it."""
     from torch.distributed.device_mesh import init_device_mesh
 
     start = time.perf_counter()
