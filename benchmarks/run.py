@@ -82,7 +82,10 @@ def main(argv: list[str] | None = None) -> int:
         elif section == "planner":
             results["planner"] = planner_bench.run(a.quick)
         elif section == "training":
-            cases = [("training", None, False), ("training_bf16", ("bf16", "fp32"), False)]
+            # quick: bf16 only (the fp32 trainers are the same scripts with no policy, and fp32
+            # parallel training is checked against one device by tests/test_train.py)
+            cases = [] if a.quick else [("training", None, False)]
+            cases += [("training_bf16", ("bf16", "fp32"), False)]
             cases += [] if a.quick else [("training_wide", None, True)]  # TP should win on paper; one run
             for key, precision, wide in cases:
                 try:

@@ -62,7 +62,7 @@ def reference(name: str, policy: MixedPrecisionPolicy | None, steps: int = STEPS
 
 @pytest.mark.parametrize("name, mesh_shape", [
     ("llama3-tiny", (2, 2)), ("llama3-tiny", (4,)),
-    pytest.param("llama3-debug", (2, 2), marks=pytest.mark.slow), pytest.param("llama3-debug", (4,), marks=pytest.mark.slow),
+    pytest.param("llama3-debug", (2, 2), marks=pytest.mark.slow),
 ])
 def test_bf16_training_follows_the_single_device_policy(name, mesh_shape):
     """10 AdamW steps under LocalTensorMode follow the single-device run with the same policy within
@@ -193,7 +193,7 @@ def test_plan_cli_bad_dtype_is_one_line(tmp_path, flag, value):
 def test_torchrun_bf16_trains_checkpoints_and_resumes(tmp_path):
     """4 gloo ranks, --param-dtype bf16 --reduce-dtype fp32: the losses follow the single-device run
     with the same policy; resuming from the step-2 checkpoint (fp32 master weights and AdamW states)
-    reproduces steps 3-4 exactly."""
+    reproduces steps 3-4 exactly (reusing the saved bf16 plan)."""
     args = [*TINY, "--mesh", "2x2", "--param-dtype", "bf16", "--reduce-dtype", "fp32"]
     first = tmp_path / "first"
     torchrun(*args, "--steps", "4", "--checkpoint-every", "2", "--out", str(first))
@@ -209,5 +209,5 @@ def test_torchrun_bf16_trains_checkpoints_and_resumes(tmp_path):
     import shutil
 
     shutil.copytree(first / "checkpoints" / "step-000002", second / "checkpoints" / "step-000002")
-    torchrun(*args, "--steps", "4", "--resume", "--out", str(second))
+    torchrun(*args, "--steps", "4", "--resume", "--plan-file", str(first / "plan.json"), "--out", str(second))
     assert [r["loss"] for r in metrics(second)] == [r["loss"] for r in rows[2:]]
