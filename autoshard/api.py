@@ -76,7 +76,10 @@ class AutoShard:
     stay in their dtype; compute and parameter gathers run in `param_dtype`, gradients are reduced in
     `reduce_dtype` and arrive in the parameter's dtype. `recompute=True` checkpoints every repeated
     block: the backward recomputes a block's forward from its input (parameters gathered again),
-    priced in the plan, instead of keeping its activations. `compile=True`: the applied module runs its
+    priced in the plan, instead of keeping its activations. `reshard_after_forward=True` (FSDP's
+    meaning) frees the parameters a repeated block gathered once its forward is done and gathers
+    them again for its backward, priced in the plan; recomputation implies it. Under a memory limit
+    the fit may turn either on. `compile=True`: the applied module runs its
     program's forward and backward through `torch.compile` (inductor) from the second step on.
     """
 
@@ -93,6 +96,7 @@ class AutoShard:
         unroll: bool = True,
         mp_policy: MixedPrecisionPolicy | None = None,
         recompute: bool = False,
+        reshard_after_forward: bool = False,
         compile: bool = False,
     ):
         self.model = model
@@ -107,7 +111,7 @@ class AutoShard:
         self.device = device_profile(device)
         self.unroll = unroll
         self._input_names: tuple[str, ...] | None = None  # keyword names when input_fn returns a dict
-        self.spec = ProblemSpec(recompute=recompute)
+        self.spec = ProblemSpec(recompute=recompute, reshard=reshard_after_forward)
         self.timings: dict[str, float] = {}
         self._memory_limit: float | None | object = _DEVICE_CAPACITY
         self.fit: MemoryFit | None = None  # how the last optimize() met the memory limit
@@ -298,7 +302,8 @@ def auto_shard(
     **options: Any,
 ) -> ParallelModule:
     """Plan and apply in one call: the parallel module for `model` on the DeviceMesh `mesh`.
-    `options` go to `AutoShard` (n_model_inputs, network, device, unroll, mp_policy, recompute, compile)."""
+    `options` go to `AutoShard` (n_model_inputs, network, device, unroll, mp_policy, recompute,
+    reshard_after_forward, compile)."""
     with AutoShard(model, input_fn, mesh, loss_fn=loss_fn, **options) as auto:
         if input_layouts:
             auto.constrain_inputs(*input_layouts)

@@ -87,13 +87,14 @@ def _plan(case: Case, recipe: bool) -> dict:
     if recipe:
         how = "every block recomputed"
     elif fit is None or not fit.constrained:
-        how = "fits as planned" + (", blocks recomputed" if plan.recomputed else "")
+        how = "fits as planned" + (", blocks recomputed" if plan.recompute_blocks else
+                                   ", blocks reshard after forward" if plan.reshard_blocks else "")
     else:  # the plan as solved was dry-run first (fit.tried[0]) and did not fit
-        how = (f"{'every block recomputed' if fit.recompute else 'budgeted layouts, no checkpointing'}; "
+        how = (f"{'every block recomputed' if fit.recompute else 'blocks reshard after forward' if fit.reshard else 'budgeted layouts, no checkpointing'}; "
                f"as solved {_size(fit.tried[0][1])}")
     return dict(runs=True, limit_bytes=limit, peak_bytes=memory.peak_bytes, peak_phase=memory.ranks[0].phase,
                 step_ms=plan.step_time_s * 1e3, compute_ms=plan.compute_s * 1e3, comm_ms=plan.comm_s * 1e3,
-                recompute=bool(plan.recomputed), constrained=bool(fit and fit.constrained), how=how,
+                recompute=bool(plan.recompute_blocks), reshard=bool(plan.reshard_blocks), constrained=bool(fit and fit.constrained), how=how,
                 solved_peak_bytes=fit.tried[0][1] if fit and fit.tried else None,
                 plan_s=plan_s, fit=fit.summary() if fit else None)
 

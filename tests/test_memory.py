@@ -116,13 +116,65 @@ def test_a_tight_limit_turns_on_checkpointing_and_the_plan_fits_and_trains_alike
     plan, fit, memory = plan_debug(limit)
     assert fit.constrained and fit.recompute and plan.recomputed
     assert memory.peak_bytes <= limit and fit.peak_bytes == memory.peak_bytes
-    assert fit.tried[0] == (False, free_memory.peak_bytes)  # it dry-ran the unconstrained optimum first
+    assert fit.tried[0] == ("keep", free_memory.peak_bytes)  # it dry-ran the unconstrained optimum first
     assert plan.step_time_s > free.step_time_s  # fitting costs modeled time
 
     losses = train(plan, (2, 2), steps=10, cfg=DEBUG, batch_size=DEBUG_BATCH, seq=DEBUG_SEQ)[0]
     want = train_single(TrainSettings(model="llama3-debug", steps=10, batch=DEBUG_BATCH, seq=DEBUG_SEQ)).losses
     for a, b in zip(losses, want, strict=True):
         assert abs(a - b) <= 1e-5 * b, (a, b)
+
+
+@pytest.mark.slow
+def test_a_limit_resharding_meets_reshards_after_forward_and_changes_no_number(unconstrained):
+    """Under 80 MB (the plan as solved needs ~86 MB) the fit chooses resharding after the forward
+    over recomputation (cheaper) and solves its layouts under the budget; the backward runs only
+    parameter casts and views again; the numbers are those of the same layouts without resharding,
+    bit for bit, with the plan's collectives to the byte. (What resharding saves: the 8B test below.)"""
+    free, _, free_memory = unconstrained
+    limit = 80e6
+    plan, fit, memory = plan_debug(limit)
+    assert fit.constrained and fit.reshard and not fit.recompute
+    assert plan.reshard_blocks == ("layers",) and plan.recompute_blocks == ()
+    assert fit.tried == [("keep", free_memory.peak_bytes), ("reshard", memory.peak_bytes)]
+    assert memory.peak_bytes <= limit < free_memory.peak_bytes
+    sources = {n.name: n for n in plan.graph.nodes}
+    assert plan.recomputed and all(sources[name].target in RESHARD_OPS for name in plan.recomputed)
+    assert free.step_time_s < plan.step_time_s < plan_debug(60e6)[0].step_time_s  # cheaper than recomputing
+
+    kept = dataclasses.replace(plan, reshard_blocks=(), recomputed=frozenset())
+    losses, grads, pmodel = train(plan, (2, 2), cfg=DEBUG, batch_size=DEBUG_BATCH, seq=DEBUG_SEQ)
+    kept_losses, kept_grads, _ = train(kept, (2, 2), cfg=DEBUG, batch_size=DEBUG_BATCH, seq=DEBUG_SEQ)
+    assert losses == kept_losses and all(torch.equal(grads[n], kept_grads[n]) for n in grads)
+    assert dict(pmodel.comm.total_bytes()) == pytest.approx(plan.bytes_by_collective)
+
+
+@pytest.mark.slow
+def test_resharding_8b_frees_the_gathered_parameters_of_every_block():
+    """llama3-8b on (8,8), bf16 parameters, seq 8192: with resharding the dry run's peak drops by
+    the bf16 block parameters gathered over dp (kept sharded over tp, 1/8 of them), ~1.6 GiB; the
+    same layouts without resharding keep them; the second gathers cost modeled time."""
+    from autoshard.cli.args import mp_policy
+
+    cfg = get_config("llama3-8b")
+    example = lambda: (torch.empty(8, 8192, dtype=torch.int64, device="meta"),) * 2  # noqa: E731
+    with AutoShard(build_model(cfg, device="meta"), example, (8, 8), loss_fn=cross_entropy_loss, network="h100-node",
+                   device="h100", mp_policy=mp_policy("bf16", "fp32"), reshard_after_forward=True) as auto:
+        auto.memory_limit(None)
+        plan = auto.optimize()
+    assert plan.reshard_blocks == ("layers",)
+    kept = dataclasses.replace(plan, reshard_blocks=(), recomputed=frozenset())
+    resharded, held = dry_run(plan), dry_run(kept)
+    block_params = sum(p.numel() for n, p in build_model(cfg, device="meta").named_parameters()
+                       if n.startswith("layers.") and p.dim() == 2)
+    saved = held.peak_bytes - resharded.peak_bytes
+    assert saved == pytest.approx(2 * block_params / 8, rel=0.05), (saved, 2 * block_params / 8)
+    assert resharded.step.comm_s > held.step.comm_s  # the backward gathers every block's parameters again
+    assert plan.step_time_s == pytest.approx(resharded.step.compute_s + resharded.step.comm_s, rel=1e-6)
+
+
+RESHARD_OPS = {torch.ops.aten.t.default, torch.ops.aten._to_copy.default, torch.ops.aten.view.default,
+               torch.ops.aten.permute.default, torch.ops.aten.transpose.int}
 
 
 def test_a_limit_the_plan_already_meets_changes_nothing(unconstrained):
@@ -162,3 +214,11 @@ def test_plan_cli_memory_limit(tmp_path):
     errors = [line for line in bad.stderr.splitlines() if line.startswith("error:")]
     assert bad.returncode == 2 and len(errors) == 1 and "no plan fits 976.6 KiB" not in errors[0]
     assert "no plan fits" in errors[0] and "Traceback" not in bad.stderr
+    asked = subprocess.run([*cmd, "--reshard-after-forward", "--memory-limit", "none"], capture_output=True, text=True,
+                           cwd=ROOT, env=env, timeout=300)
+    assert asked.returncode == 0, asked.stderr
+    report = json.loads((tmp_path / "plan.json").read_text())
+    assert report["reshard"]["blocks"] == ["layers"] and report["reshard"]["ops"] > 0
+    assert report["recompute"] == {"blocks": [], "ops": 0} and report["run"]["reshard_after_forward"]
+    assert "reshard after forward: the backward gathers the parameters of every block of layers again" in \
+        asked.stdout + asked.stderr

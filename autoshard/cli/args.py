@@ -172,10 +172,13 @@ REDUCE_DTYPE = option("--reduce-dtype", type=_arg_type(dtype_option), metavar="D
 MEMORY_LIMIT = option("--memory-limit", type=_arg_type(parse_limit), metavar="BYTES",
                       help="peak memory per rank a plan must fit, e.g. 70GiB, or 'none' (default: the device "
                            "profile's capacity less 10%%; `plan --no-dry-run` leaves it unchecked); the ILP then "
-                           "chooses layouts and activation checkpointing under it, checked by the dry run")
+                           "chooses layouts, resharding and activation checkpointing under it, checked by the dry run")
 RECOMPUTE = option("--recompute", action="store_true",
                    help="activation checkpointing: the backward recomputes each repeated block's forward "
                         "(parameters gathered again) instead of keeping its activations")
+RESHARD = option("--reshard-after-forward", action="store_true",
+                 help="free the parameters each repeated block gathered once its forward is done and gather "
+                      "them again for its backward (FSDP's reshard_after_forward; implied by --recompute)")
 OUT = option("--out", help="output directory")
 
 _OPTION = "autoshard.option"  # dataclass field metadata key

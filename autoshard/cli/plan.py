@@ -39,6 +39,7 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     shared.PARAM_DTYPE.add(parser, default=None)
     shared.REDUCE_DTYPE.add(parser, default=None)
     shared.RECOMPUTE.add(parser, default=False)
+    shared.RESHARD.add(parser, default=False)
     shared.MEMORY_LIMIT.add(parser, default=None)
     shared.INIT_FROM.add(parser, default=None, help="check that this safetensors checkpoint (file or directory) "
                                                     "holds every parameter of the model with its shape (reads headers "
@@ -133,7 +134,7 @@ def _plan_once(workload, args, *, pins: dict | None = None, budget: float | None
         with AutoShard(model, inputs, args.mesh, loss_fn=workload.loss_fn, n_model_inputs=workload.n_model_inputs,
                        network=args.network_profile, device=args.device_profile,
                        mp_policy=shared.mp_policy(args.param_dtype, args.reduce_dtype),
-                       recompute=args.recompute) as auto:
+                       recompute=args.recompute, reshard_after_forward=args.reshard_after_forward) as auto:
             if pins:
                 auto.pin(pins)
             auto.memory_budget(budget)
@@ -215,6 +216,7 @@ def run_plan(args: argparse.Namespace) -> int:
     run = {"model": args.model, "mesh": list(args.mesh), "mesh_names": list(args.mesh_dim_names), "batch": args.batch,
            "seq": args.seq, "network": args.network, "device": args.device, "backend": args.backend,
            "memory_budget": args.memory_budget, "dry_run": args.dry_run, "recompute": args.recompute,
+           "reshard_after_forward": args.reshard_after_forward,
            "param_dtype": args.param_dtype, "reduce_dtype": args.reduce_dtype,
            "memory_limit": args.memory_limit}
     extra: dict = {"run": run}

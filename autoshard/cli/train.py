@@ -89,6 +89,7 @@ class Settings:
     param_dtype: str | None = setting(None, shared.PARAM_DTYPE)
     reduce_dtype: str | None = setting(None, shared.REDUCE_DTYPE)
     recompute: bool = setting(False, shared.RECOMPUTE)
+    reshard_after_forward: bool = setting(False, shared.RESHARD)
     # None: the device profile's capacity less the reserve; inf: no limit (`--memory-limit none`)
     memory_limit: float | None = setting(None, shared.MEMORY_LIMIT)
     compile: bool = setting(False, help="run the program's forward and backward through torch.compile (inductor) "
@@ -257,12 +258,13 @@ def _plan(settings: Settings, workload: Workload, mesh, network: str, profile: s
     AutoShard, fingerprint of the problem the plan solves)."""
     example = lambda: workload.example_inputs(settings.batch, settings.seq, "meta")  # noqa: E731
     model = workload.build("meta")
-    # a plan file whose plan recomputes the blocks (the fit chose it) solves the problem with recomputation
+    # a plan file whose plan recomputes or reshards the blocks (the fit chose it) solves that problem
     recompute = settings.recompute or bool(((saved or {}).get("recompute") or {}).get("blocks"))
+    reshard = settings.reshard_after_forward or bool(((saved or {}).get("reshard") or {}).get("blocks"))
     with AutoShard(model, example, mesh, loss_fn=workload.loss_fn, n_model_inputs=workload.n_model_inputs,
                    network=network, device=profile,
                    mp_policy=shared.mp_policy(settings.param_dtype, settings.reduce_dtype),
-                   recompute=recompute, compile=settings.compile) as auto:
+                   recompute=recompute, reshard_after_forward=reshard, compile=settings.compile) as auto:
         if settings.recipe is not None:
             from autoshard.problem.recipes import param_bytes_per_rank, recipe_layouts, recipe_pins
 

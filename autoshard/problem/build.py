@@ -54,6 +54,7 @@ class ProblemSpec:
     pins: dict[str, Layout] = field(default_factory=dict)  # parameter FQN pattern -> layout
     param_memory_bytes: float | None = None  # per rank; None = total / world size (FSDP level)
     recompute: bool = False  # activation checkpointing of every repeated block
+    reshard: bool = False  # reshard after forward: every repeated block gathers its parameters again in the backward
 
 
 @dataclass
@@ -68,9 +69,11 @@ class ShardingProblem:
     inputs: dict[str, list[Producer]]  # ILP node name -> producer of each input slot
     problem: solver.Problem
     # activation checkpointing: block-list prefixes recomputed, and the ILP nodes that run twice
-    # (their compute and the redistributions into them are priced twice)
+    # (their compute and the redistributions into them are priced twice); resharding after the
+    # forward runs twice only what blocks compute from their parameters alone (`reshard_blocks`)
     recompute_blocks: tuple[str, ...] = ()
     recomputed: frozenset[str] = frozenset()
+    reshard_blocks: tuple[str, ...] = ()
 
     def fingerprint(self) -> str:
         """Hash of the whole ILP (nodes, choice labels and costs, edges, constraints): equal
@@ -186,12 +189,17 @@ def build_problem(graph: JointGraph, mesh_shape: tuple[int, ...], planner: Plann
         fx_nodes[name], inputs[name] = grad, [alias[grad]]
 
     repeated = find_repeated_blocks(graph)
-    recompute_blocks, recomputed = _recomputed(graph, repeated) if spec.recompute else ((), frozenset())
+    recompute_blocks, reshard_blocks, recomputed = (), (), frozenset()
+    if spec.recompute:
+        recompute_blocks, recomputed = _recomputed(graph, repeated)
+    elif spec.reshard:
+        reshard_blocks, recomputed = _resharded(graph, repeated)
     for name in recomputed & compute_s.keys():
         compute_s[name] = [2 * c for c in compute_s[name]]
     sharding = ShardingProblem(graph=graph, mesh_shape=mesh_shape, strategies=strategies, compute_s=compute_s,
                                fx_nodes=fx_nodes, inputs=inputs, problem=solver.Problem(),
-                               recompute_blocks=recompute_blocks, recomputed=recomputed)
+                               recompute_blocks=recompute_blocks, recomputed=recomputed,
+                               reshard_blocks=reshard_blocks)
     _fill_solver_problem(sharding, planner, spec, param_fqn, repeated)
     return sharding
 
@@ -271,20 +279,44 @@ def _fill_solver_problem(sp: ShardingProblem, planner: Planner, spec: ProblemSpe
         problem.add_region([_ilp_names(sp, copy) for copy in copies])
 
 
+def _repeated_forward_ops(graph: JointGraph, repeated: list[list[list[fx.Node]]]
+                          ) -> tuple[tuple[str, ...], dict[fx.Node, tuple]]:
+    """The list prefixes of the repeated blocks, and each forward op in one of them -> its block."""
+    blocks = assign_blocks(graph)
+    prefixes = tuple(sorted({blocks[copy[0]][0] for copies in repeated for copy in copies
+                             if copy and copy[0] in blocks}))
+    return prefixes, {n: b for n, b in blocks.items() if n.op == "call_function" and not graph.is_backward(n)
+                      and b[0] in prefixes}
+
+
 def _recomputed(graph: JointGraph, repeated: list[list[list[fx.Node]]]) -> tuple[tuple[str, ...], frozenset[str]]:
     """Activation checkpointing of the repeated blocks: their list prefixes, and the forward ops
     the backward runs again. A block's outputs (values a forward op outside the block reads) are
     handed over as checkpoints; of the rest, what the backward reads is recomputed, with what it
     is computed from inside the block. `program.lower` recomputes exactly these nodes."""
-    blocks = assign_blocks(graph)
-    prefixes = sorted({blocks[copy[0]][0] for copies in repeated for copy in copies
-                       if copy and copy[0] in blocks})
+    prefixes, block = _repeated_forward_ops(graph, repeated)
+    candidates = {n for n, b in block.items()
+                  if all(block.get(u) == b for u in n.users if u.op == "call_function" and not graph.is_backward(u))}
+    return prefixes, _read_by_backward(graph, candidates)
 
-    def forward(n: fx.Node) -> bool:
-        return n.op == "call_function" and not graph.is_backward(n)
 
-    block = {n: b for n, b in blocks.items() if forward(n) and b[0] in prefixes}
-    candidates = {n for n, b in block.items() if all(block.get(u) == b for u in n.users if forward(u))}
+def _resharded(graph: JointGraph, repeated: list[list[list[fx.Node]]]) -> tuple[tuple[str, ...], frozenset[str]]:
+    """Reshard after forward (FSDP's `reshard_after_forward`) for the repeated blocks: their list
+    prefixes, and the forward ops computed from a block's parameters alone (casts, transposes: what
+    a gathered parameter goes through before it meets an activation) that the backward reads. The
+    backward computes those again, gathering the parameters again, instead of holding every
+    block's gathered parameters from the forward on."""
+    prefixes, block = _repeated_forward_ops(graph, repeated)
+    params = set(graph.params.values())
+    chain: set[fx.Node] = set()
+    for n in graph.nodes:  # topological: a node's inputs are classified first
+        if n in block and n.all_input_nodes and all(a in params or a in chain for a in n.all_input_nodes):
+            chain.add(n)
+    return prefixes, _read_by_backward(graph, chain)
+
+
+def _read_by_backward(graph: JointGraph, candidates: set[fx.Node]) -> frozenset[str]:
+    """Names of the candidates the backward reads, directly or through other candidates."""
     recomputed: set[fx.Node] = set()
     stack = [a for n in graph.nodes if n.op == "call_function" and graph.is_backward(n) for a in n.all_input_nodes]
     while stack:
@@ -292,7 +324,7 @@ def _recomputed(graph: JointGraph, repeated: list[list[list[fx.Node]]]) -> tuple
         if n in candidates and n not in recomputed:
             recomputed.add(n)
             stack.extend(n.all_input_nodes)
-    return tuple(prefixes), frozenset(n.name for n in recomputed)
+    return frozenset(n.name for n in recomputed)
 
 
 def _gradient_reduce_dtypes(sp: ShardingProblem) -> dict[str, torch.dtype]:

@@ -62,6 +62,9 @@ class Plan:
     # backward recomputes, and the graph nodes it runs again
     recompute_blocks: tuple[str, ...] = ()
     recomputed: frozenset[str] = frozenset()
+    # reshard after forward: prefixes of the block lists whose parameters the backward gathers
+    # again (the ops it runs again, casts and transposes of parameters, are in `recomputed`)
+    reshard_blocks: tuple[str, ...] = ()
 
     @property
     def step_time_s(self) -> float:
@@ -130,4 +133,5 @@ def decode(sp: ShardingProblem, solution: solver.Solution, planner: Planner) -> 
         count_by_collective=dict(count_by),
         recompute_blocks=sp.recompute_blocks,
         recomputed=sp.recomputed,
+        reshard_blocks=sp.reshard_blocks,
     )

@@ -365,6 +365,9 @@ def summary_section(report: dict, names: Sequence[str], colors: dict[str, str]) 
     if (report.get("recompute") or {}).get("blocks"):
         items.append(("activation checkpointing", _e(f"every block of {', '.join(report['recompute']['blocks'])} "
                                                      f"recomputes its forward ({report['recompute']['ops']} ops)")))
+    if (report.get("reshard") or {}).get("blocks"):
+        items.append(("reshard after forward", _e(f"every block of {', '.join(report['reshard']['blocks'])} "
+                                                  f"gathers its parameters again in the backward")))
     step = t["step_time_s"]
     items.append(("modeled step per rank", f'{_e(human_time(step))} = compute {_e(human_time(t["compute_s"]))} + '
                   f'communication {_e(human_time(t["comm_s"]))} (no overlap)'))

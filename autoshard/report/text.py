@@ -36,7 +36,7 @@ JSON_NAME = "plan.json"
 HTML_NAME = "report.html"
 
 # Top-level keys `plan_report` produces; anything else came in through `extra`.
-_OWN_KEYS = ("mesh_shape", "precision", "recompute", "memory_fit", "parameters", "inputs", "nodes", "sinks", "totals", "memory", "timings", "compare",
+_OWN_KEYS = ("mesh_shape", "precision", "recompute", "reshard", "memory_fit", "parameters", "inputs", "nodes", "sinks", "totals", "memory", "timings", "compare",
              "explain")
 EXPLAIN_CHANGES = 10  # redistribution changes listed per alternative (the rest counted)
 
@@ -104,7 +104,8 @@ def plan_report(plan: Plan, *, program: Program | None = None, dry_run: DryRunRe
         "precision": {"param_dtype": dtype_name(precision.param_dtype),
                       "reduce_dtype": dtype_name(precision.reduce_dtype or precision.param_dtype),
                       "output_dtype": dtype_name(precision.output_dtype), "summary": precision.describe()},
-        "recompute": {"blocks": list(plan.recompute_blocks), "ops": len(plan.recomputed)},
+        "recompute": {"blocks": list(plan.recompute_blocks), "ops": len(plan.recomputed) if plan.recompute_blocks else 0},
+        "reshard": {"blocks": list(plan.reshard_blocks), "ops": len(plan.recomputed) if plan.reshard_blocks else 0},
         "parameters": parameters,
         "inputs": inputs,
         "nodes": nodes,
@@ -138,8 +139,8 @@ def plan_report(plan: Plan, *, program: Program | None = None, dry_run: DryRunRe
     if memory_fit is not None:
         report["memory_fit"] = {"limit_bytes": memory_fit.limit, "modeled_bytes": memory_fit.modeled_bytes,
                                 "peak_bytes": memory_fit.peak_bytes, "constrained": memory_fit.constrained,
-                                "recompute": memory_fit.recompute,
-                                "tried": [{"recompute": rc, "peak_bytes": peak} for rc, peak in memory_fit.tried],
+                                "recompute": memory_fit.recompute, "reshard": memory_fit.reshard,
+                                "tried": [{"mode": mode, "peak_bytes": peak} for mode, peak in memory_fit.tried],
                                 "summary": memory_fit.summary()}
     if timings:
         report["timings"] = {k: float(v) for k, v in timings.items()}
@@ -480,7 +481,7 @@ def _memory_lines(memory: dict) -> list[str]:
 
 
 def _fit_lines(report: dict) -> list[str]:
-    """The memory limit's verdict and which blocks recompute their forward."""
+    """The memory limit's verdict and which blocks recompute their forward or reshard after it."""
     lines = []
     if report.get("memory_fit"):
         lines.append(report["memory_fit"]["summary"])
@@ -488,6 +489,10 @@ def _fit_lines(report: dict) -> list[str]:
     if blocks:
         lines.append(f"activation checkpointing: the backward recomputes the forward of every block of "
                      f"{', '.join(blocks)} ({report['recompute']['ops']} ops run twice)")
+    resharded = (report.get("reshard") or {}).get("blocks")
+    if resharded:
+        lines.append(f"reshard after forward: the backward gathers the parameters of every block of "
+                     f"{', '.join(resharded)} again ({report['reshard']['ops']} parameter casts and views run twice)")
     return lines
 
 

@@ -1,12 +1,13 @@
-"""Fit a plan under a memory limit per rank: the ILP chooses layouts and activation checkpointing
-under a budget on the modeled peak, and the dry run checks the result.
+"""Fit a plan under a memory limit per rank: the ILP chooses layouts, resharding after the forward
+and activation checkpointing under a budget on the modeled peak, and the dry run checks the result.
 
 The budget's linear part is `problem.memory.peak_memory_table` (parameters with their AdamW
 states, values handed to the backward). What is not linear in the choices — the working set of the
 op running at the peak, a recomputed block's activations during its backward — is taken from the
 dry run of the last plan and subtracted from the limit. When a plan needs more than the limit:
 
-1. for each recomputation option (none; every repeated block), solve with the budget;
+1. for each option the user did not rule out — keep (as asked), reshard every repeated block after
+   its forward, recompute every repeated block — solve with the budget;
 2. keep the feasible plan with the lowest modeled step time; dry-run it;
 3. if its peak is still over the limit, the non-linear part grew: tighten and go again (3 rounds).
 
@@ -38,6 +39,7 @@ log = logging.getLogger("autoshard")
 MEMORY_RESERVE = 0.10  # of a device's capacity kept free: allocator slack, collective buffers, context
 TRUST = 0.5  # a plan whose linear part is under this share of the limit fits without a dry run
 ROUNDS = 3
+MODES = ("keep", "reshard", "recompute")  # what the backward gets from the forward, most kept first
 
 
 class MemoryLimitError(ValueError):
@@ -54,14 +56,16 @@ class MemoryFit:
     peak_bytes: float | None  # its dry run's peak (None: not dry-run, the linear part was far below)
     constrained: bool  # the unconstrained optimum did not fit; the budget chose this plan
     recompute: bool
+    reshard: bool  # parameters gathered again in the backward (implied by recompute)
     dry_run: DryRunResult | None = None
-    tried: list[tuple[bool, float]] = dataclasses.field(default_factory=list)  # (recompute, peak) dry-run
+    tried: list[tuple[str, float]] = dataclasses.field(default_factory=list)  # (mode, peak) of each dry run
 
     def summary(self) -> str:
         peak = "not dry-run (far below)" if self.peak_bytes is None else f"dry-run peak {_size(self.peak_bytes)}"
         how = "planned under the budget" if self.constrained else "the plan as solved fits"
         return (f"memory limit {_size(self.limit)} per rank: {how}; modeled {_size(self.modeled_bytes)} "
                 f"(params + AdamW states + handed-over values), {peak}; "
+                f"reshard after forward {'on' if self.reshard else 'off'}, "
                 f"activation checkpointing {'on' if self.recompute else 'off'}")
 
 
@@ -72,6 +76,11 @@ class FitSteps:
 
     solve: Callable[[solver.Problem], solver.Solution]
     dry_run: Callable[[Plan], DryRunResult]
+
+
+def mode_of(spec: ProblemSpec) -> str:
+    """The problem's option, one of MODES."""
+    return "recompute" if spec.recompute else "reshard" if spec.reshard else "keep"
 
 
 def _size(n: float) -> str:
@@ -87,42 +96,49 @@ def fit_memory(plan: Plan, sharding: ShardingProblem, planner: Planner, device: 
         steps = FitSteps(lambda problem: solver.solve(problem, backend=backend, time_limit=time_limit), dry_run)
     table = peak_memory_table(sharding)
     linear = modeled_bytes(table, plan.solution.choice)
+    asked = mode_of(spec)
+
+    def fit(chosen: Plan, mode: str, linear: float, result: DryRunResult | None, constrained: bool) -> MemoryFit:
+        peak = None if result is None else float(result.peak_bytes)
+        return MemoryFit(limit, chosen, linear, peak, constrained, mode == "recompute", mode != "keep", result, tried)
+
+    tried: list[tuple[str, float]] = []
     if linear <= TRUST * limit:
-        return plan, sharding, MemoryFit(limit, plan, linear, None, False, bool(plan.recomputed))
+        return plan, sharding, fit(plan, asked, linear, None, False)
     result = steps.dry_run(plan)
-    tried = [(bool(plan.recomputed), float(result.peak_bytes))]
+    tried.append((asked, float(result.peak_bytes)))
     if result.peak_bytes <= limit:
-        return plan, sharding, MemoryFit(limit, plan, linear, result.peak_bytes, False, bool(plan.recomputed),
-                                         result, tried)
+        return plan, sharding, fit(plan, asked, linear, result, False)
     log.info("autoshard: the plan needs %s per rank, over the %s limit: planning under a budget",
              _size(result.peak_bytes), _size(limit))
-    problems = {spec.recompute: sharding}
-    if not spec.recompute:  # the user did not ask for recomputation: the budget may choose it
-        problems[True] = build_problem(sharding.graph, sharding.mesh_shape, planner, device,
-                                       dataclasses.replace(spec, recompute=True))
-    tables = {rc: table if sp is sharding else peak_memory_table(sp) for rc, sp in problems.items()}
+    problems = {asked: sharding}
+    for mode in MODES[MODES.index(asked) + 1:]:  # what the user did not ask for, the budget may choose
+        problems[mode] = build_problem(sharding.graph, sharding.mesh_shape, planner, device,
+                                       dataclasses.replace(spec, recompute=mode == "recompute",
+                                                           reshard=mode == "reshard"))
+    tables = {mode: table if sp is sharding else peak_memory_table(sp) for mode, sp in problems.items()}
     extra = result.peak_bytes - linear  # the non-linear part, as the dry run found it
     smallest = (result.peak_bytes, result)
     for _ in range(ROUNDS):
         best = None
-        for rc, sp in problems.items():
+        for mode, sp in problems.items():
             try:
-                solution = steps.solve(with_peak_budget(sp, tables[rc], limit - extra))
+                solution = steps.solve(with_peak_budget(sp, tables[mode], limit - extra))
             except solver.InfeasibleError:
                 continue
             candidate = decode(sp, solution, planner)
             if best is None or candidate.step_time_s < best[0].step_time_s:
-                best = (candidate, sp, rc)
+                best = (candidate, sp, mode)
         if best is None:
             break
-        candidate, sp, rc = best
+        candidate, sp, mode = best
         result = steps.dry_run(candidate)
-        linear = modeled_bytes(tables[rc], candidate.solution.choice)
-        tried.append((rc, float(result.peak_bytes)))
+        linear = modeled_bytes(tables[mode], candidate.solution.choice)
+        tried.append((mode, float(result.peak_bytes)))
         if result.peak_bytes < smallest[0]:
             smallest = (result.peak_bytes, result)
         if result.peak_bytes <= limit:
-            return candidate, sp, MemoryFit(limit, candidate, linear, result.peak_bytes, True, rc, result, tried)
+            return candidate, sp, fit(candidate, mode, linear, result, True)
         extra = max(extra, result.peak_bytes - linear) * 1.02
     peak, worst = smallest
     rank = max(worst.ranks.values(), key=lambda m: m.peak_bytes)
