@@ -15,19 +15,45 @@ import math
 import operator
 
 import solver
+import torch
 from torch import fx
 
+from autoshard import _torch_compat as tc
 from autoshard.capture.trace import JointGraph
 from autoshard.problem.build import ShardingProblem
 
 ADAMW_STATE_BYTES = 8  # AdamW keeps two fp32 states per parameter element
 
 
+# `returns_alias` misses it: _unsafe_view relabels the fresh output of the op before it (mm)
+_ALSO_VIEWS = frozenset({torch.ops.aten._unsafe_view.default})
+
+
 def handed_over(graph: JointGraph, recomputed: frozenset[str]) -> dict[fx.Node, set[int]]:
     """Forward values the backward reads (those of recomputed nodes replaced by what they are
-    computed from): producing node -> which of its outputs. Placeholders are not listed."""
+    computed from): producing node -> which of its outputs, each storage once. A view shares its
+    base's storage, so a handed-over view counts as its base (q, k and v's projections read three
+    views of one normalized activation: one storage) — except views of what a block computes from
+    its parameters alone (a transposed weight), which read a redistributed copy of their own.
+    Placeholders are not listed."""
     out: dict[fx.Node, set[int]] = {}
     seen: set[fx.Node] = set()
+    params = set(graph.params.values())
+    from_params: set[fx.Node] = set()
+    for n in graph.nodes:
+        if n.op == "call_function" and n.all_input_nodes and all(a in params or a in from_params
+                                                                  for a in n.all_input_nodes):
+            from_params.add(n)
+
+    def storage(value: fx.Node) -> tuple[fx.Node, int] | None:
+        while (value.op == "call_function" and value not in from_params and value.args
+               and isinstance(value.args[0], fx.Node) and _is_view(value.target)):
+            value = value.args[0]
+        if value.op != "call_function":
+            return None  # a view of a placeholder: the parameter or input is counted already
+        if value.target is operator.getitem:
+            return value.args[0], value.args[1]
+        return value, 0
 
     def reads(value: fx.Node) -> None:
         if value in seen or value.op != "call_function" or graph.is_backward(value):
@@ -36,11 +62,10 @@ def handed_over(graph: JointGraph, recomputed: frozenset[str]) -> dict[fx.Node, 
         if value.name in recomputed:
             for arg in value.all_input_nodes:
                 reads(arg)
-        elif value.target is operator.getitem:
-            parent, index = value.args
-            out.setdefault(parent, set()).add(index)
-        else:
-            out.setdefault(value, set()).add(0)
+            return
+        where = storage(value)
+        if where is not None:
+            out.setdefault(where[0], set()).add(where[1])
 
     for node in graph.nodes:
         if node.op == "call_function" and graph.is_backward(node):
@@ -49,6 +74,10 @@ def handed_over(graph: JointGraph, recomputed: frozenset[str]) -> dict[fx.Node, 
     for grad in graph.grads.values():
         reads(grad)
     return out
+
+
+def _is_view(op) -> bool:
+    return op in _ALSO_VIEWS or tc.returns_alias(op)
 
 
 def peak_memory_table(sp: ShardingProblem) -> dict[str, list[float]]:

@@ -9,7 +9,8 @@ dry run of the last plan and subtracted from the limit. When a plan needs more t
 1. for each option the user did not rule out — keep (as asked), reshard every repeated block after
    its forward, recompute every repeated block — solve with the budget;
 2. keep the feasible plan with the lowest modeled step time; dry-run it;
-3. if its peak is still over the limit, the non-linear part grew: tighten and go again (3 rounds).
+3. if its peak is still over the limit, that option's non-linear part grew: tighten its budget and
+   go again; an option that misses `ROUNDS` times is dropped, so a stronger one gets its turn.
 
 A plan whose linear part is under `TRUST` of the limit is not dry-run here: far from binding.
 
@@ -38,7 +39,7 @@ log = logging.getLogger("autoshard")
 
 MEMORY_RESERVE = 0.10  # of a device's capacity kept free: allocator slack, collective buffers, context
 TRUST = 0.5  # a plan whose linear part is under this share of the limit fits without a dry run
-ROUNDS = 3
+ROUNDS = 2  # dry runs over the limit after which an option is given up
 MODES = ("keep", "reshard", "recompute")  # what the backward gets from the forward, most kept first
 
 
@@ -117,13 +118,15 @@ def fit_memory(plan: Plan, sharding: ShardingProblem, planner: Planner, device: 
                                        dataclasses.replace(spec, recompute=mode == "recompute",
                                                            reshard=mode == "reshard"))
     tables = {mode: table if sp is sharding else peak_memory_table(sp) for mode, sp in problems.items()}
-    extra = result.peak_bytes - linear  # the non-linear part, as the dry run found it
+    # the non-linear part, as the dry run found it: one figure per option, grown by its own misses
+    extra = dict.fromkeys(problems, result.peak_bytes - linear)
+    misses = dict.fromkeys(problems, 0)
     smallest = (result.peak_bytes, result)
-    for _ in range(ROUNDS):
+    while problems:
         best = None
         for mode, sp in problems.items():
             try:
-                solution = steps.solve(with_peak_budget(sp, tables[mode], limit - extra))
+                solution = steps.solve(with_peak_budget(sp, tables[mode], limit - extra[mode]))
             except solver.InfeasibleError:
                 continue
             candidate = decode(sp, solution, planner)
@@ -139,7 +142,10 @@ def fit_memory(plan: Plan, sharding: ShardingProblem, planner: Planner, device: 
             smallest = (result.peak_bytes, result)
         if result.peak_bytes <= limit:
             return candidate, sp, fit(candidate, mode, linear, result, True)
-        extra = max(extra, result.peak_bytes - linear) * 1.02
+        extra[mode] = max(extra[mode], result.peak_bytes - linear) * 1.02
+        misses[mode] += 1
+        if misses[mode] == ROUNDS:  # this option keeps missing: leave it to the others
+            del problems[mode]
     peak, worst = smallest
     rank = max(worst.ranks.values(), key=lambda m: m.peak_bytes)
     parts = sorted(((getattr(rank, k), k) for k in ("activations", "gathered_params", "transient", "params",
