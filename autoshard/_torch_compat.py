@@ -273,6 +273,12 @@ def returns_alias(op: Any) -> bool:
     return bool(schema and schema.returns and schema.returns[0].alias_info is not None)
 
 
+def shares_input_storage(op: Any) -> bool:
+    """Whether an op's output is its (first) input's storage: views by their schema, and
+    `_unsafe_view`, whose schema does not say so (it relabels the fresh output of the op before it)."""
+    return op is torch.ops.aten._unsafe_view.default or returns_alias(op)
+
+
 def tensor_meta(t: torch.Tensor) -> TensorMeta:
     return TensorMeta(t.shape, t.stride(), t.dtype)
 

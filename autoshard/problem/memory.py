@@ -15,7 +15,6 @@ import math
 import operator
 
 import solver
-import torch
 from torch import fx
 
 from autoshard import _torch_compat as tc
@@ -23,10 +22,6 @@ from autoshard.capture.trace import JointGraph
 from autoshard.problem.build import ShardingProblem
 
 ADAMW_STATE_BYTES = 8  # AdamW keeps two fp32 states per parameter element
-
-
-# `returns_alias` misses it: _unsafe_view relabels the fresh output of the op before it (mm)
-_ALSO_VIEWS = frozenset({torch.ops.aten._unsafe_view.default})
 
 
 def handed_over(graph: JointGraph, recomputed: frozenset[str]) -> dict[fx.Node, set[int]]:
@@ -47,7 +42,7 @@ def handed_over(graph: JointGraph, recomputed: frozenset[str]) -> dict[fx.Node, 
 
     def storage(value: fx.Node) -> tuple[fx.Node, int] | None:
         while (value.op == "call_function" and value not in from_params and value.args
-               and isinstance(value.args[0], fx.Node) and _is_view(value.target)):
+               and isinstance(value.args[0], fx.Node) and tc.shares_input_storage(value.target)):
             value = value.args[0]
         if value.op != "call_function":
             return None  # a view of a placeholder: the parameter or input is counted already
@@ -74,10 +69,6 @@ def handed_over(graph: JointGraph, recomputed: frozenset[str]) -> dict[fx.Node, 
     for grad in graph.grads.values():
         reads(grad)
     return out
-
-
-def _is_view(op) -> bool:
-    return op in _ALSO_VIEWS or tc.returns_alias(op)
 
 
 def peak_memory_table(sp: ShardingProblem) -> dict[str, list[float]]:
