@@ -49,6 +49,17 @@ class JointGraph:
         """Parameter placeholder -> FQN (the inverse of `params`)."""
         return {node: fqn for fqn, node in self.params.items()}
 
+    @functools.cached_property
+    def from_params(self) -> frozenset[fx.Node]:
+        """Forward ops computed from parameters alone (casts, transposes of weights): what a
+        parameter goes through before it meets an activation."""
+        params, out = set(self.params.values()), set()
+        for n in self.nodes:  # topological: a node's inputs are classified first
+            if (n.op == "call_function" and not self.is_backward(n) and n.all_input_nodes
+                    and all(a in params or a in out for a in n.all_input_nodes)):
+                out.add(n)
+        return frozenset(out)
+
     def module_path(self, node: fx.Node) -> str:
         """Dotted module path the node was produced in ('' = the step function itself)."""
         return (node.meta.get("custom") or {}).get(MODULE_KEY, "")

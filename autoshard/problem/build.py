@@ -307,12 +307,7 @@ def _resharded(graph: JointGraph, repeated: list[list[list[fx.Node]]]) -> tuple[
     backward computes those again, gathering the parameters again, instead of holding every
     block's gathered parameters from the forward on."""
     prefixes, block = _repeated_forward_ops(graph, repeated)
-    params = set(graph.params.values())
-    chain: set[fx.Node] = set()
-    for n in graph.nodes:  # topological: a node's inputs are classified first
-        if n in block and n.all_input_nodes and all(a in params or a in chain for a in n.all_input_nodes):
-            chain.add(n)
-    return prefixes, _read_by_backward(graph, chain)
+    return prefixes, _read_by_backward(graph, {n for n in graph.from_params if n in block})
 
 
 def _read_by_backward(graph: JointGraph, candidates: set[fx.Node]) -> frozenset[str]:

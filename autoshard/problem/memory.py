@@ -33,12 +33,7 @@ def handed_over(graph: JointGraph, recomputed: frozenset[str]) -> dict[fx.Node, 
     Placeholders are not listed."""
     out: dict[fx.Node, set[int]] = {}
     seen: set[fx.Node] = set()
-    params = set(graph.params.values())
-    from_params: set[fx.Node] = set()
-    for n in graph.nodes:
-        if n.op == "call_function" and n.all_input_nodes and all(a in params or a in from_params
-                                                                  for a in n.all_input_nodes):
-            from_params.add(n)
+    from_params = graph.from_params
 
     def storage(value: fx.Node) -> tuple[fx.Node, int] | None:
         while (value.op == "call_function" and value not in from_params and value.args

@@ -56,10 +56,18 @@ class MemoryFit:
     modeled_bytes: float  # the linear part for the chosen plan
     peak_bytes: float | None  # its dry run's peak (None: not dry-run, the linear part was far below)
     constrained: bool  # the unconstrained optimum did not fit; the budget chose this plan
-    recompute: bool
-    reshard: bool  # parameters gathered again in the backward (implied by recompute)
+    mode: str  # one of MODES: what the plan's backward gets from its forward
     dry_run: DryRunResult | None = None
     tried: list[tuple[str, float]] = dataclasses.field(default_factory=list)  # (mode, peak) of each dry run
+
+    @property
+    def recompute(self) -> bool:
+        return self.mode == "recompute"
+
+    @property
+    def reshard(self) -> bool:
+        """Parameters gathered again in the backward (recomputation implies it)."""
+        return self.mode != "keep"
 
     def summary(self) -> str:
         peak = "not dry-run (far below)" if self.peak_bytes is None else f"dry-run peak {_size(self.peak_bytes)}"
@@ -101,7 +109,7 @@ def fit_memory(plan: Plan, sharding: ShardingProblem, planner: Planner, device: 
 
     def fit(chosen: Plan, mode: str, linear: float, result: DryRunResult | None, constrained: bool) -> MemoryFit:
         peak = None if result is None else float(result.peak_bytes)
-        return MemoryFit(limit, chosen, linear, peak, constrained, mode == "recompute", mode != "keep", result, tried)
+        return MemoryFit(limit, chosen, linear, peak, constrained, mode, result, tried)
 
     tried: list[tuple[str, float]] = []
     if linear <= TRUST * limit:
