@@ -58,6 +58,33 @@ def test_fit_recovers_latency_and_bandwidth_of_every_group():
     assert {g.mesh_dims for g in noisy.groups} == {(0,), (1,), (0, 1)}
 
 
+def test_fit_recovers_each_kinds_own_link():
+    """Timings where all-gather moves a byte 4x slower and all-reduce pays twice the latency of
+    the group's other kinds (as gloo's do): one link per group cannot fit them, a link per kind
+    does, and the planner then prices each kind on its own link."""
+    slow = (("all_gather", (0,), 20e-6, 0.5e9), ("all_reduce", (0,), 40e-6, 2e9),
+            ("all_gather", (0, 1), 70e-6, 0.1e9))
+    truth = NetworkProfile(TRUE.alpha, TRUE.beta, TRUE.launch_s, TRUE.mem_bw, groups=TRUE.groups, kinds=slow)
+    fit = fit_network(synthetic(truth), (2, 2), mem_bw=10e9)
+    by_group = {g.mesh_dims: g for g in fit.groups}
+    assert fit.rel_rms < 1e-6 and by_group[(0,)].group_rel_rms > 0.2  # one link per group misses by 20%+
+    p = fit.profile
+    # the planner's price of every timed kind on every group: per byte and fixed (launch_s and the
+    # ring latency are one constant per kind and group, so only their sum is determined)
+    for dims in planner_groups((2, 2)):
+        for kind in KINDS:
+            n = 2 ** len(dims)
+            assert linear_cost(p, kind, dims, n) == pytest.approx(linear_cost(truth, kind, dims, n), rel=1e-3)
+    assert p.link((0,), "all_gather")[1] == pytest.approx(0.5e9, rel=1e-3)
+    assert p.link((1, 0), "all_gather")[1] == pytest.approx(0.1e9, rel=1e-3)  # either order
+    assert linear_cost(p, "permute", (0,), 2) == linear_cost(NetworkProfile(p.alpha, p.beta, p.launch_s), "permute",
+                                                              (0,), 2)  # an untimed kind: the group's link
+    # 3% noise: every slow kind's bandwidth within 15%
+    noisy = fit_network(synthetic(truth, noise=0.03), (2, 2), mem_bw=10e9).profile
+    for kind, dims, alpha, beta in slow:
+        assert noisy.link(dims, kind)[1] == pytest.approx(beta, rel=0.15)
+
+
 def test_fit_refuses_missing_dims_and_flat_timings():
     samples = [s for s in synthetic(TRUE) if s.mesh_dims != (1,)]
     with pytest.raises(ValueError, match=r"no timings for mesh dim\(s\) \[1\]"):
@@ -97,6 +124,9 @@ def test_profile_file_round_trips(tmp_path):
     path = ProfileFile(TRUE, device, (2, 2), {"host": "x"}).save(tmp_path / "p.json")
     back = read_profile(path)
     assert back.network == TRUE and back.device == device and back.mesh_shape == (2, 2)
+    kinds = NetworkProfile(TRUE.alpha, TRUE.beta, TRUE.launch_s, TRUE.mem_bw, groups=TRUE.groups,
+                           kinds=(("all_gather", (1, 0), 1e-4, 1e8),))
+    assert read_profile(ProfileFile(kinds, device, (2, 2)).save(tmp_path / "k.json")).network == kinds
     assert back.details == {"host": "x"}
     assert network_profile(str(path), (2, 2)) == TRUE and device_profile(str(path)) == device
     # the planner prices with the loaded profile exactly as with the original
@@ -190,6 +220,12 @@ def test_single_process_calibrate_writes_a_device_profile(tmp_path):
         network_profile(str(tmp_path / "d.json"), (1,))
 
 
+def _kind_cost(profile: NetworkProfile, row: dict) -> float:
+    """A calibration row's modeled seconds less launch_s, on the link of its kind."""
+    per_byte, fixed = linear_cost(profile, row["kind"], tuple(row["mesh_dims"]), row["group_size"])
+    return per_byte * row["in_bytes"] + fixed - profile.launch_s
+
+
 @pytest.mark.slow
 def test_torchrun_calibrate_writes_a_profile_the_planner_uses(tmp_path):
     """4 gloo ranks, (2,2), tiny sizes: every planner group timed with every kind, a fit per group,
@@ -204,6 +240,7 @@ def test_torchrun_calibrate_writes_a_profile_the_planner_uses(tmp_path):
     assert {(r["kind"], tuple(r["mesh_dims"])) for r in rows} == {(k, g) for k in KINDS for g in planner_groups((2, 2))}
     assert all(r["seconds"] > 0 and r["model_s"] > 0 for r in rows)
     assert [g["mesh_dims"] for g in data.details["network_fit"]["groups"]] == [[0], [1], [0, 1]]
+    assert all(r["model_s"] == pytest.approx(data.network.launch_s + _kind_cost(data.network, r)) for r in rows)
 
     from autoshard.api import AutoShard
     from models import build_model, cross_entropy_loss, get_config

@@ -179,7 +179,7 @@ def calibrate(a: argparse.Namespace) -> int:
         details["network_fit"] = {"rel_rms": fit.rel_rms, "groups": [
             {"mesh_dims": list(g.mesh_dims), "group_size": g.group_size, "alpha": g.alpha, "beta": g.beta,
              "rel_rms": g.rel_rms, "max_rel_err": g.max_rel_err, "samples": g.samples,
-             "rel_rms_by_kind": g.rel_rms_by_kind} for g in fit.groups]}
+             "rel_rms_by_kind": g.rel_rms_by_kind, "one_link_rel_rms": g.group_rel_rms} for g in fit.groups]}
         details["collectives"] = samples
     try:
         path = ProfileFile(network, device_prof, tuple(mesh_shape) if network is not None else None, details).save(a.out)
@@ -198,10 +198,13 @@ def summary_lines(network, fit, by_dtype: dict) -> list[str]:
         lines.append(f"network: launch {network.launch_s * 1e6:.1f} us per collective; "
                      f"fit error {fit.rel_rms:.1%} rms over all samples")
         for g in fit.groups:
-            kinds = ", ".join(f"{k} {e:.0%}" for k, e in g.rel_rms_by_kind.items())
             lines.append(f"  mesh dims {list(g.mesh_dims)} ({g.group_size} ranks): alpha {g.alpha * 1e6:.1f} us, "
-                         f"beta {g.beta / 1e9:.3f} GB/s; fit error {g.rel_rms:.1%} rms, max {g.max_rel_err:.0%} "
-                         f"({kinds})")
+                         f"beta {g.beta / 1e9:.3f} GB/s (one link: fit error {g.group_rel_rms:.1%} rms); per kind "
+                         f"{g.rel_rms:.1%} rms, max {g.max_rel_err:.0%}:")
+            for kind, dims, alpha, beta in network.kinds:
+                if dims == g.mesh_dims:
+                    lines.append(f"    {kind}: alpha {alpha * 1e6:.1f} us, beta {beta / 1e9:.3f} GB/s, fit error "
+                                 f"{g.rel_rms_by_kind.get(kind, 0.0):.0%} rms")
     for dtype, d in by_dtype.items():
         lines.append(f"device {dtype}: matmul {d['matmul_flops'] / 1e9:.2f} GFLOP/s (+{d['matmul_overhead_s'] * 1e6:.0f} "
                      f"us per call), memory {d['mem_bw'] / 1e9:.2f} GB/s (+{d['mem_overhead_s'] * 1e6:.0f} us per call)")

@@ -8,6 +8,10 @@ A collective of `kind` over a group of mesh dims G (n ranks) reading `in_bytes` 
 which is linear in (launch_s, alpha_G, 1/beta_G): one weighted non-negative least-squares problem
 over every sample of every group fits them all at once, with the coefficients taken from
 `ring.collective_terms`, so the fit and the planner cannot disagree about what alpha and beta mean.
+Then each kind gets its own (alpha, beta) on each group, fitted to its samples less that launch_s
+(`NetworkProfile.kinds`): libraries implement the kinds differently (gloo's all-gather moves a byte
+several times slower than its all-reduce), which one link per group cannot express; the group's
+link stays the price of kinds that were not timed (permute).
 Rows are weighted by 1/seconds: the fit minimises relative error, so a 4 KiB call counts as much as
 a 32 MiB one (otherwise the large sizes would decide everything and the latencies would be noise).
 Device rates (flop/s, bytes/s) are the same fit with one work column: t = overhead + work / rate.
@@ -44,10 +48,11 @@ class GroupFit:
     group_size: int
     alpha: float
     beta: float
-    rel_rms: float  # root mean square of (model - measured) / measured over its samples
+    rel_rms: float  # root mean square of (model - measured) / measured over its samples, per-kind links
     max_rel_err: float
     samples: int
     rel_rms_by_kind: dict[str, float]
+    group_rel_rms: float = 0.0  # the same with the group's one link for every kind
 
 
 @dataclass(frozen=True)
@@ -58,7 +63,7 @@ class NetworkFit:
 
     def model_s(self, sample: CollectiveSample) -> float:
         wire, steps = collective_terms(sample.kind, sample.group_size)
-        alpha, beta = self.profile.link(sample.mesh_dims)
+        alpha, beta = self.profile.link(sample.mesh_dims, sample.kind)
         return self.profile.launch_s + steps * alpha + wire * sample.in_bytes / beta
 
 
@@ -98,12 +103,14 @@ def nnls(a: np.ndarray, b: np.ndarray, max_iter: int | None = None) -> np.ndarra
     return x
 
 
-def _weighted_nnls(rows: np.ndarray, seconds: np.ndarray) -> np.ndarray:
-    """NNLS minimising relative error, with columns scaled to unit norm for conditioning."""
+def _weighted_nnls(rows: np.ndarray, seconds: np.ndarray, target: np.ndarray | None = None) -> np.ndarray:
+    """NNLS of rows @ x = target (default: seconds) minimising error relative to `seconds`, with
+    columns scaled to unit norm for conditioning."""
     a = rows / seconds[:, None]
     scale = np.linalg.norm(a, axis=0)
     scale[scale == 0] = 1.0
-    return nnls(a / scale, np.ones(len(seconds))) / scale
+    b = np.ones(len(seconds)) if target is None else target / seconds
+    return nnls(a / scale, b) / scale
 
 
 def _rel_errors(predicted: np.ndarray, seconds: np.ndarray) -> np.ndarray:
@@ -113,8 +120,9 @@ def _rel_errors(predicted: np.ndarray, seconds: np.ndarray) -> np.ndarray:
 def fit_network(samples: Sequence[CollectiveSample], mesh_shape: Sequence[int], mem_bw: float,
                 name: str = "calibrated") -> NetworkFit:
     """Fit launch_s and each group's (alpha, beta) to `samples`; single mesh dims become the
-    profile's per-dim values, groups over 2+ dims its `groups` overrides. Every mesh dim of size
-    > 1 needs samples of its own; size-1 dims (never in a collective) get the slowest fitted link.
+    profile's per-dim values, groups over 2+ dims its `groups` overrides, and each kind's own
+    (alpha, beta) per group its `kinds` overrides. Every mesh dim of size > 1 needs samples of its
+    own; size-1 dims (never in a collective) get the slowest fitted link.
     ValueError when samples are missing or cannot determine a bandwidth."""
     mesh_shape = tuple(mesh_shape)
     active = [m for m, s in enumerate(mesh_shape) if s > 1]
@@ -145,7 +153,9 @@ def fit_network(samples: Sequence[CollectiveSample], mesh_shape: Sequence[int], 
     if flat:
         raise ValueError(f"timings of group(s) {flat} do not grow with the bytes moved: no bandwidth to fit "
                          "(use larger sizes)")
-    errors = _rel_errors(rows @ x, seconds)
+    group_errors = _rel_errors(rows @ x, seconds)
+    kinds, predicted = _fit_kinds(samples, rows, column, x, seconds)
+    errors = _rel_errors(predicted, seconds)
     fits = []
     for g in groups:
         idx = [r for r, s in enumerate(samples) if s.mesh_dims == g]
@@ -153,14 +163,35 @@ def fit_network(samples: Sequence[CollectiveSample], mesh_shape: Sequence[int], 
         by_kind = {kind: _rms(errors[[r for r in idx if samples[r].kind == kind]])
                    for kind in sorted({samples[r].kind for r in idx})}
         fits.append(GroupFit(g, samples[idx[0]].group_size, float(alphas[column[g]]), float(1 / inv_betas[column[g]]),
-                             _rms(e), float(np.abs(e).max()), len(idx), by_kind))
+                             _rms(e), float(np.abs(e).max()), len(idx), by_kind, _rms(group_errors[idx])))
     single = {f.mesh_dims[0]: f for f in fits if len(f.mesh_dims) == 1}
     slowest = max(fits, key=lambda f: (1 / f.beta, f.alpha))
     alpha = tuple(single[m].alpha if m in single else slowest.alpha for m in range(len(mesh_shape)))
     beta = tuple(single[m].beta if m in single else slowest.beta for m in range(len(mesh_shape)))
-    profile = NetworkProfile(alpha, beta, launch_s, mem_bw, name,
+    profile = NetworkProfile(alpha, beta, launch_s, mem_bw, name, kinds=kinds,
                              groups=tuple((f.mesh_dims, f.alpha, f.beta) for f in fits if len(f.mesh_dims) > 1))
     return NetworkFit(profile, tuple(fits), _rms(errors))
+
+
+def _fit_kinds(samples: Sequence[CollectiveSample], rows: np.ndarray, column: dict[tuple[int, ...], int],
+               x: np.ndarray, seconds: np.ndarray) -> tuple[tuple, np.ndarray]:
+    """(alpha, beta) of each kind on each group, fitted to its samples less the common launch_s
+    `x[0]`; a kind whose timings do not grow with the bytes keeps its group's link (from `x`).
+    Returns the overrides and every sample's modeled seconds under them."""
+    k = len(column)
+    launch_s = float(x[0])
+    predicted = rows @ x
+    kinds = []
+    for kind, g in sorted({(s.kind, s.mesh_dims) for s in samples}):
+        idx = [r for r, s in enumerate(samples) if s.kind == kind and s.mesh_dims == g]
+        if len(idx) < 2:  # one timing cannot split latency from bandwidth
+            continue
+        part = rows[idx][:, [1 + column[g], 1 + k + column[g]]]  # latency steps, wire bytes
+        alpha, inv_beta = _weighted_nnls(part, seconds[idx], seconds[idx] - launch_s)
+        if inv_beta > 0:
+            kinds.append((kind, g, float(alpha), float(1 / inv_beta)))
+            predicted[idx] = launch_s + part @ np.array([alpha, inv_beta])
+    return tuple(kinds), predicted
 
 
 def fit_rate(work: Sequence[float], seconds: Sequence[float]) -> RateFit:

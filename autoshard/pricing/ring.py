@@ -14,7 +14,8 @@ the bandwidth of the two is identical and the ring latency of the big group is l
 A flattened group over several mesh dims is priced as one ring through all its ranks: its
 bandwidth is the slowest involved dim's beta (some hop of the ring crosses that link) and each
 ring step pays the largest involved alpha (steps are synchronous) — unless the profile measured
-that group (`NetworkProfile.link`). Calibration (`pricing.fit`) fits exactly these terms.
+that group, or that kind on that group (`NetworkProfile.link`). Calibration (`pricing.fit`) fits
+exactly these terms.
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ def linear_cost(profile: NetworkProfile, kind: str, mesh_dims: Sequence[int], gr
     if kind in _LOCAL:
         return _LOCAL[kind](group_size) / profile.mem_bw, 0.0
     wire, steps = collective_terms(kind, group_size)
-    alpha, beta = profile.link(mesh_dims)
+    alpha, beta = profile.link(mesh_dims, kind)
     return wire / beta, profile.launch_s + steps * alpha
 
 

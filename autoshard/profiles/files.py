@@ -51,7 +51,9 @@ class ProfileFile:
             n = self.network
             data["network"] = {"name": n.name, "alpha": list(n.alpha), "beta": list(n.beta), "launch_s": n.launch_s,
                                "mem_bw": n.mem_bw,
-                               "groups": [{"mesh_dims": list(d), "alpha": a, "beta": b} for d, a, b in n.groups]}
+                               "groups": [{"mesh_dims": list(d), "alpha": a, "beta": b} for d, a, b in n.groups],
+                               "kinds": [{"kind": k, "mesh_dims": list(d), "alpha": a, "beta": b}
+                                         for k, d, a, b in n.kinds]}
         if self.device is not None:
             d = self.device
             data["device"] = {"name": d.name, "peak_flops": d.peak_flops, "peak_flops_fp32": d.peak_flops_fp32,
@@ -74,7 +76,9 @@ class ProfileFile:
                 network = NetworkProfile(tuple(n["alpha"]), tuple(n["beta"]), float(n["launch_s"]), float(n["mem_bw"]),
                                          str(n.get("name", "calibrated")),
                                          groups=tuple((tuple(g["mesh_dims"]), g["alpha"], g["beta"])
-                                                      for g in n.get("groups", ())))
+                                                      for g in n.get("groups", ())),
+                                         kinds=tuple((str(g["kind"]), tuple(g["mesh_dims"]), g["alpha"], g["beta"])
+                                                     for g in n.get("kinds", ())))
             if data.get("device") is not None:
                 d = data["device"]
                 memory = d.get("memory_bytes")

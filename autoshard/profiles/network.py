@@ -4,7 +4,8 @@ collective, and local memory bandwidth. What a step costs under a profile is `pr
 A flattened group over several mesh dims runs on the slowest involved link unless the profile says
 otherwise: a calibrated profile (`autoshard.profiles.files`) carries the latency and bandwidth it
 measured on each flattened group (`groups`), since one ring through all ranks of a 2x2 CPU mesh is
-not simply its slowest dim's ring."""
+not simply its slowest dim's ring, and per collective kind (`kinds`), since a library's kinds are
+not equally efficient (gloo's all-gather moves a byte ~4x slower than its all-reduce)."""
 
 from __future__ import annotations
 
@@ -32,6 +33,8 @@ class NetworkProfile:
     name: str = "custom"
     # measured (mesh dims ascending, alpha, beta) of flattened groups over 2+ mesh dims
     groups: tuple[tuple[tuple[int, ...], float, float], ...] = ()
+    # measured (collective kind, mesh dims ascending, alpha, beta) of one kind on one group
+    kinds: tuple[tuple[str, tuple[int, ...], float, float], ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "alpha", tuple(float(a) for a in self.alpha))
@@ -47,11 +50,24 @@ class NetworkProfile:
                 raise ValueError(f"a group override needs 2+ distinct mesh dims of {len(self.alpha)}, got {dims}")
             if a < 0 or b <= 0:
                 raise ValueError(f"group {dims}: latency must be >= 0 and bandwidth > 0, got {a} and {b}")
+        object.__setattr__(self, "kinds", tuple(sorted(
+            (str(k), tuple(sorted(int(m) for m in dims)), float(a), float(b)) for k, dims, a, b in self.kinds)))
+        for kind, dims, a, b in self.kinds:
+            if not dims or len(set(dims)) != len(dims) or not all(0 <= m < len(self.alpha) for m in dims):
+                raise ValueError(f"{kind} override: needs distinct mesh dims of {len(self.alpha)}, got {dims}")
+            if a < 0 or b <= 0:
+                raise ValueError(f"{kind} on {dims}: latency must be >= 0 and bandwidth > 0, got {a} and {b}")
 
-    def link(self, mesh_dims: Sequence[int]) -> tuple[float, float]:
-        """(alpha, beta) of a collective over `mesh_dims`: the dim's own, a measured flattened
-        group's, or else the largest latency and smallest bandwidth involved (synchronous ring
-        steps, and some hop crosses the slowest link)."""
+    def link(self, mesh_dims: Sequence[int], kind: str | None = None) -> tuple[float, float]:
+        """(alpha, beta) of a collective (of `kind`, when given) over `mesh_dims`: that kind's
+        measured link on that group, else the dim's own, a measured flattened group's, or else the
+        largest latency and smallest bandwidth involved (synchronous ring steps, and some hop
+        crosses the slowest link)."""
+        if kind is not None and self.kinds:
+            key = tuple(sorted(mesh_dims))
+            for k, dims, a, b in self.kinds:
+                if k == kind and dims == key:
+                    return a, b
         if len(mesh_dims) == 1:
             m = mesh_dims[0]
             return self.alpha[m], self.beta[m]
