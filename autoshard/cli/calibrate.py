@@ -65,7 +65,7 @@ def _settings(a: argparse.Namespace):
         raise UsageError("--min-size and --max-size must differ: the fit needs two sizes or more")
     if a.quick:
         return CalibrationSettings(sizes=tuple(sizes), warmup=1, repeats=2, big_repeats=2, matmul_sizes=(32, 64, 128),
-                                   memory_sizes=(16 * KIB, 64 * KIB, 256 * KIB), min_seconds=0.0)
+                                   memory_sizes=(16 * KIB, 64 * KIB, 256 * KIB), min_seconds=0.02)
     return CalibrationSettings(sizes=tuple(sizes), repeats=a.repeats, big_repeats=min(3, a.repeats))
 
 
