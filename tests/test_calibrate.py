@@ -117,6 +117,10 @@ def test_group_override_prices_flattened_steps():
     assert per_byte == pytest.approx(3 / 0.4e9) and fixed == pytest.approx(80e-6 + 3 * 70e-6)
     with pytest.raises(ValueError, match="2\\+ distinct mesh dims"):
         NetworkProfile((1e-6,), (1e9,), groups=(((0,), 1e-6, 1e9),))
+    with pytest.raises(ValueError, match="all_gather override: needs distinct mesh dims of 1, got \\(1,\\)"):
+        NetworkProfile((1e-6,), (1e9,), kinds=(("all_gather", (1,), 1e-6, 1e9),))
+    with pytest.raises(ValueError, match="all_reduce on \\(0,\\): latency must be >= 0 and bandwidth > 0"):
+        NetworkProfile((1e-6,), (1e9,), kinds=(("all_reduce", (0,), 1e-6, 0.0),))
 
 
 def test_profile_file_round_trips(tmp_path):

@@ -5,7 +5,7 @@ A flattened group over several mesh dims runs on the slowest involved link unles
 otherwise: a calibrated profile (`autoshard.profiles.files`) carries the latency and bandwidth it
 measured on each flattened group (`groups`), since one ring through all ranks of a 2x2 CPU mesh is
 not simply its slowest dim's ring, and per collective kind (`kinds`), since a library's kinds are
-not equally efficient (gloo's all-gather moves a byte ~4x slower than its all-reduce)."""
+not equally efficient (gloo's all-gather moves a byte several times slower than its all-reduce)."""
 
 from __future__ import annotations
 
