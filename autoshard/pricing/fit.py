@@ -52,7 +52,7 @@ class GroupFit:
     max_rel_err: float
     samples: int
     rel_rms_by_kind: dict[str, float]
-    group_rel_rms: float = 0.0  # the same with the group's one link for every kind
+    group_rel_rms: float  # the same with the group's one link for every kind
 
 
 @dataclass(frozen=True)

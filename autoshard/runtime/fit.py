@@ -106,12 +106,12 @@ def fit_memory(plan: Plan, sharding: ShardingProblem, planner: Planner, device: 
     table = peak_memory_table(sharding)
     linear = modeled_bytes(table, plan.solution.choice)
     asked = mode_of(spec)
+    tried: list[tuple[str, float]] = []  # (mode, dry-run peak) of every plan dry-run
 
     def fit(chosen: Plan, mode: str, linear: float, result: DryRunResult | None, constrained: bool) -> MemoryFit:
         peak = None if result is None else float(result.peak_bytes)
         return MemoryFit(limit, chosen, linear, peak, constrained, mode, result, tried)
 
-    tried: list[tuple[str, float]] = []
     if linear <= TRUST * limit:
         return plan, sharding, fit(plan, asked, linear, None, False)
     result = steps.dry_run(plan)
