@@ -6,8 +6,9 @@ edge matrix (or as a choice cost) forbids that combination (or that choice).
 
 from __future__ import annotations
 
+import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Mapping, Sequence, Union
 
 import numpy as np
@@ -269,14 +270,10 @@ class Problem:
 
     # ---- JSON -------------------------------------------------------------------------------
     def to_json(self, **kwargs) -> str:
-        from .io import problem_to_json
-
         return problem_to_json(self, **kwargs)
 
     @classmethod
     def from_json(cls, text: str) -> "Problem":
-        from .io import problem_from_json
-
         return problem_from_json(text)
 
 
@@ -311,3 +308,64 @@ def tie_classes(problem: Problem, constraints: Sequence, regions: Sequence[Repea
 def _check_cost(v: float, what: str) -> None:
     if math.isnan(v) or v < 0:
         raise ValueError(f"{what} must be >= 0 (or inf), got {v!r}")
+
+
+# ---- JSON round trip, so problems can be saved, diffed and re-solved -------------------------------
+# JSON has no infinity: `inf` is written as the string "inf" (null is accepted on read too).
+FORMAT = 1
+_KINDS = {"fixed": Fixed, "allowed": Allowed, "same_choice": SameChoice, "memory_budget": MemoryBudget}
+
+
+def encode_float(v: float):
+    return "inf" if v == math.inf else v
+
+
+def decode_float(v) -> float:
+    return math.inf if v is None or v == "inf" else float(v)
+
+
+def problem_to_json(problem: Problem, **kwargs) -> str:
+    kind_of = {cls: kind for kind, cls in _KINDS.items()}
+    data = {
+        "format": FORMAT,
+        "nodes": [{"name": n.name,
+                   "choices": [{"label": c.label, "cost": encode_float(c.cost), "memory": c.memory,
+                                "tags": list(c.tags)} for c in n.choices]}
+                  for n in problem.nodes],
+        "edges": [{"src": e.src, "dst": e.dst, "cost": [[encode_float(v) for v in row] for row in e.cost]}
+                  for e in problem.edges],
+        "constraints": [_constraint(kind_of[type(c)], asdict(c)) for c in problem.constraints],
+        "regions": [r.copies for r in problem.regions],
+    }
+    return json.dumps(data, **kwargs)
+
+
+def _constraint(kind: str, fields: dict) -> dict:
+    if "limit" in fields:
+        fields["limit"] = encode_float(fields["limit"])
+    if "memory" in fields and fields["memory"] is None:  # a budget over the choices' own memory
+        del fields["memory"]
+    return {"kind": kind, **fields}
+
+
+def problem_from_json(text: str) -> Problem:
+    data = json.loads(text)
+    if data.get("format") != FORMAT:
+        raise ValueError(f"unsupported problem format {data.get('format')!r}")
+    nodes = [Node(n["name"], [Choice(c["label"], decode_float(c["cost"]), float(c["memory"]),
+                                     tuple(c["tags"])) for c in n["choices"]])
+             for n in data["nodes"]]
+    edges = [Edge(e["src"], e["dst"], [[decode_float(v) for v in row] for row in e["cost"]])
+             for e in data["edges"]]
+    constraints = []
+    for c in data["constraints"]:
+        c = dict(c)
+        kind = c.pop("kind")
+        if kind not in _KINDS:
+            raise ValueError(f"unknown constraint kind {kind!r}")
+        if "limit" in c:
+            c["limit"] = decode_float(c["limit"])
+        constraints.append(_KINDS[kind](**c))
+    problem = Problem(nodes, edges, constraints, [RepeatedRegion(r) for r in data["regions"]])
+    problem.validate()
+    return problem

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import asdict, dataclass, field
 
 from .diagnose import explain
 from .model import pick_backend
 from .presolve import Conflict, Reduction
-from .problem import InfeasibleError, Problem
+from .problem import FORMAT, InfeasibleError, Problem
 from .search import core_cost, solve_core
 
 
@@ -52,15 +53,17 @@ class Solution:
         return self.labels[node]
 
     def to_json(self, **kwargs) -> str:
-        from .io import solution_to_json
-
-        return solution_to_json(self, **kwargs)
+        data = asdict(self)
+        data["format"] = FORMAT
+        return json.dumps(data, **kwargs)
 
     @classmethod
     def from_json(cls, text: str) -> "Solution":
-        from .io import solution_from_json
-
-        return solution_from_json(text)
+        data = json.loads(text)
+        if data.pop("format", None) != FORMAT:
+            raise ValueError("unsupported solution format")
+        data["stats"] = SolveStats(**data["stats"])
+        return cls(**data)
 
 
 def solve(problem: Problem, backend: str = "auto", time_limit: float | None = None,

@@ -101,7 +101,7 @@ def test_a_budget_with_its_own_memory_table():
     """A budget may carry its own figures per choice (a peak-memory budget weighs a parameter more
     than the parameter-bytes budget does): those count, not `Choice.memory`; both budgets hold at
     once; the table survives JSON; a table of the wrong length is refused."""
-    from solver.io import problem_from_json, problem_to_json
+    from solver.problem import problem_from_json, problem_to_json
 
     p = tiny()
     free = solve(p)

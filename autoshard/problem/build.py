@@ -19,7 +19,7 @@ import torch
 from torch import fx
 
 import solver
-from solver import io as solver_io
+from solver.problem import problem_to_json
 
 from autoshard.profiles.device import DeviceProfile
 from autoshard.layout import Layout
@@ -79,7 +79,7 @@ class ShardingProblem:
         """Hash of the whole ILP (nodes, choice labels and costs, edges, constraints): equal
         fingerprints mean the same graph, mesh, profiles and constraints, so a saved solution of
         one applies to the other."""
-        return hashlib.sha256(solver_io.problem_to_json(self.problem).encode()).hexdigest()[:16]
+        return hashlib.sha256(problem_to_json(self.problem).encode()).hexdigest()[:16]
 
     def tensor_meta(self, producer: Producer) -> tuple[tuple[int, ...], torch.dtype]:
         val = self.fx_nodes[producer.node].meta["val"]
