@@ -248,7 +248,7 @@ def test_torchrun_calibrate_writes_a_profile_the_planner_uses(tmp_path):
 
     from autoshard.api import AutoShard
     from models import build_model, cross_entropy_loss, get_config
-    from autoshard.workload import get_workload
+    from autoshard.workloads import get_workload
 
     work = get_workload("llama3-tiny", 16)
     with AutoShard(build_model(get_config("llama3-tiny"), device="meta"), lambda: work.example_inputs(8, 16, "meta"),

@@ -12,7 +12,7 @@ import transformers
 
 from autoshard import _torch_compat as tc
 from autoshard.api import AutoShard
-from autoshard import hf
+from autoshard.workloads import hf
 from autoshard.runtime.module import parallelize
 from models import MarkovTokens, cross_entropy_loss
 from models.train_single import TrainSettings, make_optimizer
@@ -118,7 +118,7 @@ def save_tiny(directory, seed=7, **config):
 
 
 def test_hf_workload_builds_from_a_local_config_and_seeds_its_init(tmp_path):
-    from autoshard.workload import get_workload
+    from autoshard.workloads import get_workload
 
     _, directory = save_tiny(tmp_path / "m")
     for path in (directory, directory / "config.json"):
@@ -134,7 +134,7 @@ def test_hf_workload_builds_from_a_local_config_and_seeds_its_init(tmp_path):
 
 
 def test_checkpoint_values_take_weights_from_safetensors_and_buffers_from_init(tmp_path):
-    from autoshard.workload import checkpoint_values, get_workload
+    from autoshard.workloads import checkpoint_values, get_workload
 
     saved, directory = save_tiny(tmp_path / "m", seed=11)
     w = get_workload(f"hf:{directory}", seq=16)
@@ -192,7 +192,7 @@ def test_torchrun_trains_an_hf_model_from_its_safetensors_like_single_device(tmp
     save_pretrained): the 5 losses equal the single-device run from the same weights."""
     from test_train import metrics, torchrun
 
-    from autoshard.workload import get_workload
+    from autoshard.workloads import get_workload
 
     model, directory = save_tiny(tmp_path / "m", seed=5, tie_word_embeddings=True)
     torchrun("--model", f"hf:{directory}", "--init-from", str(directory), "--mesh", "2x2", "--batch", "8",

@@ -9,7 +9,7 @@ import torch
 
 from autoshard.cli.args import mesh_names
 from autoshard.cli.train import Settings, _parse
-from autoshard.workload import get_workload
+from autoshard.workloads import get_workload
 from models import MarkovTokens, get_config
 
 

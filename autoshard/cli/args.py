@@ -150,7 +150,7 @@ def option(*flags: str, **kwargs: Any) -> Option:
 
 
 # The options `plan` and `train` share: same flag, same meaning.
-MODEL = option("--model", help="model name, e.g. llama3-tiny, llama3-debug, llama3-8b (autoshard.workload), or "
+MODEL = option("--model", help="model name, e.g. llama3-tiny, llama3-debug, llama3-8b (autoshard.workloads), or "
                                 "hf:PATH, a local Hugging Face config.json or model directory")
 INIT_FROM = option("--init-from", metavar="PATH", help="start from the weights of a safetensors file or directory "
                                                        "(e.g. an HF model directory) instead of a seeded init")

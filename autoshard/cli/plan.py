@@ -74,7 +74,7 @@ def plan_main(argv: Sequence[str] | None = None) -> int:
 def _check(args: argparse.Namespace):
     """Validate everything cheap before the expensive part; returns the workload."""
     from autoshard.profiles.files import device_profile, network_profile
-    from autoshard.workload import get_workload
+    from autoshard.workloads import get_workload
 
     try:
         workload = get_workload(args.model, args.seq)
@@ -98,7 +98,7 @@ def _check(args: argparse.Namespace):
     if args.out is not None and args.out.exists() and not args.out.is_dir():
         fail(f"--out {args.out} exists and is not a directory")
     if args.init_from is not None:  # headers only: no weights are read
-        from autoshard.workload import check_checkpoint, read_safetensors
+        from autoshard.workloads import check_checkpoint, read_safetensors
 
         try:
             check_checkpoint(workload, workload.adapt_state_dict(read_safetensors(args.init_from, shapes_only=True)),

@@ -60,7 +60,7 @@ from autoshard.report.text import JSON_NAME, human_bytes, summary_lines, write_h
 from autoshard.runtime.dryrun import DryRunResult
 from autoshard.runtime.fit import FitSteps, MemoryLimitError
 from autoshard.runtime.wire import WireMeter, wire_row
-from autoshard.workload import Workload, get_workload
+from autoshard.workloads import Workload, get_workload
 
 log = logging.getLogger("autoshard")
 
@@ -145,7 +145,7 @@ def _workload(settings: Settings) -> Workload:
 def _initial_values(settings: Settings, workload: Workload) -> dict[str, torch.Tensor]:
     """Full values to train from: the --init-from checkpoint (buffers from the seed's init), else
     the seed's init."""
-    from autoshard.workload import checkpoint_values
+    from autoshard.workloads import checkpoint_values
 
     if settings.init_from is None:
         return workload.initial_state(settings.seed)

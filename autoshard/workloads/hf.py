@@ -8,8 +8,8 @@ with the same cross-entropy as our own models. Parameter names are the model's o
 state dict or safetensors directory loads as it is. Tied input/output embeddings are one
 parameter (transformers ties them; `named_parameters` lists the embedding once).
 
-Needs the `autoshard[hf]` extra (transformers, safetensors). A foundation module beside
-`workload.py`: it imports torch, transformers and `models` (data, loss), never a stage package.
+Needs the `autoshard[hf]` extra (transformers, safetensors). A workload family: it imports torch,
+transformers and `models` (data, loss), never a stage package.
 """
 
 from __future__ import annotations
@@ -21,8 +21,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from autoshard.workload import Workload, full_state, token_batches, token_inputs
+from autoshard.workloads.base import Workload, full_state, token_batches, token_inputs
 
+ORDER = 10  # asked after the plain model names
 PREFIX = "hf:"
 INSTALL = "pip install 'autoshard[hf]'"
 
@@ -98,6 +99,15 @@ def logits_loss(outputs: Any, targets: torch.Tensor) -> torch.Tensor:
     from models import cross_entropy_loss
 
     return cross_entropy_loss(getattr(outputs, "logits", outputs), targets)
+
+
+def names() -> list[str]:
+    return [PREFIX + "PATH (a local transformers config.json or model directory)"]
+
+
+def resolve(name: str, seq: int) -> Workload | None:
+    """`hf:PATH`: the causal LM a local transformers config describes; None for other names."""
+    return workload(name[len(PREFIX):], seq) if name.startswith(PREFIX) else None
 
 
 def workload(path: str, seq: int) -> Workload:

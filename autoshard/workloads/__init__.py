@@ -1,0 +1,9 @@
+"""Workloads: a model and its training step, one module per model family (llama.py, hf.py) found
+by the registry; `checkpoints` reads safetensors weights for any of them."""
+
+from autoshard.workloads.base import DataSource, Workload
+from autoshard.workloads.checkpoints import check_checkpoint, checkpoint_values, read_safetensors
+from autoshard.workloads.registry import get_workload, known_names
+
+__all__ = ["DataSource", "Workload", "check_checkpoint", "checkpoint_values", "get_workload", "known_names",
+           "read_safetensors"]

@@ -1,0 +1,80 @@
+"""What `plan` and `train` need to know about a model: a `Workload` (like torchtitan's ModelSpec).
+
+    workload = get_workload("llama3-8b", seq=8192)
+    model = workload.build("meta")                       # meta: planning, no weights
+    inputs = workload.example_inputs(8, 8192, "meta")     # GLOBAL shapes: (tokens, targets)
+    loss = workload.loss_fn(model(*inputs[:workload.n_model_inputs]), *inputs[workload.n_model_inputs:])
+    data = workload.data(seed)                            # training data: data.batch(step, batch, seq)
+
+The pieces every family shares: the type, token data and inputs. Imports torch and `models`,
+never a stage package.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Protocol
+
+import torch
+from torch import nn
+
+
+class DataSource(Protocol):
+    """Training data: the GLOBAL batch of `step`, in `example_inputs` order, a pure function of
+    (seed, step) so any rank can make any step's batch and a resumed run sees the same data."""
+
+    def batch(self, step: int, batch_size: int, seq: int) -> tuple[torch.Tensor, ...]: ...
+
+
+def identity_state_dict(state_dict: dict[str, Any]) -> dict[str, Any]:
+    return state_dict
+
+
+@dataclass(frozen=True)
+class Workload:
+    """A model and its training step, as `plan` and `train` use them.
+
+    The step is `loss_fn(model(*inputs[:n_model_inputs]), *inputs[n_model_inputs:])` (`loss_fn` None:
+    the model returns the loss itself), `inputs = example_inputs(batch, seq, device)`.
+    `adapt_state_dict` maps a checkpoint's state dict (e.g. Hugging Face or torchtitan names) to this
+    model's parameter names; our own models need none. `initial_state(seed)` is the full value of
+    every parameter and buffer of a freshly initialized model (what training starts from; a
+    checkpoint leaves the buffers to it).
+    """
+
+    name: str
+    build: Callable[[str | torch.device], nn.Module]
+    example_inputs: Callable[[int, int, str | torch.device], tuple[torch.Tensor, ...]]
+    loss_fn: Callable[..., torch.Tensor] | None
+    data: Callable[[int], DataSource]  # seed -> source
+    initial_state: Callable[[int], dict[str, torch.Tensor]]  # seed -> full values
+    n_model_inputs: int = 1
+    adapt_state_dict: Callable[[dict[str, Any]], dict[str, Any]] = identity_state_dict
+
+
+def full_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter (tied ones once) and buffer of a model, by FQN."""
+    return dict(model.named_parameters()) | dict(model.named_buffers())
+
+
+class _TokenBatches:
+    """`models.MarkovTokens` as a DataSource: (tokens, targets)."""
+
+    def __init__(self, vocab_size: int, seed: int):
+        from models import MarkovTokens
+
+        self.tokens = MarkovTokens(vocab_size, seed=seed)
+
+    def batch(self, step: int, batch_size: int, seq: int) -> tuple[torch.Tensor, ...]:
+        b = self.tokens.batch(step, batch_size, seq)
+        return b.inputs, b.targets
+
+
+def token_batches(vocab_size: int, seed: int) -> DataSource:
+    """Markov-chain (tokens, targets) batches over `vocab_size` tokens."""
+    return _TokenBatches(vocab_size, seed)
+
+
+def token_inputs(batch: int, seq: int, device: str | torch.device = "meta") -> tuple[torch.Tensor, ...]:
+    """(tokens, targets): int64 [batch, seq]."""
+    return (torch.empty(batch, seq, dtype=torch.int64, device=device),) * 2
