@@ -7,7 +7,8 @@ import torch
 import solver
 from autoshard.api import AutoShard
 from autoshard.problem.explain import ExplainError, match_params, redistribution_changes
-from autoshard.report.text import explain_lines, format_log, plan_report
+from autoshard.report.build import plan_report
+from autoshard.report.text import explain_lines, format_log
 from models import build_model, cross_entropy_loss, get_config
 
 WQ = "layers.0.attention.wq.weight"

@@ -15,7 +15,9 @@ from autoshard.api import AutoShard
 from autoshard.runtime.module import parallelize
 from autoshard.cli.args import parse_bytes, parse_mesh
 from autoshard.profiles.device import DeviceProfile
-from autoshard.report.text import format_log, human_bytes, memory_line, plan_report, summary_lines, write_report
+from autoshard.report.build import plan_report
+from autoshard.report.files import write_report
+from autoshard.report.text import format_log, human_bytes, memory_line, summary_lines
 from models import build_model, cross_entropy_loss, get_config
 from simulation import simulated_mesh
 

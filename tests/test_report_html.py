@@ -18,8 +18,9 @@ import torch
 from autoshard.__main__ import main
 from autoshard.api import AutoShard
 from autoshard.profiles.device import DeviceProfile
-from autoshard.report.html import MESH_COLORS, layout_svg, load_metrics, render_html, step_by_block
-from autoshard.report.text import plan_report, write_report_files
+from autoshard.report.build import plan_report
+from autoshard.report.files import load_metrics, write_report_files
+from autoshard.report.html import MESH_COLORS, layout_svg, render_html, step_by_block
 from models import build_model, cross_entropy_loss, get_config
 
 VOID = {"area", "base", "br", "col", "embed", "hr", "img", "input", "link", "meta", "source", "track", "wbr"}

@@ -206,8 +206,9 @@ def _say(line: str) -> None:
 
 def run_plan(args: argparse.Namespace) -> int:
     from autoshard.problem.recipes import recipe_pins
-    from autoshard.report.text import (HTML_NAME, compare_lines, explain_lines, modeled_figures, plan_report,
-                                       summary_lines, write_report_files)
+    from autoshard.report.build import modeled_figures, plan_report
+    from autoshard.report.files import HTML_NAME, write_report_files
+    from autoshard.report.text import compare_lines, explain_lines, summary_lines
 
     workload = _check(args)
     _setup_logging()

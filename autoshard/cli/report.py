@@ -12,7 +12,6 @@ from pathlib import Path
 
 from autoshard.cli.args import fail
 
-METRICS_NAME = "metrics.jsonl"
 _REQUIRED = ("mesh_shape", "parameters", "nodes", "totals")
 
 
@@ -22,8 +21,7 @@ def add_report_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_report(args: argparse.Namespace) -> int:
-    from autoshard.report.html import load_metrics
-    from autoshard.report.text import HTML_NAME, JSON_NAME, write_html
+    from autoshard.report.files import HTML_NAME, JSON_NAME, METRICS_NAME, load_metrics, write_html
 
     run_dir: Path = args.run_dir
     if not run_dir.is_dir():

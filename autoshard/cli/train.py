@@ -55,8 +55,8 @@ from autoshard.api import AutoShard
 from autoshard.cli import args as shared
 from autoshard.cli.args import RaisingArgumentParser, UsageError, add_dataclass_arguments, mesh_names, setting
 from autoshard.profiles.files import device_profile, network_profile
-from autoshard.report.html import load_metrics
-from autoshard.report.text import JSON_NAME, human_bytes, summary_lines, write_html, write_report
+from autoshard.report.files import JSON_NAME, load_metrics, write_html, write_report
+from autoshard.report.text import human_bytes, summary_lines
 from autoshard.runtime.dryrun import DryRunResult
 from autoshard.runtime.fit import FitSteps, MemoryLimitError
 from autoshard.runtime.wire import WireMeter, wire_row

@@ -1,1 +1,2 @@
-"""One report dict -> sharding.log, plan.json and report.html."""
+"""The plan report: `build` makes the dict (plan.json), `text` the sharding log and console summary,
+`html` the page, `files` writes them."""

@@ -11,13 +11,11 @@ kind, and, given the training metrics rows, loss and tokens/s curves.
 from __future__ import annotations
 
 import html
-import json
 import math
-from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 from autoshard.layout import Layout, split_digits
-from autoshard.report.text import HTML_NAME, human_bytes, human_time  # noqa: F401 (HTML_NAME re-exported)
+from autoshard.report.text import human_bytes, human_time
 
 # One colour per mesh dim (split lines and names), and per bar segment kind.
 MESH_COLORS = ("#1f6fd1", "#e8710a", "#188038", "#c5221f", "#8430ce", "#8d6e63")
@@ -476,19 +474,3 @@ def render_html(report: dict, metrics: Sequence[dict] | None = None) -> str:
         body.append(training_section(metrics))
     return (f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>{_e(title)}</title>'
             f"<style>{CSS}</style></head><body>\n" + "\n".join(body) + "\n</body></html>\n")
-
-
-def load_metrics(path: str | Path) -> list[dict]:
-    """The rows of a metrics.jsonl (blank lines skipped); ValueError naming the first bad line."""
-    rows = []
-    for n, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise ValueError(f"{path}:{n}: not JSON ({err.msg})") from None
-        if not isinstance(row, dict):
-            raise ValueError(f"{path}:{n}: not a JSON object")
-        rows.append(row)
-    return rows

@@ -1,0 +1,242 @@
+"""The report dict: what a `Plan` chose, in terms a person can check, as plain data (lists, str
+keys, numbers: `json.loads(json.dumps(report)) == report`). plan.json is this dict; the sharding
+log (`report.text`) and report.html (`report.html`) are rendered from it, so the three can never
+disagree.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict
+from typing import Any
+
+import torch
+from torch import fx
+
+from autoshard.capture.precision import dtype_name
+from autoshard.layout import Layout
+from autoshard.pricing.planner import RedistributePlan
+from autoshard.pricing.ring import COLLECTIVE_KINDS
+from autoshard.problem.explain import Explanation
+from autoshard.problem.plan import Plan, Redistribution, Sink
+from autoshard.profiles.device import DeviceProfile
+from autoshard.program.lower import Program
+from autoshard.runtime.dryrun import DryRunResult
+from autoshard.runtime.fit import MemoryFit
+
+# Top-level keys `plan_report` produces; anything else came in through `extra`.
+OWN_KEYS = ("mesh_shape", "precision", "recompute", "reshard", "memory_fit", "parameters", "inputs", "nodes", "sinks",
+            "totals", "memory", "timings", "compare", "explain")
+EXPLAIN_CHANGES = 10  # redistribution changes listed per alternative (the rest counted)
+
+
+def plan_report(plan: Plan, *, program: Program | None = None, dry_run: DryRunResult | None = None,
+                device: DeviceProfile | None = None, timings: dict[str, float] | None = None,
+                explanation: Explanation | None = None, memory_fit: MemoryFit | None = None,
+                extra: dict | None = None) -> dict:
+    """Everything the plan chose, as JSON-ready data: parameters, non-parameter inputs, every
+    op with its strategy and incoming redistributions, sinks (loss, gradients), and totals; with
+    the `program` lowered from it, also the collectives that program runs; with its `dry_run`,
+    peak memory per rank beside the `device`'s capacity; with an `explanation` (AutoShard.explain),
+    a parameter's next best layouts under "explain"."""
+    graph = plan.graph
+    mesh = list(plan.mesh_shape)
+    dtypes = {node.name: _dtype(node) for node in graph.nodes}
+    by_consumer: dict[str, list[dict]] = {}
+    for r in plan.redistributions:
+        by_consumer.setdefault(r.consumer, []).append(_redistribution_entry(r, dtypes.get(r.producer)))
+
+    parameters = []
+    for fqn, node in graph.params.items():
+        layout = plan.param_layouts[fqn]
+        parameters.append({"fqn": fqn, **_tensor_entry(node, layout, plan.mesh_shape),
+                           "default_order": layout.is_default_order})
+
+    inputs = []
+    user_index = {node: i for i, node in enumerate(graph.inputs)}
+    buffer_fqn = {node: fqn for fqn, node in graph.buffers.items()}
+    for node in graph.nodes:
+        if node.op != "placeholder" or node in graph.param_names or node.name not in plan.strategies:
+            continue
+        if node in user_index:
+            kind, what = "input", str(user_index[node])
+        elif node in buffer_fqn:
+            kind, what = "buffer", buffer_fqn[node]
+        else:
+            kind, what = "tangent", "seed gradient of the loss"
+        inputs.append({"name": node.name, "kind": kind, "what": what,
+                       **_tensor_entry(node, plan.strategies[node.name].outputs[0], plan.mesh_shape)})
+
+    nodes = []
+    for node in graph.nodes:
+        if node.op != "call_function" or node.name not in plan.strategies:
+            continue  # getitem has no strategy: it aliases its parent's output
+        strategy = plan.strategies[node.name]
+        nodes.append({
+            "name": node.name,
+            "op": str(node.target),
+            "module": plan.module_paths.get(node.name, ""),
+            "phase": "backward" if graph.is_backward(node) else "forward",
+            "dtype": dtypes[node.name],
+            "strategy": str(strategy),
+            "compute_s": plan.node_compute_s[node.name],
+            "redistributions": by_consumer.get(node.name, []),
+        })
+
+    sinks = [_sink_entry(sink, by_consumer) for sink in [plan.loss_sink, *plan.grad_sinks.values()]]
+
+    stats = plan.solution.stats
+    precision = graph.precision
+    report: dict[str, Any] = {
+        "mesh_shape": mesh,
+        "precision": {"param_dtype": dtype_name(precision.param_dtype),
+                      "reduce_dtype": dtype_name(precision.reduce_dtype or precision.param_dtype),
+                      "output_dtype": dtype_name(precision.output_dtype), "summary": precision.describe()},
+        "recompute": {"blocks": list(plan.recompute_blocks), "ops": len(plan.recomputed) if plan.recompute_blocks else 0},
+        "reshard": {"blocks": list(plan.reshard_blocks), "ops": len(plan.recomputed) if plan.reshard_blocks else 0},
+        "parameters": parameters,
+        "inputs": inputs,
+        "nodes": nodes,
+        "sinks": sinks,
+        "totals": {
+            **modeled_figures(plan),
+            "redistributions": len(plan.redistributions),
+            "params": len(parameters),
+            "non_default_order_params": sum(not p["default_order"] for p in parameters),
+            "param_bytes_per_rank": sum(p["bytes_per_rank"] for p in parameters),
+            "ilp": {
+                "backend": stats.backend,
+                "status": plan.solution.status,
+                "objective": plan.solution.objective,
+                "variables": stats.variables,
+                "constraints": stats.constraints,
+                "nodes": stats.nodes,
+                "classes": stats.classes,
+                "core": stats.core,
+                "solve_s": stats.solve_s,
+            },
+        },
+    }
+    if program is not None:  # what the program runs, buckets counted once
+        report["totals"]["program_count_by_collective"] = dict(sorted(program.comm.total_count().items()))
+    step = program.step if program is not None else dry_run.step if dry_run is not None else None
+    if step is not None:  # the program's schedule: bucketed collectives overlap compute
+        report["totals"]["overlapped_step_s"] = step.overlapped_s
+    if dry_run is not None:
+        report["memory"] = memory_entry(dry_run, device)
+    if memory_fit is not None:
+        report["memory_fit"] = {"limit_bytes": memory_fit.limit, "modeled_bytes": memory_fit.modeled_bytes,
+                                "peak_bytes": memory_fit.peak_bytes, "constrained": memory_fit.constrained,
+                                "recompute": memory_fit.recompute, "reshard": memory_fit.reshard,
+                                "tried": [{"mode": mode, "peak_bytes": peak} for mode, peak in memory_fit.tried],
+                                "summary": memory_fit.summary()}
+    if timings:
+        report["timings"] = {k: float(v) for k, v in timings.items()}
+    if explanation is not None:
+        report["explain"] = explain_entry(explanation)
+    report.update(extra or {})
+    return report
+
+
+def memory_entry(result: DryRunResult, device: DeviceProfile | None) -> dict:
+    """Peak memory per checked rank with its breakdown (bytes), and the device's capacity."""
+    capacity = device.memory_bytes if device is not None else None
+    return {
+        "source": "dry run: each checked rank's program on fake tensors (ranks not listed hold the same shapes)",
+        "seconds": result.seconds,
+        "device": device.name if device is not None else None,
+        "capacity_bytes": capacity,
+        "peak_bytes": result.peak_bytes,
+        "fits": None if capacity is None else result.peak_bytes <= capacity,
+        "ranks": [{**asdict(m), "peak_bytes": m.peak_bytes} for m in result.ranks.values()],
+    }
+
+
+def modeled_figures(plan: Plan) -> dict[str, Any]:
+    """A plan's modeled step time and communication, as the report (and comparisons) show them."""
+    return {
+        "step_time_s": plan.step_time_s,
+        "compute_s": plan.compute_s,
+        "comm_s": plan.comm_s,
+        "comm_bytes": plan.comm_bytes,
+        "bytes_by_collective": dict(sorted(plan.bytes_by_collective.items())),
+        "count_by_collective": dict(sorted(plan.count_by_collective.items())),
+    }
+
+
+def explain_entry(ex: Explanation, max_changes: int = EXPLAIN_CHANGES) -> dict:
+    """An Explanation as report data; each alternative lists its `max_changes` largest
+    redistribution changes (before -> after on one edge, `count` edges alike: one per block copy)
+    and counts the edges changed in all (`changes_total`)."""
+    def plan_entry(p: RedistributePlan | None) -> dict | None:
+        if p is None:
+            return None
+        return {"src": str(p.src), "dst": str(p.dst), "steps": [f"{s.kind}[{','.join(map(str, s.mesh_dims))}]"
+                                                               for s in p.steps], "cost_s": p.cost_s}
+
+    def grouped(changes) -> list[dict]:
+        # the same change on every copy of a repeated block is one entry, with a count
+        groups: dict = {}
+        for c in changes:
+            before, after = plan_entry(c.before), plan_entry(c.after)
+            key = json.dumps([before, after], sort_keys=True)
+            if key in groups:
+                groups[key]["count"] += 1
+            else:
+                groups[key] = {"producer": c.producer, "consumer": c.consumer, "slot": c.slot, "count": 1,
+                               "param": ex.param_nodes.get(c.producer, ""), "delta_s": c.delta_s,
+                               "before": before, "after": after}
+        return sorted(groups.values(), key=lambda g: -abs(g["delta_s"]) * g["count"])
+
+    entry = {
+        "fqn": ex.fqn, "params": ex.params, "layout": str(ex.layout), "step_time_s": ex.step_time_s,
+        "tied": ex.tied, "candidates": ex.candidates, "solved": ex.solved,
+        "infeasible": [str(lay) for lay in ex.infeasible], "skipped": [str(lay) for lay in ex.skipped],
+        "method": ex.method, "seconds": ex.seconds,
+        "alternatives": [{
+            "layout": str(a.layout), "step_time_s": a.step_time_s, "delta_s": a.delta_s,
+            "compute_s": a.compute_s, "comm_s": a.comm_s, "status": a.status, "solve_s": a.solve_s,
+            "moved": {fqn: [str(b), str(c)] for fqn, (b, c) in a.moved.items()},
+            "changes_total": len(a.changes),
+            "changes": grouped(a.changes)[:max_changes],
+        } for a in ex.alternatives],
+    }
+    return entry
+
+
+def _tensor_entry(node: fx.Node, layout: Layout, mesh_shape: tuple[int, ...]) -> dict:
+    val = node.meta["val"]
+    shape = tuple(val.shape)
+    local = layout.local_shape(shape, mesh_shape)
+    return {"shape": list(shape), "dtype": dtype_name(val.dtype), "layout": str(layout),
+            "local_shape": list(local), "bytes_per_rank": math.prod(local) * val.dtype.itemsize}
+
+
+def _dtype(node: fx.Node) -> str | None:
+    """Short dtype name of a node's value (several outputs: joined by ','); None for non-tensors."""
+    val = node.meta.get("val")
+    vals = val if isinstance(val, (tuple, list)) else [val]
+    names = [dtype_name(v.dtype) for v in vals if isinstance(v, torch.Tensor)]
+    return ",".join(dict.fromkeys(names)) or None
+
+
+def _redistribution_entry(r: Redistribution, dtype: str | None) -> dict:
+    plan = r.plan
+    return {
+        "from": r.producer,
+        "slot": r.slot,
+        "dtype": dtype,
+        "src": str(plan.src),
+        "dst": str(plan.dst),
+        "steps": [f"{s.kind}[{','.join(map(str, s.mesh_dims))}]" for s in plan.steps],
+        "cost_s": plan.cost_s,
+        # wire-level bytes of the collectives only, as in the plan's bytes_by_collective
+        "bytes": float(sum(s.bytes for s in plan.steps if s.kind in COLLECTIVE_KINDS)),
+        "shape": list(plan.shape),
+    }
+
+
+def _sink_entry(sink: Sink, by_consumer: dict) -> dict:
+    return {"name": sink.name, "kind": sink.kind, "fqn": sink.fqn, "layout": str(sink.layout),
+            "redistributions": by_consumer.get(sink.name, [])}

@@ -1,0 +1,77 @@
+"""Writing a run's report files: sharding.log, plan.json and report.html, each atomically (a
+reader never sees half a file); reading metrics.jsonl back."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import uuid
+from pathlib import Path
+from typing import Any
+
+from autoshard.problem.plan import Plan
+from autoshard.report.build import plan_report
+from autoshard.report.html import render_html
+from autoshard.report.text import format_log
+
+LOG_NAME = "sharding.log"
+JSON_NAME = "plan.json"
+HTML_NAME = "report.html"
+METRICS_NAME = "metrics.jsonl"
+
+
+def write_report(plan: Plan, out_dir: str | os.PathLike, **report_args: Any) -> tuple[Path, Path]:
+    """Write `sharding.log`, `plan.json` and `report.html` (`plan_report(plan, **report_args)`) into
+    `out_dir` (created), each atomically, so a reader never sees half a file. Returns (log path, json path)."""
+    return write_report_files(plan_report(plan, **report_args), out_dir)
+
+
+def write_report_files(report: dict, out_dir: str | os.PathLike,
+                       metrics: list[dict] | None = None) -> tuple[Path, Path]:
+    """`write_report` for a report dict already built (a caller that also prints it builds it once);
+    also writes `report.html` beside them (`write_html`)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    log_path, json_path = out / LOG_NAME, out / JSON_NAME
+    _write_atomic(json_path, json.dumps(report, indent=1) + "\n")
+    _write_atomic(log_path, format_log(report))
+    write_html(report, out, metrics)
+    return log_path, json_path
+
+
+def write_html(report: dict, out_dir: str | os.PathLike, metrics: list[dict] | None = None) -> Path:
+    """Write `report.html` (the report dict, with the training `metrics` rows' curves when given) into
+    `out_dir` atomically; returns its path."""
+    path = Path(out_dir) / HTML_NAME
+    _write_atomic(path, render_html(report, metrics))
+    return path
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    # A fresh name opened with "x" (not mkstemp, whose files are 0600): the usual umask permissions.
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
+    try:
+        with open(tmp, "x", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def load_metrics(path: str | Path) -> list[dict]:
+    """The rows of a metrics.jsonl (blank lines skipped); ValueError naming the first bad line."""
+    rows = []
+    for n, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path}:{n}: not JSON ({err.msg})") from None
+        if not isinstance(row, dict):
+            raise ValueError(f"{path}:{n}: not a JSON object")
+        rows.append(row)
+    return rows
