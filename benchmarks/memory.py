@@ -55,10 +55,10 @@ def _plan(case: Case, recipe: bool) -> dict:
     recomputed and no limit. Runs in a fresh process (in_fresh_process)."""
     import torch
 
-    from autoshard.api import AutoShard
-    from autoshard.cli.args import mp_policy
+    from autoshard.driver.api import AutoShard
+    from autoshard.driver.config import mp_policy
     from autoshard.problem.recipes import param_bytes_per_rank, recipe_layouts, recipe_pins
-    from autoshard.runtime.fit import MemoryLimitError
+    from autoshard.driver.fit import MemoryLimitError
     from models import build_model, cross_entropy_loss, get_config
 
     net = build_model(get_config(case.model), device="meta")

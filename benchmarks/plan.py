@@ -38,9 +38,9 @@ def _plan_case(model: str, mesh: tuple, batch: int, seq: int, layers: int | None
                budget_from_recipe: bool, dry: bool, precision: tuple[str, str] | None = None) -> dict:
     import torch
 
-    from autoshard.cli.args import mp_policy
+    from autoshard.driver.config import mp_policy
 
-    from autoshard.api import AutoShard
+    from autoshard.driver.api import AutoShard
     from autoshard.problem.recipes import param_bytes_per_rank, recipe_layouts, recipe_pins
     from models import build_model, cross_entropy_loss, get_config
 

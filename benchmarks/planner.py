@@ -14,7 +14,6 @@ import argparse
 import itertools
 import json
 import logging
-import math
 import random
 import statistics
 import time

@@ -11,7 +11,6 @@ what `compile=True` changes (LocalTensorMode cannot: dynamo runs frames eagerly 
 Rank 0 prints one line `RESULT [json per rank]` with every rank's figures; the test asserts on them.
 """
 
-import json
 import os
 import sys
 
@@ -25,11 +24,12 @@ from torch import fx, nn  # noqa: E402
 from torch._inductor.utils import run_and_get_code  # noqa: E402
 
 from autoshard import _torch_compat as tc  # noqa: E402
-from autoshard.api import AutoShard  # noqa: E402
+from autoshard.driver.api import AutoShard  # noqa: E402
 from autoshard.pricing.planner import Planner  # noqa: E402
 from autoshard.program.collectives import execute, prepare_groups  # noqa: E402
 from autoshard.runtime.module import INDUCTOR_OPTIONS, parallelize  # noqa: E402
 from dist_redistribute import CASES  # noqa: E402
+from torchrun import report_ranks  # noqa: E402
 from models import MarkovTokens, build_model, cross_entropy_loss, get_config  # noqa: E402
 from models.train_single import TrainSettings, make_optimizer  # noqa: E402
 
@@ -138,11 +138,7 @@ def main() -> None:
         "compiled": {"eager": eager.compiled, "compiled": compiled.compiled},
         "stats": {phase: vars(st) for phase, st in compiled.compile_stats.items()},
     }
-    every = [None] * dist.get_world_size()
-    dist.all_gather_object(every, result)
-    if dist.get_rank() == 0:
-        print("RESULT " + json.dumps(every), flush=True)
-    dist.destroy_process_group()
+    report_ranks(result)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from autoshard import _torch_compat as tc
-from autoshard.api import AutoShard, auto_shard
+from autoshard.driver.api import AutoShard, auto_shard
 from autoshard.runtime.module import parallelize
 from autoshard.layout import Layout
 from autoshard.program.lower import Bucket

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from autoshard.__main__ import main as autoshard_main
-from autoshard.cli.train import step_time_line
+from autoshard.train.metrics import step_time_line
 from autoshard.pricing.fit import CollectiveSample, fit_network, fit_rate, nnls
 from autoshard.pricing.planner import Planner
 from autoshard.pricing.ring import linear_cost, step_cost
@@ -161,7 +161,7 @@ def bad_files(tmp_path: Path) -> dict[str, tuple[Path, str]]:
 
 
 def test_bad_profile_files_are_one_clear_error(tmp_path):
-    from autoshard.api import AutoShard
+    from autoshard.driver.api import AutoShard
     from models import build_model, get_config
 
     model = build_model(get_config("llama3-tiny"), device="meta")
@@ -246,7 +246,7 @@ def test_torchrun_calibrate_writes_a_profile_the_planner_uses(tmp_path):
     assert [g["mesh_dims"] for g in data.details["network_fit"]["groups"]] == [[0], [1], [0, 1]]
     assert all(r["model_s"] == pytest.approx(data.network.launch_s + _kind_cost(data.network, r)) for r in rows)
 
-    from autoshard.api import AutoShard
+    from autoshard.driver.api import AutoShard
     from models import build_model, cross_entropy_loss, get_config
     from autoshard.workloads import get_workload
 

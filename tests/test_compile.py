@@ -5,19 +5,13 @@ compiles from the second run on (the first is the checked one)."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-import time
-from pathlib import Path
 
 import pytest
 import torch
 
 from autoshard.cli.train import main
 from autoshard.runtime.module import INDUCTOR_OPTIONS
-
-ROOT = Path(__file__).resolve().parents[1]
+from torchrun import run_ranks
 
 
 @pytest.mark.slow
@@ -27,14 +21,7 @@ def test_torchrun_compiled_program_trains_like_the_uncompiled_one():
     uncompiled vs compile=True through 4 AdamW steps (steps 2-4 compiled): losses, the last
     gradients and the parameters agree within fp32 tolerance on every rank; each half of the
     program compiled to one graph with no break."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4",
-           str(ROOT / "tests" / "dist_compile.py")]
-    start = time.time()
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=500)
-    assert out.returncode == 0, f"torchrun failed after {time.time() - start:.0f}s:\n{out.stdout[-3000:]}\n{out.stderr[-5000:]}"
-    (line,) = [x for x in out.stdout.splitlines() if x.startswith("RESULT ")]
-    ranks = json.loads(line[len("RESULT "):])
+    ranks = run_ranks("dist_compile.py", timeout=500)
     assert len(ranks) == 4
     for r in ranks:
         kinds = {k for case in r["redistributions"] for k in case["kinds"]}

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from autoshard import _torch_compat as tc
-from autoshard.api import AutoShard
+from autoshard.driver.api import AutoShard
 from autoshard.runtime.module import parallelize
 from autoshard.runtime.dryrun import DryRunError, MemoryEstimate, dry_run, estimate, ranks_to_check
 from autoshard.program.lower import LOCAL_SHAPE, lower

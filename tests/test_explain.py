@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import solver
-from autoshard.api import AutoShard
+from autoshard.driver.api import AutoShard
 from autoshard.problem.explain import ExplainError, match_params, redistribution_changes
 from autoshard.report.build import plan_report
 from autoshard.report.text import explain_lines, format_log

@@ -11,7 +11,7 @@ import torch
 import transformers
 
 from autoshard import _torch_compat as tc
-from autoshard.api import AutoShard
+from autoshard.driver.api import AutoShard
 from autoshard.workloads import hf
 from autoshard.runtime.module import parallelize
 from models import MarkovTokens, cross_entropy_loss

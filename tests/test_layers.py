@@ -1,6 +1,7 @@
-"""Data flows one way: a stage never imports a later stage, `solver/` imports no torch (nor
+"""The house's shape: every import between packages (function-level ones included) is an arrow the
+table below allows, no module takes part in an import circle, `solver/` imports no torch (nor
 autoshard, nor models), `models/` imports no autoshard, and private torch APIs appear only in
-`autoshard/_torch_compat.py`. Imports inside functions count too."""
+`autoshard/_torch_compat.py`. docs/architecture.md shows the same table."""
 
 from __future__ import annotations
 
@@ -10,26 +11,44 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
-# Stage order of autoshard's packages and top-level modules (DESIGN.md): lower may not import higher.
-STAGES = ["_torch_compat", "layout", "workload", "hf", "profiles", "capture", "strategies", "pricing", "problem",
-          "program", "runtime", "report", "api", "cli", "__main__", "__init__"]
-FOUNDATION = {"_torch_compat": 0, "layout": 1, "workload": 1, "hf": 1}  # these may use _torch_compat and each other only
+# package (or top-level module) of autoshard -> what it may import; `solver` and `models` are the
+# sibling packages. Stages compute, drivers (driver, train, cli) call them; nothing points back up.
+STAGES = ("_torch_compat", "layout", "options", "profiles", "capture", "strategies", "pricing", "problem", "program",
+          "runtime")
+ALLOWED: dict[str, set[str]] = {
+    "_torch_compat": set(),
+    "options": set(),
+    "layout": {"_torch_compat"},
+    "profiles": {"_torch_compat"},
+    "capture": {"_torch_compat", "layout"},
+    "strategies": {"_torch_compat", "layout"},
+    "pricing": {"_torch_compat", "layout", "profiles", "strategies"},
+    "problem": {"_torch_compat", "layout", "profiles", "capture", "strategies", "pricing", "solver"},
+    "program": {"_torch_compat", "layout", "profiles", "capture", "strategies", "pricing", "problem"},
+    "runtime": {"_torch_compat", "layout", "profiles", "capture", "pricing", "problem", "program"},
+    "report": {"_torch_compat", "layout", "profiles", "capture", "pricing", "problem", "program", "runtime"},
+    "workloads": {"_torch_compat", "models"},
+    "driver": {*STAGES, "solver"},
+    "train": {*STAGES, "driver", "report", "workloads", "models"},
+    "cli": {*STAGES, "driver", "report", "workloads", "train", "models"},
+    "__main__": {"cli"},
+    "__init__": {"driver", "layout", "problem", "runtime"},
+}
+SIBLINGS = ("solver", "models")
 
 
-def _rank(stage: str) -> int:
-    return FOUNDATION.get(stage, STAGES.index(stage))
-
-
-def stage_of(module: str) -> str | None:
-    """'autoshard.problem.build' -> 'problem'; 'autoshard' (the package itself) -> '__init__'."""
+def package_of(module: str) -> str | None:
+    """'autoshard.problem.build' -> 'problem'; 'autoshard' (the package itself) -> '__init__';
+    'solver.io' -> 'solver'; None for anything else (torch, the standard library...)."""
     parts = module.split(".")
-    if parts[0] != "autoshard":
-        return None
-    return parts[1] if len(parts) > 1 else "__init__"
+    if parts[0] == "autoshard":
+        return parts[1] if len(parts) > 1 else "__init__"
+    return parts[0] if parts[0] in SIBLINGS else None
 
 
-def imported_modules(source: str, module: str) -> list[tuple[int, str]]:
-    """(line, absolute module name) of every import in `source`, relative ones resolved."""
+def imported_modules(source: str, module: str, known: set[str] = frozenset()) -> list[tuple[int, str]]:
+    """(line, absolute module name) of every import in `source` (function-level ones too), relative
+    ones resolved; `from a import b` names `a.b` when that is one of the `known` modules."""
     package = module.rsplit(".", 1)[0] if not module.endswith("__init__") else module.removesuffix(".__init__")
     found = []
     for node in ast.walk(ast.parse(source)):
@@ -40,49 +59,116 @@ def imported_modules(source: str, module: str) -> list[tuple[int, str]]:
             if node.level:
                 anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
                 base = ".".join(anchor + ([base] if base else []))
-            if base == "autoshard":  # `from autoshard import api` imports a stage; `import AutoShard`, the root
-                found += [(node.lineno, f"autoshard.{a.name}" if a.name in STAGES else base) for a in node.names]
-            else:
-                found.append((node.lineno, base))
+            found += [(node.lineno, f"{base}.{a.name}" if f"{base}.{a.name}" in known else base) for a in node.names]
     return found
 
 
-def back_edges(source: str, module: str) -> list[str]:
-    """Imports of `module` that point to a later stage than its own."""
-    own = stage_of(module)
+def forbidden_arrows(source: str, module: str) -> list[str]:
+    """Imports of `module` that cross to a package the table does not allow."""
+    own = package_of(module)
     out = []
-    for line, target in imported_modules(source, module):
-        stage = stage_of(target)
-        if stage is None or stage == own or stage not in STAGES:
+    for line, target in imported_modules(source, module, KNOWN):
+        to = package_of(target)
+        if to is None or to == own or own in SIBLINGS:
             continue
-        if _rank(stage) > _rank(own) or (own in FOUNDATION and stage not in FOUNDATION):
-            out.append(f"{module}:{line} imports {target} (stage {stage} comes after {own})")
+        if to not in ALLOWED.get(own, set()):
+            out.append(f"{module}:{line} imports {target} ({own} -> {to} is not allowed)")
     return out
 
 
-def _modules(package: str):
-    for path in sorted((ROOT / package).rglob("*.py")):
-        rel = path.relative_to(ROOT).with_suffix("")
-        yield ".".join(rel.parts), path.read_text(encoding="utf-8")
+def circles(imports: dict[str, set[str]]) -> list[list[str]]:
+    """The import circles among modules (strongly connected groups of two or more, or a module
+    importing itself), each sorted; `imports` maps a module to the modules it imports."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found = []
+
+    def visit(node: str) -> None:  # Tarjan's algorithm
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for nxt in imports.get(node, ()):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            group = []
+            while True:
+                member = stack.pop()
+                group.append(member)
+                if member == node:
+                    break
+            if len(group) > 1 or node in imports.get(node, ()):
+                found.append(sorted(group))
+
+    for node in sorted(imports):
+        if node not in index:
+            visit(node)
+    return found
 
 
-def test_every_autoshard_module_belongs_to_a_stage():
+def _modules(*packages: str):
+    for package in packages:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            rel = path.relative_to(ROOT).with_suffix("")
+            name = ".".join(rel.parts)
+            yield name.removesuffix(".__init__"), path.read_text(encoding="utf-8")
+
+
+def module_imports(sources: dict[str, str]) -> dict[str, set[str]]:
+    """Module -> the modules of `sources` it imports (an import of `a.b.c` counts as one of the
+    longest known prefix: a package's __init__ when the module is not known)."""
+    known = set(sources)
+    out = {}
+    for module, src in sources.items():
+        targets = set()
+        for _, target in imported_modules(src, module + (".__init__" if _is_package(module) else ""), known):
+            parts = target.split(".")
+            while parts and ".".join(parts) not in known:
+                parts.pop()
+            if parts and ".".join(parts) != module:
+                targets.add(".".join(parts))
+        out[module] = targets
+    return out
+
+
+def _is_package(module: str) -> bool:
+    return (ROOT / module.replace(".", "/") / "__init__.py").exists()
+
+
+KNOWN = frozenset(name for name, _ in _modules("autoshard", "solver", "models"))
+
+
+def test_every_autoshard_package_is_in_the_table():
     for module, _ in _modules("autoshard"):
-        assert stage_of(module) in STAGES, f"{module} is in no stage of {STAGES}"
+        assert package_of(module) in ALLOWED, f"{module} is in no package of the table"
 
 
-def test_no_stage_imports_a_later_stage():
-    problems = [p for module, src in _modules("autoshard") for p in back_edges(src, module)]
+def test_every_arrow_is_allowed():
+    problems = [p for module, src in _modules("autoshard")
+                for p in forbidden_arrows(src, module + (".__init__" if _is_package(module) else ""))]
     assert problems == []
 
 
-def test_the_check_catches_a_back_edge():
+def test_no_import_circles():
+    assert circles(module_imports(dict(_modules("autoshard", "solver", "models")))) == []
+
+
+def test_the_checks_catch_a_forbidden_arrow_and_a_circle():
     src = "import torch\nfrom autoshard.layout import Layout\ndef f():\n    from ..program.lower import lower\n"
-    assert back_edges(src, "autoshard.problem.plan") == [
-        "autoshard.problem.plan:4 imports autoshard.program.lower (stage program comes after problem)"]
-    assert back_edges("from autoshard import AutoShard", "autoshard.runtime.module")  # the root comes last
-    assert back_edges("from autoshard.capture.trace import JointGraph", "autoshard.layout")
-    assert back_edges("from autoshard.problem.plan import Plan", "autoshard.program.lower") == []
+    assert forbidden_arrows(src, "autoshard.problem.plan") == [
+        "autoshard.problem.plan:4 imports autoshard.program.lower (problem -> program is not allowed)"]
+    assert forbidden_arrows("import solver", "autoshard.runtime.module") == [
+        "autoshard.runtime.module:1 imports solver (runtime -> solver is not allowed)"]
+    assert forbidden_arrows("from autoshard import AutoShard", "autoshard.runtime.module")  # the root is a driver
+    assert forbidden_arrows("from autoshard import _torch_compat as tc", "autoshard.layout") == []
+    assert forbidden_arrows("from autoshard.problem.plan import Plan", "autoshard.program.lower") == []
+    sources = {"pkg.a": "from pkg import b\n", "pkg.b": "def f():\n    from .c import x\n", "pkg.c": "import pkg.a\n",
+               "pkg.d": "import pkg.a\n"}
+    assert circles(module_imports(sources)) == [["pkg.a", "pkg.b", "pkg.c"]]
+    assert circles(module_imports({"pkg.a": "from pkg import b\n", "pkg.b": "import os\n"})) == []
 
 
 def test_solver_imports_no_torch_and_models_no_autoshard():

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from autoshard import _torch_compat as tc
-from autoshard.api import AutoShard
+from autoshard.driver.api import AutoShard
 from autoshard.runtime.dryrun import dry_run
 from autoshard.runtime.module import parallelize
 from models import MarkovTokens, build_model, cross_entropy_loss, get_config
@@ -155,7 +155,7 @@ def test_resharding_8b_frees_the_gathered_parameters_of_every_block():
     """llama3-8b on (8,8), bf16 parameters, seq 8192: with resharding the dry run's peak drops by
     the bf16 block parameters gathered over dp (kept sharded over tp, 1/8 of them), ~1.6 GiB; the
     same layouts without resharding keep them; the second gathers cost modeled time."""
-    from autoshard.cli.args import mp_policy
+    from autoshard.driver.config import mp_policy
 
     cfg = get_config("llama3-8b")
     example = lambda: (torch.empty(8, 8192, dtype=torch.int64, device="meta"),) * 2  # noqa: E731
@@ -181,9 +181,9 @@ def test_the_linear_model_of_the_peak_is_within_10_percent_of_the_dry_run(name, 
     each storage handed to the backward once, views counted as their base) is within 10% of the dry
     run's peak, and its handed-over part within 2% of the activations the dry run holds; both plans
     fit an H100 as solved (its capacity less the 10% reserve)."""
-    from autoshard.cli.args import mp_policy
+    from autoshard.driver.config import mp_policy
     from autoshard.problem.memory import modeled_bytes, peak_memory_table
-    from autoshard.runtime.fit import MEMORY_RESERVE
+    from autoshard.driver.config import MEMORY_RESERVE
 
     example = lambda: (torch.empty(batch, 8192, dtype=torch.int64, device="meta"),) * 2  # noqa: E731
     with AutoShard(build_model(get_config(name), device="meta"), example, mesh_shape, loss_fn=cross_entropy_loss,
@@ -213,7 +213,7 @@ def test_a_limit_the_plan_already_meets_changes_nothing(unconstrained):
 
 
 def test_no_plan_fits_is_one_clear_error():
-    from autoshard.runtime.fit import MemoryLimitError
+    from autoshard.driver.fit import MemoryLimitError
 
     with pytest.raises(MemoryLimitError, match=r"no plan fits 9\.5 MiB per rank: the smallest peak reached is "
                                                r"[0-9.]+ MiB \(largest: "):

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from autoshard import _torch_compat as tc
-from autoshard.api import AutoShard
+from autoshard.driver.api import AutoShard
 from autoshard.capture.regions import block_of
 from autoshard.program.lower import AWAIT, Bucket, lower
 from autoshard.runtime.dryrun import dry_run

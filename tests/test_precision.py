@@ -15,7 +15,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 
 from autoshard import _torch_compat as tc
-from autoshard.api import AutoShard
+from autoshard.driver.api import AutoShard
 from autoshard.capture.precision import gradient_tail
 from autoshard.problem.build import grad_sink
 from autoshard.profiles.device import DeviceProfile

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from autoshard import _torch_compat as tc
-from autoshard.api import AutoShard
+from autoshard.driver.api import AutoShard
 from autoshard.layout import Layout
 from autoshard.problem.build import grad_sink
 from autoshard.problem.recipes import param_bytes_per_rank, recipe_layouts, recipe_pins

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import fx, nn
 
-from autoshard.api import AutoShard
+from autoshard.driver.api import AutoShard
 from autoshard.capture.repeat import repeated_block_list, trace_step
 from autoshard.capture.trace import trace_joint
 from models import build_model, cross_entropy_loss, get_config

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from autoshard.__main__ import main
-from autoshard.api import AutoShard
+from autoshard.driver.api import AutoShard
 from autoshard.runtime.module import parallelize
-from autoshard.cli.args import parse_bytes, parse_mesh
+from autoshard.options import parse_bytes, parse_mesh
 from autoshard.profiles.device import DeviceProfile
 from autoshard.report.build import plan_report
 from autoshard.report.files import write_report

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from autoshard.__main__ import main
-from autoshard.api import AutoShard
+from autoshard.driver.api import AutoShard
 from autoshard.profiles.device import DeviceProfile
 from autoshard.report.build import plan_report
 from autoshard.report.files import load_metrics, write_report_files

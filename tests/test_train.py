@@ -139,7 +139,7 @@ def test_memory_limit_in_train(tmp_path, capsys):
     blocks are recomputed, the run stays under it with the single-device losses, and its plan file
     reused (with checkpointing, as saved) trains alike."""
     from autoshard.profiles.files import device_profile
-    from autoshard.runtime.fit import MEMORY_RESERVE
+    from autoshard.driver.config import MEMORY_RESERVE
 
     def run(name: str, *extra: str) -> tuple[dict, str]:
         code, err = run_main([*TINY, "--mesh", "1", "--steps", "3", "--out", str(tmp_path / name), *extra], capsys)

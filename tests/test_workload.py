@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 import torch
 
-from autoshard.cli.args import mesh_names
+from autoshard.driver.config import mesh_names
 from autoshard.cli.train import Settings, _parse
 from autoshard.workloads import get_workload
 from models import MarkovTokens, get_config

@@ -24,23 +24,26 @@ import tempfile
 import time
 from typing import Any, Sequence
 
-from autoshard.cli import args as shared
-from autoshard.cli.args import RaisingArgumentParser, UsageError, mesh_names, parse_bytes
+from autoshard.cli.args import RaisingArgumentParser, add_option, arg_type
+from autoshard.driver.config import mesh_names
+from autoshard.options import OUT, UsageError, name_list, parse_bytes, parse_mesh, positive_int
 
 KIB, MIB = 2**10, 2**20
 
 
 def calibrate_parser(prog: str = "python -m autoshard calibrate") -> argparse.ArgumentParser:
     p = RaisingArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    shared.MESH.add(p, default=None, help="mesh shape to calibrate, e.g. 2x2 (default: all ranks in one dim; "
-                                          "its product must be the world size)")
-    shared.MESH_NAMES.add(p, default=None)
-    shared.OUT.add(p, default="profile.json", help="profile file to write (default profile.json)")
-    p.add_argument("--min-size", type=shared._arg_type(parse_bytes), default=4 * KIB, metavar="BYTES",
+    p.add_argument("--mesh", type=arg_type(parse_mesh), default=None,
+                   help="mesh shape to calibrate, e.g. 2x2 (default: all ranks in one dim; its product must be the "
+                        "world size)")
+    p.add_argument("--mesh-names", type=arg_type(name_list), default=None,
+                   help="mesh dim names, e.g. dp,tp (default: dp,tp,pp,cp as many as needed)")
+    add_option(p, OUT, default="profile.json", help="profile file to write (default profile.json)")
+    p.add_argument("--min-size", type=arg_type(parse_bytes), default=4 * KIB, metavar="BYTES",
                    help="smallest collective, local input bytes (default 4KiB)")
-    p.add_argument("--max-size", type=shared._arg_type(parse_bytes), default=32 * MIB, metavar="BYTES",
+    p.add_argument("--max-size", type=arg_type(parse_bytes), default=32 * MIB, metavar="BYTES",
                    help="largest collective, local input bytes (default 32MiB); sizes grow 4x from --min-size")
-    p.add_argument("--repeats", type=shared._arg_type(shared._positive_int), default=7,
+    p.add_argument("--repeats", type=arg_type(positive_int), default=7,
                    help="timed calls per size (default 7; sizes above 4 MiB get 3), after 2 warm-up calls")
     p.add_argument("--quick", action="store_true",
                    help="a smoke test: collectives up to 1 MiB, small matmuls, 2 calls each (a usable but rough profile)")

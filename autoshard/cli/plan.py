@@ -16,44 +16,34 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-from autoshard.cli import args as shared
-from autoshard.cli.args import DEFAULT_MESH_NAMES, ArgumentParser, fail, mesh_names
+from autoshard import options
+from autoshard.cli.args import ArgumentParser, add_dataclass_arguments, add_option, fail
+from autoshard.driver.config import PlanConfig
+from autoshard.options import from_values
 
 log = logging.getLogger("autoshard")
 
-BACKENDS = ("auto", "highs", "cbc")
 COMPARE = {"manual": "fsdp-tp"}  # --compare name -> the hand-written recipe it pins (recipes.py)
 
 
 def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
-    shared.MODEL.add(parser, required=True)
-    shared.MESH.add(parser, required=True)
-    shared.BATCH.add(parser, required=True)
-    shared.SEQ.add(parser, required=True)
-    shared.OUT.add(parser, type=Path, default=None,
-                   help="directory for sharding.log, plan.json and report.html (default plans/<model>-<mesh>)")
-    shared.NETWORK.add(parser, default="h100-node", help=shared.NETWORK.kwargs["help"] + " (default h100-node)")
-    shared.DEVICE.add(parser, dest="device", default="h100", help=shared.DEVICE.kwargs["help"] + " (default h100)")
-    shared.MESH_NAMES.add(parser, default=None, help="mesh dim names, e.g. dp,tp (recorded in the report)")
-    shared.MEMORY_BUDGET.add(parser, default=None)
-    shared.PARAM_DTYPE.add(parser, default=None)
-    shared.REDUCE_DTYPE.add(parser, default=None)
-    shared.RECOMPUTE.add(parser, default=False)
-    shared.RESHARD.add(parser, default=False)
-    shared.MEMORY_LIMIT.add(parser, default=None)
-    shared.INIT_FROM.add(parser, default=None, help="check that this safetensors checkpoint (file or directory) "
-                                                    "holds every parameter of the model with its shape (reads headers "
-                                                    "only), as `train --init-from` will load it")
+    add_option(parser, options.MODEL, required=True)
+    add_option(parser, options.BATCH, required=True)
+    add_option(parser, options.SEQ, required=True)
+    add_dataclass_arguments(parser, PlanConfig, {"mesh": {"required": True}})
+    add_option(parser, options.OUT, type=Path, default=None,
+               help="directory for sharding.log, plan.json and report.html (default plans/<model>-<mesh>)")
+    add_option(parser, options.INIT_FROM, default=None,
+               help="check that this safetensors checkpoint (file or directory) holds every parameter of the model "
+                    "with its shape (reads headers only), as `train --init-from` will load it")
     parser.add_argument("--compare", choices=sorted(COMPARE), default=None,
                         help="also plan with the hand-written FSDP+TP recipe pinned and compare (2-D meshes)")
-    parser.add_argument("--backend", choices=BACKENDS, default="auto", help="ILP backend (default auto)")
-    parser.add_argument("--time-limit", type=float, default=None, metavar="SECONDS", help="ILP time limit")
     parser.add_argument("--explain", default=None, metavar="FQN",
                         help="after planning, show the chosen layout of this parameter (FQN or pattern) and the "
                              "next best layouts, each re-solved with it pinned, with their step-time difference "
                              "and the redistributions that change")
-    parser.add_argument("--explain-top", type=shared._arg_type(shared._positive_int), default=3, metavar="N",
-                        help="how many next best layouts --explain shows (default 3)")
+    add_option(parser, options.option("--explain-top", type=options.positive_int, default=3, metavar="N",
+                                      help="how many next best layouts --explain shows (default 3)"))
     parser.add_argument("--dry-run", action=argparse.BooleanOptionalAction, default=True,
                         help="run rank 0's lowered program on fake tensors and report its peak memory "
                              "(default on; --no-dry-run skips it)")
@@ -72,29 +62,21 @@ def plan_main(argv: Sequence[str] | None = None) -> int:
 
 # ------------------------------------------------------------------------------------ plan
 def _check(args: argparse.Namespace):
-    """Validate everything cheap before the expensive part; returns the workload."""
+    """Validate everything cheap before the expensive part; returns the workload and the config
+    (profiles resolved: a preset or a calibrated file)."""
     from autoshard.profiles.files import device_profile, network_profile
     from autoshard.workloads import get_workload
 
     try:
+        config = from_values(PlanConfig, vars(args)).with_default_profiles()
+        config.check_batch(args.batch)
         workload = get_workload(args.model, args.seq)
-        args.network_profile = network_profile(args.network, args.mesh)  # a preset or a calibrated file
-        args.device_profile = device_profile(args.device)
+        config = config.replace(network=network_profile(config.network, config.mesh),
+                                device_profile=device_profile(config.device_profile))
     except ValueError as err:
         fail(str(err))
-    if args.batch % args.mesh[0]:
-        fail(f"batch {args.batch} is not divisible by mesh dim 0 (size {args.mesh[0]})")
-    if args.mesh_names is None and len(args.mesh) > len(DEFAULT_MESH_NAMES):  # the names are only a label here
-        args.mesh_dim_names = tuple(f"m{i}" for i in range(len(args.mesh)))
-    else:
-        try:
-            args.mesh_dim_names = mesh_names(args.mesh_names, args.mesh)  # the dry run's mesh is named
-        except ValueError as err:
-            fail(str(err))
-    if args.compare and len(args.mesh) != 2:
-        fail(f"--compare {args.compare} needs a 2-D (dp, tp) mesh, got {args.mesh}")
-    if args.time_limit is not None and args.time_limit <= 0:
-        fail(f"--time-limit must be positive, got {args.time_limit}")
+    if args.compare and len(config.mesh) != 2:
+        fail(f"--compare {args.compare} needs a 2-D (dp, tp) mesh, got {config.mesh}")
     if args.out is not None and args.out.exists() and not args.out.is_dir():
         fail(f"--out {args.out} exists and is not a directory")
     if args.init_from is not None:  # headers only: no weights are read
@@ -112,7 +94,7 @@ def _check(args: argparse.Namespace):
             match_params(args.explain, [name for name, _ in workload.build("meta").named_parameters()])
         except ExplainError as err:
             fail(f"--explain {err}")
-    return workload
+    return workload, config
 
 
 def _setup_logging() -> None:
@@ -120,32 +102,28 @@ def _setup_logging() -> None:
     log.setLevel(logging.INFO)
 
 
-def _plan_once(workload, args, *, pins: dict | None = None, budget: float | None = None, what: str):
+def _plan_once(workload, config: PlanConfig, args, *, pins: dict | None = None, budget: float | None = None,
+               what: str):
     """One AutoShard run on a fresh meta model; returns (plan, timings, the AutoShard)."""
-    from autoshard.api import AutoShard
+    from autoshard.driver.api import AutoShard
 
     model = workload.build("meta")
 
     def inputs():
         return workload.example_inputs(args.batch, args.seq, "meta")
 
-    log.info("planning %s: %s on mesh %s, batch %d, seq %d", what, workload.name, args.mesh, args.batch, args.seq)
+    if what != "autoshard":  # a compared recipe is planned as it is, memory aside
+        config = config.replace(memory_limit=math.inf)
+    elif config.memory_limit is None and not args.dry_run:  # fitting the default limit dry-runs plans
+        log.info("memory limit not checked (--no-dry-run; give --memory-limit to check one)")
+        config = config.replace(memory_limit=math.inf)
+    log.info("planning %s: %s on mesh %s, batch %d, seq %d", what, workload.name, config.mesh, args.batch, args.seq)
     try:
-        with AutoShard(model, inputs, args.mesh, loss_fn=workload.loss_fn, n_model_inputs=workload.n_model_inputs,
-                       network=args.network_profile, device=args.device_profile,
-                       mp_policy=shared.mp_policy(args.param_dtype, args.reduce_dtype),
-                       recompute=args.recompute, reshard_after_forward=args.reshard_after_forward) as auto:
+        with AutoShard(model, inputs, config=config.replace(memory_budget=budget), loss_fn=workload.loss_fn,
+                       n_model_inputs=workload.n_model_inputs) as auto:
             if pins:
                 auto.pin(pins)
-            auto.memory_budget(budget)
-            if what != "autoshard":  # a compared recipe is planned as it is, memory aside
-                auto.memory_limit(None)
-            elif args.memory_limit is not None:  # else the device's capacity less the reserve
-                auto.memory_limit(None if math.isinf(args.memory_limit) else args.memory_limit)
-            elif not args.dry_run:  # fitting the default limit dry-runs plans: --no-dry-run skips it
-                log.info("memory limit not checked (--no-dry-run; give --memory-limit to check one)")
-                auto.memory_limit(None)
-            plan = auto.optimize(backend=args.backend, time_limit=args.time_limit)
+            plan = auto.optimize()
     except ValueError as err:  # e.g. a layout that does not split a shape evenly on this mesh
         fail(f"planning {what} failed: {err}")
     return plan, dict(auto.timings), auto
@@ -157,20 +135,20 @@ def _explain(auto, args):
 
     log.info("explaining %s: re-solving with each other layout pinned", args.explain)
     try:
-        return auto.explain(args.explain, top=args.explain_top, backend=args.backend, time_limit=args.time_limit)
+        return auto.explain(args.explain, top=args.explain_top)
     except ExplainError as err:
         fail(f"--explain {err}")
 
 
-def _dry_run(plan, args, auto):
+def _dry_run(plan, auto):
     """Run the plan's program on fake tensors (in the fake process group); one error line if it cannot."""
     from autoshard.runtime.dryrun import DryRunError, dry_run
 
-    if auto.fit is not None and auto.fit.plan is plan and auto.fit.dry_run is not None:
-        return auto.fit.dry_run  # fitting the memory limit dry-ran this plan already
+    if auto.fit_dry_run is not None:
+        return auto.fit_dry_run  # fitting the memory limit dry-ran this plan already
     log.info("dry run: rank 0's program on fake tensors")
     try:
-        return dry_run(plan, mesh_dim_names=args.mesh_dim_names)
+        return dry_run(plan, mesh_dim_names=auto.config.mesh_names)
     except DryRunError as err:
         fail(f"the planned program cannot run: {err.line}")
 
@@ -205,46 +183,33 @@ def _say(line: str) -> None:
 
 
 def run_plan(args: argparse.Namespace) -> int:
-    from autoshard.problem.recipes import recipe_pins
-    from autoshard.report.build import modeled_figures, plan_report
+    from autoshard.report.build import plan_report
     from autoshard.report.files import HTML_NAME, write_report_files
     from autoshard.report.text import compare_lines, explain_lines, summary_lines
 
-    workload = _check(args)
+    workload, config = _check(args)
     _setup_logging()
-    mesh_text = "x".join(map(str, args.mesh))
-    out = args.out if args.out is not None else Path("plans") / f"{args.model}-{mesh_text}"
-    run = {"model": args.model, "mesh": list(args.mesh), "mesh_names": list(args.mesh_dim_names), "batch": args.batch,
-           "seq": args.seq, "network": args.network, "device": args.device, "backend": args.backend,
-           "memory_budget": args.memory_budget, "dry_run": args.dry_run, "recompute": args.recompute,
-           "reshard_after_forward": args.reshard_after_forward,
-           "param_dtype": args.param_dtype, "reduce_dtype": args.reduce_dtype,
-           "memory_limit": args.memory_limit}
+    out = args.out if args.out is not None else Path("plans") / f"{args.model}-{'x'.join(map(str, config.mesh))}"
+    labels = config.mesh_names or tuple(f"m{i}" for i in range(len(config.mesh)))  # > 4 dims, unnamed
+    run = {"model": args.model, "mesh": list(config.mesh), "mesh_names": list(labels), "batch": args.batch,
+           "seq": args.seq, "network": args.network or config.network.name,
+           "device": args.device_profile or config.device_profile.name, "backend": config.backend,
+           "memory_budget": config.memory_budget, "dry_run": args.dry_run, "recompute": config.recompute,
+           "reshard_after_forward": config.reshard_after_forward, "param_dtype": config.param_dtype,
+           "reduce_dtype": config.reduce_dtype, "memory_limit": config.memory_limit}
     extra: dict = {"run": run}
-    with _process_group(math.prod(args.mesh)):
-        plan, timings, auto = _plan_once(workload, args, budget=args.memory_budget, what="autoshard")
+    with _process_group(math.prod(config.mesh)):
+        plan, timings, auto = _plan_once(workload, config, args, budget=config.memory_budget, what="autoshard")
         explanation = _explain(auto, args) if args.explain is not None else None
         if explanation is not None:
             timings["explain"] = explanation.seconds
-        memory = _dry_run(plan, args, auto) if args.dry_run else None
-        if memory is not None and not (auto.fit is not None and memory is auto.fit.dry_run):
+        memory = _dry_run(plan, auto) if args.dry_run else None
+        if memory is not None and memory is not auto.fit_dry_run:
             timings["dry_run"] = memory.seconds  # (a dry run that fitting the limit ran is in its stage)
         if args.compare:
-            recipe = COMPARE[args.compare]
-            budget = _manual_budget(workload, recipe, args.mesh)
-            manual, manual_timings, _ = _plan_once(workload, args, pins=recipe_pins(recipe), budget=budget,
-                                                what=f"{args.compare} ({recipe} recipe pinned)")
-            extra["compare"] = {args.compare: {
-                "label": f"{recipe} pinned",
-                "recipe": recipe,
-                "memory_budget": budget,
-                "param_bytes_per_rank": budget,  # every parameter is pinned: exactly the recipe's bytes
-                **modeled_figures(manual),
-                "non_default_order_params": len(manual.non_default_order_params()),
-                "timings": manual_timings,
-            }}
-    report = plan_report(plan, dry_run=memory, device=args.device_profile, timings=timings,
-                         explanation=explanation, memory_fit=auto.fit, extra=extra)
+            extra["compare"] = {args.compare: _compare(workload, config, args)}
+    report = plan_report(plan, dry_run=memory, device=config.device_profile, timings=timings, explanation=explanation,
+                         memory_fit=auto.fit, mesh_names=labels, extra=extra)
     try:
         log_path, json_path = write_report_files(report, out)
     except OSError as err:
@@ -256,3 +221,23 @@ def run_plan(args: argparse.Namespace) -> int:
             _say(line)
     _say(f"wrote {log_path}, {json_path} and {log_path.with_name(HTML_NAME)}")
     return 0
+
+
+def _compare(workload, config: PlanConfig, args) -> dict:
+    """`--compare`: the hand-written recipe's layouts pinned, planned and priced the same way."""
+    from autoshard.problem.recipes import recipe_pins
+    from autoshard.report.build import modeled_figures
+
+    recipe = COMPARE[args.compare]
+    budget = _manual_budget(workload, recipe, config.mesh)
+    manual, manual_timings, _ = _plan_once(workload, config, args, pins=recipe_pins(recipe), budget=budget,
+                                           what=f"{args.compare} ({recipe} recipe pinned)")
+    return {
+        "label": f"{recipe} pinned",
+        "recipe": recipe,
+        "memory_budget": budget,
+        "param_bytes_per_rank": budget,  # every parameter is pinned: exactly the recipe's bytes
+        **modeled_figures(manual),
+        "non_default_order_params": len(manual.non_default_order_params()),
+        "timings": manual_timings,
+    }

@@ -5,14 +5,16 @@ states for the whole step, and every value the forward hands to the backward. Bo
 ILP nodes of a figure per choice: a parameter's local bytes plus two fp32 states per local
 element; a handed-over value's local bytes in the layout its producer chose. What is not linear —
 the transient working set of the op running at the peak, a recomputed block's activations while
-its backward runs — is measured by the dry run and carried as a constant (`api.AutoShard` fits a
-plan under a limit that way).
+its backward runs — is measured by the dry run and carried as a constant (`driver.fit` fits a plan
+under a limit that way; `MemoryFit` says how it did).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import operator
+from dataclasses import dataclass
 
 import solver
 from torch import fx
@@ -20,8 +22,46 @@ from torch import fx
 from autoshard import _torch_compat as tc
 from autoshard.capture.trace import JointGraph
 from autoshard.problem.build import ShardingProblem
+from autoshard.problem.plan import Plan
 
 ADAMW_STATE_BYTES = 8  # AdamW keeps two fp32 states per parameter element
+MODES = ("keep", "reshard", "recompute")  # what the backward gets from the forward, most kept first
+
+
+@dataclass
+class MemoryFit:
+    """How a plan meets the memory limit (bytes per rank)."""
+
+    limit: float
+    plan: Plan
+    modeled_bytes: float  # the linear part for the chosen plan
+    peak_bytes: float | None  # its dry run's peak (None: not dry-run, the linear part was far below)
+    constrained: bool  # the unconstrained optimum did not fit; the budget chose this plan
+    mode: str  # one of MODES: what the plan's backward gets from its forward
+    tried: list[tuple[str, float]] = dataclasses.field(default_factory=list)  # (mode, peak) of each dry run
+
+    @property
+    def recompute(self) -> bool:
+        return self.mode == "recompute"
+
+    @property
+    def reshard(self) -> bool:
+        """Parameters gathered again in the backward (recomputation implies it)."""
+        return self.mode != "keep"
+
+    def summary(self) -> str:
+        peak = "not dry-run (far below)" if self.peak_bytes is None else f"dry-run peak {size_text(self.peak_bytes)}"
+        how = "planned under the budget" if self.constrained else "the plan as solved fits"
+        return (f"memory limit {size_text(self.limit)} per rank: {how}; modeled {size_text(self.modeled_bytes)} "
+                f"(params + AdamW states + handed-over values), {peak}; "
+                f"reshard after forward {'on' if self.reshard else 'off'}, "
+                f"activation checkpointing {'on' if self.recompute else 'off'}")
+
+
+def size_text(n: float) -> str:
+    """Bytes as GiB (from 1 GiB) or MiB, one decimal."""
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
 
 
 def handed_over(graph: JointGraph, recomputed: frozenset[str]) -> dict[fx.Node, set[int]]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import asdict
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 from torch import fx
@@ -23,10 +23,10 @@ from autoshard.problem.plan import Plan, Redistribution, Sink
 from autoshard.profiles.device import DeviceProfile
 from autoshard.program.lower import Program
 from autoshard.runtime.dryrun import DryRunResult
-from autoshard.runtime.fit import MemoryFit
+from autoshard.problem.memory import MemoryFit
 
 # Top-level keys `plan_report` produces; anything else came in through `extra`.
-OWN_KEYS = ("mesh_shape", "precision", "recompute", "reshard", "memory_fit", "parameters", "inputs", "nodes", "sinks",
+OWN_KEYS = ("mesh_shape", "mesh_names", "precision", "recompute", "reshard", "memory_fit", "parameters", "inputs", "nodes", "sinks",
             "totals", "memory", "timings", "compare", "explain")
 EXPLAIN_CHANGES = 10  # redistribution changes listed per alternative (the rest counted)
 
@@ -34,12 +34,12 @@ EXPLAIN_CHANGES = 10  # redistribution changes listed per alternative (the rest 
 def plan_report(plan: Plan, *, program: Program | None = None, dry_run: DryRunResult | None = None,
                 device: DeviceProfile | None = None, timings: dict[str, float] | None = None,
                 explanation: Explanation | None = None, memory_fit: MemoryFit | None = None,
-                extra: dict | None = None) -> dict:
+                mesh_names: Sequence[str] | None = None, extra: dict | None = None) -> dict:
     """Everything the plan chose, as JSON-ready data: parameters, non-parameter inputs, every
     op with its strategy and incoming redistributions, sinks (loss, gradients), and totals; with
     the `program` lowered from it, also the collectives that program runs; with its `dry_run`,
     peak memory per rank beside the `device`'s capacity; with an `explanation` (AutoShard.explain),
-    a parameter's next best layouts under "explain"."""
+    a parameter's next best layouts under "explain"; `mesh_names` label the mesh dims."""
     graph = plan.graph
     mesh = list(plan.mesh_shape)
     dtypes = {node.name: _dtype(node) for node in graph.nodes}
@@ -90,6 +90,7 @@ def plan_report(plan: Plan, *, program: Program | None = None, dry_run: DryRunRe
     precision = graph.precision
     report: dict[str, Any] = {
         "mesh_shape": mesh,
+        **({"mesh_names": list(mesh_names)} if mesh_names else {}),
         "precision": {"param_dtype": dtype_name(precision.param_dtype),
                       "reduce_dtype": dtype_name(precision.reduce_dtype or precision.param_dtype),
                       "output_dtype": dtype_name(precision.output_dtype), "summary": precision.describe()},

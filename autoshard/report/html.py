@@ -57,14 +57,14 @@ def _fmt(x: float) -> str:
 
 
 def mesh_dim_names(report: dict) -> list[str]:
-    """The mesh dims' names as the run recorded them (plan's `run`, train's `settings`), else dp, tp, ..."""
+    """The mesh dims' names as the report records them (older plan.json files: in the plan's `run`
+    or train's `settings`), else m0, m1, ..."""
     mesh = report["mesh_shape"]
-    for key in ("run", "settings"):
-        names = (report.get(key) or {}).get("mesh_names") if isinstance(report.get(key), dict) else None
+    for names in (report.get("mesh_names"), *((report.get(key) or {}).get("mesh_names")
+                                               for key in ("run", "settings") if isinstance(report.get(key), dict))):
         if names and len(names) == len(mesh):
             return [str(n) for n in names]
-    defaults = ("dp", "tp", "pp", "cp")
-    return list(defaults[: len(mesh)]) if len(mesh) <= len(defaults) else [f"m{i}" for i in range(len(mesh))]
+    return [f"m{i}" for i in range(len(mesh))]
 
 
 def _color(kind: str, extra: dict[str, str]) -> str:

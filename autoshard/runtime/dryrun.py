@@ -122,8 +122,7 @@ def dry_run(plan: Plan, ranks: Sequence[int] | None = None, *, mesh: Any = None,
 
     start = time.perf_counter()
     shape = tuple(plan.mesh_shape)
-    names = tuple(mesh_dim_names) if mesh_dim_names else (("dp", "tp") if len(shape) == 2 else
-                                                           tuple(f"m{i}" for i in range(len(shape))))
+    names = tuple(mesh_dim_names) if mesh_dim_names else tuple(f"m{i}" for i in range(len(shape)))  # labels only
     world = math.prod(shape)
     result = DryRunResult(shape)
     if dist.is_available() and dist.is_initialized():

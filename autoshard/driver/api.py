@@ -5,7 +5,9 @@
         plan = auto.optimize()
         pmodel = auto.apply(plan)            # needs a DeviceMesh (with dim names)
 
-or in one call: `pmodel = auto_shard(model, input_fn, mesh, loss_fn=cross_entropy_loss)`.
+or in one call: `pmodel = auto_shard(model, input_fn, mesh, loss_fn=cross_entropy_loss)`. How to plan
+is a `PlanConfig` (`config=`); the keyword arguments are sugar for its fields. Inside a process
+group of more than one rank (torchrun) rank 0 solves for every rank (`driver.ranks`).
 
 The step traced is `loss_fn(model(*inputs[:n_model_inputs]), *inputs[n_model_inputs:])` (or just
 `model(*inputs)` when it returns the loss itself), with `inputs = input_fn()` in GLOBAL shapes.
@@ -25,35 +27,44 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 
 import solver
 
-from autoshard.runtime.dryrun import DryRunResult, dry_run
-from autoshard.runtime.module import ParallelModule, parallelize
 from autoshard import _torch_compat as tc
-from autoshard.profiles.network import NetworkProfile
-from autoshard.profiles.device import DeviceProfile
-from autoshard.profiles.files import device_profile, network_profile
+from autoshard.capture.calls import run_step, step_inputs
+from autoshard.capture.precision import cast_floating
+from autoshard.capture.repeat import trace_step
+from autoshard.capture.trace import mark_outputs
+from autoshard.driver.config import PlanConfig
+from autoshard.driver.fit import fit_memory
+from autoshard.driver.ranks import RankZeroPlanning, in_process_group
 from autoshard.layout import Layout
-from autoshard.problem.explain import MAX_SOLVES, Explanation, explain
-from autoshard.runtime.fit import MEMORY_RESERVE, FitSteps, MemoryFit, fit_memory
-from autoshard.problem.plan import Plan, decode
 from autoshard.pricing.planner import Planner
 from autoshard.problem.build import ProblemSpec, ShardingProblem, build_problem
-from autoshard.capture.precision import Precision, cast_floating
-from autoshard.capture.repeat import trace_step
-from autoshard.capture.calls import run_step, step_inputs
-from autoshard.capture.trace import mark_outputs
+from autoshard.problem.explain import MAX_SOLVES, Explanation, explain
+from autoshard.problem.memory import MemoryFit
+from autoshard.problem.plan import Plan, decode
+from autoshard.profiles.device import DeviceProfile
+from autoshard.profiles.files import device_profile, network_profile
+from autoshard.profiles.network import NetworkProfile
+from autoshard.runtime.dryrun import DryRunResult, dry_run
+from autoshard.runtime.module import ParallelModule, parallelize
 
 log = logging.getLogger("autoshard")
-_DEVICE_CAPACITY = object()  # the default memory limit: the device's capacity less the reserve
 
 
-def _mesh_shape(mesh: Any) -> tuple[int, ...]:
-    shape = tuple(int(s) for s in (mesh.shape if hasattr(mesh, "shape") else mesh))
-    if not shape or min(shape) < 1:
-        raise ValueError(f"mesh shape must be non-empty with sizes >= 1, got {shape}")
+def _with_mesh(config: PlanConfig, mesh: Any) -> PlanConfig:
+    """`config` with the shape (and names) of `mesh` (a DeviceMesh or a shape; None: the config's
+    own); ValueError when neither gives one, when they disagree, or the world size differs."""
+    if mesh is not None:
+        shape = tuple(int(s) for s in (mesh.shape if hasattr(mesh, "shape") else mesh))
+        if config.mesh is not None and config.mesh != shape:
+            raise ValueError(f"the mesh {shape} differs from the config's {config.mesh}")
+        names = getattr(mesh, "mesh_dim_names", None) or config.mesh_names
+        config = config.replace(mesh=shape, mesh_names=names if names and len(names) == len(shape) else None)
+    if config.mesh is None:
+        raise ValueError("no mesh: pass a DeviceMesh or a mesh shape, or a PlanConfig with one")
     world = _world_size()
-    if world is not None and math.prod(shape) != world:
-        raise ValueError(f"mesh {shape} has {math.prod(shape)} devices but the world size is {world}")
-    return shape
+    if world is not None and math.prod(config.mesh) != world:
+        raise ValueError(f"mesh {config.mesh} has {math.prod(config.mesh)} devices but the world size is {world}")
+    return config
 
 
 def _world_size() -> int | None:
@@ -68,18 +79,13 @@ def _as_layout(value: Layout | str) -> Layout:
 class AutoShard:
     """Collects constraints, then traces, builds the ILP, solves it and decodes a `Plan`.
 
-    `mesh` is a DeviceMesh or a mesh shape (planning needs no process group). `network` and
-    `device` are preset names, profiles, or paths of a profile file from `autoshard calibrate`:
-    they price communication and compute. `unroll=False`
-    traces every repeated block instead of three (for blocks whose code depends on their depth).
-    `mp_policy` (torch's `MixedPrecisionPolicy`, FSDP2's meaning): parameters and optimizer states
-    stay in their dtype; compute and parameter gathers run in `param_dtype`, gradients are reduced in
-    `reduce_dtype` and arrive in the parameter's dtype. `recompute=True` checkpoints every repeated
-    block: the backward recomputes a block's forward from its input (parameters gathered again),
-    priced in the plan, instead of keeping its activations. `reshard_after_forward=True` (FSDP's
-    meaning) frees the parameters a repeated block gathered once its forward is done and gathers
-    them again for its backward, priced in the plan; recomputation implies it. Under a memory limit
-    the fit may turn either on. `compile=True`: the applied module runs its
+    `mesh` is a DeviceMesh or a mesh shape (planning needs no process group); it may be left to
+    `config.mesh`. `config` (a `PlanConfig`) says how to plan: profiles, precision, memory limit
+    and budget, recomputation and resharding, the ILP backend. The keyword arguments are sugar for
+    its fields: `network`, `device` (preset names, profiles, or profile files from `autoshard
+    calibrate`; they price communication and compute), `mp_policy` (torch's
+    `MixedPrecisionPolicy`), `recompute`, `reshard_after_forward`, `unroll`. Under a memory limit
+    the fit may turn recomputation or resharding on. `compile=True`: the applied module runs its
     program's forward and backward through `torch.compile` (inductor) from the second step on.
     """
 
@@ -87,34 +93,42 @@ class AutoShard:
         self,
         model: nn.Module,
         input_fn: Callable[[], Any],
-        mesh: Any,
+        mesh: Any = None,
         *,
+        config: PlanConfig | None = None,
         loss_fn: Callable[..., torch.Tensor] | None = None,
         n_model_inputs: int = 1,
-        network: NetworkProfile | str = "h100-node",
-        device: DeviceProfile | str = "h100",
-        unroll: bool = True,
+        network: NetworkProfile | str | None = None,
+        device: DeviceProfile | str | None = None,
+        unroll: bool | None = None,
         mp_policy: MixedPrecisionPolicy | None = None,
-        recompute: bool = False,
-        reshard_after_forward: bool = False,
+        recompute: bool | None = None,
+        reshard_after_forward: bool | None = None,
         compile: bool = False,
     ):
+        config = config or PlanConfig()
+        sugar = {"network": network, "device_profile": device, "unroll": unroll, "recompute": recompute,
+                 "reshard_after_forward": reshard_after_forward}
+        config = config.replace(**{k: v for k, v in sugar.items() if v is not None})
+        if mp_policy is not None:
+            config = config.with_policy(mp_policy)
+        self.config = _with_mesh(config, mesh).with_default_profiles()
         self.model = model
         self.compile = compile
-        self.precision = Precision.of(mp_policy)
+        self.precision = self.config.precision
         self.input_fn = input_fn
         self.mesh = mesh
-        self.mesh_shape = _mesh_shape(mesh)
+        self.mesh_shape = self.config.mesh
         self.loss_fn = loss_fn
         self.n_model_inputs = n_model_inputs
-        self.network = network_profile(network, self.mesh_shape)  # a preset name, a profile file or a profile
-        self.device = device_profile(device)
-        self.unroll = unroll
+        self.network = network_profile(self.config.network, self.mesh_shape)
+        self.device = device_profile(self.config.device_profile)
         self._input_names: tuple[str, ...] | None = None  # keyword names when input_fn returns a dict
-        self.spec = ProblemSpec(recompute=recompute, reshard=reshard_after_forward)
+        self.spec = ProblemSpec(recompute=self.config.recompute, reshard=self.config.reshard_after_forward,
+                                param_memory_bytes=self.config.memory_budget)
         self.timings: dict[str, float] = {}
-        self._memory_limit: float | None | object = _DEVICE_CAPACITY
         self.fit: MemoryFit | None = None  # how the last optimize() met the memory limit
+        self._fit_dry_run: DryRunResult | None = None  # the dry run that fit ran of its plan
         self.plan: Plan | None = None
         # what the last optimize() built, kept so explain() re-solves it without tracing again
         self.sharding: ShardingProblem | None = None
@@ -140,23 +154,17 @@ class AutoShard:
 
     def memory_budget(self, param_bytes_per_rank: float | None) -> None:
         """Cap on parameter bytes per rank (None = total / world size, i.e. fully sharded)."""
-        if param_bytes_per_rank is not None and param_bytes_per_rank <= 0:
-            raise ValueError(f"memory budget must be positive, got {param_bytes_per_rank}")
+        self.config = self.config.replace(memory_budget=param_bytes_per_rank)
         self.spec.param_memory_bytes = param_bytes_per_rank
 
     def memory_limit(self, bytes_per_rank: float | None) -> None:
         """Peak memory per rank a plan must fit in (None: no limit). Default: the device profile's
         capacity less `MEMORY_RESERVE` (allocator slack, communication buffers, the CUDA context)."""
-        if bytes_per_rank is not None and not bytes_per_rank > 0:
-            raise ValueError(f"memory limit must be positive, got {bytes_per_rank}")
-        self._memory_limit = bytes_per_rank
+        self.config = self.config.replace(memory_limit=math.inf if bytes_per_rank is None else bytes_per_rank)
 
     @property
     def resolved_memory_limit(self) -> float | None:
-        if self._memory_limit is not _DEVICE_CAPACITY:
-            return self._memory_limit
-        capacity = self.device.memory_bytes
-        return None if capacity is None else capacity * (1 - MEMORY_RESERVE)
+        return self.config.memory_limit_bytes(self.device)
 
     def pin(self, pins: Mapping[str, Layout | str] | str, layout: Layout | str | None = None) -> None:
         """Fix the layout of parameters matching an FQN pattern (`fnmatch`, e.g. `layers.*.wq.weight`)."""
@@ -194,14 +202,42 @@ class AutoShard:
             outputs = mark_outputs(outputs)
         return outputs
 
-    def optimize(self, *, backend: str = "auto", time_limit: float | None = None,
-                 solve_with: Callable[[ShardingProblem], solver.Solution] | None = None,
-                 fit_steps: FitSteps | None = None) -> Plan:
-        """Trace, build the ILP, solve it, decode the plan, fit it under the memory limit.
-        `solve_with(sharding_problem)` replaces the solve stage (e.g. a saved solution, or one rank
-        solving for all); the limit is then fitted only with `fit_steps`, the fit's own solves and
-        dry runs done the same way (ranks fitting side by side must decide alike)."""
+    def optimize(self, *, planning: RankZeroPlanning | None = None) -> Plan:
+        """Trace, build the ILP, solve it, decode the plan, fit it under the memory limit. Inside a
+        process group of more than one rank, rank 0 solves and dry-runs for all (`planning`,
+        default a `RankZeroPlanning` on this mesh) and the ranks check they hold the same plan."""
+        if planning is None and in_process_group():
+            if not hasattr(self.mesh, "get_coordinate"):
+                raise TypeError(f"planning in a process group of {torch.distributed.get_world_size()} ranks needs "
+                                f"the DeviceMesh, got mesh shape {self.mesh_shape}")
+            planning = RankZeroPlanning(self.mesh, backend=self.config.backend, time_limit=self.config.time_limit)
         inputs, self._input_names = step_inputs(self.input_fn())
+        self._check_input_layouts(inputs)
+        planner = Planner(self.mesh_shape, self.network)
+        # Planning sees global shapes only: no ambient mode (e.g. LocalTensorMode) applies to it.
+        with tc.no_dispatch_modes(), contextlib.ExitStack() as stack:  # the tracer's fake mode ends here
+            with self._stage("trace"):
+                graph = trace_step(self.model, self._step, inputs, stack, unroll=self.config.unroll,
+                                   precision=self.precision)
+            with self._stage("build"):
+                sharding = build_problem(graph, self.mesh_shape, planner, self.device, self.spec)
+            with self._stage("solve"):
+                if planning is not None:
+                    with tc.no_dispatch_modes():  # leave the tracer's fake mode: ranks communicate
+                        solution = planning.solve(sharding)
+                else:
+                    solution = solver.solve(sharding.problem, backend=self.config.backend,
+                                            time_limit=self.config.time_limit)
+            with self._stage("decode"):
+                plan = decode(sharding, solution, planner)
+            plan, sharding = self._fit(plan, sharding, planner, planning)
+        if planning is not None:
+            planning.agree(sharding, plan)
+        log.info("autoshard plan: %s", plan.summary())
+        self.plan, self.sharding, self.planner = plan, sharding, planner
+        return plan
+
+    def _check_input_layouts(self, inputs: Sequence[Any]) -> None:
         for index, layout in self.spec.input_layouts.items():
             if index >= len(inputs):
                 raise ValueError(f"input constraint for input {index}, but input_fn returns {len(inputs)} inputs")
@@ -210,38 +246,31 @@ class AutoShard:
                 layout.validate(len(shape), self.mesh_shape)
             except ValueError as err:
                 raise ValueError(f"input {index} (shape {shape}): {err}") from None
-        planner = Planner(self.mesh_shape, self.network)
-        # Planning sees global shapes only: no ambient mode (e.g. LocalTensorMode) applies to it.
-        with tc.no_dispatch_modes(), contextlib.ExitStack() as stack:  # the tracer's fake mode ends here
-            with self._stage("trace"):
-                graph = trace_step(self.model, self._step, inputs, stack, unroll=self.unroll,
-                                   precision=self.precision)
-            with self._stage("build"):
-                sharding = build_problem(graph, self.mesh_shape, planner, self.device, self.spec)
-            with self._stage("solve"):
-                if solve_with is not None:
-                    with tc.no_dispatch_modes():  # leave the tracer's fake mode: the hook may communicate
-                        solution = solve_with(sharding)
-                else:
-                    solution = solver.solve(sharding.problem, backend=backend, time_limit=time_limit)
-            with self._stage("decode"):
-                plan = decode(sharding, solution, planner)
-            limit = self.resolved_memory_limit
-            if limit is not None and (solve_with is None or fit_steps is not None):
-                start = time.perf_counter()
-                with tc.no_dispatch_modes():  # the dry run makes its own fake mode
-                    plan, sharding, self.fit = fit_memory(plan, sharding, planner, self.device, self.spec,
-                                                          limit, backend=backend, time_limit=time_limit,
-                                                          steps=fit_steps)
-                if self.fit.peak_bytes is not None:  # a stage only when it dry-ran (and maybe re-planned)
-                    self.timings["memory"] = time.perf_counter() - start
-                    log.info("autoshard: memory took %.2f s", self.timings["memory"])
-        log.info("autoshard plan: %s", plan.summary())
-        self.plan, self.sharding, self.planner = plan, sharding, planner
-        return plan
 
-    def explain(self, fqn: str, top: int = 3, *, max_solves: int = MAX_SOLVES, backend: str = "auto",
-                time_limit: float | None = None) -> Explanation:
+    def _fit(self, plan: Plan, sharding: ShardingProblem, planner: Planner,
+             planning: RankZeroPlanning | None) -> tuple[Plan, ShardingProblem]:
+        """The plan (and the problem it solves) fitted under the memory limit, if there is one."""
+        self.fit, self._fit_dry_run = None, None
+        limit = self.resolved_memory_limit
+        if limit is None:
+            return plan, sharding
+        start = time.perf_counter()
+        with tc.no_dispatch_modes():  # the dry run makes its own fake mode
+            fitted = fit_memory(plan, sharding, planner, self.device, self.spec, limit,
+                                backend=self.config.backend, time_limit=self.config.time_limit,
+                                steps=planning.fit_steps() if planning is not None else None)
+        self.fit, self._fit_dry_run = fitted.fit, fitted.dry_run
+        if fitted.fit.peak_bytes is not None:  # a stage only when it dry-ran (and maybe re-planned)
+            self.timings["memory"] = time.perf_counter() - start
+            log.info("autoshard: memory took %.2f s", self.timings["memory"])
+        return fitted.plan, fitted.sharding
+
+    @property
+    def fit_dry_run(self) -> DryRunResult | None:
+        """The dry run the memory fit ran of the plan it chose (None: it ran none)."""
+        return self._fit_dry_run if self.fit is not None and self.fit.plan is self.plan else None
+
+    def explain(self, fqn: str, top: int = 3, *, max_solves: int = MAX_SOLVES) -> Explanation:
         """Why the last `optimize()` gave parameter `fqn` (an FQN, or a pattern naming parameters
         with one layout) its layout: the `top` next best layouts, each the optimum re-solved with
         the parameter pinned to it (in every repeated block, as `pin` would), with its modeled
@@ -252,7 +281,7 @@ class AutoShard:
             raise ValueError("nothing to explain: call optimize() first")
         with self._stage("explain"):
             return explain(self.sharding, self.plan, self.planner, fqn, top=top, max_solves=max_solves,
-                           backend=backend, time_limit=time_limit)
+                           backend=self.config.backend, time_limit=self.config.time_limit)
 
     def apply(self, plan: Plan | None = None, *, prefetch: int = 1) -> ParallelModule:
         """The parallel module of `plan` (default: the last `optimize()` result) on this mesh.
@@ -275,11 +304,11 @@ class AutoShard:
         if plan is None:
             raise ValueError("nothing to dry-run: call optimize() first or pass a plan")
         mesh = self.mesh if hasattr(self.mesh, "get_coordinate") else None  # a DeviceMesh: run on it
-        if mesh is None and self.fit is not None and self.fit.plan is plan and self.fit.dry_run is not None:
+        if mesh is None and self.fit_dry_run is not None and plan is self.plan:
             self.timings["dry_run"] = 0.0  # fitting the memory limit ran this very dry run
-            return self.fit.dry_run
+            return self.fit_dry_run
         with self._stage("dry_run"):
-            return dry_run(plan, mesh=mesh, mesh_dim_names=getattr(self.mesh, "mesh_dim_names", None))
+            return dry_run(plan, mesh=mesh, mesh_dim_names=self.config.mesh_names)
 
     @contextlib.contextmanager
     def _stage(self, stage: str):
@@ -293,7 +322,7 @@ class AutoShard:
 def auto_shard(
     model: nn.Module,
     input_fn: Callable[[], Any],
-    mesh: Any,
+    mesh: Any = None,
     *,
     loss_fn: Callable[..., torch.Tensor] | None = None,
     input_layouts: Sequence[Layout | str | None] = (),
@@ -302,8 +331,8 @@ def auto_shard(
     **options: Any,
 ) -> ParallelModule:
     """Plan and apply in one call: the parallel module for `model` on the DeviceMesh `mesh`.
-    `options` go to `AutoShard` (n_model_inputs, network, device, unroll, mp_policy, recompute,
-    reshard_after_forward, compile)."""
+    `options` go to `AutoShard` (config, n_model_inputs, network, device, unroll, mp_policy, recompute,
+    reshard_after_forward, compile). Under torchrun, rank 0 solves for every rank."""
     with AutoShard(model, input_fn, mesh, loss_fn=loss_fn, **options) as auto:
         if input_layouts:
             auto.constrain_inputs(*input_layouts)

@@ -1,0 +1,207 @@
+"""How to plan: one `PlanConfig` for the API, `plan` and `train`.
+
+    config = PlanConfig(mesh=(8, 8), param_dtype="bf16", reduce_dtype="fp32", memory_limit=70 * 2**30)
+    AutoShard(model, input_fn, config=config)       # or keyword arguments as sugar
+
+Every field that is also a command-line flag is declared here once (`autoshard.options.setting`):
+`plan` and `train` generate their flags from this class, so a new planning knob is one field.
+The mesh is a shape with one name per dim; a name says the dim's role (`dp_shard`, `tp`, ... or
+`dp`, which means `dp_shard`); unnamed meshes get dp, tp, pp, cp. The data splits over the
+data-parallel dims (`check_batch`). A bad value raises ValueError when the config is made.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.distributed.fsdp import MixedPrecisionPolicy
+
+from autoshard.capture.precision import Precision, dtype_name, parse_dtype
+from autoshard.options import name_list, parse_bytes, parse_limit, parse_mesh, positive_float, setting
+from autoshard.profiles.device import DeviceProfile
+from autoshard.profiles.network import NetworkProfile
+
+ROLES = ("dp_replicate", "dp_shard", "tp", "cp", "pp")  # what a mesh dim is for
+ROLE_OF_NAME = {"dp": "dp_shard"}  # names that are not roles themselves but mean one
+DEFAULT_MESH_NAMES = ("dp", "tp", "pp", "cp")  # an unnamed mesh's dims, in order
+BACKENDS = ("auto", "highs", "cbc")
+MEMORY_RESERVE = 0.10  # of a device's capacity kept free: allocator slack, collective buffers, context
+# profiles when none is named: planning for GPUs (the API, `plan`) or for where `train` runs
+DEFAULT_PROFILES = {"cuda": ("h100-node", "h100"), "cpu": ("cpu-gloo", "cpu")}
+
+
+def mesh_names(names: str | Sequence[str] | None, mesh: Sequence[int]) -> tuple[str, ...]:
+    """The mesh dims' names: `names` ('dp,tp' or a sequence), or by default dp, tp, pp, cp as many
+    as the mesh has dims. ValueError unless there is one distinct, non-empty name per mesh dim."""
+    mesh_text = "x".join(map(str, mesh))
+    if names is None and len(mesh) > len(DEFAULT_MESH_NAMES):
+        raise ValueError(f"mesh {mesh_text} has {len(mesh)} dims: name them with --mesh-names "
+                         f"(the default names only {len(DEFAULT_MESH_NAMES)}: {','.join(DEFAULT_MESH_NAMES)})")
+    if names is None:
+        found = DEFAULT_MESH_NAMES[: len(mesh)]
+    else:
+        found = name_list(names) if isinstance(names, str) else tuple(str(n).strip() for n in names)
+    if len(found) != len(mesh) or len(set(found)) != len(found) or not all(found):
+        raise ValueError(f"--mesh-names {','.join(found)!r} must give {len(mesh)} distinct names, one per dim of "
+                         f"mesh {mesh_text}")
+    return found
+
+
+def role_of(name: str, dim: int) -> str | None:
+    """A mesh dim's role: its name when the name is a role (or means one), else the role an
+    unnamed mesh gives that position (None past the fourth dim)."""
+    role = ROLE_OF_NAME.get(name, name)
+    if role in ROLES:
+        return role
+    return ROLE_OF_NAME.get(DEFAULT_MESH_NAMES[dim], DEFAULT_MESH_NAMES[dim]) if dim < len(DEFAULT_MESH_NAMES) else None
+
+
+def dtype_option(text: str) -> str:
+    """A floating dtype's short name ('bf16', 'fp32', ...) from any name torch or we use for it."""
+    return dtype_name(parse_dtype(text))
+
+
+def mp_policy(param_dtype: str | torch.dtype | None, reduce_dtype: str | torch.dtype | None = None, *,
+              output_dtype: str | torch.dtype | None = None, cast_forward_inputs: bool = True,
+              ) -> MixedPrecisionPolicy | None:
+    """torch's `MixedPrecisionPolicy` of these dtypes (names or dtypes); None when none is given."""
+    if param_dtype is None and reduce_dtype is None and output_dtype is None:
+        return None
+    dtype = lambda v: parse_dtype(v) if isinstance(v, str) else v  # noqa: E731
+    return MixedPrecisionPolicy(param_dtype=dtype(param_dtype), reduce_dtype=dtype(reduce_dtype),
+                                output_dtype=dtype(output_dtype), cast_forward_inputs=cast_forward_inputs)
+
+
+@dataclass(frozen=True)
+class PlanConfig:
+    """How to plan and what to plan for. `network` / `device_profile`: a preset name, a profile,
+    or a profile file from `autoshard calibrate` (None: the presets of `DEFAULT_PROFILES`).
+    Precision follows torch's `MixedPrecisionPolicy` (FSDP2's meaning): parameters and optimizer
+    states stay in their dtype; compute and gathers run in `param_dtype`, gradients are reduced in
+    `reduce_dtype`. `memory_limit`: peak bytes per rank (None: the device's capacity less
+    `MEMORY_RESERVE`; inf: no limit); `memory_budget`: parameter bytes per rank (None: total /
+    world size). `recompute` checkpoints every repeated block, `reshard_after_forward` gathers its
+    parameters again in the backward; under a limit the fit may turn either on. `unroll=False`
+    traces every repeated block instead of three (blocks whose code depends on their depth)."""
+
+    mesh: tuple[int, ...] | None = setting(None, "--mesh", type=parse_mesh, help="mesh shape, e.g. 8x8, 2x2 or 4")
+    mesh_names: tuple[str, ...] | None = setting(
+        None, "--mesh-names", type=name_list,
+        help="mesh dim names, each naming the dim's role: dp (= dp_shard), dp_shard, dp_replicate, tp, cp, pp "
+             "(default: dp,tp,pp,cp as many as the mesh has dims; other names take the default role of their "
+             "position)")
+    network: NetworkProfile | str | None = setting(
+        None, "--network", help="network profile for planning: a preset (h100-node, cpu-gloo) or a profile file "
+                                "from `autoshard calibrate` (default: h100-node; train: cpu-gloo on CPU)")
+    device_profile: DeviceProfile | str | None = setting(
+        None, "--device", "--device-profile",
+        help="device (compute) profile for planning: a preset (h100, h200, cpu) or a profile file from "
+             "`autoshard calibrate` (default: h100; train: cpu on CPU)")
+    memory_budget: float | None = setting(None, "--memory-budget", type=parse_bytes, metavar="BYTES",
+                                          help="parameter bytes per rank, e.g. 2e9 or 16GiB (default: total / "
+                                               "world size)")
+    memory_limit: float | None = setting(
+        None, "--memory-limit", type=parse_limit, metavar="BYTES",
+        help="peak memory per rank a plan must fit, e.g. 70GiB, or 'none' (default: the device profile's capacity "
+             "less 10%%; `plan --no-dry-run` leaves it unchecked); the ILP then chooses layouts, resharding and "
+             "activation checkpointing under it, checked by the dry run")
+    param_dtype: str | torch.dtype | None = setting(
+        None, "--param-dtype", type=dtype_option, metavar="DTYPE",
+        help="mixed precision: compute and gather parameters in this dtype (bf16, fp16; parameters and optimizer "
+             "states stay fp32; default: no cast)")
+    reduce_dtype: str | torch.dtype | None = setting(
+        None, "--reduce-dtype", type=dtype_option, metavar="DTYPE",
+        help="mixed precision: reduce gradients in this dtype (fp32, bf16; default: --param-dtype)")
+    output_dtype: str | torch.dtype | None = None  # MixedPrecisionPolicy.output_dtype (API only)
+    cast_forward_inputs: bool = True  # MixedPrecisionPolicy.cast_forward_inputs (API only)
+    recompute: bool = setting(False, "--recompute",
+                              help="activation checkpointing: the backward recomputes each repeated block's "
+                                   "forward (parameters gathered again) instead of keeping its activations")
+    reshard_after_forward: bool = setting(
+        False, "--reshard-after-forward",
+        help="free the parameters each repeated block gathered once its forward is done and gather them again "
+             "for its backward (FSDP's reshard_after_forward; implied by --recompute)")
+    backend: str = setting("auto", "--backend", choices=BACKENDS, help="ILP backend (default auto)")
+    time_limit: float | None = setting(None, "--time-limit", type=positive_float, metavar="SECONDS",
+                                       help="ILP time limit")
+    unroll: bool = True  # API only
+
+    def __post_init__(self) -> None:
+        if self.mesh is not None:
+            shape = tuple(int(s) for s in self.mesh)
+            if not shape or min(shape) < 1:
+                raise ValueError(f"mesh shape must be non-empty with sizes >= 1, got {shape}")
+            object.__setattr__(self, "mesh", shape)
+            if self.mesh_names is not None or len(shape) <= len(DEFAULT_MESH_NAMES):
+                object.__setattr__(self, "mesh_names", mesh_names(self.mesh_names, shape))
+        for name in ("param_dtype", "reduce_dtype", "output_dtype"):
+            value = getattr(self, name)
+            dtype = parse_dtype(value) if isinstance(value, str) else value
+            if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+                raise ValueError(f"{name} must be a floating-point dtype, got {value}")
+        for name in ("memory_budget", "memory_limit", "time_limit"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"{name.replace('_', ' ')} must be positive, got {value}")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"unknown ILP backend {self.backend!r}; use one of {', '.join(BACKENDS)}")
+
+    def replace(self, **changes: Any) -> PlanConfig:
+        return dataclasses.replace(self, **changes)
+
+    # ------------------------------------------------------------------ the mesh
+    @property
+    def roles(self) -> tuple[str | None, ...]:
+        """Each mesh dim's role (see `role_of`)."""
+        names = self.mesh_names or tuple(f"m{i}" for i in range(len(self.mesh or ())))
+        return tuple(role_of(name, dim) for dim, name in enumerate(names))
+
+    @property
+    def data_parallel_dims(self) -> tuple[int, ...]:
+        """The mesh dims the data splits over: those whose role is dp_replicate or dp_shard."""
+        return tuple(d for d, role in enumerate(self.roles) if role in ("dp_replicate", "dp_shard"))
+
+    def check_batch(self, batch: int) -> None:
+        """ValueError unless the global batch splits evenly over the data-parallel dims."""
+        dims = self.data_parallel_dims
+        size = math.prod(self.mesh[d] for d in dims)
+        if batch % size:
+            names = self.mesh_names or tuple(f"m{i}" for i in range(len(self.mesh)))
+            which = " x ".join(f"{d} '{names[d]}'" for d in dims)
+            raise ValueError(f"--batch {batch} is not divisible by the dp size {size}: the batch splits over the "
+                             f"data-parallel mesh dims, and {batch} is not divisible by mesh dim"
+                             f"{'s' if len(dims) > 1 else ''} {which} of size {size}")
+
+    # ------------------------------------------------------------------ precision, profiles, memory
+    @property
+    def mp_policy(self) -> MixedPrecisionPolicy | None:
+        return mp_policy(self.param_dtype, self.reduce_dtype, output_dtype=self.output_dtype,
+                         cast_forward_inputs=self.cast_forward_inputs)
+
+    @property
+    def precision(self) -> Precision:
+        return Precision.of(self.mp_policy)
+
+    def with_policy(self, policy: MixedPrecisionPolicy | None) -> PlanConfig:
+        """This config with torch's mixed precision policy (validated as `Precision.of` does)."""
+        p = Precision.of(policy)
+        return self.replace(param_dtype=p.param_dtype, reduce_dtype=p.reduce_dtype, output_dtype=p.output_dtype,
+                            cast_forward_inputs=p.cast_forward_inputs)
+
+    def with_default_profiles(self, device_type: str = "cuda") -> PlanConfig:
+        """Profiles not named filled in with the presets for `device_type` (cuda: h100)."""
+        network, device = DEFAULT_PROFILES["cuda" if device_type != "cpu" else "cpu"]
+        return self.replace(network=self.network if self.network is not None else network,
+                            device_profile=self.device_profile if self.device_profile is not None else device)
+
+    def memory_limit_bytes(self, device: DeviceProfile) -> float | None:
+        """The peak a plan must fit: the set limit, or the device's capacity less the reserve;
+        None when there is none."""
+        if self.memory_limit is not None:
+            return None if math.isinf(self.memory_limit) else self.memory_limit
+        return None if device.memory_bytes is None else device.memory_bytes * (1 - MEMORY_RESERVE)

@@ -1,0 +1,151 @@
+"""Planning beside the other ranks of a process group: solve once, broadcast, check.
+
+Every rank traces the step and builds the ILP (cheap and deterministic); rank 0 solves it, or takes
+a saved solution made for the same problem (same fingerprint: graph, mesh, profiles, constraints),
+and broadcasts the answer; every rank checks it traced the same problem, and in the end that it
+holds the same plan. Fitting a memory limit goes the same way: rank 0 solves each budgeted problem
+and dry-runs each candidate, every rank gets the results, so every rank decides alike. A failure
+(infeasible constraints, a program that cannot run) is every rank's one `UsageError`, not rank 0's
+traceback and the others' hang.
+
+`AutoShard.optimize` plans this way by default inside a process group of more than one rank;
+`train` always does (it also passes the solution of a `--plan-file`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch.distributed as dist
+
+import solver
+
+from autoshard.driver.fit import FitSteps
+from autoshard.options import UsageError
+from autoshard.problem.build import ShardingProblem
+from autoshard.problem.plan import Plan
+from autoshard.program.lower import Program, lower
+from autoshard.runtime import dryrun
+from autoshard.runtime.dryrun import DryRunError, DryRunResult
+
+log = logging.getLogger("autoshard")
+
+
+def in_process_group() -> bool:
+    """Inside a real process group of more than one rank (not the fake one that plans at scale)."""
+    return (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+            and dist.get_backend() != "fake")
+
+
+def broadcast(value: Any) -> Any:
+    """Rank 0's `value` on every rank."""
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def same_on_every_rank(what: str, value: str) -> None:
+    """Every rank calls this: one error, raised alike everywhere, unless all ranks hold the same
+    `value` (a fingerprint)."""
+    values = [None] * dist.get_world_size()
+    dist.all_gather_object(values, value)
+    if len(set(values)) != 1:
+        raise UsageError(f"ranks {what} (fingerprints {values}); same code and inputs on every rank?")
+
+
+@dataclass(frozen=True)
+class SavedSolution:
+    """A solution saved with the fingerprint of the problem it solves (plan.json), and where it
+    came from (for messages)."""
+
+    fingerprint: str
+    solution: str  # Solution.to_json()
+    source: str
+
+
+def solution_hash(plan: Plan) -> str:
+    return hashlib.sha256(plan.solution.to_json().encode()).hexdigest()[:16]
+
+
+class RankZeroPlanning:
+    """The solve, fit and dry-run steps of planning, run by rank 0 for every rank of the process
+    group. `mesh`: the DeviceMesh the program is lowered on for dry runs."""
+
+    def __init__(self, mesh: Any, *, saved: SavedSolution | None = None, backend: str = "auto",
+                 time_limit: float | None = None):
+        self.mesh = mesh
+        self.saved = saved
+        self.backend = backend
+        self.time_limit = time_limit
+
+    def _solve(self, problem: solver.Problem) -> solver.Solution:
+        return solver.solve(problem, backend=self.backend, time_limit=self.time_limit)
+
+    def solve(self, sharding: ShardingProblem) -> solver.Solution:
+        """Every rank calls this with the problem it built; rank 0's answer for all."""
+        fingerprint = sharding.fingerprint()
+        same_on_every_rank("traced different problems", fingerprint)
+        answer: tuple[str, str] = ("", "")
+        if dist.get_rank() == 0:
+            saved = self.saved
+            if saved is not None and saved.fingerprint != fingerprint:
+                answer = ("error", f"{saved.source} was made for another problem (fingerprint {saved.fingerprint}, "
+                                   f"this run's is {fingerprint}): different model, shapes, mesh, profiles or "
+                                   "constraints")
+            elif saved is not None:
+                answer = ("ok", saved.solution)
+                log.info("autoshard: reusing the solution in %s", saved.source)
+            else:
+                try:
+                    answer = ("ok", self._solve(sharding.problem).to_json())
+                except ValueError as e:  # infeasible constraints: every rank must hear it, not hang
+                    answer = ("error", str(e))
+        kind, payload = broadcast(answer)
+        if kind == "error":
+            raise UsageError(payload)
+        return solver.Solution.from_json(payload)
+
+    def fit_steps(self) -> FitSteps:
+        """The memory fit's solves and dry runs, with the same result on every rank: rank 0 solves
+        a budgeted problem and broadcasts the solution (or that none fits); every rank lowers a
+        candidate (lowering may create flattened groups, a collective) and gets rank 0's dry run."""
+        def solve(problem: solver.Problem) -> solver.Solution:
+            answer = ("", "")
+            if dist.get_rank() == 0:
+                try:
+                    answer = ("ok", self._solve(problem).to_json())
+                except solver.InfeasibleError as err:
+                    answer = ("infeasible", str(err))
+            kind, payload = broadcast(answer)
+            if kind == "infeasible":
+                raise solver.InfeasibleError(payload)
+            return solver.Solution.from_json(payload)
+
+        return FitSteps(solve, lambda plan: self.dry_run(lower(plan, self.mesh), plan))
+
+    def dry_run(self, program: Program, plan: Plan) -> DryRunResult:
+        """Every rank calls this with its program of `plan`: rank 0 dry-runs its own (fake tensors:
+        no memory, no communication; every rank holds the same local shapes) and every rank gets
+        the result."""
+        outcome: tuple[str, Any] = ("", None)
+        if dist.get_rank() == 0:
+            start = time.perf_counter()
+            try:
+                result = DryRunResult(plan.mesh_shape, {0: dryrun.estimate(program, 0, plan.module_paths)})
+                result.seconds = time.perf_counter() - start
+                outcome = ("ok", result)
+            except DryRunError as err:
+                outcome = ("error", err.line)
+        kind, payload = broadcast(outcome)
+        if kind == "error":
+            raise UsageError(f"the planned program cannot run: {payload}")
+        return payload
+
+    @staticmethod
+    def agree(sharding: ShardingProblem, plan: Plan) -> None:
+        """Every rank holds the same problem and solution (one error on every rank otherwise)."""
+        same_on_every_rank("planned different plans", sharding.fingerprint() + solution_hash(plan))

@@ -1,0 +1,279 @@
+"""Train a model with an autoshard plan: set up the process group, plan beside the other ranks,
+apply, write the report, run the steps with metrics and checkpoints.
+
+Every rank traces the step and builds the ILP; rank 0 solves it (or takes the solution of a
+`--plan-file` made for the same problem) and fits the memory limit for all (`driver.ranks`).
+Rank 0 dry-runs its program on fake tensors and logs the peak memory per rank, then writes
+`sharding.log`, `report.html` and `plan.json` (reusable as `--plan-file`), one `metrics.jsonl` row
+per step, and distributed checkpoints every `checkpoint_every` steps; at the end it rewrites
+report.html with the loss and tokens/s curves. Resuming continues from the newest complete
+checkpoint with the losses an uninterrupted run would have had: the data is a pure function of
+(seed, step). Bad input raises `UsageError` on every rank alike.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import os
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from autoshard import _torch_compat as tc
+from autoshard.driver.api import AutoShard
+from autoshard.driver.fit import MemoryLimitError
+from autoshard.driver.ranks import RankZeroPlanning, SavedSolution
+from autoshard.options import UsageError
+from autoshard.problem.plan import Plan
+from autoshard.profiles.files import device_profile, network_profile
+from autoshard.report.files import JSON_NAME, load_metrics, write_html, write_report
+from autoshard.report.text import summary_lines
+from autoshard.runtime.dryrun import DryRunResult
+from autoshard.runtime.module import ParallelModule
+from autoshard.runtime.wire import WireMeter, wire_row
+from autoshard.train.checkpoints import latest_checkpoint, load_checkpoint, save_checkpoint
+from autoshard.train.metrics import MetricsFile, memory_row, memory_tracker, peak_rss_mb, step_time_line
+from autoshard.train.settings import Settings
+from autoshard.workloads import Workload, checkpoint_values, get_workload
+
+log = logging.getLogger("autoshard")
+
+
+@dataclass
+class PlannedRun:
+    """What planning gave a run: the plan, its parallel module, the AutoShard that made it, the
+    fingerprint of the problem it solves, and its dry run."""
+
+    plan: Plan
+    pmodel: ParallelModule
+    auto: AutoShard
+    fingerprint: str
+    memory: DryRunResult
+
+
+# ---------------------------------------------------------------------------------- set-up
+def _workload(settings: Settings) -> Workload:
+    try:
+        return get_workload(settings.model, settings.seq)  # ValueError names the known models
+    except ValueError as err:
+        raise UsageError(str(err)) from None
+
+
+def _initial_values(settings: Settings, workload: Workload) -> dict[str, torch.Tensor]:
+    """Full values to train from: the --init-from checkpoint (buffers from the seed's init), else
+    the seed's init."""
+    if settings.init_from is None:
+        return workload.initial_state(settings.seed)
+    try:
+        return checkpoint_values(workload, settings.init_from, settings.seed)
+    except ValueError as err:
+        raise UsageError(f"--init-from {err}") from None
+
+
+def _check_profiles(settings: Settings) -> None:
+    """A profile named on the command line (preset or file) is usable for this mesh: every rank
+    checks before the process group exists, so a bad file is one error line, not a hang."""
+    try:
+        if settings.network is not None:
+            network_profile(settings.network, settings.mesh)
+        if settings.device_profile is not None:
+            device_profile(settings.device_profile)
+    except ValueError as err:
+        raise UsageError(str(err)) from None
+
+
+def _load_plan_file(path: str) -> dict:
+    try:
+        data = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise UsageError(f"--plan-file {path}: no such file") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise UsageError(f"--plan-file {path}: not a plan file ({type(e).__name__}: {e})") from None
+    if not isinstance(data, dict) or not isinstance(data.get("fingerprint"), str) or "solution" not in data:
+        raise UsageError(f"--plan-file {path}: not a plan file (no fingerprint/solution; write one with "
+                         "`python -m autoshard plan` or a training run)")
+    return data
+
+
+def _init_distributed(settings: Settings) -> tuple[Any, str]:
+    """Process group (nccl on GPUs, gloo on CPU; a world of 1 without torchrun) and the mesh."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    backend = "nccl" if device == "cuda" else "gloo"
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if math.prod(settings.mesh) != world:
+        raise UsageError(f"mesh {'x'.join(map(str, settings.mesh))} has {math.prod(settings.mesh)} devices "
+                         f"but the world size is {world} (torchrun --nproc_per_node={math.prod(settings.mesh)})")
+    if "RANK" in os.environ:
+        if device == "cuda":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(backend)
+    else:
+        store = dist.FileStore(os.path.join(tempfile.mkdtemp(prefix="autoshard-"), "store"), 1)
+        dist.init_process_group(backend, store=store, rank=0, world_size=1)
+    return init_device_mesh(device, settings.mesh, mesh_dim_names=settings.mesh_names), device
+
+
+# ---------------------------------------------------------------------------------- planning
+def _plan(settings: Settings, workload: Workload, mesh, saved: dict | None) -> PlannedRun:
+    """Plan on every rank (rank 0 solving and dry-running for all) and apply."""
+    example = lambda: workload.example_inputs(settings.batch, settings.seq, "meta")  # noqa: E731
+    model = workload.build("meta")
+    # a plan file whose plan recomputes or reshards the blocks (the fit chose it) solves that problem
+    config = settings.replace(
+        recompute=settings.recompute or bool(((saved or {}).get("recompute") or {}).get("blocks")),
+        reshard_after_forward=settings.reshard_after_forward or bool(((saved or {}).get("reshard") or {}).get("blocks")))
+    planning = RankZeroPlanning(mesh, backend=config.backend, time_limit=config.time_limit, saved=None if saved is None
+                                else SavedSolution(saved["fingerprint"], saved["solution"], f"--plan-file {settings.plan_file}"))
+    with AutoShard(model, example, mesh, config=config, loss_fn=workload.loss_fn,
+                   n_model_inputs=workload.n_model_inputs, compile=settings.compile) as auto:
+        if settings.recipe is not None:
+            from autoshard.problem.recipes import param_bytes_per_rank, recipe_layouts, recipe_pins
+
+            auto.pin(recipe_pins(settings.recipe))
+            if settings.memory_budget is None:
+                auto.memory_budget(param_bytes_per_rank(model, recipe_layouts(model, settings.recipe), settings.mesh))
+        try:
+            plan = auto.optimize(planning=planning)
+        except MemoryLimitError as err:  # every rank reached it alike: one line, from rank 0
+            raise UsageError(str(err)) from None
+        pmodel = auto.apply(plan, prefetch=settings.prefetch)
+    memory = auto.fit_dry_run  # fitting the memory limit dry-ran this very plan, or:
+    if memory is None:
+        memory = planning.dry_run(pmodel.program, plan)
+        auto.timings["dry_run"] = memory.seconds
+    log.info("autoshard train: dry run estimate: %s", memory.summary())
+    return PlannedRun(plan, pmodel, auto, auto.sharding.fingerprint(), memory)
+
+
+def _write_report(settings: Settings, run: PlannedRun) -> None:
+    """Rank 0: sharding.log, plan.json (with what `--plan-file` needs) and report.html."""
+    paths = write_report(run.plan, Path(settings.out), program=run.pmodel.program, dry_run=run.memory,
+                         memory_fit=run.auto.fit, device=run.auto.device, timings=run.auto.timings,
+                         mesh_names=settings.mesh_names, extra={
+                             "fingerprint": run.fingerprint, "solution": run.plan.solution.to_json(),
+                             "settings": asdict(settings)})
+    for line in summary_lines(json.loads(paths[1].read_text())):
+        log.info("  %s", line)
+    log.info("autoshard train: sharding log %s", paths[0])
+
+
+# ---------------------------------------------------------------------------------- training
+def train(settings: Settings) -> list[float]:
+    """Plan, apply and train; returns this run's per-step losses."""
+    from models.train_single import TrainSettings, make_optimizer
+
+    workload = _workload(settings)
+    initial = _initial_values(settings, workload)  # every rank: a bad checkpoint fails them together
+    out = Path(settings.out)
+    resume_from = latest_checkpoint(out) if settings.resume else None
+    if settings.resume and resume_from is None:
+        raise UsageError(f"--resume: no complete checkpoint in {out / 'checkpoints'}")
+    saved = _load_plan_file(settings.plan_file) if settings.plan_file else None  # every rank: fail together
+    _check_profiles(settings)
+    mesh, device = _init_distributed(settings)
+    why = tc.inductor_unavailable(device) if settings.compile else None
+    if why is not None:  # every rank alike, before planning
+        raise UsageError(f"--compile: {why}")
+    rank = dist.get_rank()
+    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, format="%(message)s", force=True)
+    profiled = settings.with_default_profiles(device)  # profiles not named: those of where it runs
+    log.info("autoshard train: %s on mesh %s (%s), %s/%s profiles", settings.model,
+             "x".join(map(str, settings.mesh)), ",".join(settings.mesh_names), profiled.network,
+             profiled.device_profile)
+
+    run = _plan(profiled, workload, mesh, saved)
+    if rank == 0:
+        _write_report(settings, run)
+    run.pmodel.load_full(initial)
+    del initial
+    optim = make_optimizer(run.pmodel.parameters(), TrainSettings(lr=settings.lr))
+    start_step = 0
+    if resume_from is not None:
+        load_checkpoint(resume_from[1], run.pmodel, optim)
+        start_step = resume_from[0]
+        log.info("autoshard train: resumed from %s (step %d)", resume_from[1], start_step)
+    metrics = MetricsFile(out, start_step if settings.resume else None)
+    losses = _steps(settings, workload, run, optim, metrics, start_step)
+    dist.barrier()  # nobody tears the process group down while a peer still talks
+    if rank == 0:
+        _finish(settings, run, metrics, bool(losses))
+    return losses
+
+
+def _steps(settings: Settings, workload: Workload, run: PlannedRun, optim, metrics: MetricsFile,
+           start_step: int) -> list[float]:
+    """Steps start_step + 1 .. settings.steps: one metrics row each, checkpoints as asked."""
+    pmodel, plan = run.pmodel, run.plan
+    data = workload.data(settings.data_seed)
+    losses = []
+    reported: set[str] = set()  # program phases whose compile time is logged
+    tokens = settings.batch * settings.seq
+    for step in range(start_step + 1, settings.steps + 1):
+        t0 = time.perf_counter()
+        inputs = pmodel.shard_inputs(*data.batch(step - 1, settings.batch, settings.seq))  # to the mesh's device
+        meter = WireMeter() if step == settings.wire_step else None
+        tracker = memory_tracker(pmodel, optim, inputs) if step == settings.memory_step else None
+        with contextlib.ExitStack() as metering:
+            for m in (meter, tracker):
+                if m is not None:
+                    metering.enter_context(m)
+            loss = pmodel(*inputs)
+            loss.backward()
+            optim.step()
+            optim.zero_grad(set_to_none=True)
+            value = loss.item()
+        elapsed = time.perf_counter() - t0
+        peaks = [None] * dist.get_world_size()
+        dist.all_gather_object(peaks, round(peak_rss_mb(), 1))
+        losses.append(value)
+        row = {"step": step, "loss": value, "step_s": elapsed, "tokens_per_s": tokens / elapsed,
+               "peak_rss_mb_per_rank": peaks, "modeled_step_s": plan.step_time_s,
+               "modeled_over_measured": plan.step_time_s / elapsed,
+               "modeled_overlapped_step_s": pmodel.program.step.overlapped_s}
+        if meter is not None:
+            row |= wire_row(meter.stats)  # every rank takes part
+        if tracker is not None:
+            row |= memory_row(tracker, run.memory)  # every rank takes part
+        row |= _compile_entry(pmodel, reported, step)
+        metrics.append(row)
+        log.info("step %4d/%d  loss %.4f  %8.0f tok/s  peak rss %.0f MiB  step %.1f ms (modeled %.1f, x%.2f)",
+                 step, settings.steps, value, tokens / elapsed, max(peaks), elapsed * 1e3, plan.step_time_s * 1e3,
+                 plan.step_time_s / elapsed)
+        if settings.checkpoint_every and step % settings.checkpoint_every == 0:
+            save_checkpoint(Path(settings.out), step, pmodel, optim)
+    return losses
+
+
+def _compile_entry(pmodel: ParallelModule, reported: set[str], step: int) -> dict:
+    """`compile_s` for a step that compiled (part of) the program (its time is mostly compiling),
+    logged once per phase."""
+    compiled = {phase: st for phase, st in pmodel.compile_stats.items() if phase not in reported}
+    if not compiled:
+        return {}
+    reported.update(compiled)
+    log.info("autoshard train: compiled %s on step %d (rank 0)", ", ".join(
+        f"{phase} in {st.seconds:.1f} s ({st.graphs} graph(s), {st.graph_breaks} graph break(s))"
+        for phase, st in compiled.items()), step)
+    return {"compile_s": sum(st.seconds for st in compiled.values())}
+
+
+def _finish(settings: Settings, run: PlannedRun, metrics: MetricsFile, trained: bool) -> None:
+    """Rank 0, after the last step: modeled vs measured step time, report.html with the curves."""
+    out = Path(settings.out)
+    if trained:
+        log.info("autoshard train: %s", step_time_line(run.plan.step_time_s, load_metrics(metrics.path)))
+        log.info("autoshard train: modeled step with the program's overlap %.1f ms (prefetch %d; no overlap %.1f ms)",
+                 run.pmodel.program.step.overlapped_s * 1e3, settings.prefetch, run.plan.step_time_s * 1e3)
+    html_path = write_html(json.loads((out / JSON_NAME).read_text()), out, load_metrics(metrics.path))
+    log.info("autoshard train: done; metrics %s, sharding log %s, report %s", metrics.path, out / "sharding.log",
+             html_path)

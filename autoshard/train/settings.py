@@ -1,0 +1,53 @@
+"""One training run's settings: how to plan (`PlanConfig`, inherited) and how to train. Every field
+is a command-line option of `train` (`autoshard.options.setting`): a new setting is one field."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from autoshard.driver.config import PlanConfig, mesh_names
+from autoshard.options import BATCH, INIT_FROM, MODEL, OUT, SEQ, redefault, setting
+
+
+@dataclass(frozen=True)
+class Settings(PlanConfig):
+    """`PlanConfig` (mesh, profiles, precision, memory...) plus the run. A bad value raises
+    ValueError naming the flag when the settings are made."""
+
+    mesh: tuple[int, ...] = redefault(PlanConfig, "mesh", (2, 2))
+    model: str = setting("llama3-debug", MODEL)
+    batch: int = setting(8, BATCH)
+    seq: int = setting(64, SEQ)
+    steps: int = setting(50, type=int, help="train until this step")
+    lr: float = setting(3e-3, type=float)
+    seed: int = setting(0, type=int, help="weight init seed")
+    init_from: str | None = setting(None, INIT_FROM)
+    data_seed: int = setting(0, type=int)
+    compile: bool = setting(False, help="run the program's forward and backward through torch.compile (inductor) "
+                                        "from step 2 on (step 1 runs checked, uncompiled; the next unmetered step "
+                                        "compiles)")
+    plan_file: str | None = setting(None, help="reuse a plan.json written by an earlier run or `plan`")
+    recipe: str | None = setting(None, choices=("fsdp-tp", "fsdp"),
+                                 help="pin the parameters to a hand-written recipe's layouts (autoshard.problem.recipes), "
+                                      "at its own parameter bytes per rank: to measure it beside autoshard's plan")
+    prefetch: int = setting(1, type=int, help="launch bucketed parameter gathers and gradient reductions up to N "
+                                              "buckets ahead of their use, overlapping compute (0: wait on each "
+                                              "where it is launched)")
+    checkpoint_every: int = setting(0, type=int, help="checkpoint every K steps (0: never)")
+    resume: bool = setting(False, help="continue from the newest checkpoint in --out")
+    wire_step: int = setting(0, type=int,
+                             help="meter step K's collectives into its metrics row (slows that step; 0: never)")
+    memory_step: int = setting(0, type=int, help="measure step K's live tensor memory on every rank with torch's "
+                                                 "MemTracker into its metrics row, beside the dry run's estimate "
+                                                 "(K >= 2: AdamW states exist; slows that step; 0: never)")
+    out: str = setting("runs/debug", OUT, help="run directory")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        mesh_names(self.mesh_names, self.mesh)  # a mesh past 4 dims needs names to be made
+        if self.steps < 1:
+            raise ValueError(f"--steps must be >= 1, got {self.steps}")
+        self.check_batch(self.batch)
+        for name in ("checkpoint_every", "wire_step", "memory_step", "prefetch"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")

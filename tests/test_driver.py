@@ -1,0 +1,82 @@
+"""The drivers above the stages: one PlanConfig (mesh roles, the batch check, flags generated from
+it), and planning inside a process group: rank 0 solves for every rank."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from autoshard import PlanConfig
+from autoshard.cli.args import ArgumentParser, add_dataclass_arguments
+from autoshard.options import from_values, parse_limit
+from torchrun import run_ranks
+
+
+def test_the_config_names_roles_and_checks_the_batch():
+    assert PlanConfig(mesh=(2, 2)).mesh_names == ("dp", "tp") and PlanConfig(mesh=(2, 2)).roles == ("dp_shard", "tp")
+    three = PlanConfig(mesh=(2, 2, 2), mesh_names=("dp_replicate", "dp_shard", "tp"))
+    assert three.roles == ("dp_replicate", "dp_shard", "tp") and three.data_parallel_dims == (0, 1)
+    three.check_batch(4)
+    with pytest.raises(ValueError, match=r"--batch 6 is not divisible by the dp size 4: .* mesh dims 0 'dp_replicate' x 1 'dp_shard' of size 4"):
+        three.check_batch(6)
+    assert PlanConfig(mesh=(4,), mesh_names=("a",)).roles == ("dp_shard",)  # another name: its position's role
+    assert PlanConfig(mesh=(2,) * 5).mesh_names is None  # past the default names: labels only
+    with pytest.raises(ValueError, match="must give 2 distinct names"):
+        PlanConfig(mesh=(2, 2), mesh_names=("tp", "tp"))
+    with pytest.raises(ValueError, match="memory limit must be positive"):
+        PlanConfig(memory_limit=0)
+    with pytest.raises(ValueError, match="reduce_dtype must be a floating-point dtype"):
+        PlanConfig(reduce_dtype=torch.int32)
+
+
+def test_the_config_resolves_profiles_precision_and_the_memory_limit():
+    from autoshard.profiles.files import device_profile
+
+    config = PlanConfig(mesh=(2, 2), param_dtype="bf16", reduce_dtype="fp32")
+    assert config.with_default_profiles().network == "h100-node"
+    assert config.with_default_profiles("cpu").device_profile == "cpu"
+    assert config.replace(network="x").with_default_profiles("cpu").network == "x"
+    policy = config.mp_policy
+    assert (str(policy.param_dtype), str(policy.reduce_dtype)) == ("torch.bfloat16", "torch.float32")
+    assert PlanConfig().mp_policy is None and PlanConfig().with_policy(policy).precision == config.precision
+    h100 = device_profile("h100")
+    assert config.memory_limit_bytes(h100) == pytest.approx(h100.memory_bytes * 0.9)
+    assert config.replace(memory_limit=parse_limit("none")).memory_limit_bytes(h100) is None
+    assert config.replace(memory_limit=5e9).memory_limit_bytes(h100) == 5e9
+
+
+def test_every_config_field_with_a_flag_is_an_option_of_plan_and_train():
+    """A new PlanConfig field with a flag reaches both CLIs without another edit."""
+    from autoshard.cli.plan import plan_parser
+    from autoshard.cli.train import _parse
+
+    parser = add_dataclass_arguments(ArgumentParser(prog="t"), PlanConfig)
+    values = vars(parser.parse_args(["--mesh", "4x2", "--mesh-names", "dp,tp", "--memory-limit", "none",
+                                     "--param-dtype", "bfloat16", "--backend", "cbc", "--time-limit", "5"]))
+    config = from_values(PlanConfig, values)
+    assert (config.mesh, config.mesh_names, math.isinf(config.memory_limit), config.param_dtype, config.backend,
+            config.time_limit) == ((4, 2), ("dp", "tp"), True, "bf16", "cbc", 5.0)
+    plan_args = plan_parser().parse_args(["--model", "m", "--mesh", "2x2", "--batch", "2", "--seq", "4",
+                                          "--backend", "cbc", "--reshard-after-forward"])
+    assert from_values(PlanConfig, vars(plan_args)) == PlanConfig(mesh=(2, 2), backend="cbc",
+                                                                  reshard_after_forward=True)
+    train = _parse(["--backend", "cbc", "--time-limit", "5", "--mesh-names", "a,b"])
+    assert (train.backend, train.time_limit, train.mesh_names) == ("cbc", 5.0, ("a", "b"))
+
+
+@pytest.mark.slow
+def test_auto_shard_under_torchrun_solves_on_rank_0_only():
+    """4 gloo ranks, mesh (2,2): auto_shard() runs the solver once, on rank 0, and every rank holds
+    its plan and computes the single-device loss; a memory limit below the plan's dry-run peak is
+    fitted by rank 0's solves alone, every rank ending with the same fitted plan."""
+    ranks = run_ranks("dist_auto_shard.py", timeout=400)
+    assert [r["solves"] for r in ranks] == [1, 0, 0, 0]
+    assert len({r["plan"] for r in ranks}) == 1
+    for r in ranks:
+        assert abs(r["loss"] - r["single_device_loss"]) <= 1e-5 * r["single_device_loss"]
+    assert ranks[0]["fit_solves"] >= 1 and [r["fit_solves"] for r in ranks[1:]] == [0, 0, 0]
+    assert len({r["fitted"] for r in ranks}) == 1
+    fit = ranks[0]
+    assert fit["fit_tried"] >= 2 and fit["fit_peak"] <= fit["fit_limit"] < fit["peak"]

@@ -1,0 +1,36 @@
+"""Running a tests/dist_*.py script on 4 gloo ranks and handing its per-rank results back: the
+launcher side (`run_ranks`, in a test) and the script side (`report_ranks`, on every rank)."""
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PREFIX = "RESULT "
+
+
+def run_ranks(script: str, timeout: int, nproc: int = 4) -> list[dict]:
+    """torchrun `tests/<script>` on `nproc` ranks (one thread each); every rank's result dict, in
+    rank order. Fails the test with the tail of both streams when torchrun does."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           str(ROOT / "tests" / script)]
+    start = time.time()
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    assert out.returncode == 0, f"torchrun failed after {time.time() - start:.0f}s:\n{out.stdout[-3000:]}\n{out.stderr[-5000:]}"
+    (line,) = [x for x in out.stdout.splitlines() if x.startswith(PREFIX)]
+    return json.loads(line[len(PREFIX):])
+
+
+def report_ranks(result: dict) -> None:
+    """Gather every rank's `result` to rank 0, which prints them for `run_ranks`; then leave the
+    process group."""
+    import torch.distributed as dist
+
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, result)
+    if dist.get_rank() == 0:
+        print(PREFIX + json.dumps(every), flush=True)
+    dist.destroy_process_group()
