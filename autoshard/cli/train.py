@@ -40,10 +40,15 @@ from autoshard.train.loop import train
 from autoshard.train.settings import Settings
 
 
-def _parse(argv: list[str] | None) -> Settings:
+def train_parser() -> argparse.ArgumentParser:
+    """Every flag of `train`, generated from the fields of Settings."""
     parser = RaisingArgumentParser(prog="python -m autoshard train", description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
-    values = vars(add_dataclass_arguments(parser, Settings).parse_args(argv))
+    return add_dataclass_arguments(parser, Settings)
+
+
+def _parse(argv: list[str] | None) -> Settings:
+    values = vars(train_parser().parse_args(argv))
     try:
         return from_values(Settings, values)
     except ValueError as err:

@@ -81,3 +81,4 @@ class AwaitBucket(nn.Module):
 
 
 AWAIT = "await_bucket"  # the AwaitBucket's name in every program
+LOCAL_SHAPE = "autoshard_local_shape"  # node meta: expected local shape(s) on every rank

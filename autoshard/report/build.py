@@ -41,55 +41,14 @@ def plan_report(plan: Plan, *, program: Program | None = None, dry_run: DryRunRe
     peak memory per rank beside the `device`'s capacity; with an `explanation` (AutoShard.explain),
     a parameter's next best layouts under "explain"; `mesh_names` label the mesh dims."""
     graph = plan.graph
-    mesh = list(plan.mesh_shape)
     dtypes = {node.name: _dtype(node) for node in graph.nodes}
     by_consumer: dict[str, list[dict]] = {}
     for r in plan.redistributions:
         by_consumer.setdefault(r.consumer, []).append(_redistribution_entry(r, dtypes.get(r.producer)))
-
-    parameters = []
-    for fqn, node in graph.params.items():
-        layout = plan.param_layouts[fqn]
-        parameters.append({"fqn": fqn, **_tensor_entry(node, layout, plan.mesh_shape),
-                           "default_order": layout.is_default_order})
-
-    inputs = []
-    user_index = {node: i for i, node in enumerate(graph.inputs)}
-    buffer_fqn = {node: fqn for fqn, node in graph.buffers.items()}
-    for node in graph.nodes:
-        if node.op != "placeholder" or node in graph.param_names or node.name not in plan.strategies:
-            continue
-        if node in user_index:
-            kind, what = "input", str(user_index[node])
-        elif node in buffer_fqn:
-            kind, what = "buffer", buffer_fqn[node]
-        else:
-            kind, what = "tangent", "seed gradient of the loss"
-        inputs.append({"name": node.name, "kind": kind, "what": what,
-                       **_tensor_entry(node, plan.strategies[node.name].outputs[0], plan.mesh_shape)})
-
-    nodes = []
-    for node in graph.nodes:
-        if node.op != "call_function" or node.name not in plan.strategies:
-            continue  # getitem has no strategy: it aliases its parent's output
-        strategy = plan.strategies[node.name]
-        nodes.append({
-            "name": node.name,
-            "op": str(node.target),
-            "module": plan.module_paths.get(node.name, ""),
-            "phase": "backward" if graph.is_backward(node) else "forward",
-            "dtype": dtypes[node.name],
-            "strategy": str(strategy),
-            "compute_s": plan.node_compute_s[node.name],
-            "redistributions": by_consumer.get(node.name, []),
-        })
-
-    sinks = [_sink_entry(sink, by_consumer) for sink in [plan.loss_sink, *plan.grad_sinks.values()]]
-
-    stats = plan.solution.stats
+    parameters = _parameter_entries(plan)
     precision = graph.precision
     report: dict[str, Any] = {
-        "mesh_shape": mesh,
+        "mesh_shape": list(plan.mesh_shape),
         **({"mesh_names": list(mesh_names)} if mesh_names else {}),
         "precision": {"param_dtype": dtype_name(precision.param_dtype),
                       "reduce_dtype": dtype_name(precision.reduce_dtype or precision.param_dtype),
@@ -97,27 +56,10 @@ def plan_report(plan: Plan, *, program: Program | None = None, dry_run: DryRunRe
         "recompute": {"blocks": list(plan.recompute_blocks), "ops": len(plan.recomputed) if plan.recompute_blocks else 0},
         "reshard": {"blocks": list(plan.reshard_blocks), "ops": len(plan.recomputed) if plan.reshard_blocks else 0},
         "parameters": parameters,
-        "inputs": inputs,
-        "nodes": nodes,
-        "sinks": sinks,
-        "totals": {
-            **modeled_figures(plan),
-            "redistributions": len(plan.redistributions),
-            "params": len(parameters),
-            "non_default_order_params": sum(not p["default_order"] for p in parameters),
-            "param_bytes_per_rank": sum(p["bytes_per_rank"] for p in parameters),
-            "ilp": {
-                "backend": stats.backend,
-                "status": plan.solution.status,
-                "objective": plan.solution.objective,
-                "variables": stats.variables,
-                "constraints": stats.constraints,
-                "nodes": stats.nodes,
-                "classes": stats.classes,
-                "core": stats.core,
-                "solve_s": stats.solve_s,
-            },
-        },
+        "inputs": _input_entries(plan),
+        "nodes": _node_entries(plan, dtypes, by_consumer),
+        "sinks": [_sink_entry(sink, by_consumer) for sink in [plan.loss_sink, *plan.grad_sinks.values()]],
+        "totals": _totals(plan, parameters),
     }
     if program is not None:  # what the program runs, buckets counted once
         report["totals"]["program_count_by_collective"] = dict(sorted(program.comm.total_count().items()))
@@ -127,17 +69,88 @@ def plan_report(plan: Plan, *, program: Program | None = None, dry_run: DryRunRe
     if dry_run is not None:
         report["memory"] = memory_entry(dry_run, device)
     if memory_fit is not None:
-        report["memory_fit"] = {"limit_bytes": memory_fit.limit, "modeled_bytes": memory_fit.modeled_bytes,
-                                "peak_bytes": memory_fit.peak_bytes, "constrained": memory_fit.constrained,
-                                "recompute": memory_fit.recompute, "reshard": memory_fit.reshard,
-                                "tried": [{"mode": mode, "peak_bytes": peak} for mode, peak in memory_fit.tried],
-                                "summary": memory_fit.summary()}
+        report["memory_fit"] = _memory_fit_entry(memory_fit)
     if timings:
         report["timings"] = {k: float(v) for k, v in timings.items()}
     if explanation is not None:
         report["explain"] = explain_entry(explanation)
     report.update(extra or {})
     return report
+
+
+def _parameter_entries(plan: Plan) -> list[dict]:
+    out = []
+    for fqn, node in plan.graph.params.items():
+        layout = plan.param_layouts[fqn]
+        out.append({"fqn": fqn, **_tensor_entry(node, layout, plan.mesh_shape),
+                    "default_order": layout.is_default_order})
+    return out
+
+
+def _input_entries(plan: Plan) -> list[dict]:
+    """The graph's other placeholders: user inputs, buffers and the loss's seed gradient."""
+    graph = plan.graph
+    user_index = {node: i for i, node in enumerate(graph.inputs)}
+    buffer_fqn = {node: fqn for fqn, node in graph.buffers.items()}
+    out = []
+    for node in graph.nodes:
+        if node.op != "placeholder" or node in graph.param_names or node.name not in plan.strategies:
+            continue
+        if node in user_index:
+            kind, what = "input", str(user_index[node])
+        elif node in buffer_fqn:
+            kind, what = "buffer", buffer_fqn[node]
+        else:
+            kind, what = "tangent", "seed gradient of the loss"
+        out.append({"name": node.name, "kind": kind, "what": what,
+                    **_tensor_entry(node, plan.strategies[node.name].outputs[0], plan.mesh_shape)})
+    return out
+
+
+def _node_entries(plan: Plan, dtypes: dict[str, str | None], by_consumer: dict[str, list[dict]]) -> list[dict]:
+    out = []
+    for node in plan.graph.nodes:
+        if node.op != "call_function" or node.name not in plan.strategies:
+            continue  # getitem has no strategy: it aliases its parent's output
+        out.append({
+            "name": node.name,
+            "op": str(node.target),
+            "module": plan.module_paths.get(node.name, ""),
+            "phase": "backward" if plan.graph.is_backward(node) else "forward",
+            "dtype": dtypes[node.name],
+            "strategy": str(plan.strategies[node.name]),
+            "compute_s": plan.node_compute_s[node.name],
+            "redistributions": by_consumer.get(node.name, []),
+        })
+    return out
+
+
+def _totals(plan: Plan, parameters: list[dict]) -> dict:
+    stats = plan.solution.stats
+    return {
+        **modeled_figures(plan),
+        "redistributions": len(plan.redistributions),
+        "params": len(parameters),
+        "non_default_order_params": sum(not p["default_order"] for p in parameters),
+        "param_bytes_per_rank": sum(p["bytes_per_rank"] for p in parameters),
+        "ilp": {
+            "backend": stats.backend,
+            "status": plan.solution.status,
+            "objective": plan.solution.objective,
+            "variables": stats.variables,
+            "constraints": stats.constraints,
+            "nodes": stats.nodes,
+            "classes": stats.classes,
+            "core": stats.core,
+            "solve_s": stats.solve_s,
+        },
+    }
+
+
+def _memory_fit_entry(fit: MemoryFit) -> dict:
+    return {"limit_bytes": fit.limit, "modeled_bytes": fit.modeled_bytes, "peak_bytes": fit.peak_bytes,
+            "constrained": fit.constrained, "recompute": fit.recompute, "reshard": fit.reshard,
+            "tried": [{"mode": mode, "peak_bytes": peak} for mode, peak in fit.tried], "summary": fit.summary()}
 
 
 def memory_entry(result: DryRunResult, device: DeviceProfile | None) -> dict:

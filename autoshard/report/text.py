@@ -62,8 +62,28 @@ def format_log(report: dict) -> str:
         if key not in OWN_KEYS and key not in _JSON_ONLY:
             out.append(f"{key}: {value if isinstance(value, (str, int, float)) else json.dumps(value)}")
 
+    out += _parameter_lines(report) + _node_lines(report) + _sink_lines(report) + _totals_lines(report)
+    if report.get("memory") or report.get("memory_fit") or (report.get("recompute") or {}).get("blocks"):
+        out += ["", "== memory per rank (dry run of the lowered program on fake tensors) =="]
+        out += _memory_lines(report["memory"]) if report.get("memory") else []
+        out += _fit_lines(report)
+    if report.get("timings"):
+        out += ["", "== timings =="]
+        out += [f"{stage:<8} {seconds:8.2f} s" for stage, seconds in report["timings"].items()]
+        out.append(f"{'total':<8} {sum(report['timings'].values()):8.2f} s")
+    if report.get("compare"):
+        out += ["", "== compare (modeled, per rank; ratio = autoshard / other) =="]
+        out += compare_lines(report)
+    if report.get("explain"):
+        out += ["", f"== explain {report['explain']['fqn']} (each alternative re-solved with it pinned) =="]
+        out += explain_lines(report["explain"])
+    return "\n".join(out) + "\n"
+
+
+def _parameter_lines(report: dict) -> list[str]:
+    """The parameters and the other placeholders (inputs, buffers), one table each."""
     params = report["parameters"]
-    out += ["", f"== parameters ({len(params)}) =="]
+    out = ["", f"== parameters ({len(params)}) =="]
     out += _table(["parameter (FQN)", "global shape", "dtype", "layout", "local shape", "bytes/rank"],
                   [[p["fqn"], _shape(p["shape"]), p["dtype"], p["layout"], _shape(p["local_shape"]),
                     human_bytes(p["bytes_per_rank"])] for p in params], right={5})
@@ -74,10 +94,14 @@ def format_log(report: dict) -> str:
                       [[i["name"], i["kind"], i["what"], _shape(i["shape"]), i["dtype"], i["layout"],
                         _shape(i["local_shape"]), human_bytes(i["bytes_per_rank"])] for i in report["inputs"]],
                       right={7})
+    return out
 
+
+def _node_lines(report: dict) -> list[str]:
+    """Every op with its strategy, each followed by the redistributions of its inputs."""
     nodes = report["nodes"]
     n_redist = sum(len(n["redistributions"]) for n in nodes)
-    out += ["", f"== graph ({len(nodes)} ops, {n_redist} redistributions; '<-' = redistribution of an input, "
+    out = ["", f"== graph ({len(nodes)} ops, {n_redist} redistributions; '<-' = redistribution of an input, "
                 f"with its collective path and modeled cost) =="]
     # Column widths capped so a few very long names (flash-attention backward) do not push every
     # line wide; those few cells just overflow.
@@ -90,18 +114,26 @@ def format_log(report: dict) -> str:
         out.append(f"  {phase} {n['name']:<{name_w}}  {n['op']:<{op_w}}  {n.get('dtype') or '-':<{dtype_w}}  "
                    f"{n['module'] or '<step>':<{mod_w}}  {n['strategy']}")
         out += [_redistribution_line(r) for r in n["redistributions"]]
+    return out
 
+
+def _sink_lines(report: dict) -> list[str]:
+    """The loss and gradients with the redistributions into their final layouts."""
     sinks = report["sinks"]
-    out += ["", f"== sinks: loss and gradients ({len(sinks)}, "
+    out = ["", f"== sinks: loss and gradients ({len(sinks)}, "
                 f"{sum(len(s['redistributions']) for s in sinks)} redistributions) =="]
     label_w = max((len(s["fqn"] or "loss") for s in sinks), default=0)
     for s in sinks:
         label = f"grad {s['fqn']:<{label_w}}" if s["kind"] == "grad" else f"loss {'':<{label_w}}"
         out.append(f"  {label}  {s['layout']}")
         out += [_redistribution_line(r) for r in s["redistributions"]]
+    return out
 
-    out += ["", "== totals =="]
+
+def _totals_lines(report: dict) -> list[str]:
+    """Modeled step, collectives per rank, parameters' device order and the ILP's figures."""
     t = report["totals"]
+    out = ["", "== totals =="]
     out.append(f"modeled step time per rank: {human_time(t['step_time_s'])} "
                f"= compute {human_time(t['compute_s'])} + comm {human_time(t['comm_s'])} (no overlap)")
     if "overlapped_step_s" in t:
@@ -124,21 +156,7 @@ def format_log(report: dict) -> str:
     out.append(f"parameters: {t['non_default_order_params']} / {t['params']} in non-default device order, "
                f"{human_bytes(t['param_bytes_per_rank'])} per rank")
     out.append(_ilp_line(t["ilp"]))
-    if report.get("memory") or report.get("memory_fit") or (report.get("recompute") or {}).get("blocks"):
-        out += ["", "== memory per rank (dry run of the lowered program on fake tensors) =="]
-        out += _memory_lines(report["memory"]) if report.get("memory") else []
-        out += _fit_lines(report)
-    if report.get("timings"):
-        out += ["", "== timings =="]
-        out += [f"{stage:<8} {seconds:8.2f} s" for stage, seconds in report["timings"].items()]
-        out.append(f"{'total':<8} {sum(report['timings'].values()):8.2f} s")
-    if report.get("compare"):
-        out += ["", "== compare (modeled, per rank; ratio = autoshard / other) =="]
-        out += compare_lines(report)
-    if report.get("explain"):
-        out += ["", f"== explain {report['explain']['fqn']} (each alternative re-solved with it pinned) =="]
-        out += explain_lines(report["explain"])
-    return "\n".join(out) + "\n"
+    return out
 
 
 def _signed_time(seconds: float) -> str:
