@@ -1,4 +1,4 @@
-"""Planning speed and plan quality at llama3 scale, beside the nearest peer's figures (ANCHORS.md).
+"""Planning speed and plan quality at llama3 scale, beside the nearest peer's published figures.
 
 Each case runs in a fresh process (so peak RSS is that case's own), on meta tensors with no
 process group: trace, problem build (strategies + planner-priced edges), solve, decode.
@@ -6,7 +6,7 @@ process group: trace, problem build (strategies + planner-priced edges), solve, 
 Plan quality: llama3-8b on (8,8), seq 8192, b = 1 and 8 sequences per data-parallel group (global
 batch 8b), h100-node network and h100 device. autoshard free vs the FSDP+TP recipe pinned (same
 parameter budget), autoshard free vs pure FSDP pinned (budget total / world), the same autoshard
-plan with its parameters' device orders forced to the default, and ANCHORS.md's analytic volumes.
+plan with its parameters' device orders forced to the default, and the analytic ring-optimal volumes.
 
     python benchmarks/plan.py            # 8B (8,8), 8B (32,8), 70B (32,8); quality at b=1 and b=8
     python benchmarks/plan.py --quick    # a 2-layer 8B on (8,8), quality at b=1 only (smoke check)
@@ -27,7 +27,7 @@ import time
 _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
 
-# The nearest peer on this machine class (ANCHORS.md): trace, ILP build, solve seconds; peak GiB.
+# The nearest peer's published figures on this machine class: trace, ILP build, solve seconds; peak GiB.
 PEER = {
     ("llama3-8b", (8, 8)): dict(trace=25.9, build=56.7, solve=46.8, total=129.4, rss_gib=4.2),
     ("llama3-8b", (32, 8)): dict(trace=19.5, build=56.5, solve=43.0, total=119.0, rss_gib=4.1),
@@ -87,7 +87,7 @@ def in_fresh_process(fn, *args):
 
 
 def analytic_gb(cfg, mesh, batch, seq, itemsize=4, reduce_itemsize=None) -> dict:
-    """ANCHORS.md's per-rank volumes (ring-optimal): FSDP on dp + TP (sequence parallel) on tp, and
+    """Analytic per-rank volumes (ring-optimal): FSDP on dp + TP (sequence parallel) on tp, and
     pure FSDP over every rank; gathers and activations in `itemsize` bytes, gradient reductions in
     `reduce_itemsize` (default the same)."""
     dp, tp = mesh
@@ -128,7 +128,7 @@ def speed(quick: bool = False) -> list[dict]:
     return rows
 
 
-# The first wave's figures for the whole command (ANCHORS.md): process start to exit, median of 3.
+# The first published planner's figures for the whole command: process start to exit, median of 3.
 COMMAND_BEFORE = {("llama3-8b", (8, 8)): 15.4, ("llama3-70b", (64, 8)): 16.7}
 
 
@@ -204,8 +204,8 @@ def quality(quick: bool = False) -> list[dict]:
         show("autoshard (budget = total / world)", run_case(model, mesh, **case))
         show("FSDP, params pinned (acts free)", run_case(model, mesh, pins="fsdp", **case))
         est = analytic_gb(cfg, mesh, batch, seq) if precision is None else analytic_gb(cfg, mesh, batch, seq, 2, 4)
-        print(f"{'analytic estimate (ANCHORS.md), FSDP+TP':<48}{'':>18}{est['fsdp_tp']:>9.2f}")
-        print(f"{'analytic estimate (ANCHORS.md), pure FSDP':<48}{'':>18}{est['fsdp']:>9.2f}")
+        print(f"{'analytic estimate, FSDP+TP':<48}{'':>18}{est['fsdp_tp']:>9.2f}")
+        print(f"{'analytic estimate, pure FSDP':<48}{'':>18}{est['fsdp']:>9.2f}")
         by = {r["plan"]: r for r in rows}
         checks = {
             "autoshard <= recipe": by["autoshard (budget = recipe's)"]["step_ms"]

@@ -4,8 +4,8 @@
         --model llama3-debug --mesh 2x2 --batch 8 --seq 256 --steps 12 --out runs/recipe
 
 Same model, init, data, optimizer and `metrics.jsonl` rows as `python -m autoshard train`, so
-the two can be compared step by step (benchmarks/training.py does). The parallelization follows
-ANCHORS.md: `parallelize_module` on the "tp" mesh dim (sequence parallel norms, column-wise
+the two can be compared step by step (benchmarks/training.py does). The parallelization is
+torchtitan's llama3 recipe: `parallelize_module` on the "tp" mesh dim (sequence parallel norms, column-wise
 wq/wk/wv/w1/w3, row-wise wo/w2 reduce-scattering to sequence shards, row-wise embedding, column-wise
 output with loss parallel), then `fully_shard` on the "dp" mesh dim per block and on the root.
 With `--mesh Nx1` there is no TP: pure FSDP2, `fully_shard` per block and root over all N ranks.

@@ -6,7 +6,7 @@
 
 Sections (each also runs alone: benchmarks/plan.py, planner.py, training.py, memory.py, accuracy.py):
   speed     planning llama3-8b (8,8), (32,8) and llama3-70b (32,8), (64,8): seconds per stage, peak RSS,
-            ILP size, beside the nearest peer (ANCHORS.md)
+            ILP size, beside the nearest peer's published figures
   command   `python -m autoshard plan` as a whole process (median of 3), with and without the dry run
   quality   modeled step time and comm bytes of autoshard's plan vs the FSDP+TP recipe, pure FSDP,
             forced-default device orders and the analytic estimate (llama3-8b (8,8), b=1 and 8 in fp32,
@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
         results["meta"][f"{section}_s"] = round(time.perf_counter() - t0, 1)
     results["meta"]["wall_s"] = round(time.perf_counter() - start, 1)
 
-    print("\n===== README tables =====\n")
+    print("\n===== tables (docs/benchmarks.md) =====\n")
     print(markdown(results))
     target = a.json or (None if a.quick or set(only) != set(SECTIONS) else str(RESULTS))
     if target:
@@ -113,78 +113,92 @@ def main(argv: list[str] | None = None) -> int:
 
 # ---------------------------------------------------------------------------------- tables
 def markdown(results: dict) -> str:
-    """The README's benchmark tables, from a results dict (any subset of sections)."""
+    """The benchmark tables (docs/benchmarks.md), from a results dict (any subset of sections)."""
     parts = []
     if "speed" in results:
-        rows = ["| case | batch | trace s | build s | solve s | total s | peak RSS | ILP vars | dry run s | "
-                "peak memory/rank (fp32) | nearest peer |",
-                "|---|---|---|---|---|---|---|---|---|---|---|"]
-        for r in results["speed"]:
-            t, peer = r["timings"], r.get("peer")
-            name = f"{plan_bench.case_name(r['model'], r.get('layers'))} {tuple(r['mesh'])}"
-            peer_text = f"{peer['total']:.1f} s, {peer['rss_gib']:.1f} GiB" if peer else "-"
-            rows.append(f"| {name} | {r.get('batch', 8)} | {t['trace']:.1f} | {t['build']:.1f} | {t['solve']:.1f} | "
-                        f"{r['total']:.1f} | {r['rss_gib']:.2f} GiB | {r['variables']:,} | {r['dry_s']:.1f} | "
-                        f"{r['peak_gib']:.1f} GiB | {peer_text} |")
-        parts.append("\n".join(rows))
+        parts.append(_speed_table(results["speed"]))
     if "command" in results:
-        rows = ["| case | `plan --no-dry-run` s | `plan` (with dry run) s | first wave (ANCHORS.md) s |",
-                "|---|---|---|---|"]
-        rows += [f"| {r['model']} {tuple(r['mesh'])}, batch {r['batch']} | {r['no_dry_run_s']:.1f} | "
-                 f"{r['dry_run_s']:.1f} | {r['first_wave_s'] if r['first_wave_s'] else '-'} |"
-                 for r in results["command"]]
-        parts.append("\n".join(rows))
-    for q in results.get("quality", []):
-        rows = [f"b={q['b']} (global batch {q['batch']}), seq {q['seq']}, {q.get('precision', 'fp32')}:", "",
-                "| plan | step ms | comm ms | comm GB/rank | non-default order params |", "|---|---|---|---|---|"]
-        rows += [f"| {r['plan']} | {r['step_ms']:.1f} | {r['comm_ms']:.1f} | {r['comm_gb']:.2f} | "
-                 f"{r['non_default_order']}/{r['params']} |" for r in q["plans"]]
-        est = q["analytic_gb"]
-        rows += [f"| analytic, FSDP+TP (ANCHORS.md) | | | {est['fsdp_tp']:.2f} | |",
-                 f"| analytic, pure FSDP (ANCHORS.md) | | | {est['fsdp']:.2f} | |"]
-        parts.append("\n".join(rows))
+        parts.append(_command_table(results["command"]))
+    parts += [_quality_table(q) for q in results.get("quality", [])]
     if "memory" in results:
         parts.append(memory_bench.markdown(results["memory"]))
     if "planner" in results:
-        rows = ["| mesh | pairs | vs torch greedy W/T/L | cost ratio | vs torch graph W/T/L | cost ratio |",
-                "|---|---|---|---|---|---|"]
-        for r in results["planner"]["costs"]:
-            cells = []
-            for g in (r["greedy"], r["graph"]):
-                na = f" ({g['torch_errors']} n/a)" if g["torch_errors"] else ""
-                cells.append(f"{g['wins']}/{g['ties']}/{g['losses']}{na} | {g['total_cost_ratio']:.3f}")
-            rows.append(f"| {tuple(r['mesh'])} | {r['pairs']} | {' | '.join(cells)} |")
-        parts.append("\n".join(rows))
-    for key in ("training", "training_bf16", "training_wide"):
-        if key not in results:
-            continue
-        t = results[key]
-        w, a, r = t["workload"], t["autoshard"], t["recipe"]
-        mib = 2 ** 20
-        dtypes = f"param {w['param_dtype']}, reduce {w['reduce_dtype']}" if w.get("param_dtype") else "fp32"
-        repeats = f", median of {t['repeats']} runs each" if t.get("repeats", 1) > 1 else ""
-        rows = [f"{w['model']}, mesh {w['mesh']}, {dtypes}, gloo, 4 processes, global batch {w['batch']}, "
-                f"seq {w['seq']}, {w['steps']} steps{repeats}:", "",
-                "| | tokens/s | peak RSS/rank | wire MiB/rank/step | max rel. loss dev vs 1 device |",
-                "|---|---|---|---|---|"]
-        named = [("autoshard", a), ("recipe (fully_shard + parallelize_module)", r)]
-        if "fsdp2" in t:  # pure FSDP2 (fully_shard over every rank) since issue 18's baseline landed
-            named.append(("pure FSDP2 (fully_shard per block and root, all ranks)", t["fsdp2"]))
-        if "autoshard_sync" in t:
-            named.append(("autoshard `--prefetch 0` (no overlap)", t["autoshard_sync"]))
-        for name, f in named:
-            each = f" ({' / '.join(f'{x:,.0f}' for x in f['runs_tokens_per_s'])})" if len(f.get("runs_tokens_per_s", [])) > 1 else ""
-            rows.append(f"| {name} | {f['tokens_per_s']:,.0f}{each} | {f['peak_rss_mb']:,.0f} MiB | "
-                        f"{f['wire_bytes'] / mib:.2f} | {f['max_rel_loss_dev']:.1e} |")
-        best = (f"; autoshard / best baseline ({t['best_baseline']}): **{t['best_baseline_ratio']:.2f}**"
-                if "best_baseline" in t else "")
-        rows += ["", f"Throughput ratio autoshard / recipe: **{t['throughput_ratio']:.2f}**{best} (target >= 1.0); "
-                 f"autoshard planning {a['planning_s']:.1f} s (not in tokens/s)."]
-        parts.append("\n".join(rows))
+        parts.append(_planner_table(results["planner"]))
+    parts += [_training_table(results[key]) for key in ("training", "training_bf16", "training_wide") if key in results]
     if "accuracy" in results:
         parts.append(accuracy_bench.markdown(results["accuracy"]))
     return "\n\n".join(parts)
 
+
+def _speed_table(speed: list[dict]) -> str:
+    rows = ["| case | batch | trace s | build s | solve s | total s | peak RSS | ILP vars | dry run s | "
+            "peak memory/rank (fp32) | nearest peer |",
+            "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in speed:
+        t, peer = r["timings"], r.get("peer")
+        name = f"{plan_bench.case_name(r['model'], r.get('layers'))} {tuple(r['mesh'])}"
+        peer_text = f"{peer['total']:.1f} s, {peer['rss_gib']:.1f} GiB" if peer else "-"
+        rows.append(f"| {name} | {r.get('batch', 8)} | {t['trace']:.1f} | {t['build']:.1f} | {t['solve']:.1f} | "
+                    f"{r['total']:.1f} | {r['rss_gib']:.2f} GiB | {r['variables']:,} | {r['dry_s']:.1f} | "
+                    f"{r['peak_gib']:.1f} GiB | {peer_text} |")
+    return "\n".join(rows)
+
+
+def _command_table(command: list[dict]) -> str:
+    rows = ["| case | `plan --no-dry-run` s | `plan` (with dry run) s | first published planner s |",
+            "|---|---|---|---|"]
+    rows += [f"| {r['model']} {tuple(r['mesh'])}, batch {r['batch']} | {r['no_dry_run_s']:.1f} | "
+             f"{r['dry_run_s']:.1f} | {r['first_wave_s'] if r['first_wave_s'] else '-'} |" for r in command]
+    return "\n".join(rows)
+
+
+def _quality_table(q: dict) -> str:
+    rows = [f"b={q['b']} (global batch {q['batch']}), seq {q['seq']}, {q.get('precision', 'fp32')}:", "",
+            "| plan | step ms | comm ms | comm GB/rank | non-default order params |", "|---|---|---|---|---|"]
+    rows += [f"| {r['plan']} | {r['step_ms']:.1f} | {r['comm_ms']:.1f} | {r['comm_gb']:.2f} | "
+             f"{r['non_default_order']}/{r['params']} |" for r in q["plans"]]
+    est = q["analytic_gb"]
+    rows += [f"| analytic estimate, FSDP+TP | | | {est['fsdp_tp']:.2f} | |",
+             f"| analytic estimate, pure FSDP | | | {est['fsdp']:.2f} | |"]
+    return "\n".join(rows)
+
+
+def _planner_table(planner: dict) -> str:
+    rows = ["| mesh | pairs | vs torch greedy W/T/L | cost ratio | vs torch graph W/T/L | cost ratio |",
+            "|---|---|---|---|---|---|"]
+    for r in planner["costs"]:
+        cells = []
+        for g in (r["greedy"], r["graph"]):
+            na = f" ({g['torch_errors']} n/a)" if g["torch_errors"] else ""
+            cells.append(f"{g['wins']}/{g['ties']}/{g['losses']}{na} | {g['total_cost_ratio']:.3f}")
+        rows.append(f"| {tuple(r['mesh'])} | {r['pairs']} | {' | '.join(cells)} |")
+    return "\n".join(rows)
+
+
+def _training_table(t: dict) -> str:
+    w, a, r = t["workload"], t["autoshard"], t["recipe"]
+    mib = 2 ** 20
+    dtypes = f"param {w['param_dtype']}, reduce {w['reduce_dtype']}" if w.get("param_dtype") else "fp32"
+    repeats = f", median of {t['repeats']} runs each" if t.get("repeats", 1) > 1 else ""
+    rows = [f"{w['model']}, mesh {w['mesh']}, {dtypes}, gloo, 4 processes, global batch {w['batch']}, "
+            f"seq {w['seq']}, {w['steps']} steps{repeats}:", "",
+            "| | tokens/s | peak RSS/rank | wire MiB/rank/step | max rel. loss dev vs 1 device |",
+            "|---|---|---|---|---|"]
+    named = [("autoshard", a), ("recipe (fully_shard + parallelize_module)", r)]
+    if "fsdp2" in t:
+        named.append(("pure FSDP2 (fully_shard per block and root, all ranks)", t["fsdp2"]))
+    if "autoshard_sync" in t:
+        named.append(("autoshard `--prefetch 0` (no overlap)", t["autoshard_sync"]))
+    for name, f in named:
+        runs = f.get("runs_tokens_per_s", [])
+        each = f" ({' / '.join(f'{x:,.0f}' for x in runs)})" if len(runs) > 1 else ""
+        rows.append(f"| {name} | {f['tokens_per_s']:,.0f}{each} | {f['peak_rss_mb']:,.0f} MiB | "
+                    f"{f['wire_bytes'] / mib:.2f} | {f['max_rel_loss_dev']:.1e} |")
+    best = (f"; autoshard / best baseline ({t['best_baseline']}): **{t['best_baseline_ratio']:.2f}**"
+            if "best_baseline" in t else "")
+    rows += ["", f"Throughput ratio autoshard / recipe: **{t['throughput_ratio']:.2f}**{best} (target >= 1.0); "
+             f"autoshard planning {a['planning_s']:.1f} s (not in tokens/s)."]
+    return "\n".join(rows)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -223,6 +223,22 @@ class Problem:
                 raise ValueError(f"{what} refers to unknown node {name!r}")
             return count[name]
 
+        self._validate_edges(known)
+        for con in self.constraints:
+            _validate_constraint(con, known)
+        for region in self.regions:
+            what = region.describe()
+            if not region.copies or len({len(c) for c in region.copies}) != 1:
+                raise ValueError(f"{what}: copies must be non-empty and of equal length")
+            for pos, names in enumerate(zip(*region.copies)):
+                sizes = {known(n, what) for n in names}
+                if len(sizes) > 1:
+                    raise ValueError(f"{what}: position {pos} ({names[0]!r}...) has different "
+                                     f"numbers of choices {sizes}")
+
+    def _validate_edges(self, known) -> None:
+        """Cost matrices sized by their nodes' choices, every entry >= 0 (`known(name, what)`: a
+        node's number of choices, or the error naming `what` for an unknown node)."""
         checked: set[int] = set()  # shared matrices are checked once
         for e in self.edges:
             what = f"edge {e.src!r}->{e.dst!r}"
@@ -236,37 +252,6 @@ class Problem:
             m = np.asarray(e.cost, dtype=float)
             if not (m >= 0).all():  # also catches NaN
                 _check_cost(float(m[~(m >= 0)][0]), f"{what} cost")
-        for con in self.constraints:
-            what = con.describe()
-            if isinstance(con, (Fixed, Allowed)):
-                k = known(con.node, what)
-                ids = [con.choice_index] if isinstance(con, Fixed) else con.indices
-                if any(not 0 <= i < k for i in ids):
-                    raise ValueError(f"{what}: choice index out of range 0..{k - 1}")
-            elif isinstance(con, SameChoice):
-                sizes = {known(n, what) for n in con.nodes}
-                if len(sizes) > 1:
-                    raise ValueError(f"{what}: nodes have different numbers of choices {sizes}")
-            elif isinstance(con, MemoryBudget):
-                for n in con.nodes:
-                    k = known(n, what)
-                    row = con.memory.get(n) if con.memory is not None else None
-                    if con.memory is not None and (row is None or len(row) != k
-                                                   or not all(0 <= m < math.inf for m in row)):
-                        raise ValueError(f"{what}: node {n!r} needs {k} finite memory figures >= 0")
-                if math.isnan(con.limit):
-                    raise ValueError(f"{what}: limit is NaN")
-            else:
-                raise ValueError(f"unknown constraint type {type(con).__name__}")
-        for region in self.regions:
-            what = region.describe()
-            if not region.copies or len({len(c) for c in region.copies}) != 1:
-                raise ValueError(f"{what}: copies must be non-empty and of equal length")
-            for pos, names in enumerate(zip(*region.copies)):
-                sizes = {known(n, what) for n in names}
-                if len(sizes) > 1:
-                    raise ValueError(f"{what}: position {pos} ({names[0]!r}...) has different "
-                                     f"numbers of choices {sizes}")
 
     # ---- JSON -------------------------------------------------------------------------------
     def to_json(self, **kwargs) -> str:
@@ -275,6 +260,32 @@ class Problem:
     @classmethod
     def from_json(cls, text: str) -> "Problem":
         return problem_from_json(text)
+
+
+
+def _validate_constraint(con, known) -> None:
+    """A constraint's nodes exist and its choice indices, sizes and memory figures fit them."""
+    what = con.describe()
+    if isinstance(con, (Fixed, Allowed)):
+        k = known(con.node, what)
+        ids = [con.choice_index] if isinstance(con, Fixed) else con.indices
+        if any(not 0 <= i < k for i in ids):
+            raise ValueError(f"{what}: choice index out of range 0..{k - 1}")
+    elif isinstance(con, SameChoice):
+        sizes = {known(n, what) for n in con.nodes}
+        if len(sizes) > 1:
+            raise ValueError(f"{what}: nodes have different numbers of choices {sizes}")
+    elif isinstance(con, MemoryBudget):
+        for n in con.nodes:
+            k = known(n, what)
+            row = con.memory.get(n) if con.memory is not None else None
+            if con.memory is not None and (row is None or len(row) != k
+                                           or not all(0 <= m < math.inf for m in row)):
+                raise ValueError(f"{what}: node {n!r} needs {k} finite memory figures >= 0")
+        if math.isnan(con.limit):
+            raise ValueError(f"{what}: limit is NaN")
+    else:
+        raise ValueError(f"unknown constraint type {type(con).__name__}")
 
 
 def tie_classes(problem: Problem, constraints: Sequence, regions: Sequence[RepeatedRegion]) -> list[int]:

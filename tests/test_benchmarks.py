@@ -84,7 +84,7 @@ def test_quick_training_section(quick):
     assert all(v == "Shard(dim=0)" for v in figures["fsdp2"]["layouts"].values())  # fully_shard alone
     assert math.isclose(figures["throughput_ratio"],
                         figures["autoshard"]["tokens_per_s"] / figures["recipe"]["tokens_per_s"])
-    # the recipe's parameters are laid out as ANCHORS.md says torchtitan's are
+    # the recipe's parameters are laid out as torchtitan's llama3 recipe lays them out
     layouts = figures["recipe"]["layouts"]
     assert layouts["layers.0.attention.wq.weight"].startswith("_StridedShard(dim=0")
     assert layouts["layers.0.feed_forward.w2.weight"] == "Shard(dim=0)Shard(dim=1)"

@@ -134,12 +134,41 @@ def build_problem(graph: JointGraph, mesh_shape: tuple[int, ...], planner: Plann
                          f"must be for the problem's mesh {mesh_shape}")
     if pricer.device != device:
         raise ValueError(f"pricer prices on {pricer.device}, the problem on {device}")
-    strategies: dict[str, list[Strategy]] = {}
-    compute_s: dict[str, list[float]] = {}
-    fx_nodes: dict[str, fx.Node] = {}
-    inputs: dict[str, list[Producer]] = {}
-    alias: dict[fx.Node, Producer] = {}
+    choices = _Choices()
+    _collect_choices(choices, graph, catalog, pricer, spec, mesh_shape)
+    _add_sinks(choices, graph, mesh_shape)
+    repeated = find_repeated_blocks(graph)
+    recompute_blocks, reshard_blocks, recomputed = (), (), frozenset()
+    if spec.recompute:
+        recompute_blocks, recomputed = _recomputed(graph, repeated)
+    elif spec.reshard:
+        reshard_blocks, recomputed = _resharded(graph, repeated)
+    compute_s = choices.compute_s
+    for name in recomputed & compute_s.keys():
+        compute_s[name] = [2 * cost for cost in compute_s[name]]
+    sharding = ShardingProblem(graph=graph, mesh_shape=mesh_shape, strategies=choices.strategies,
+                               compute_s=compute_s, fx_nodes=choices.fx_nodes, inputs=choices.inputs,
+                               problem=solver.Problem(), recompute_blocks=recompute_blocks,
+                               recomputed=recomputed, reshard_blocks=reshard_blocks)
+    _fill_solver_problem(sharding, planner, spec, graph.param_names, repeated)
+    return sharding
 
+
+@dataclass
+class _Choices:
+    """Per node name: its strategies, their compute costs, its fx node and its input producers
+    (`alias` maps a getitem to the output of its parent it reads)."""
+    strategies: dict[str, list[Strategy]] = field(default_factory=dict)
+    compute_s: dict[str, list[float]] = field(default_factory=dict)
+    fx_nodes: dict[str, fx.Node] = field(default_factory=dict)
+    inputs: dict[str, list[Producer]] = field(default_factory=dict)
+    alias: dict[fx.Node, Producer] = field(default_factory=dict)
+
+
+def _collect_choices(c: _Choices, graph: JointGraph, catalog: StrategyCatalog, pricer: ComputePricer,
+                     spec: ProblemSpec, mesh_shape: tuple[int, ...]) -> None:
+    """Every placeholder's and op's strategies (pinned parameters, fixed input and output layouts
+    kept to the one they allow) and their compute costs."""
     param_fqn = graph.param_names
     user_inputs = {node: i for i, node in enumerate(graph.inputs)}
     pins = _resolve_pins(graph, spec.pins, mesh_shape)
@@ -152,16 +181,16 @@ def build_problem(graph: JointGraph, mesh_shape: tuple[int, ...], planner: Plann
                 fixed = spec.input_layouts.get(user_inputs[node])
             else:
                 fixed = None
-            strategies[node.name] = _placeholder_strategies(node, catalog, fixed)
-            compute_s[node.name] = [0.0] * len(strategies[node.name])
-            if not strategies[node.name]:
+            c.strategies[node.name] = _placeholder_strategies(node, catalog, fixed)
+            c.compute_s[node.name] = [0.0] * len(c.strategies[node.name])
+            if not c.strategies[node.name]:
                 what = param_fqn.get(node) or f"input {user_inputs.get(node, node.name)}"
                 raise ValueError(f"{what}: layout {fixed} does not split shape {tuple(node.meta['val'].shape)} "
                                  f"evenly on mesh {mesh_shape}")
         elif node.op == "call_function":
             if node.target is operator.getitem:
                 parent, index = node.args
-                alias[node] = Producer(alias[parent].node if parent in alias else parent.name, index)
+                c.alias[node] = Producer(c.alias[parent].node if parent in c.alias else parent.name, index)
                 continue
             choices = catalog.strategies(node)
             costs = pricer.node_compute_s(node, choices)
@@ -169,39 +198,26 @@ def build_problem(graph: JointGraph, mesh_shape: tuple[int, ...], planner: Plann
             if output in spec.output_layouts:
                 kept = _with_output(node, choices, output, spec.output_layouts[output], mesh_shape)
                 choices, costs = [choices[i] for i in kept], [costs[i] for i in kept]
-            strategies[node.name], compute_s[node.name] = list(choices), list(costs)
+            c.strategies[node.name], c.compute_s[node.name] = list(choices), list(costs)
         else:
             continue
-        fx_nodes[node.name] = node
-        alias[node] = Producer(node.name, 0)
-        inputs[node.name] = [alias[slot] for slot in input_slots(node)] if node.op == "call_function" else []
+        c.fx_nodes[node.name] = node
+        c.alias[node] = Producer(node.name, 0)
+        c.inputs[node.name] = [c.alias[slot] for slot in input_slots(node)] if node.op == "call_function" else []
 
-    # Sinks: the loss stays replicated; each gradient lands in its parameter's layout.
-    loss = alias[graph.loss]
-    strategies[LOSS_SINK] = [Strategy(outputs=(), inputs=(Layout.replicate(len(mesh_shape)),))]
-    compute_s[LOSS_SINK] = [0.0]
-    fx_nodes[LOSS_SINK], inputs[LOSS_SINK] = graph.loss, [loss]
+
+def _add_sinks(c: _Choices, graph: JointGraph, mesh_shape: tuple[int, ...]) -> None:
+    """Sinks: the loss stays replicated; each gradient lands in its parameter's layout."""
+    loss = c.alias[graph.loss]
+    c.strategies[LOSS_SINK] = [Strategy(outputs=(), inputs=(Layout.replicate(len(mesh_shape)),))]
+    c.compute_s[LOSS_SINK] = [0.0]
+    c.fx_nodes[LOSS_SINK], c.inputs[LOSS_SINK] = graph.loss, [loss]
     for fqn, grad in graph.grads.items():
         name = grad_sink(fqn)
-        param_choices = strategies[graph.params[fqn].name]
-        strategies[name] = [Strategy(outputs=(), inputs=s.outputs) for s in param_choices]
-        compute_s[name] = [0.0] * len(param_choices)
-        fx_nodes[name], inputs[name] = grad, [alias[grad]]
-
-    repeated = find_repeated_blocks(graph)
-    recompute_blocks, reshard_blocks, recomputed = (), (), frozenset()
-    if spec.recompute:
-        recompute_blocks, recomputed = _recomputed(graph, repeated)
-    elif spec.reshard:
-        reshard_blocks, recomputed = _resharded(graph, repeated)
-    for name in recomputed & compute_s.keys():
-        compute_s[name] = [2 * c for c in compute_s[name]]
-    sharding = ShardingProblem(graph=graph, mesh_shape=mesh_shape, strategies=strategies, compute_s=compute_s,
-                               fx_nodes=fx_nodes, inputs=inputs, problem=solver.Problem(),
-                               recompute_blocks=recompute_blocks, recomputed=recomputed,
-                               reshard_blocks=reshard_blocks)
-    _fill_solver_problem(sharding, planner, spec, param_fqn, repeated)
-    return sharding
+        param_choices = c.strategies[graph.params[fqn].name]
+        c.strategies[name] = [Strategy(outputs=(), inputs=s.outputs) for s in param_choices]
+        c.compute_s[name] = [0.0] * len(param_choices)
+        c.fx_nodes[name], c.inputs[name] = grad, [c.alias[grad]]
 
 
 def _resolve_pins(graph: JointGraph, pins: dict[str, Layout], mesh_shape) -> dict[str, Layout]:

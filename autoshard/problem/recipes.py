@@ -14,7 +14,7 @@ from torch import nn
 
 from autoshard.layout import Layout
 
-# torchtitan's llama3 FSDP+TP recipe on a (dp, tp) mesh (see shared ANCHORS.md): column-wise
+# torchtitan's llama3 FSDP+TP recipe on a (dp, tp) mesh: column-wise
 # weights, embedding and output are sharded on dim 0 by tp first, then by FSDP on dp; row-wise wo/w2
 # have dim 1 on tp and dim 0 on dp; norms are sharded by FSDP only.
 FSDP_TP_2D = {
