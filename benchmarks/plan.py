@@ -128,10 +128,6 @@ def speed(quick: bool = False) -> list[dict]:
     return rows
 
 
-# The first published planner's figures for the whole command: process start to exit, median of 3.
-COMMAND_BEFORE = {("llama3-8b", (8, 8)): 15.4, ("llama3-70b", (64, 8)): 16.7}
-
-
 def command_wall(quick: bool = False, repeats: int = 3) -> list[dict]:
     """`python -m autoshard plan` as a user runs it, process start to exit, median of `repeats`:
     without the dry run (target 8B (8,8) <= 10 s, 70B (64,8) <= 12 s) and with it (<= 5 s more)."""
@@ -143,7 +139,7 @@ def command_wall(quick: bool = False, repeats: int = 3) -> list[dict]:
     cases = [("llama3-tiny", (2, 2), 8, 64)] if quick else [("llama3-8b", (8, 8), 8, 8192),
                                                               ("llama3-70b", (64, 8), 64, 8192)]
     print("\nThe plan command, process start to exit (median of %d)" % repeats)
-    print(f"{'case':<26}{'--no-dry-run s':>15}{'with dry run s':>16}{'first wave s':>14}")
+    print(f"{'case':<26}{'--no-dry-run s':>15}{'with dry run s':>16}")
     rows = []
     for model, mesh, batch, seq in cases:
         walls = {}
@@ -151,7 +147,7 @@ def command_wall(quick: bool = False, repeats: int = 3) -> list[dict]:
             times = []
             for _ in range(repeats):
                 with tempfile.TemporaryDirectory() as out:
-                    # the planning the first wave timed: no memory limit (70B fp32 does not fit 80 GB)
+                    # planning alone: no memory limit (70B fp32 does not fit 80 GB)
                     cmd = [sys.executable, "-m", "autoshard", "plan", "--model", model, "--mesh",
                            "x".join(map(str, mesh)), "--batch", str(batch), "--seq", str(seq), "--out", out,
                            "--memory-limit", "none"]
@@ -160,11 +156,9 @@ def command_wall(quick: bool = False, repeats: int = 3) -> list[dict]:
                                    capture_output=True)
                     times.append(time.perf_counter() - start)
             walls[dry] = statistics.median(times)
-        before = COMMAND_BEFORE.get((model, mesh))
-        print(f"{model + ' ' + str(mesh):<26}{walls[False]:>15.1f}{walls[True]:>16.1f}"
-              f"{before if before else '-':>14}", flush=True)
+        print(f"{model + ' ' + str(mesh):<26}{walls[False]:>15.1f}{walls[True]:>16.1f}", flush=True)
         rows.append(dict(model=model, mesh=mesh, batch=batch, seq=seq, no_dry_run_s=walls[False],
-                         dry_run_s=walls[True], first_wave_s=before))
+                         dry_run_s=walls[True]))
     return rows
 
 

@@ -145,10 +145,9 @@ def _speed_table(speed: list[dict]) -> str:
 
 
 def _command_table(command: list[dict]) -> str:
-    rows = ["| case | `plan --no-dry-run` s | `plan` (with dry run) s | first published planner s |",
-            "|---|---|---|---|"]
+    rows = ["| case | `plan --no-dry-run` s | `plan` (with dry run) s |", "|---|---|---|"]
     rows += [f"| {r['model']} {tuple(r['mesh'])}, batch {r['batch']} | {r['no_dry_run_s']:.1f} | "
-             f"{r['dry_run_s']:.1f} | {r['first_wave_s'] if r['first_wave_s'] else '-'} |" for r in command]
+             f"{r['dry_run_s']:.1f} |" for r in command]
     return "\n".join(rows)
 
 
