@@ -283,9 +283,10 @@ class AutoShard:
             return explain(self.sharding, self.plan, self.planner, fqn, top=top, max_solves=max_solves,
                            backend=self.config.backend, time_limit=self.config.time_limit)
 
-    def apply(self, plan: Plan | None = None, *, prefetch: int = 1) -> ParallelModule:
+    def apply(self, plan: Plan | None = None, *, prefetch: int = 1, seed: int = 0) -> ParallelModule:
         """The parallel module of `plan` (default: the last `optimize()` result) on this mesh.
-        Bucketed gathers and gradient reductions run up to `prefetch` buckets ahead (0: none)."""
+        Bucketed gathers and gradient reductions run up to `prefetch` buckets ahead (0: none).
+        Its random ops (dropout) draw from `seed`: the same values on every rank holding a value."""
         plan = plan if plan is not None else self.plan
         if plan is None:
             raise ValueError("nothing to apply: call optimize() first or pass a plan")
@@ -293,7 +294,7 @@ class AutoShard:
             raise TypeError(f"applying a plan needs a DeviceMesh, got mesh shape {self.mesh_shape}; "
                             "planning alone works with a shape")
         with self._stage("apply"):
-            return parallelize(plan, self.mesh, self.model, prefetch=prefetch, compile=self.compile)
+            return parallelize(plan, self.mesh, self.model, prefetch=prefetch, compile=self.compile, seed=seed)
 
     def dry_run(self, plan: Plan | None = None) -> DryRunResult:
         """Run rank 0's program of `plan` (default: the last `optimize()` result) on fake tensors
@@ -328,11 +329,13 @@ def auto_shard(
     input_layouts: Sequence[Layout | str | None] = (),
     pins: Mapping[str, Layout | str] | None = None,
     memory_budget: float | None = None,
+    seed: int = 0,
     **options: Any,
 ) -> ParallelModule:
     """Plan and apply in one call: the parallel module for `model` on the DeviceMesh `mesh`.
     `options` go to `AutoShard` (config, n_model_inputs, network, device, unroll, mp_policy, recompute,
-    reshard_after_forward, compile). Under torchrun, rank 0 solves for every rank."""
+    reshard_after_forward, compile). Under torchrun, rank 0 solves for every rank. Random ops
+    (dropout) draw from `seed`, the same values on every rank holding a value."""
     with AutoShard(model, input_fn, mesh, loss_fn=loss_fn, **options) as auto:
         if input_layouts:
             auto.constrain_inputs(*input_layouts)
@@ -340,4 +343,4 @@ def auto_shard(
             auto.pin(pins)
         auto.memory_budget(memory_budget)
         auto.optimize()
-        return auto.apply()
+        return auto.apply(seed=seed)

@@ -29,6 +29,7 @@ from torch import fx, nn
 from autoshard.program.collectives import dim_order, prepare_groups
 from autoshard.program.buckets import bucket, overlap
 from autoshard.program.modules import AWAIT, LOCAL_SHAPE, AwaitBucket, Bucket, Redistribute
+from autoshard.program.random import RandomStream, SeededOp, is_random, shard_key
 from autoshard.layout import Layout
 from autoshard.problem.plan import Plan
 from autoshard.program.schedule import StepModel, model_step
@@ -73,6 +74,7 @@ class Program:
     input_shapes: list[tuple[tuple[int, ...], Layout]]  # (global shape, layout) per user input
     comm: CommStats
     step: StepModel  # modeled step time on two streams, as this program overlaps its collectives
+    random: RandomStream = field(default_factory=RandomStream)  # the seed and step its random ops draw from
 
 
 def lower(plan: Plan, mesh: Any, prefetch: int = 1) -> Program:
@@ -86,18 +88,20 @@ def lower(plan: Plan, mesh: Any, prefetch: int = 1) -> Program:
         raise ValueError("the plan runs collectives over several mesh dims at once, which needs a DeviceMesh "
                          "with mesh_dim_names (init_device_mesh(..., mesh_dim_names=('dp', 'tp')))")
     prepare_groups([r.plan for r in plan.redistributions], mesh)
-    joint, modules = _local_joint_graph(plan, mesh)
+    stream = RandomStream()
+    joint, modules = _local_joint_graph(plan, mesh, stream)
     bucket(plan, joint, modules, mesh)
     forward, backward, comm = _split(plan, joint, modules, prefetch)
     graph = plan.graph
     inputs = [(tuple(n.meta["val"].shape), lay) for n, lay in zip(graph.inputs, plan.input_layouts)]
     return Program(forward, backward, list(graph.params), list(graph.buffers), inputs, comm,
-                   model_step(plan, [forward, backward]))
+                   model_step(plan, [forward, backward]), stream)
 
 
 # ---------------------------------------------------------------------------------- the local joint graph
-def _local_joint_graph(plan: Plan, mesh: Any) -> tuple[fx.Graph, dict[str, nn.Module]]:
+def _local_joint_graph(plan: Plan, mesh: Any, stream: RandomStream) -> tuple[fx.Graph, dict[str, nn.Module]]:
     graph = plan.graph
+    coordinate = mesh.get_coordinate()
     ms = plan.mesh_shape
     by_edge = {(r.consumer, r.slot): r for r in plan.redistributions}
     out = fx.Graph()
@@ -135,7 +139,10 @@ def _local_joint_graph(plan: Plan, mesh: Any) -> tuple[fx.Graph, dict[str, nn.Mo
             if node.target in _SIZE_ARG:
                 i = _SIZE_ARG[node.target]
                 args = args[:i] + (list(shapes),) + args[i + 1:]
-            new = out.call_function(node.target, args, kwargs)
+            target = node.target
+            if is_random(target):  # drawn as DTensor would: the same on every rank holding its shard
+                target = SeededOp(target, stream, shard_key(node, strategy.outputs[0], coordinate), mesh.device_type)
+            new = out.call_function(target, args, kwargs)
             new.meta[LOCAL_SHAPE] = shapes
         new.meta["autoshard_source"] = node
         env[node] = new

@@ -33,6 +33,7 @@ from torch import nn
 from autoshard import _torch_compat as tc
 from autoshard.layout import Layout
 from autoshard.program.lower import CheckedRun, CommStats, Program, lower
+from autoshard.program.random import RandomStream
 from autoshard.problem.plan import Plan
 
 
@@ -74,7 +75,8 @@ class ParallelModule(nn.Module):
     """Runs one training step's forward (returning the loss) on this rank's shards; `backward()`
     of the loss fills `.grad` of every DTensor parameter in its planned layout."""
 
-    def __init__(self, plan: Plan, mesh: Any, template: nn.Module, program: Program, *, compile: bool = False):
+    def __init__(self, plan: Plan, mesh: Any, template: nn.Module, program: Program, *, compile: bool = False,
+                 seed: int = 0):
         super().__init__()
         if not isinstance(compile, bool):
             raise TypeError(f"compile must be True or False, got {compile!r}")
@@ -85,6 +87,7 @@ class ParallelModule(nn.Module):
         self.comm: CommStats = program.comm
         object.__setattr__(self, "_template", template)  # kept out of the module tree
         object.__setattr__(self, "program", program)
+        program.random.seed = seed
         self._checked = {"forward": False, "backward": False}
         self.compiled = compile  # (`compile` is nn.Module's method)
         self.compile_stats: dict[str, CompileStats] = {}
@@ -170,8 +173,15 @@ class ParallelModule(nn.Module):
         return tuple(out)
 
     # ------------------------------------------------------------------ running
+    @property
+    def random(self) -> RandomStream:
+        """What the program's random ops draw from: the run's `seed` and the `step`, the number of
+        forward calls so far (a resumed run sets it to the step it resumes from)."""
+        return self.program.random
+
     def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
         self._check_inputs(inputs)
+        self.program.random.step += 1
         params = [self._tensor(f).to_local() for f in self.program.param_names]
         buffers = [self._tensor(f).to_local() for f in self.program.buffer_names]
         if not torch.is_grad_enabled():
@@ -214,12 +224,14 @@ class ParallelModule(nn.Module):
                                  f"{layout} on mesh {self.plan.mesh_shape}), got {got}")
 
 
-def parallelize(plan: Plan, mesh: Any, model: nn.Module, prefetch: int = 1, *, compile: bool = False) -> ParallelModule:
+def parallelize(plan: Plan, mesh: Any, model: nn.Module, prefetch: int = 1, *, compile: bool = False,
+                seed: int = 0) -> ParallelModule:
     """The parallel module of `plan` on `mesh`; values are copied from `model` unless it is on meta.
     Bucketed collectives run up to `prefetch` buckets ahead (0: each waited on where it is launched).
-    `compile=True`: its program runs through torch.compile from the second step on."""
+    `compile=True`: its program runs through torch.compile from the second step on. `seed`: what
+    its random ops (dropout) draw from, the same on every rank (`autoshard.program.random`)."""
     program = lower(plan, mesh, prefetch)
-    pmodel = ParallelModule(plan, mesh, model, program, compile=compile)
+    pmodel = ParallelModule(plan, mesh, model, program, compile=compile, seed=seed)
     params = dict(model.named_parameters()) | dict(model.named_buffers())
     if not any(t.is_meta for t in params.values()):
         pmodel.load_full(params)
