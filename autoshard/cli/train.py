@@ -13,10 +13,13 @@ check that they hold the same plan.
 Rank 0 dry-runs its program on fake tensors (every rank holds the same local shapes) and logs the
 peak memory per rank, then writes `sharding.log`, `report.html` and `plan.json` (reusable as
 `--plan-file`, with that memory section), one `metrics.jsonl` row per step, and distributed
-checkpoints every `--checkpoint-every` steps (written to a temporary directory, renamed when
-complete); at the end it rewrites report.html with the loss and tokens/s curves. `--resume`
-continues from the newest complete checkpoint with the losses an uninterrupted run would have had:
-the data is a pure function of (seed, step).
+checkpoints every `--checkpoint-every` steps (asynchronously, written to a temporary directory and
+renamed when complete; the newest `--keep-checkpoints` kept); at the end it rewrites report.html
+with the loss and tokens/s curves. A run whose --out holds checkpoints continues from the newest one
+that loads (`--resume auto`, the default; a torchrun restart does the same) with the losses an
+uninterrupted run would have had: the data is a pure function of (seed, step). SIGTERM or SIGUSR1
+finishes the step, checkpoints it and exits with 128 + the signal's number; a non-finite loss stops
+the run with one error line naming the newest good checkpoint.
 `--wire-step K` meters step K's collectives on every rank (`autoshard.runtime.wire`: ring-model bytes per
 rank, measured the same way as any other program) and adds them to that step's metrics row;
 `--memory-step K` measures step K's live memory on every rank with torch's MemTracker, beside the
@@ -37,6 +40,7 @@ import torch.distributed as dist
 from autoshard.cli.args import RaisingArgumentParser, add_dataclass_arguments
 from autoshard.options import UsageError, from_values
 from autoshard.train.loop import train
+from autoshard.train.signals import Preempted
 from autoshard.train.settings import Settings
 
 
@@ -60,6 +64,10 @@ def main(argv: list[str] | None = None) -> int:
     handlers, level = root.handlers[:], root.level  # train configures logging for its run; put it back
     try:
         train(_parse(argv))
+    except Preempted as stop:  # checkpointed: the same command resumes
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(stop, file=sys.stderr)
+        return 128 + stop.signum  # the shell's code for "ended by this signal": not a finished run
     except ValueError as e:  # UsageError, unknown model, infeasible constraints...
         # usage errors are the same on every rank (checked alike, or broadcast from rank 0): print once
         if int(os.environ.get("RANK", "0")) == 0 or not isinstance(e, UsageError):

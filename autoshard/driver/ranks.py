@@ -65,6 +65,7 @@ class SavedSolution:
     fingerprint: str
     solution: str  # Solution.to_json()
     source: str
+    required: bool = True  # made for another problem: an error (else solved afresh)
 
 
 def solution_hash(plan: Plan) -> str:
@@ -92,6 +93,9 @@ class RankZeroPlanning:
         answer: tuple[str, str] = ("", "")
         if dist.get_rank() == 0:
             saved = self.saved
+            if saved is not None and saved.fingerprint != fingerprint and not saved.required:
+                log.info("autoshard: %s was made for another problem; solving", saved.source)
+                saved = None
             if saved is not None and saved.fingerprint != fingerprint:
                 answer = ("error", f"{saved.source} was made for another problem (fingerprint {saved.fingerprint}, "
                                    f"this run's is {fingerprint}): different model, shapes, mesh, profiles or "

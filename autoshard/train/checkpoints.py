@@ -1,52 +1,168 @@
-"""Distributed checkpoints of a training run (torch's DCP): `RUN/checkpoints/step-NNNNNN/`, written to
-a temporary directory and renamed when complete, so a checkpoint directory is either complete or
-absent."""
+"""Distributed checkpoints of a training run (torch's DCP): `RUN/checkpoints/step-NNNNNN/`.
+
+A checkpoint is written to `step-NNNNNN.tmp/` and renamed once every rank's part and DCP's
+metadata are on disk, so a `step-*` directory is complete unless the disk lost it since. Saves
+are asynchronous by default (DCP's `async_save` on a process group of their own: the next steps
+run while it writes), at most one in flight; rank 0 renames a finished one and deletes the oldest
+beyond `keep`. Resuming takes the newest checkpoint that loads, warning about any it skips.
+"""
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import shutil
+from concurrent.futures import Future
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch.distributed as dist
 
+log = logging.getLogger("autoshard")
+
 _CKPT = re.compile(r"^step-(\d+)$")
+STEP_FILE = "step.json"  # written last, into the temporary directory: marks a finished save
 
 
-def latest_checkpoint(out: Path) -> tuple[int, Path] | None:
-    """(step, directory) of the newest complete checkpoint in run directory `out`."""
-    found = [(int(m.group(1)), p) for p in (out / "checkpoints").glob("step-*") if (m := _CKPT.match(p.name))]
-    return max(found) if found else None
+@dataclass(frozen=True)
+class Checkpoint:
+    """A complete checkpoint: its step, directory, and the torchrun job that wrote it (the run id
+    torchrun gives every attempt of one job; None outside torchrun)."""
+
+    step: int
+    path: Path
+    run_id: str | None = None
 
 
-def save_checkpoint(out: Path, step: int, pmodel, optim) -> None:
-    """Every rank calls this: the model's and the optimizer's state at `step`."""
-    import torch.distributed.checkpoint as dcp
+def checkpoints(out: Path) -> list[Checkpoint]:
+    """The complete checkpoints of run directory `out`, newest first."""
+    found = []
+    for path in (out / "checkpoints").glob("step-*"):
+        if (m := _CKPT.match(path.name)) and (path / STEP_FILE).is_file():
+            try:
+                run_id = json.loads((path / STEP_FILE).read_text()).get("run_id")
+            except (OSError, ValueError, AttributeError):
+                continue  # not one of ours, or damaged: not complete
+            found.append(Checkpoint(int(m.group(1)), path, run_id))
+    return sorted(found, key=lambda c: c.step, reverse=True)
+
+
+def latest_checkpoint(out: Path) -> Checkpoint | None:
+    """The newest complete checkpoint in run directory `out`."""
+    found = checkpoints(out)
+    return found[0] if found else None
+
+
+def _state(pmodel, optim) -> dict:
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    final = out / "checkpoints" / f"step-{step:06d}"
-    tmp = final.with_name(final.name + ".tmp")
-    if dist.get_rank() == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-    dist.barrier()
     model_state, optim_state = get_state_dict(pmodel, optim)
-    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(tmp))
-    dist.barrier()
-    if dist.get_rank() == 0:
-        (tmp / "step.json").write_text(json.dumps({"step": step}))
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)  # a checkpoint directory is either complete or absent
-    dist.barrier()
+    return {"model": model_state, "optim": optim_state}
 
 
 def load_checkpoint(path: Path, pmodel, optim) -> None:
-    """Every rank calls this: the model's and the optimizer's state from checkpoint `path`."""
+    """Every rank calls this: the model's and the optimizer's state from checkpoint `path`. A part
+    that cannot be read raises on every rank alike (DCP gathers the ranks' errors)."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.checkpoint.state_dict import set_state_dict
 
-    model_state, optim_state = get_state_dict(pmodel, optim)
-    state = {"model": model_state, "optim": optim_state}
+    state = _state(pmodel, optim)
     dcp.load(state, checkpoint_id=str(path))
     set_state_dict(pmodel, optim, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+
+def resume_newest(out: Path, pmodel, optim) -> Checkpoint | None:
+    """Every rank calls this: load the newest checkpoint of `out` that loads; one warning line per
+    one skipped. None when there is none; ValueError when there are some but none loads."""
+    from torch.distributed.checkpoint import CheckpointException  # a BaseException, not an Exception
+
+    found = checkpoints(out)
+    errors = []
+    for ckpt in found:
+        try:
+            load_checkpoint(ckpt.path, pmodel, optim)
+        except (Exception, CheckpointException) as err:  # noqa: BLE001 - also OSError, KeyError, RuntimeError...
+            reason = _reason(err)
+            errors.append(f"{ckpt.path.name}: {reason}")
+            log.warning("autoshard train: warning: checkpoint %s cannot be loaded (%s); trying the one before",
+                        ckpt.path, reason)
+            continue
+        return ckpt
+    if found:
+        raise ValueError(f"no checkpoint in {out / 'checkpoints'} can be loaded ({'; '.join(errors)})")
+    return None
+
+
+def _reason(err: BaseException) -> str:
+    """One line on why a checkpoint did not load: the last line of the first failing rank's error."""
+    failures = getattr(err, "failures", None)  # CheckpointException: rank -> (exception, traceback)
+    if failures:
+        rank, failure = next(iter(failures.items()))
+        first = failure[0] if isinstance(failure, tuple) else failure
+        return f"rank {rank}: {type(first).__name__}: {' '.join(str(first).split())[:160]}"
+    return f"{type(err).__name__}: {' '.join(str(err).split())[:160]}"
+
+
+class Checkpointer:
+    """Saves of one run, made by every rank alike. `keep`: complete checkpoints kept (0: all);
+    `asynchronous`: DCP's async_save on a gloo group of its own, at most one save in flight."""
+
+    def __init__(self, out: Path, keep: int, asynchronous: bool):
+        self.root = out / "checkpoints"
+        self.keep = keep
+        self.group = dist.new_group(backend="gloo") if asynchronous else None  # collective: every rank
+        self.pending: tuple[int, Path, Future] | None = None
+        if dist.get_rank() == 0:
+            self.root.mkdir(parents=True, exist_ok=True)
+            for stale in self.root.glob("step-*.tmp"):  # a save a killed run left unfinished
+                shutil.rmtree(stale, ignore_errors=True)
+        dist.barrier()
+
+    def save(self, step: int, pmodel, optim, *, wait: bool = False) -> None:
+        """Checkpoint `step` (the state after its optimizer step); `wait`: return only once it is
+        complete (the run stops after it)."""
+        import torch.distributed.checkpoint as dcp
+
+        if self.pending is not None and self.pending[0] == step:  # already being written
+            if wait:
+                self.finish()
+            return
+        self.finish()
+        tmp = self.root / f"step-{step:06d}.tmp"
+        if self.group is None or wait:
+            dcp.save(_state(pmodel, optim), checkpoint_id=str(tmp))
+            self._complete(step, tmp)
+        else:  # the state is staged (copied) now; the writing overlaps the next steps
+            future = dcp.async_save(_state(pmodel, optim), checkpoint_id=str(tmp), process_group=self.group)
+            self.pending = (step, tmp, future)
+
+    def poll(self) -> None:
+        """Complete a save that has finished writing (cheap; call once a step)."""
+        if self.pending is not None and self.pending[2].done():
+            self.finish()
+
+    def finish(self) -> None:
+        """Wait for the save in flight, if any, and complete it."""
+        if self.pending is not None:
+            step, tmp, future = self.pending
+            self.pending = None
+            future.result()  # on rank 0 this returns once every rank's part and the metadata are written
+            self._complete(step, tmp)
+
+    def _complete(self, step: int, tmp: Path) -> None:
+        if dist.get_rank() != 0:
+            return
+        (tmp / STEP_FILE).write_text(json.dumps({"step": step, "run_id": os.environ.get("TORCHELASTIC_RUN_ID")}))
+        final = tmp.with_name(f"step-{step:06d}")
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        if self.keep:
+            for old in checkpoints(self.root.parent)[self.keep:]:  # never the newest: keep >= 1
+                shutil.rmtree(old.path, ignore_errors=True)
+
+    @property
+    def newest(self) -> Checkpoint | None:
+        """The newest complete checkpoint (as rank 0 sees the directory)."""
+        return latest_checkpoint(self.root.parent)

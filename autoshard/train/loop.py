@@ -18,11 +18,12 @@ import json
 import logging
 import math
 import os
+import signal
 import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -39,12 +40,23 @@ from autoshard.report.text import summary_lines
 from autoshard.runtime.dryrun import DryRunResult
 from autoshard.runtime.module import ParallelModule
 from autoshard.runtime.wire import WireMeter, wire_row
-from autoshard.train.checkpoints import latest_checkpoint, load_checkpoint, save_checkpoint
+from autoshard.train.checkpoints import Checkpoint, Checkpointer, latest_checkpoint, resume_newest
 from autoshard.train.metrics import MetricsFile, memory_row, memory_tracker, peak_rss_mb, step_time_line
 from autoshard.train.settings import Settings
+from autoshard.train.signals import Preempted, StopSignals
 from autoshard.workloads import Workload, checkpoint_values, get_workload
 
 log = logging.getLogger("autoshard")
+
+
+@dataclass(frozen=True)
+class PlanFile:
+    """A plan.json to take the solution from (`required`: an error when it solves another problem,
+    else planning solves afresh)."""
+
+    data: dict
+    source: str
+    required: bool
 
 
 @dataclass
@@ -116,24 +128,43 @@ def _init_distributed(settings: Settings) -> tuple[Any, str]:
     if "RANK" in os.environ:
         if device == "cuda":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group(backend)
+        store = _restart_store()
+        if store is None:
+            dist.init_process_group(backend)
+        else:
+            dist.init_process_group(backend, store=store, rank=int(os.environ["RANK"]), world_size=world)
     else:
         store = dist.FileStore(os.path.join(tempfile.mkdtemp(prefix="autoshard-"), "store"), 1)
         dist.init_process_group(backend, store=store, rank=0, world_size=1)
     return init_device_mesh(device, settings.mesh, mesh_dim_names=settings.mesh_names), device
 
 
+def _restart_store() -> dist.Store | None:
+    """The store of a torchrun restart on one node: torchrun (torch 2.13) hands restarted workers
+    the store of the first attempt, where the process group would read the dead workers' addresses
+    (gloo: "connection refused"); keys under the attempt's own prefix avoid them. None otherwise:
+    a first attempt, or several nodes, whose restart counts differ (torch's store as it is)."""
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    one_node = os.environ.get("LOCAL_WORLD_SIZE") == os.environ.get("WORLD_SIZE")
+    if attempt == 0 or not one_node or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False)
+    return dist.PrefixStore(f"autoshard/attempt-{attempt}", store)
+
+
 # ---------------------------------------------------------------------------------- planning
-def _plan(settings: Settings, workload: Workload, mesh, saved: dict | None) -> PlannedRun:
+def _plan(settings: Settings, workload: Workload, mesh, plan_file: PlanFile | None) -> PlannedRun:
     """Plan on every rank (rank 0 solving and dry-running for all) and apply."""
     example = lambda: workload.example_inputs(settings.batch, settings.seq, "meta")  # noqa: E731
     model = workload.build("meta")
     # a plan file whose plan recomputes or reshards the blocks (the fit chose it) solves that problem
+    saved = plan_file.data if plan_file is not None else {}
     config = settings.replace(
-        recompute=settings.recompute or bool(((saved or {}).get("recompute") or {}).get("blocks")),
-        reshard_after_forward=settings.reshard_after_forward or bool(((saved or {}).get("reshard") or {}).get("blocks")))
-    planning = RankZeroPlanning(mesh, backend=config.backend, time_limit=config.time_limit, saved=None if saved is None
-                                else SavedSolution(saved["fingerprint"], saved["solution"], f"--plan-file {settings.plan_file}"))
+        recompute=settings.recompute or bool((saved.get("recompute") or {}).get("blocks")),
+        reshard_after_forward=settings.reshard_after_forward or bool((saved.get("reshard") or {}).get("blocks")))
+    planning = RankZeroPlanning(mesh, backend=config.backend, time_limit=config.time_limit, saved=None
+                                if plan_file is None else SavedSolution(saved["fingerprint"], saved["solution"],
+                                                                        plan_file.source, plan_file.required))
     with AutoShard(model, example, mesh, config=config, loss_fn=workload.loss_fn,
                    n_model_inputs=workload.n_model_inputs, compile=settings.compile) as auto:
         if settings.recipe is not None:
@@ -146,7 +177,7 @@ def _plan(settings: Settings, workload: Workload, mesh, saved: dict | None) -> P
             plan = auto.optimize(planning=planning)
         except MemoryLimitError as err:  # every rank reached it alike: one line, from rank 0
             raise UsageError(str(err)) from None
-        pmodel = auto.apply(plan, prefetch=settings.prefetch)
+        pmodel = auto.apply(plan, prefetch=settings.prefetch, seed=settings.seed)
     memory = auto.fit_dry_run  # fitting the memory limit dry-ran this very plan, or:
     if memory is None:
         memory = planning.dry_run(pmodel.program, plan)
@@ -168,51 +199,92 @@ def _write_report(settings: Settings, run: PlannedRun) -> None:
 
 
 # ---------------------------------------------------------------------------------- training
+def _resume_check(settings: Settings, out: Path) -> bool:
+    """Whether to look for a checkpoint of `out` to resume from; bad combinations raise (every
+    rank alike). `no` still resumes from checkpoints this very torchrun job wrote (a restart)."""
+    newest = latest_checkpoint(out)
+    if settings.resume == "yes" and newest is None:
+        raise UsageError(f"--resume: no complete checkpoint in {out / 'checkpoints'}")
+    if settings.resume == "no" and newest is not None:
+        job = os.environ.get("TORCHELASTIC_RUN_ID")
+        if job is None or newest.run_id != job:
+            raise UsageError(f"--resume no: {out / 'checkpoints'} holds an earlier run's checkpoints (newest step "
+                             f"{newest.step}); remove them, choose another --out, or resume (--resume auto)")
+    return newest is not None
+
+
 def train(settings: Settings) -> list[float]:
-    """Plan, apply and train; returns this run's per-step losses."""
+    """Plan, apply and train; returns this run's per-step losses. Raises `Preempted` when a
+    scheduler's signal stopped it (after a checkpoint)."""
     from models.train_single import TrainSettings, make_optimizer
 
     workload = _workload(settings)
     initial = _initial_values(settings, workload)  # every rank: a bad checkpoint fails them together
     out = Path(settings.out)
-    resume_from = latest_checkpoint(out) if settings.resume else None
-    if settings.resume and resume_from is None:
-        raise UsageError(f"--resume: no complete checkpoint in {out / 'checkpoints'}")
-    saved = _load_plan_file(settings.plan_file) if settings.plan_file else None  # every rank: fail together
+    resuming = _resume_check(settings, out)
+    if settings.plan_file:  # every rank reads it: fail together
+        saved = PlanFile(_load_plan_file(settings.plan_file), f"--plan-file {settings.plan_file}", required=True)
+    else:
+        saved = _own_plan(out) if resuming else None
     _check_profiles(settings)
-    mesh, device = _init_distributed(settings)
-    why = tc.inductor_unavailable(device) if settings.compile else None
-    if why is not None:  # every rank alike, before planning
-        raise UsageError(f"--compile: {why}")
-    rank = dist.get_rank()
-    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, format="%(message)s", force=True)
-    profiled = settings.with_default_profiles(device)  # profiles not named: those of where it runs
-    log.info("autoshard train: %s on mesh %s (%s), %s/%s profiles", settings.model,
-             "x".join(map(str, settings.mesh)), ",".join(settings.mesh_names), profiled.network,
-             profiled.device_profile)
+    with StopSignals() as signals:  # from here on a SIGTERM stops the run cleanly
+        mesh, device = _init_distributed(settings)
+        why = tc.inductor_unavailable(device) if settings.compile else None
+        if why is not None:  # every rank alike, before planning
+            raise UsageError(f"--compile: {why}")
+        rank = dist.get_rank()
+        logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, format="%(message)s", force=True)
+        profiled = settings.with_default_profiles(device)  # profiles not named: those of where it runs
+        log.info("autoshard train: %s on mesh %s (%s), %s/%s profiles", settings.model,
+                 "x".join(map(str, settings.mesh)), ",".join(settings.mesh_names), profiled.network,
+                 profiled.device_profile)
 
-    run = _plan(profiled, workload, mesh, saved)
-    if rank == 0:
-        _write_report(settings, run)
-    run.pmodel.load_full(initial)
-    del initial
-    optim = make_optimizer(run.pmodel.parameters(), TrainSettings(lr=settings.lr))
-    start_step = 0
-    if resume_from is not None:
-        load_checkpoint(resume_from[1], run.pmodel, optim)
-        start_step = resume_from[0]
-        log.info("autoshard train: resumed from %s (step %d)", resume_from[1], start_step)
-    metrics = MetricsFile(out, start_step if settings.resume else None)
-    losses = _steps(settings, workload, run, optim, metrics, start_step)
+        run = _plan(profiled, workload, mesh, saved)
+        if rank == 0:
+            _write_report(settings, run)
+        run.pmodel.load_full(initial)
+        del initial
+        optim = make_optimizer(run.pmodel.parameters(), TrainSettings(lr=settings.lr))
+        start = _resume(out, run, optim) if resuming else None
+        start_step = start.step if start is not None else 0
+        run.pmodel.random.step = start_step  # random ops draw what an uninterrupted run draws
+        metrics = MetricsFile(out, start_step if start is not None else None)
+        asynchronous = settings.checkpoint_writes == "async" or (settings.checkpoint_writes == "auto" and device == "cuda")
+        checkpointer = Checkpointer(out, settings.keep_checkpoints, asynchronous)
+        try:
+            losses = _steps(settings, workload, run, optim, metrics, checkpointer, signals, start_step)
+        finally:
+            checkpointer.finish()  # a save in flight completes, whatever stopped the steps
     dist.barrier()  # nobody tears the process group down while a peer still talks
     if rank == 0:
         _finish(settings, run, metrics, bool(losses))
     return losses
 
 
+def _own_plan(out: Path) -> PlanFile | None:
+    """The run's own plan.json, reused on resume when it solves the same problem (the same plan
+    gives the same losses); ignored when unreadable or made for another problem."""
+    try:
+        return PlanFile(_load_plan_file(str(out / JSON_NAME)), f"{out / JSON_NAME} (resuming)", required=False)
+    except UsageError:
+        return None
+
+
+def _resume(out: Path, run: PlannedRun, optim) -> Checkpoint | None:
+    """Load the newest checkpoint that loads (every rank); None when there is none."""
+    try:
+        found = resume_newest(out, run.pmodel, optim)
+    except ValueError as err:
+        raise UsageError(str(err)) from None
+    if found is not None:
+        log.info("autoshard train: resumed from %s (step %d)", found.path, found.step)
+    return found
+
+
 def _steps(settings: Settings, workload: Workload, run: PlannedRun, optim, metrics: MetricsFile,
-           start_step: int) -> list[float]:
-    """Steps start_step + 1 .. settings.steps: one metrics row each, checkpoints as asked."""
+           checkpointer: Checkpointer, signals: StopSignals, start_step: int) -> list[float]:
+    """Steps start_step + 1 .. settings.steps: one metrics row each, checkpoints as asked; stops
+    early on a non-finite loss (UsageError) or a scheduler's signal (Preempted)."""
     pmodel, plan = run.pmodel, run.plan
     data = workload.data(settings.data_seed)
     losses = []
@@ -233,8 +305,11 @@ def _steps(settings: Settings, workload: Workload, run: PlannedRun, optim, metri
             optim.zero_grad(set_to_none=True)
             value = loss.item()
         elapsed = time.perf_counter() - t0
-        peaks = [None] * dist.get_world_size()
-        dist.all_gather_object(peaks, round(peak_rss_mb(), 1))
+        gathered = [None] * dist.get_world_size()  # (peak RSS, a stop signal) of every rank
+        dist.all_gather_object(gathered, (round(peak_rss_mb(), 1), signals.received))
+        peaks = [peak for peak, _ in gathered]
+        if not math.isfinite(value):  # the same loss on every rank: all stop here, nothing saved
+            _broken(step, f"the loss is {value}", checkpointer)
         losses.append(value)
         row = {"step": step, "loss": value, "step_s": elapsed, "tokens_per_s": tokens / elapsed,
                "peak_rss_mb_per_rank": peaks, "modeled_step_s": plan.step_time_s,
@@ -245,13 +320,48 @@ def _steps(settings: Settings, workload: Workload, run: PlannedRun, optim, metri
         if tracker is not None:
             row |= memory_row(tracker, run.memory)  # every rank takes part
         row |= _compile_entry(pmodel, reported, step)
+        stop = max(signum for _, signum in gathered)
+        if settings.checkpoint_every and step % settings.checkpoint_every == 0:
+            _check_finite(step, pmodel, checkpointer)  # a checkpoint never holds a broken state
+            t1 = time.perf_counter()
+            checkpointer.save(step, pmodel, optim)
+            row["checkpoint_s"] = time.perf_counter() - t1  # what the step loop waited (async: the staging)
+        checkpointer.poll()
         metrics.append(row)
         log.info("step %4d/%d  loss %.4f  %8.0f tok/s  peak rss %.0f MiB  step %.1f ms (modeled %.1f, x%.2f)",
                  step, settings.steps, value, tokens / elapsed, max(peaks), elapsed * 1e3, plan.step_time_s * 1e3,
                  plan.step_time_s / elapsed)
-        if settings.checkpoint_every and step % settings.checkpoint_every == 0:
-            save_checkpoint(Path(settings.out), step, pmodel, optim)
+        if stop:
+            _stop(step, stop, settings, checkpointer, pmodel, optim)
     return losses
+
+
+def _broken(step: int, what: str, checkpointer: Checkpointer) -> NoReturn:
+    """Stop the run (every rank alike) naming the newest good checkpoint."""
+    checkpointer.finish()
+    newest = checkpointer.newest
+    raise UsageError(f"step {step}: {what}; the newest good checkpoint is "
+                     f"{newest.path if newest else 'none (no checkpoint written)'}")
+
+
+def _check_finite(step: int, pmodel: ParallelModule, checkpointer: Checkpointer) -> None:
+    """Every rank: stop (naming the newest good checkpoint) unless every parameter shard is finite."""
+    shards = [p.to_local() for p in pmodel.parameters()]
+    flag = torch.tensor([int(all(bool(torch.isfinite(t).all()) for t in shards))], device=shards[0].device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    if not flag.item():
+        _broken(step, "the parameters hold non-finite values", checkpointer)
+
+
+def _stop(step: int, signum: int, settings: Settings, checkpointer: Checkpointer, pmodel, optim) -> None:
+    """A rank got a scheduler's signal: every rank checkpoints this step and raises Preempted."""
+    name = signal.Signals(signum).name
+    log.info("autoshard train: %s received; checkpointing step %d", name, step)
+    _check_finite(step, pmodel, checkpointer)
+    checkpointer.save(step, pmodel, optim, wait=True)
+    path = Path(settings.out) / "checkpoints" / f"step-{step:06d}"
+    raise Preempted(signum, f"autoshard train: stopped by {name} after step {step}; checkpoint {path} "
+                            "(the same command resumes from it)")
 
 
 def _compile_entry(pmodel: ParallelModule, reported: set[str], step: int) -> dict:

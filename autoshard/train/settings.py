@@ -9,6 +9,10 @@ from autoshard.driver.config import PlanConfig, mesh_names
 from autoshard.options import BATCH, INIT_FROM, MODEL, OUT, SEQ, redefault, setting
 
 
+RESUME_MODES = ("auto", "yes", "no")
+CHECKPOINT_WRITES = ("auto", "async", "sync")
+
+
 @dataclass(frozen=True)
 class Settings(PlanConfig):
     """`PlanConfig` (mesh, profiles, precision, memory...) plus the run. A bad value raises
@@ -20,7 +24,8 @@ class Settings(PlanConfig):
     seq: int = setting(64, SEQ)
     steps: int = setting(50, type=int, help="train until this step")
     lr: float = setting(3e-3, type=float)
-    seed: int = setting(0, type=int, help="weight init seed")
+    seed: int = setting(0, type=int, help="the run's seed: weight init, and what random ops (dropout) draw from, "
+                                          "the same on every rank holding a value")
     init_from: str | None = setting(None, INIT_FROM)
     data_seed: int = setting(0, type=int)
     compile: bool = setting(False, help="run the program's forward and backward through torch.compile (inductor) "
@@ -34,7 +39,16 @@ class Settings(PlanConfig):
                                               "buckets ahead of their use, overlapping compute (0: wait on each "
                                               "where it is launched)")
     checkpoint_every: int = setting(0, type=int, help="checkpoint every K steps (0: never)")
-    resume: bool = setting(False, help="continue from the newest checkpoint in --out")
+    keep_checkpoints: int = setting(3, type=int, help="keep the newest K complete checkpoints, deleting older ones "
+                                                      "(0: keep all)")
+    checkpoint_writes: str = setting("auto", choices=CHECKPOINT_WRITES,
+                                     help="async: write checkpoints in the background while the next steps run "
+                                          "(one at a time); sync: before the next step; auto: async on GPUs, sync "
+                                          "on CPU (where the writing competes with the step for the cores)")
+    resume: str = setting("auto", nargs="?", const="yes", choices=RESUME_MODES,
+                          help="auto: continue from the newest checkpoint in --out that loads, if there is one (also "
+                               "what a torchrun restart does); yes (or a bare --resume): there must be one; no: start "
+                               "over, refusing to mix with an earlier run's checkpoints")
     wire_step: int = setting(0, type=int,
                              help="meter step K's collectives into its metrics row (slows that step; 0: never)")
     memory_step: int = setting(0, type=int, help="measure step K's live tensor memory on every rank with torch's "
@@ -48,6 +62,8 @@ class Settings(PlanConfig):
         if self.steps < 1:
             raise ValueError(f"--steps must be >= 1, got {self.steps}")
         self.check_batch(self.batch)
-        for name in ("checkpoint_every", "wire_step", "memory_step", "prefetch"):
+        if self.resume not in RESUME_MODES:
+            raise ValueError(f"--resume must be one of {', '.join(RESUME_MODES)}, got {self.resume!r}")
+        for name in ("checkpoint_every", "keep_checkpoints", "wire_step", "memory_step", "prefetch"):
             if getattr(self, name) < 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")

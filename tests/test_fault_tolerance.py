@@ -1,0 +1,159 @@
+"""Runs that survive: resuming by itself (a restart, a rerun), preemption by SIGTERM, retention,
+skipping a damaged checkpoint, stopping on a non-finite loss, and torchrun restarts after SIGKILLs."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from autoshard.cli.train import main
+from benchmarks.fault import survive
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ["--model", "llama3-tiny", "--batch", "8", "--seq", "16", "--mesh", "1"]
+
+
+def losses(run: Path) -> dict[int, float]:
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    steps = [r["step"] for r in rows]
+    assert steps == sorted(set(steps)), f"duplicated or unordered steps {steps}"
+    return {r["step"]: r["loss"] for r in rows}
+
+
+def train(*args: str) -> subprocess.CompletedProcess:
+    """`python -m autoshard train` as its own process, one thread (same numerics in every run)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    return subprocess.run([sys.executable, "-m", "autoshard", "train", *TINY, *args], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+
+
+def kept(run: Path) -> list[str]:
+    return sorted(p.name for p in (run / "checkpoints").iterdir())
+
+
+def test_sigterm_finishes_the_step_checkpoints_and_the_same_command_resumes_exactly(tmp_path):
+    """SIGTERM mid-run: the step finishes, its checkpoint is written, the exit code is 128 + 15 with
+    one line naming it; the same command again resumes there and every step's loss equals an
+    uninterrupted run's, one metrics row per step."""
+    args = ["--steps", "60", "--checkpoint-every", "25"]
+    clean = train(*args, "--out", str(tmp_path / "clean"))
+    assert clean.returncode == 0, clean.stderr[-3000:]
+    out = tmp_path / "stopped"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    proc = subprocess.Popen([sys.executable, "-m", "autoshard", "train", *TINY, *args, "--out", str(out)], env=env,
+                            cwd=ROOT, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+    lines = []
+    for line in proc.stderr:
+        lines.append(line)
+        if line.startswith("step    3/"):
+            proc.send_signal(signal.SIGTERM)
+            break
+    err = "".join(lines) + proc.stderr.read()
+    assert proc.wait(timeout=120) == 128 + signal.SIGTERM, err[-3000:]
+    (stop_line,) = [x for x in err.splitlines() if "stopped by SIGTERM" in x]
+    step = int(stop_line.split("after step ")[1].split(";")[0])
+    assert 3 <= step < 25 and f"checkpoint {out / 'checkpoints' / f'step-{step:06d}'}" in stop_line
+    assert kept(out) == [f"step-{step:06d}"] and "Traceback" not in err
+    again = train(*args, "--out", str(out))
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"resumed from {out / 'checkpoints' / f'step-{step:06d}'} (step {step})" in again.stderr
+    assert losses(out) == losses(tmp_path / "clean")
+
+
+def test_retention_keeps_the_newest_k_and_a_rerun_resumes_by_itself(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main([*TINY, "--steps", "9", "--checkpoint-every", "2", "--keep-checkpoints", "2", "--checkpoint-writes",
+                 "async", "--out", str(out)]) == 0
+    assert kept(out) == ["step-000006", "step-000008"]
+    first = losses(out)
+    assert main([*TINY, "--steps", "11", "--checkpoint-every", "2", "--keep-checkpoints", "0",
+                 "--checkpoint-writes", "sync", "--out", str(out)]) == 0  # --resume auto: from step 8
+    assert "resumed from" in capsys.readouterr().err
+    assert kept(out) == ["step-000006", "step-000008", "step-000010"]
+    again = losses(out)
+    assert list(again) == list(range(1, 12)) and all(again[s] == first[s] for s in range(1, 9))
+
+
+def test_a_damaged_newest_checkpoint_is_skipped_with_one_warning(tmp_path, capsys):
+    """The newest checkpoint's data truncated: one warning line naming it, the one before is loaded,
+    and the steps after it repeat the first run's losses exactly."""
+    out = tmp_path / "run"
+    assert main([*TINY, "--steps", "8", "--checkpoint-every", "3", "--keep-checkpoints", "0", "--out", str(out)]) == 0
+    first = losses(out)
+    for part in (out / "checkpoints" / "step-000006").glob("*.distcp"):
+        part.write_bytes(part.read_bytes()[: part.stat().st_size // 3])
+    capsys.readouterr()
+    assert main([*TINY, "--steps", "8", "--checkpoint-every", "3", "--out", str(out)]) == 0
+    err = capsys.readouterr().err
+    warnings = [x for x in err.splitlines() if "warning" in x]
+    assert len(warnings) == 1 and f"{out / 'checkpoints' / 'step-000006'} cannot be loaded" in warnings[0], err
+    assert f"resumed from {out / 'checkpoints' / 'step-000003'} (step 3)" in err
+    assert losses(out) == first
+
+
+def test_a_non_finite_loss_stops_with_one_error_line_and_saves_nothing_of_it(tmp_path, capsys):
+    out = tmp_path / "run"
+    code = main([*TINY, "--steps", "8", "--lr", "1e30", "--checkpoint-every", "1", "--out", str(out)])
+    err = capsys.readouterr().err
+    errors = [x for x in err.splitlines() if x.startswith("error:")]
+    assert code == 2 and "Traceback" not in err
+    assert errors == [f"error: step 2: the loss is nan; the newest good checkpoint is "
+                      f"{out / 'checkpoints' / 'step-000001'}"]
+    assert kept(out) == ["step-000001"] and list(losses(out)) == [1]
+
+
+def test_non_finite_parameters_are_never_checkpointed(tmp_path, capsys, monkeypatch):
+    """An optimizer that breaks a parameter at step 3 (the loss of step 3 is still finite): the
+    checkpoint of step 3 is refused with one error line and step 2's stays the newest."""
+    import models.train_single as single
+
+    make = single.make_optimizer
+
+    def breaking(params, settings):
+        optim = make(params, settings)
+        step = optim.step
+
+        def broken_step(*a, **k):
+            result = step(*a, **k)
+            if optim.state[optim.param_groups[0]["params"][0]]["step"] == 3:
+                with __import__("torch").no_grad():
+                    optim.param_groups[0]["params"][0].fill_(float("nan"))
+            return result
+        optim.step = broken_step
+        return optim
+
+    monkeypatch.setattr(single, "make_optimizer", breaking)
+    out = tmp_path / "run"
+    code = main([*TINY, "--steps", "6", "--checkpoint-every", "1", "--out", str(out)])
+    err = capsys.readouterr().err
+    assert code == 2 and [x for x in err.splitlines() if x.startswith("error:")] == [
+        f"error: step 3: the parameters hold non-finite values; the newest good checkpoint is "
+        f"{out / 'checkpoints' / 'step-000002'}"]
+    assert kept(out)[-1] == "step-000002"
+
+
+def test_resume_no_refuses_an_earlier_runs_checkpoints(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main([*TINY, "--steps", "2", "--checkpoint-every", "2", "--out", str(out)]) == 0
+    capsys.readouterr()
+    assert main([*TINY, "--steps", "4", "--resume", "no", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.splitlines() == [f"error: --resume no: {out / 'checkpoints'} holds an earlier run's checkpoints "
+                                "(newest step 2); remove them, choose another --out, or resume (--resume auto)"]
+
+
+@pytest.mark.slow
+def test_torchrun_restarts_after_sigkills_continue_with_the_same_losses():
+    """4 gloo ranks (2,2), 20 steps, checkpoints every 4 written in the background: a random rank
+    SIGKILLed at two steps (maybe mid-write) under --max-restarts 2; torchrun exits 0 and every
+    step's loss equals the uninterrupted run's."""
+    figures = survive(steps=20, checkpoint_every=4, kills=2, seed=1, extra=("--checkpoint-writes", "async"))
+    assert figures["clean_returncode"] == 0 and figures["returncode"] == 0, figures["stderr_tail"]
+    assert len(figures["killed_at"]) == 2 and figures["rows"] == 20
+    assert figures["differing_steps"] == []
