@@ -4,6 +4,7 @@
   train  distributed training (autoshard.cli.train)
   calibrate  measure the network and device into a profile file (autoshard.cli.calibrate)
   report rebuild RUN_DIR/report.html from its plan.json and metrics.jsonl (autoshard.cli.report)
+  export a training run's checkpoint as a Hugging Face model directory (autoshard.cli.export)
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import NoReturn, Sequence
 
 from autoshard.cli.args import ArgumentParser
 from autoshard.cli.plan import add_plan_arguments, run_plan
+from autoshard.cli.export import add_export_arguments, run_export
 from autoshard.cli.report import add_report_arguments, run_report
 
 
@@ -37,7 +39,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if argv and argv[0] == "calibrate":
         return _calibrate(argv[1:])
     parser = ArgumentParser(prog="python -m autoshard", description="autoshard: automatic FSDP+TP planning")
-    commands = parser.add_subparsers(dest="command", required=True, metavar="{plan,train,calibrate,report}",
+    commands = parser.add_subparsers(dest="command", required=True, metavar="{plan,train,calibrate,report,export}",
                                      parser_class=ArgumentParser)
     plan = commands.add_parser("plan", help="plan a model's sharding; write sharding.log, plan.json, report.html",
                                description="Plan a model's sharding and write the sharding log, plan JSON and "
@@ -53,6 +55,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                                              "training curves of RUN_DIR/metrics.jsonl when present.")
     add_report_arguments(report)
     report.set_defaults(run=run_report)
+    export = commands.add_parser("export", help="a training run's checkpoint as a Hugging Face model directory",
+                                 description="Write a training run's checkpoint (the newest, or --step N) as a "
+                                             "Hugging Face model directory: safetensors weights and config.json.")
+    add_export_arguments(export)
+    export.set_defaults(run=run_export)
     args = parser.parse_args(argv)
     return args.run(args)
 

@@ -31,13 +31,22 @@ def identity_state_dict(state_dict: dict[str, Any]) -> dict[str, Any]:
 
 
 @dataclass(frozen=True)
+class HFFormat:
+    """How a model is written as a Hugging Face model directory: its files besides the weights
+    (config.json, generation_config.json: name -> text) and each parameter's name there."""
+
+    files: dict[str, str]
+    name: Callable[[str], str]
+
+
+@dataclass(frozen=True)
 class Workload:
     """A model and its training step, as `plan` and `train` use them.
 
     The step is `loss_fn(model(*inputs[:n_model_inputs]), *inputs[n_model_inputs:])` (`loss_fn` None:
     the model returns the loss itself), `inputs = example_inputs(batch, seq, device)`.
     `adapt_state_dict` maps a checkpoint's state dict (e.g. Hugging Face or torchtitan names) to this
-    model's parameter names; our own models need none. `initial_state(seed)` is the full value of
+    model's parameter names; `hf_format` says how `export --hf` writes it for transformers. `initial_state(seed)` is the full value of
     every parameter and buffer of a freshly initialized model (what training starts from; a
     checkpoint leaves the buffers to it).
     """
@@ -50,6 +59,7 @@ class Workload:
     initial_state: Callable[[int], dict[str, torch.Tensor]]  # seed -> full values
     n_model_inputs: int = 1
     adapt_state_dict: Callable[[dict[str, Any]], dict[str, Any]] = identity_state_dict
+    hf_format: Callable[[], HFFormat] | None = None  # None: no Hugging Face form (export refuses)
 
 
 def full_state(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from autoshard.workloads.base import Workload, full_state, token_batches, token_inputs
+from autoshard.workloads.base import HFFormat, Workload, full_state, token_batches, token_inputs
 
 ORDER = 10  # asked after the plain model names
 PREFIX = "hf:"
@@ -120,4 +120,17 @@ def workload(path: str, seq: int) -> Workload:
         loss_fn=logits_loss,
         data=lambda seed: token_batches(config.vocab_size, seed),
         initial_state=lambda seed: full_state(build(config, "cpu", seed)),
+        hf_format=lambda: hf_format(path),
     )
+
+
+def hf_format(path: str | Path) -> HFFormat:
+    """The model's own files (config.json, with fp32 weights said; generation_config.json when
+    there is one) and names: what transformers' from_pretrained expects back."""
+    file = config_file(path)
+    config = {k: v for k, v in json.loads(file.read_text()).items() if k != "torch_dtype"} | {"dtype": "float32"}
+    files = {"config.json": json.dumps(config, indent=2) + "\n"}
+    generation = file.with_name("generation_config.json")
+    if generation.is_file():
+        files[generation.name] = generation.read_text()
+    return HFFormat(files, lambda name: name)

@@ -1,0 +1,114 @@
+"""`export --hf`: a training run's checkpoint as a Hugging Face model directory that transformers
+loads with every tensor the checkpoint's, and that `--init-from` trains from again."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+from autoshard.__main__ import main as autoshard_main
+from autoshard.cli.train import main as train_main
+from autoshard.train.export import export_hf
+from autoshard.workloads import get_workload
+from models import cross_entropy_loss
+
+TINY = ["--model", "llama3-tiny", "--batch", "8", "--seq", "16", "--mesh", "1"]
+
+
+def checkpoint_tensors(path: Path) -> dict[str, torch.Tensor]:
+    """The model's tensors of a DCP checkpoint, read with torch's own converter."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(str(path), str(path.parent / "whole.pt"))
+    state = torch.load(path.parent / "whole.pt", weights_only=True)
+    (path.parent / "whole.pt").unlink()
+    return state["model"]
+
+
+def batch_loss(model, workload, step: int) -> float:
+    tokens, targets = workload.data(0).batch(step, 8, 16)
+    with torch.no_grad():
+        out = model(tokens)
+    return cross_entropy_loss(getattr(out, "logits", out), targets).item()
+
+
+def test_our_llama_exports_as_llama_for_causal_lm_with_the_same_logits(tmp_path, capsys):
+    run, out = tmp_path / "run", tmp_path / "hf"
+    assert train_main([*TINY, "--steps", "3", "--checkpoint-every", "3", "--out", str(run)]) == 0
+    done = export_hf(run, out, max_shard_bytes=100_000)  # several files and an index
+    assert done.step == 3 and len(done.files) > 1 and (out / "model.safetensors.index.json").is_file()
+    hf_model, info = transformers.AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert type(hf_model) is transformers.LlamaForCausalLM
+    assert info["missing_keys"] == set() or not info["missing_keys"]
+    assert not info["unexpected_keys"]
+    workload = get_workload("llama3-tiny", 16)
+    ours = workload.build("cpu")
+    saved = checkpoint_tensors(run / "checkpoints" / "step-000003")
+    ours.load_state_dict(saved, strict=False)
+    tokens = torch.randint(0, 256, (2, 16))
+    with torch.no_grad():
+        torch.testing.assert_close(hf_model(tokens).logits, ours(tokens), rtol=1e-5, atol=1e-5)
+    # and back: --init-from the exported directory (HF names mapped to ours) starts from these weights
+    capsys.readouterr()
+    again = tmp_path / "again"
+    assert train_main([*TINY, "--steps", "1", "--init-from", str(out), "--out", str(again)]) == 0
+    first = json.loads((again / "metrics.jsonl").read_text().splitlines()[0])["loss"]
+    assert abs(first - batch_loss(ours, workload, 0)) <= 1e-5 * first
+
+
+@pytest.mark.parametrize("args, message", [
+    (["{tmp}/nowhere", "--hf", "{tmp}/o"], "not a training run directory (no plan.json)"),
+    (["{run}", "--hf", "{tmp}/o", "--step", "2"], "no complete checkpoint of step 2 (there are: 1)"),
+    (["{run}", "--hf", "{run}"], "exists and is not an empty directory"),
+    (["{run}", "--hf", "/proc/autoshard-export"], "cannot write /proc/autoshard-export"),
+])
+def test_bad_export_input_is_one_error_line_and_writes_nothing(tmp_path, capsys, args, message):
+    run = tmp_path / "run"
+    assert train_main([*TINY, "--steps", "1", "--checkpoint-every", "1", "--out", str(run)]) == 0
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_:
+        autoshard_main(["export", *[a.replace("{tmp}", str(tmp_path)).replace("{run}", str(run)) for a in args]])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.splitlines() == [err.splitlines()[0]] and message in err, err
+    assert not (tmp_path / "o").exists() and not list(tmp_path.glob(".o.*"))
+
+
+@pytest.mark.slow
+def test_an_hf_model_trained_on_2x2_exports_back_to_transformers(tmp_path):
+    """`train --model hf:DIR` (a tiny Qwen3, tied embeddings) on 4 gloo ranks (2,2), a checkpoint
+    at step 2; `export --hf`: from_pretrained finds no missing or unexpected key and every tensor
+    equals the checkpoint's; the exported model's loss on step 3's batch is the loss `--resume`
+    computes at step 3, and `--init-from` the export starts from those weights."""
+    from test_train import metrics, torchrun
+
+    model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(
+        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, tie_word_embeddings=True, use_cache=False))
+    model.save_pretrained(tmp_path / "m")
+    (tmp_path / "m" / "generation_config.json").write_text(json.dumps({"max_new_tokens": 7}))
+    args = ["--model", f"hf:{tmp_path / 'm'}", "--mesh", "2x2", "--batch", "8", "--seq", "16"]
+    run = tmp_path / "run"
+    torchrun(*args, "--init-from", str(tmp_path / "m"), "--steps", "2", "--checkpoint-every", "2", "--out", str(run))
+    out = tmp_path / "hf"
+    assert autoshard_main(["export", str(run), "--hf", str(out)]) == 0
+    assert json.loads((out / "generation_config.json").read_text()) == {"max_new_tokens": 7}
+    exported, info = transformers.AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    saved = checkpoint_tensors(run / "checkpoints" / "step-000002")
+    state = exported.state_dict()
+    assert set(saved) <= set(state)
+    for name, value in saved.items():
+        assert torch.equal(state[name], value), name
+    torchrun(*args, "--steps", "3", "--resume", "--out", str(run))
+    resumed = metrics(run)[2]["loss"]
+    workload = get_workload(f"hf:{tmp_path / 'm'}", 16)
+    assert abs(batch_loss(exported, workload, 2) - resumed) <= 1e-5 * resumed
+    again = tmp_path / "again"
+    assert train_main([*args[:2], "--mesh", "1", "--batch", "8", "--seq", "16", "--steps", "1", "--init-from",
+                       str(out), "--out", str(again)]) == 0
+    first = json.loads((again / "metrics.jsonl").read_text().splitlines()[0])["loss"]
+    assert abs(first - batch_loss(exported, workload, 0)) <= 1e-5 * first
