@@ -13,6 +13,7 @@ import transformers
 from autoshard import _torch_compat as tc
 from autoshard.driver.api import AutoShard
 from autoshard.workloads import hf
+from autoshard.workloads.base import full_state
 from autoshard.runtime.module import parallelize
 from models import MarkovTokens, cross_entropy_loss
 from models.train_single import TrainSettings, make_optimizer
@@ -63,8 +64,8 @@ def single_device(config, keywords: bool):
 ])
 def test_hf_causal_lm_trains_like_single_device(kind, mesh_shape, keywords, caplog):
     config = CONFIGS[kind]()
-    initial, ref = single_device(config, keywords)
-    meta = hf.build(config, "meta")
+    initial, ref = single_device(config, keywords)  # transformers' own sdpa, its causal mask made
+    meta = hf.build(hf.training_config(config), "meta")  # is_causal SDPA, no mask
     if keywords:  # HF's own convention: keyword inputs, the loss from `.loss`
         example = lambda: {"input_ids": torch.empty(BATCH, SEQ, dtype=torch.int64, device="meta"),  # noqa: E731
                            "labels": torch.empty(BATCH, SEQ, dtype=torch.int64, device="meta")}
@@ -109,6 +110,65 @@ def test_hf_causal_lm_trains_like_single_device(kind, mesh_shape, keywords, capl
             optim.zero_grad()
 
 
+def sdpa_calls(graph) -> list[dict]:
+    """The arguments, by name, of every forward SDPA op of a traced graph."""
+    return [dict(zip([a.name for a in n.target._schema.arguments], n.args)) | n.kwargs for n in graph.nodes
+            if n.op == "call_function" and "scaled_dot_product" in str(n.target) and "backward" not in str(n.target)]
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_a_causal_mask_of_positions_leaves_the_graph(kind):
+    """Tokens only: SDPA runs with is_causal=True and no [b, 1, s, s] mask is traced (transformers'
+    own sdpa traces one); models with sliding windows keep transformers' implementation."""
+    config = CONFIGS[kind]()
+    example = lambda: (torch.empty(BATCH, SEQ, dtype=torch.int64, device="meta"),) * 2  # noqa: E731
+    graphs = {}
+    for name, cfg in (("ours", hf.training_config(config)), ("transformers", config)):
+        plan = AutoShard(hf.build(cfg, "meta"), example, (2, 2), loss_fn=logits_loss).optimize()
+        graphs[name] = plan.graph
+    masks = {name: [n for n in g.nodes if getattr(n.meta.get("val"), "shape", None) == (BATCH, 1, SEQ, SEQ)]
+             for name, g in graphs.items()}
+    assert masks["transformers"] and not masks["ours"]
+    ours = sdpa_calls(graphs["ours"])
+    assert len(ours) == config.num_hidden_layers
+    assert all(call["is_causal"] is True and call.get("attn_mask") is None for call in ours), ours
+    windowed = transformers.Qwen2Config(**SMALL, use_sliding_window=True, sliding_window=4, max_window_layers=0)
+    assert not hf.full_causal_attention(windowed) and hf.training_config(windowed)._attn_implementation != hf.CAUSAL_SDPA
+
+
+def test_a_padding_mask_is_kept_and_numerics_stay_exact():
+    """An attention mask passed (left padding in two rows): the mask is traced as transformers makes
+    it and (2,2) computes the single device's loss and gradients."""
+    config = CONFIGS["llama"]()
+    model = hf.build(config, "cpu", seed=0)
+    batch = batches()[0]
+    mask = torch.ones(BATCH, SEQ, dtype=torch.int64)
+    mask[0, :3] = 0
+    mask[2, :5] = 0
+    loss = model(input_ids=batch.inputs, attention_mask=mask, labels=batch.targets).loss
+    loss.backward()
+    want = {n: p.grad for n, p in model.named_parameters()}
+    example = lambda: {"input_ids": torch.empty(BATCH, SEQ, dtype=torch.int64, device="meta"),  # noqa: E731
+                       "attention_mask": torch.empty(BATCH, SEQ, dtype=torch.int64, device="meta"),
+                       "labels": torch.empty(BATCH, SEQ, dtype=torch.int64, device="meta")}
+    meta = hf.build(hf.training_config(config), "meta")
+    plan = AutoShard(meta, example, (2, 2)).optimize()
+    assert all(call.get("attn_mask") is not None for call in sdpa_calls(plan.graph))  # the mask is traced
+    with simulated_mesh((2, 2)) as (mesh, mode):
+        pmodel = parallelize(plan, mesh, meta)
+        pmodel.load_full(full_state(model))
+        got = pmodel(*pmodel.shard_inputs(batch.inputs, mask, batch.targets))
+        got.backward()
+        with mode.disable():
+            for value in tc.rank_values(got).values():
+                assert abs(value.item() - loss.item()) <= 1e-5 * loss.item()
+        for fqn, p in pmodel.named_parameters():
+            full = p.grad.full_tensor()
+            with mode.disable():
+                for value in tc.rank_values(full).values():
+                    torch.testing.assert_close(value, want[fqn], rtol=1e-5, atol=1e-6, msg=fqn)
+
+
 # ------------------------------------------------------------------------------------ CLI
 def save_tiny(directory, seed=7, **config):
     """A tiny Llama saved as HF does (config.json, model.safetensors): the model, its directory."""
@@ -125,7 +185,7 @@ def test_hf_workload_builds_from_a_local_config_and_seeds_its_init(tmp_path):
         w = get_workload(f"hf:{path}", seq=16)
         model = w.build("meta")
         assert type(model) is transformers.LlamaForCausalLM and not model.config.use_cache
-        assert model.config._attn_implementation == "sdpa"
+        assert model.config._attn_implementation == hf.CAUSAL_SDPA  # no [b, 1, s, s] mask in the graph
     first, again, other = w.initial_state(3), w.initial_state(3), w.initial_state(4)
     want = hf.build(model.config, "cpu", seed=3)
     assert set(first) == {n for n, _ in want.named_parameters()} | {n for n, _ in want.named_buffers()}

@@ -14,6 +14,7 @@ transformers and `models` (data, loss), never a stage package.
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 from typing import Any
@@ -50,7 +51,7 @@ def config_file(path: str | Path) -> Path:
 
 def load_config(path: str | Path) -> Any:
     """The transformers config that PATH's config.json describes, set up for training: fp32,
-    sdpa attention, no KV cache. Raises ValueError naming what is wrong with the file."""
+    SDPA attention (`training_config`), no KV cache. Raises ValueError naming what is wrong with the file."""
     file = config_file(path)
     try:
         data = json.loads(file.read_text())
@@ -67,9 +68,58 @@ def load_config(path: str | Path) -> Any:
         config = transformers.CONFIG_MAPPING[model_type].from_dict(data, attn_implementation="sdpa")
     except Exception as err:  # transformers validates fields its own way
         raise ValueError(f"hf:{file}: transformers rejects the config ({type(err).__name__}: {err})") from None
-    config.use_cache = False
     causal_lm_class(config, file)  # fail now, not at build
+    return training_config(config)
+
+
+def training_config(config: Any) -> Any:
+    """A copy of a transformers config set up for a training step: no KV cache, and for models
+    of full causal attention the `causal_sdpa` implementation (no [b, 1, s, s] mask in the graph)."""
+    config = copy.deepcopy(config)
+    config.use_cache = False
+    if full_causal_attention(config):
+        config._attn_implementation = causal_sdpa()
     return config
+
+
+CAUSAL_SDPA = "autoshard_causal_sdpa"
+
+
+def full_causal_attention(config: Any) -> bool:
+    """Whether every layer attends to every earlier position (no sliding window, chunks or other
+    attention kinds): then the causal mask is a pure function of positions."""
+    kinds = set(getattr(config, "layer_types", None) or ["full_attention"])
+    windowed = getattr(config, "sliding_window", None) is not None and getattr(config, "use_sliding_window", True)
+    return kinds == {"full_attention"} and not windowed and getattr(config, "attention_chunk_size", None) is None
+
+
+def causal_sdpa() -> str:
+    """The attention implementation `hf:` models of full causal attention run with (registered in
+    transformers under CAUSAL_SDPA; registering again is harmless): transformers' own SDPA, with a
+    mask function that makes no mask when there is none to make.
+
+    A training step calls the model with tokens only: no padding mask, positions 0..s-1, no cache.
+    The causal mask is then a pure function of positions, and SDPA's `is_causal=True` says it
+    without the [b, 1, s, s] tensor. transformers skips that tensor itself, but not while tracing
+    (dynamo export, or the make_fx fallback): it cannot see that the padding mask is absent or
+    that the positions are not packed sequences. Here both are known: our workloads pass neither.
+    With a padding mask passed (the API, a model of one's own), the mask is made as transformers
+    makes it."""
+    transformers = _transformers()
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import sdpa_mask
+
+    def causal_or_sdpa_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
+                            attention_mask: torch.Tensor | None = None, local_size: int | None = None, **kwargs: Any):
+        if (attention_mask is None and local_size is None and q_length == kv_length
+                and isinstance(q_offset, int) and isinstance(kv_offset, int) and q_offset == kv_offset == 0):
+            return None  # SDPA runs with is_causal=True
+        return sdpa_mask(batch_size, q_length, kv_length, q_offset, kv_offset, attention_mask=attention_mask,
+                         local_size=local_size, **kwargs)
+
+    transformers.AttentionInterface.register(CAUSAL_SDPA, sdpa_attention_forward)
+    transformers.AttentionMaskInterface.register(CAUSAL_SDPA, causal_or_sdpa_mask)
+    return CAUSAL_SDPA
 
 
 def causal_lm_class(config: Any, where: Any = "the config") -> type[nn.Module]:
