@@ -109,6 +109,13 @@ def op_call(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> tuple[str
     return schema.name.split("::")[-1], dict(zip((a.name for a in schema.arguments), args)) | kwargs
 
 
+def call_arguments(op: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """{schema argument name: value} of one op call, defaults filled in."""
+    schema = op._schema
+    defaults = {a.name: a.default_value for a in schema.arguments if a.has_default_value()}
+    return defaults | dict(zip((a.name for a in schema.arguments), args)) | kwargs
+
+
 def wait(t: torch.Tensor) -> torch.Tensor:
     """Functional collectives may return an async wrapper; the executor wants the data."""
     return t.wait() if isinstance(t, funcol.AsyncCollectiveTensor) else t

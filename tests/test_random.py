@@ -11,7 +11,7 @@ from torch import nn
 
 from autoshard.driver.api import AutoShard
 from autoshard.layout import Layout
-from autoshard.program.random import RandomStream, SeededOp, is_random, shard_key
+from autoshard.program.random import RandomStream, SeededOp, draws, is_random, shard_key
 from simulation import simulated_mesh
 from torchrun import run_ranks
 
@@ -42,6 +42,14 @@ def test_the_key_names_the_shard_a_rank_holds():
     assert shard_key(node, Layout.parse("RS(2)"), [1, 0]) == "native_dropout_3@1:0"
     assert is_random(aten.native_dropout.default) and is_random(aten.rand_like.default)
     assert not is_random(aten.add.Tensor) and not is_random(print)
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    sdpa = aten._scaled_dot_product_flash_attention_for_cpu.default
+    assert is_random(sdpa) and not draws(g.call_function(sdpa, (x, x, x)))  # tagged for its dropout_p
+    assert draws(g.call_function(sdpa, (x, x, x, 0.1)))
+    assert draws(g.call_function(aten.native_dropout.default, (x, 0.1, True)))
+    assert not draws(g.call_function(aten.native_dropout.default, (x, 0.0, True)))
+    assert not draws(g.call_function(aten.native_dropout.default, (x, 0.1, False)))
 
 
 class Dropped(nn.Module):

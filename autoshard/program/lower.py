@@ -29,7 +29,7 @@ from torch import fx, nn
 from autoshard.program.collectives import dim_order, prepare_groups
 from autoshard.program.buckets import bucket, overlap
 from autoshard.program.modules import AWAIT, LOCAL_SHAPE, AwaitBucket, Bucket, Redistribute
-from autoshard.program.random import RandomStream, SeededOp, is_random, shard_key
+from autoshard.program.random import RandomStream, SeededOp, draws, shard_key
 from autoshard.layout import Layout
 from autoshard.problem.plan import Plan
 from autoshard.program.schedule import StepModel, model_step
@@ -140,7 +140,7 @@ def _local_joint_graph(plan: Plan, mesh: Any, stream: RandomStream) -> tuple[fx.
                 i = _SIZE_ARG[node.target]
                 args = args[:i] + (list(shapes),) + args[i + 1:]
             target = node.target
-            if is_random(target):  # drawn as DTensor would: the same on every rank holding its shard
+            if draws(node):  # drawn as DTensor would: the same on every rank holding its shard
                 target = SeededOp(target, stream, shard_key(node, strategy.outputs[0], coordinate), mesh.device_type)
             new = out.call_function(target, args, kwargs)
             new.meta[LOCAL_SHAPE] = shapes

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import fx
 
+from autoshard import _torch_compat as tc
 from autoshard.layout import Layout
 
 
@@ -34,8 +35,17 @@ class RandomStream:
 
 
 def is_random(target: Any) -> bool:
-    """Whether an op draws from a generator (torch tags such ops nondeterministic_seeded)."""
+    """Whether an op may draw from a generator (torch tags such ops nondeterministic_seeded)."""
     return torch.Tag.nondeterministic_seeded in getattr(target, "tags", ())
+
+
+def draws(node: fx.Node) -> bool:
+    """Whether this call of a random op draws: not SDPA without dropout (tagged for its
+    `dropout_p`), nor a dropout of probability 0 or outside training."""
+    if not is_random(node.target):
+        return False
+    values = tc.call_arguments(node.target, node.args, node.kwargs)
+    return values.get("dropout_p", values.get("p")) != 0 and values.get("train") is not False
 
 
 def shard_key(node: fx.Node, layout: Layout | None, coordinate: list[int] | None) -> str:
