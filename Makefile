@@ -1,6 +1,8 @@
 # Two commands do all set-up on a fresh machine with only Python:
 #   make train   plan and train llama3-debug on a 2x2 CPU mesh under torchrun (writes runs/debug)
 #   make test    run the whole test suite
+# (make test-torch-next runs a representative part of the suite on the newest torch we support,
+# in its own venv .venv-next; .ci/run runs both)
 # (make bench runs every benchmark, ~15 min, and rewrites benchmarks/results.json)
 # Both create .venv if missing and install torch==2.13.0 (the CPU wheel) before the project, so pip
 # never resolves torch from a loose range (which would pull gigabytes of CUDA packages).
@@ -10,7 +12,16 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.autoshard-installed
 
-.PHONY: test train bench install browser clean
+# The newest supported torch (a CUDA wheel, ~3 GB with its nvidia packages, that runs on CPU), in a
+# second venv; the project installs into it without touching torch (its range admits both).
+TORCH_NEXT ?= 2.14.1
+VENV_NEXT ?= .venv-next
+PY_NEXT := $(VENV_NEXT)/bin/python
+STAMP_NEXT := $(VENV_NEXT)/.autoshard-installed
+NEXT_TESTS := tests/test_layers.py tests/test_trace.py tests/test_apply.py tests/test_hf.py tests/test_dryrun.py \
+	tests/test_precision.py tests/test_compile.py tests/test_random.py tests/test_strategies.py
+
+.PHONY: test test-torch-next train bench install browser clean
 
 install: $(STAMP)
 
@@ -30,6 +41,16 @@ browser:
 test: $(STAMP) browser
 	$(PY) -m pytest
 
+$(STAMP_NEXT): pyproject.toml
+	test -x $(PY_NEXT) || $(PYTHON) -m venv $(VENV_NEXT)
+	$(PY_NEXT) -m pip install --quiet torch==$(TORCH_NEXT)
+	$(PY_NEXT) -m pip install --quiet -e '.[test,fast,hf]'
+	$(PY_NEXT) -c "import torch; assert torch.__version__.startswith('$(TORCH_NEXT)'), torch.__version__"
+	touch $(STAMP_NEXT)
+
+test-torch-next: $(STAMP_NEXT)
+	$(PY_NEXT) -m pytest $(NEXT_TESTS)
+
 train: $(STAMP)
 	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc_per_node=4 -m autoshard train \
 		--model llama3-debug --mesh 2x2 --batch 8 --seq 64 --steps 30 --out runs/debug
@@ -39,4 +60,4 @@ bench: $(STAMP)
 	$(PY) -m benchmarks.run
 
 clean:
-	rm -rf $(VENV) *.egg-info
+	rm -rf $(VENV) $(VENV_NEXT) *.egg-info

@@ -90,6 +90,16 @@ def test_nll_loss_follows_the_batch_sharding_of_its_input(tiny):
     assert (("RR", "S(0)R", "S(0)R", "RR"), ("S(0)R",)) in bwd
 
 
+def test_a_mean_over_a_sharded_dim_is_a_pending_average_of_unpending_inputs(tiny):
+    """RMSNorm's mean over the hidden dim: a shard of that dim gives a pending average; inputs are
+    never pending (the same choices on torch 2.13, whose rule this was, and 2.14)."""
+    node = first(tiny, aten.mean.dim)
+    found = texts(strategies_of(node, (2, 2)))
+    hidden = node.args[0].meta["val"].dim() - 1
+    assert ((f"RS({hidden})",), ("RP(avg)",)) in found
+    assert not [f for f in found if "P" in "".join(f[0])]
+
+
 def test_strategy_functions_that_raise_are_tried_candidate_by_candidate(tiny):
     from autoshard import _torch_compat as cs
     from autoshard.strategies.call import OpCall

@@ -91,6 +91,12 @@ def _convert_spec(call: OpCall, spec: Any) -> Found | None:
     return tuple(layouts[:call.n_out]), tuple(layouts[call.n_out:])
 
 
+# A pending average pays for a mean loss (a scalar) and for the means themselves (RMSNorm's over a
+# sharded hidden dim), which DTensor's multi-dim rules offered up to torch 2.13; its per-dim rules
+# of 2.14 offer it for every reduction (elsewhere it only adds choices the ILP never takes) and
+# take pending inputs into a mean, which 2.13 did not: the same choices on both.
+_MEANS = frozenset({aten.mean.dim, aten.mean.default})
+
 # Strategy functions that index several inputs' candidate lists with one index (they only read
 # the tensor metadata of the others): give every input a list of the same length.
 _ALIGNED = frozenset({aten.nll_loss_forward.default, aten.nll_loss_backward.default})
@@ -137,7 +143,9 @@ class DTensorRegistry:
         rules = []
         for torch_rule in cs.single_dim_rules(info, schema, metas[0] if len(metas) == 1 else tuple(metas)):
             rule = _rule_from_torch(torch_rule, ndims)
-            if rule is None or (P("avg") in rule and not scalar_out):  # P(avg) only pays for a mean loss
+            if rule is None or (P("avg") in rule and not scalar_out and call.op not in _MEANS):
+                continue
+            if call.op in _MEANS and any(p is not None and p.kind == "P" for p in rule[len(metas):]):
                 continue
             full = rule[:call.n_out] + [None] * len(call.in_vals)  # back to one entry per input slot
             for j, pos in enumerate(slot_of):
