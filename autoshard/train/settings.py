@@ -23,11 +23,12 @@ class Settings(PlanConfig):
     batch: int = setting(8, BATCH)
     seq: int = setting(64, SEQ)
     steps: int = setting(50, type=int, help="train until this step")
-    lr: float = setting(3e-3, type=float)
+    lr: float = setting(3e-3, type=float, help="AdamW learning rate")
     seed: int = setting(0, type=int, help="the run's seed: weight init, and what random ops (dropout) draw from, "
                                           "the same on every rank holding a value")
     init_from: str | None = setting(None, INIT_FROM)
-    data_seed: int = setting(0, type=int)
+    data_seed: int = setting(0, type=int, help="seed of the training data (the batch of step N is a pure function "
+                                                "of it and N)")
     compile: bool = setting(False, help="run the program's forward and backward through torch.compile (inductor) "
                                         "from step 2 on (step 1 runs checked, uncompiled; the next unmetered step "
                                         "compiles)")
