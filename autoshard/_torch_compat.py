@@ -1,4 +1,4 @@
-"""The one place autoshard touches private torch APIs (torch 2.13).
+"""The one place autoshard touches private torch APIs (torch 2.13 and 2.14).
 
 Everything here may move between torch releases; keeping it in one file means one file to fix.
 """
