@@ -60,25 +60,17 @@ def every_rank(mode, t: torch.Tensor) -> list[torch.Tensor]:
         return list(tc.rank_values(t).values())
 
 
-@pytest.fixture(scope="module")
-def reference():
-    return single_device(10)
-
-
-@pytest.mark.parametrize("mesh_shape, inputs, pins", [
-    ((2, 2), ("S(0)R", "S(0)R"), {"layers.*.feed_forward.w1.weight": "S(0)S(0)[1,0]",
-                                  "layers.*.attention.wo.weight": "S(1)S(1)[1,0]"}),
-    ((4,), None, None),
-], ids=["2x2-batch-on-dp-pinned-orders", "4"])
-def test_llama_tiny_trains_like_single_device(reference, mesh_shape, inputs, pins):
+def trains_like_single_device(plan, mesh_shape, reference, names=None):
+    """Train llama3-tiny with `plan` on simulated ranks for as many steps as `reference` (single
+    device losses, first gradients) has: every rank's loss and first gradients match it. Returns
+    the parallel module."""
     ref_losses, ref_grads = reference
-    plan = plan_llama(mesh_shape, inputs, pins)
     data = MarkovTokens(TINY.vocab_size, seed=0)
-    with simulated_mesh(mesh_shape) as (mesh, mode):
+    with simulated_mesh(mesh_shape, names) as (mesh, mode):
         pmodel = parallelize(plan, mesh, build_model(TINY, device="meta"))
         pmodel.init_weights(0)
         optim = make_optimizer(pmodel.parameters(), TrainSettings())
-        for step in range(10):
+        for step in range(len(ref_losses)):
             with mode.disable():
                 batch = data.batch(step, BATCH, SEQ)
             loss = pmodel(*pmodel.shard_inputs(batch.inputs, batch.targets))
@@ -93,6 +85,22 @@ def test_llama_tiny_trains_like_single_device(reference, mesh_shape, inputs, pin
             optim.zero_grad()
             for got in every_rank(mode, loss):
                 assert abs(got.item() - ref_losses[step]) <= 1e-5, (step, got.item(), ref_losses[step])
+    return pmodel
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return single_device(10)
+
+
+@pytest.mark.parametrize("mesh_shape, inputs, pins", [
+    ((2, 2), ("S(0)R", "S(0)R"), {"layers.*.feed_forward.w1.weight": "S(0)S(0)[1,0]",
+                                  "layers.*.attention.wo.weight": "S(1)S(1)[1,0]"}),
+    ((4,), None, None),
+], ids=["2x2-batch-on-dp-pinned-orders", "4"])
+def test_llama_tiny_trains_like_single_device(reference, mesh_shape, inputs, pins):
+    plan = plan_llama(mesh_shape, inputs, pins)
+    pmodel = trains_like_single_device(plan, mesh_shape, reference)
     # What runs is what was priced: the plan's bytes; a block's parameter gathers (and gradient
     # scatters) on one set of mesh dims run as one collective, so the plan's count less the merged ones.
     assert dict(pmodel.comm.total_bytes()) == pytest.approx(plan.bytes_by_collective)

@@ -21,8 +21,10 @@ def test_the_config_names_roles_and_checks_the_batch():
     three.check_batch(4)
     with pytest.raises(ValueError, match=r"--batch 6 is not divisible by the dp size 4: .* mesh dims 0 'dp_replicate' x 1 'dp_shard' of size 4"):
         three.check_batch(6)
-    assert PlanConfig(mesh=(4,), mesh_names=("a",)).roles == ("dp_shard",)  # another name: its position's role
-    assert PlanConfig(mesh=(2,) * 5).mesh_names is None  # past the default names: labels only
+    assert (three.replicate_dim, three.intra_node_dims) == (0, (2,))
+    assert PlanConfig(mesh=(1, 4), mesh_names=("dp_replicate", "dp")).replicate_dim is None  # size 1: nothing to plan
+    assert PlanConfig(mesh=(8, 2), mesh_names=("tp", "dp")).intra_node_dims == (0,)
+    assert PlanConfig(mesh=(4,)).intra_node_dims is None  # no tp dim: the preset's last dim
     with pytest.raises(ValueError, match="must give 2 distinct names"):
         PlanConfig(mesh=(2, 2), mesh_names=("tp", "tp"))
     with pytest.raises(ValueError, match="memory limit must be positive"):
@@ -62,8 +64,8 @@ def test_every_config_field_with_a_flag_is_an_option_of_plan_and_train():
                                           "--backend", "cbc", "--reshard-after-forward"])
     assert from_values(PlanConfig, vars(plan_args)) == PlanConfig(mesh=(2, 2), backend="cbc",
                                                                   reshard_after_forward=True)
-    train = _parse(["--backend", "cbc", "--time-limit", "5", "--mesh-names", "a,b"])
-    assert (train.backend, train.time_limit, train.mesh_names) == ("cbc", 5.0, ("a", "b"))
+    train = _parse(["--backend", "cbc", "--time-limit", "5", "--mesh-names", "dp_shard,tp"])
+    assert (train.backend, train.time_limit, train.mesh_names) == ("cbc", 5.0, ("dp_shard", "tp"))
 
 
 @pytest.mark.slow
@@ -80,3 +82,30 @@ def test_auto_shard_under_torchrun_solves_on_rank_0_only():
     assert len({r["fitted"] for r in ranks}) == 1
     fit = ranks[0]
     assert fit["fit_tried"] >= 2 and fit["fit_peak"] <= fit["fit_limit"] < fit["peak"]
+
+
+def test_mesh_roles_are_checked_with_one_error_line(capsys):
+    """A mistyped role would plan something else silently: unknown roles, a role given twice (dp is
+    dp_shard) and a mesh that is not the world size are one error line each, before any work."""
+    from autoshard.__main__ import main
+
+    with pytest.raises(ValueError, match=r"unknown role 'dp_replicte'; each mesh dim is one of dp_replicate, "
+                                         r"dp_shard, tp, cp, pp \(dp means dp_shard\)"):
+        PlanConfig(mesh=(2, 2, 2), mesh_names=("dp_replicte", "dp_shard", "tp"))
+    with pytest.raises(ValueError, match="role dp_shard is given twice"):
+        PlanConfig(mesh=(2, 2), mesh_names=("dp", "dp_shard"))
+    with pytest.raises(ValueError, match=r"mesh 2x2x2x2x2 has 5 dims: name them with --mesh-names"):
+        PlanConfig(mesh=(2,) * 5)
+    base = ["--model", "llama3-tiny", "--batch", "8", "--seq", "16"]
+    for argv, message in (
+            (["plan", *base, "--mesh", "2x2x2", "--mesh-names", "dp_replicate,fsdp,tp"], "unknown role 'fsdp'"),
+            (["plan", *base, "--mesh", "2x2x2", "--mesh-names", "dp,tp,dp_shard"], "role dp_shard is given twice"),
+            (["train", *base, "--mesh", "2x2x2", "--mesh-names", "dp_replicate,dp_shard,tp"],
+             "has 8 devices but the world size is 1")):
+        try:
+            code = main(argv)
+        except SystemExit as exit_:  # argument errors exit from the parser
+            code = exit_.code
+        assert code == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("error: ") and message in err[0], err

@@ -20,9 +20,9 @@ ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--model", "llama3-tiny", "--batch", "8", "--seq", "16"]
 
 
-def torchrun(*args: str, timeout: int = 400) -> subprocess.CompletedProcess:
+def torchrun(*args: str, timeout: int = 400, nproc: int = 4) -> subprocess.CompletedProcess:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            "-m", "autoshard", "train", *args]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
     assert out.returncode == 0, f"torchrun failed:\n{out.stdout[-3000:]}\n{out.stderr[-6000:]}"

@@ -41,7 +41,7 @@ def test_unknown_workload_names_the_known_ones():
 
 def test_mesh_names():
     assert mesh_names(None, (2, 2)) == ("dp", "tp") and mesh_names(None, (4,)) == ("dp",)
-    assert mesh_names(" a , b ", (2, 2)) == ("a", "b")
+    assert mesh_names(" dp_replicate , tp ", (2, 2)) == ("dp_replicate", "tp")
     for bad in ("dp", "dp,dp", "dp,", "a,b,c"):
         with pytest.raises(ValueError, match="must give 2 distinct names"):
             mesh_names(bad, (2, 2))

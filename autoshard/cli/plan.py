@@ -71,7 +71,7 @@ def _check(args: argparse.Namespace):
         config = from_values(PlanConfig, vars(args)).with_default_profiles()
         config.check_batch(args.batch)
         workload = get_workload(args.model, args.seq)
-        config = config.replace(network=network_profile(config.network, config.mesh),
+        config = config.replace(network=network_profile(config.network, config.mesh, config.intra_node_dims),
                                 device_profile=device_profile(config.device_profile))
     except ValueError as err:
         fail(str(err))
@@ -190,8 +190,7 @@ def run_plan(args: argparse.Namespace) -> int:
     workload, config = _check(args)
     _setup_logging()
     out = args.out if args.out is not None else Path("plans") / f"{args.model}-{'x'.join(map(str, config.mesh))}"
-    labels = config.mesh_names or tuple(f"m{i}" for i in range(len(config.mesh)))  # > 4 dims, unnamed
-    run = {"model": args.model, "mesh": list(config.mesh), "mesh_names": list(labels), "batch": args.batch,
+    run = {"model": args.model, "mesh": list(config.mesh), "mesh_names": list(config.mesh_names), "batch": args.batch,
            "seq": args.seq, "network": args.network or config.network.name,
            "device": args.device_profile or config.device_profile.name, "backend": config.backend,
            "memory_budget": config.memory_budget, "dry_run": args.dry_run, "recompute": config.recompute,
@@ -209,7 +208,7 @@ def run_plan(args: argparse.Namespace) -> int:
         if args.compare:
             extra["compare"] = {args.compare: _compare(workload, config, args)}
     report = plan_report(plan, dry_run=memory, device=config.device_profile, timings=timings, explanation=explanation,
-                         memory_fit=auto.fit, mesh_names=labels, extra=extra)
+                         memory_fit=auto.fit, mesh_names=config.mesh_names, extra=extra)
     try:
         log_path, json_path = write_report_files(report, out)
     except OSError as err:

@@ -16,6 +16,7 @@ The step traced is `loss_fn(model(*inputs[:n_model_inputs]), *inputs[n_model_inp
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import math
 import time
@@ -32,9 +33,10 @@ from autoshard.capture.calls import run_step, step_inputs
 from autoshard.capture.precision import cast_floating
 from autoshard.capture.repeat import trace_step
 from autoshard.capture.trace import mark_outputs
-from autoshard.driver.config import PlanConfig
+from autoshard.driver.config import ROLES, PlanConfig, role_of
 from autoshard.driver.fit import fit_memory
 from autoshard.driver.ranks import RankZeroPlanning, in_process_group
+from autoshard.driver.replicas import fix_replicate_dim
 from autoshard.layout import Layout
 from autoshard.pricing.planner import Planner
 from autoshard.problem.build import ProblemSpec, ShardingProblem, build_problem
@@ -57,7 +59,9 @@ def _with_mesh(config: PlanConfig, mesh: Any) -> PlanConfig:
         shape = tuple(int(s) for s in (mesh.shape if hasattr(mesh, "shape") else mesh))
         if config.mesh is not None and config.mesh != shape:
             raise ValueError(f"the mesh {shape} differs from the config's {config.mesh}")
-        names = getattr(mesh, "mesh_dim_names", None) or config.mesh_names
+        names = getattr(mesh, "mesh_dim_names", None)
+        if not names or not all(role_of(name) in ROLES for name in names):  # a DeviceMesh's own labels
+            names = config.mesh_names
         config = config.replace(mesh=shape, mesh_names=names if names and len(names) == len(shape) else None)
     if config.mesh is None:
         raise ValueError("no mesh: pass a DeviceMesh or a mesh shape, or a PlanConfig with one")
@@ -65,6 +69,11 @@ def _with_mesh(config: PlanConfig, mesh: Any) -> PlanConfig:
     if world is not None and math.prod(config.mesh) != world:
         raise ValueError(f"mesh {config.mesh} has {math.prod(config.mesh)} devices but the world size is {world}")
     return config
+
+
+def _outside_modes(solve: Callable[[solver.Problem], solver.Solution], problem: solver.Problem) -> solver.Solution:
+    with tc.no_dispatch_modes():  # leave the tracer's fake mode: ranks communicate
+        return solve(problem)
 
 
 def _world_size() -> int | None:
@@ -121,7 +130,7 @@ class AutoShard:
         self.mesh_shape = self.config.mesh
         self.loss_fn = loss_fn
         self.n_model_inputs = n_model_inputs
-        self.network = network_profile(self.config.network, self.mesh_shape)
+        self.network = network_profile(self.config.network, self.mesh_shape, self.config.intra_node_dims)
         self.device = device_profile(self.config.device_profile)
         self._input_names: tuple[str, ...] | None = None  # keyword names when input_fn returns a dict
         self.spec = ProblemSpec(recompute=self.config.recompute, reshard=self.config.reshard_after_forward,
@@ -219,18 +228,24 @@ class AutoShard:
             with self._stage("trace"):
                 graph = trace_step(self.model, self._step, inputs, stack, unroll=self.config.unroll,
                                    precision=self.precision)
+            spec = self.spec
+            replicate = self.config.replicate_dim
+            if replicate is not None:
+                with self._stage("replicas"):
+                    spec = dataclasses.replace(spec, fixed_dim=fix_replicate_dim(
+                        graph, self.mesh_shape, replicate, self.network, self.device, spec,
+                        self._solve_step(planning)))
             with self._stage("build"):
-                sharding = build_problem(graph, self.mesh_shape, planner, self.device, self.spec)
+                sharding = build_problem(graph, self.mesh_shape, planner, self.device, spec)
             with self._stage("solve"):
                 if planning is not None:
                     with tc.no_dispatch_modes():  # leave the tracer's fake mode: ranks communicate
                         solution = planning.solve(sharding)
                 else:
-                    solution = solver.solve(sharding.problem, backend=self.config.backend,
-                                            time_limit=self.config.time_limit)
+                    solution = self._solve_step(None)(sharding.problem)
             with self._stage("decode"):
                 plan = decode(sharding, solution, planner)
-            plan, sharding = self._fit(plan, sharding, planner, planning)
+            plan, sharding = self._fit(plan, sharding, planner, planning, spec)
         if planning is not None:
             planning.agree(sharding, plan)
         log.info("autoshard plan: %s", plan.summary())
@@ -247,8 +262,14 @@ class AutoShard:
             except ValueError as err:
                 raise ValueError(f"input {index} (shape {shape}): {err}") from None
 
+    def _solve_step(self, planning: RankZeroPlanning | None) -> Callable[[solver.Problem], solver.Solution]:
+        """How a problem is solved here: by this process, or by rank 0 for every rank."""
+        if planning is not None:
+            return lambda problem: _outside_modes(planning.solve_problem, problem)
+        return lambda problem: solver.solve(problem, backend=self.config.backend, time_limit=self.config.time_limit)
+
     def _fit(self, plan: Plan, sharding: ShardingProblem, planner: Planner,
-             planning: RankZeroPlanning | None) -> tuple[Plan, ShardingProblem]:
+             planning: RankZeroPlanning | None, spec: ProblemSpec) -> tuple[Plan, ShardingProblem]:
         """The plan (and the problem it solves) fitted under the memory limit, if there is one."""
         self.fit, self._fit_dry_run = None, None
         limit = self.resolved_memory_limit
@@ -256,7 +277,7 @@ class AutoShard:
             return plan, sharding
         start = time.perf_counter()
         with tc.no_dispatch_modes():  # the dry run makes its own fake mode
-            fitted = fit_memory(plan, sharding, planner, self.device, self.spec, limit,
+            fitted = fit_memory(plan, sharding, planner, self.device, spec, limit,
                                 backend=self.config.backend, time_limit=self.config.time_limit,
                                 steps=planning.fit_steps() if planning is not None else None)
         self.fit, self._fit_dry_run = fitted.fit, fitted.dry_run

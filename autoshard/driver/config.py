@@ -5,9 +5,10 @@
 
 Every field that is also a command-line flag is declared here once (`autoshard.options.setting`):
 `plan` and `train` generate their flags from this class, so a new planning knob is one field.
-The mesh is a shape with one name per dim; a name says the dim's role (`dp_shard`, `tp`, ... or
-`dp`, which means `dp_shard`); unnamed meshes get dp, tp, pp, cp. The data splits over the
-data-parallel dims (`check_batch`). A bad value raises ValueError when the config is made.
+The mesh is a shape with one name per dim, and the name is the dim's role (`dp_replicate`,
+`dp_shard`, `tp`, `cp`, `pp`, or `dp` for `dp_shard`); unnamed meshes get dp, tp, pp, cp. The data
+splits over the data-parallel dims (`check_batch`). A bad value raises ValueError when the config
+is made.
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ DEFAULT_PROFILES = {"cuda": ("h100-node", "h100"), "cpu": ("cpu-gloo", "cpu")}
 
 def mesh_names(names: str | Sequence[str] | None, mesh: Sequence[int]) -> tuple[str, ...]:
     """The mesh dims' names: `names` ('dp,tp' or a sequence), or by default dp, tp, pp, cp as many
-    as the mesh has dims. ValueError unless there is one distinct, non-empty name per mesh dim."""
+    as the mesh has dims. Each name is a role (`ROLES`, or `dp` for dp_shard), each role once:
+    ValueError otherwise, since a mistyped role would silently plan something else."""
     mesh_text = "x".join(map(str, mesh))
     if names is None and len(mesh) > len(DEFAULT_MESH_NAMES):
         raise ValueError(f"mesh {mesh_text} has {len(mesh)} dims: name them with --mesh-names "
@@ -46,19 +48,23 @@ def mesh_names(names: str | Sequence[str] | None, mesh: Sequence[int]) -> tuple[
         found = DEFAULT_MESH_NAMES[: len(mesh)]
     else:
         found = name_list(names) if isinstance(names, str) else tuple(str(n).strip() for n in names)
+    text = ",".join(found)
     if len(found) != len(mesh) or len(set(found)) != len(found) or not all(found):
-        raise ValueError(f"--mesh-names {','.join(found)!r} must give {len(mesh)} distinct names, one per dim of "
-                         f"mesh {mesh_text}")
+        raise ValueError(f"--mesh-names {text!r} must give {len(mesh)} distinct names, one per dim of mesh {mesh_text}")
+    roles = [ROLE_OF_NAME.get(name, name) for name in found]
+    for name, role in zip(found, roles):
+        if role not in ROLES:
+            raise ValueError(f"--mesh-names {text!r}: unknown role {name!r}; each mesh dim is one of "
+                             f"{', '.join(ROLES)} (dp means dp_shard)")
+        if roles.count(role) > 1:
+            raise ValueError(f"--mesh-names {text!r}: role {role} is given twice (dp means dp_shard); "
+                             f"each role names one mesh dim")
     return found
 
 
-def role_of(name: str, dim: int) -> str | None:
-    """A mesh dim's role: its name when the name is a role (or means one), else the role an
-    unnamed mesh gives that position (None past the fourth dim)."""
-    role = ROLE_OF_NAME.get(name, name)
-    if role in ROLES:
-        return role
-    return ROLE_OF_NAME.get(DEFAULT_MESH_NAMES[dim], DEFAULT_MESH_NAMES[dim]) if dim < len(DEFAULT_MESH_NAMES) else None
+def role_of(name: str) -> str:
+    """A mesh dim's role from its name (a role, or `dp` for dp_shard)."""
+    return ROLE_OF_NAME.get(name, name)
 
 
 def dtype_option(text: str) -> str:
@@ -92,9 +98,9 @@ class PlanConfig:
     mesh: tuple[int, ...] | None = setting(None, "--mesh", type=parse_mesh, help="mesh shape, e.g. 8x8, 2x2 or 4")
     mesh_names: tuple[str, ...] | None = setting(
         None, "--mesh-names", type=name_list,
-        help="mesh dim names, each naming the dim's role: dp (= dp_shard), dp_shard, dp_replicate, tp, cp, pp "
-             "(default: dp,tp,pp,cp as many as the mesh has dims; other names take the default role of their "
-             "position)")
+        help="mesh dim roles, one per dim: dp_replicate, dp_shard (or dp), tp, cp, pp, each at most once "
+             "(default: dp,tp,pp,cp as many as the mesh has dims); parameters are replicated over dp_replicate "
+             "and the batch splits over both dp dims")
     network: NetworkProfile | str | None = setting(
         None, "--network", help="network profile for planning: a preset (h100-node, cpu-gloo) or a profile file "
                                 "from `autoshard calibrate` (default: h100-node; train: cpu-gloo on CPU)")
@@ -137,8 +143,7 @@ class PlanConfig:
             if not shape or min(shape) < 1:
                 raise ValueError(f"mesh shape must be non-empty with sizes >= 1, got {shape}")
             object.__setattr__(self, "mesh", shape)
-            if self.mesh_names is not None or len(shape) <= len(DEFAULT_MESH_NAMES):
-                object.__setattr__(self, "mesh_names", mesh_names(self.mesh_names, shape))
+            object.__setattr__(self, "mesh_names", mesh_names(self.mesh_names, shape))
         for name in ("param_dtype", "reduce_dtype", "output_dtype"):
             value = getattr(self, name)
             dtype = parse_dtype(value) if isinstance(value, str) else value
@@ -156,10 +161,22 @@ class PlanConfig:
 
     # ------------------------------------------------------------------ the mesh
     @property
-    def roles(self) -> tuple[str | None, ...]:
-        """Each mesh dim's role (see `role_of`)."""
-        names = self.mesh_names or tuple(f"m{i}" for i in range(len(self.mesh or ())))
-        return tuple(role_of(name, dim) for dim, name in enumerate(names))
+    def roles(self) -> tuple[str, ...]:
+        """Each mesh dim's role."""
+        return tuple(role_of(name) for name in self.mesh_names or ())
+
+    @property
+    def intra_node_dims(self) -> tuple[int, ...] | None:
+        """The mesh dims a network preset puts inside a node: those of role tp (None: no tp dim,
+        so the preset's default, the last dim)."""
+        return tuple(d for d, role in enumerate(self.roles) if role == "tp") or None
+
+    @property
+    def replicate_dim(self) -> int | None:
+        """The mesh dim of role dp_replicate, if there is one of size > 1: parameters are
+        replicated over it and its placements are planned first (`driver.replicas`)."""
+        dims = [d for d, role in enumerate(self.roles) if role == "dp_replicate" and self.mesh[d] > 1]
+        return dims[0] if dims else None
 
     @property
     def data_parallel_dims(self) -> tuple[int, ...]:
@@ -171,7 +188,7 @@ class PlanConfig:
         dims = self.data_parallel_dims
         size = math.prod(self.mesh[d] for d in dims)
         if batch % size:
-            names = self.mesh_names or tuple(f"m{i}" for i in range(len(self.mesh)))
+            names = self.mesh_names
             which = " x ".join(f"{d} '{names[d]}'" for d in dims)
             raise ValueError(f"--batch {batch} is not divisible by the dp size {size}: the batch splits over the "
                              f"data-parallel mesh dims, and {batch} is not divisible by mesh dim"

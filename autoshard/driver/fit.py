@@ -49,7 +49,7 @@ class MemoryLimitError(ValueError):
 @dataclass(frozen=True)
 class FitSteps:
     """What `fit_memory` asks of the outside: solve a budgeted problem (InfeasibleError when nothing
-    fits the budget) and dry-run a plan. Replaceable so that ranks fitting side by side agree."""
+    fits the budget, expected and not diagnosed) and dry-run a plan. Replaceable so that ranks fitting side by side agree."""
 
     solve: Callable[[solver.Problem], solver.Solution]
     dry_run: Callable[[Plan], DryRunResult]
@@ -76,7 +76,8 @@ def fit_memory(plan: Plan, sharding: ShardingProblem, planner: Planner, device: 
     """`plan` if it fits `limit`, else the best plan that does (with the problem it solves);
     MemoryLimitError when none does. `steps` default to solving and dry-running in this process."""
     if steps is None:
-        steps = FitSteps(lambda problem: solver.solve(problem, backend=backend, time_limit=time_limit), dry_run)
+        steps = FitSteps(lambda problem: solver.solve(problem, backend=backend, time_limit=time_limit,
+                                                      diagnose=False), dry_run)
     table = peak_memory_table(sharding)
     linear = modeled_bytes(table, plan.solution.choice)
     asked = mode_of(spec)
@@ -99,7 +100,8 @@ def fit_memory(plan: Plan, sharding: ShardingProblem, planner: Planner, device: 
     for mode in MODES[MODES.index(asked) + 1:]:  # what the user did not ask for, the budget may choose
         problems[mode] = build_problem(sharding.graph, sharding.mesh_shape, planner, device,
                                        dataclasses.replace(spec, recompute=mode == "recompute",
-                                                           reshard=mode == "reshard"))
+                                                           reshard=mode == "reshard"),
+                                       catalog=sharding.catalog, pricer=sharding.pricer)
     tables = {mode: table if sp is sharding else peak_memory_table(sp) for mode, sp in problems.items()}
     # the non-linear part, as the dry run found it: one figure per option, grown by its own misses
     extra = dict.fromkeys(problems, result.peak_bytes - linear)

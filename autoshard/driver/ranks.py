@@ -83,8 +83,8 @@ class RankZeroPlanning:
         self.backend = backend
         self.time_limit = time_limit
 
-    def _solve(self, problem: solver.Problem) -> solver.Solution:
-        return solver.solve(problem, backend=self.backend, time_limit=self.time_limit)
+    def _solve(self, problem: solver.Problem, diagnose: bool = True) -> solver.Solution:
+        return solver.solve(problem, backend=self.backend, time_limit=self.time_limit, diagnose=diagnose)
 
     def solve(self, sharding: ShardingProblem) -> solver.Solution:
         """Every rank calls this with the problem it built; rank 0's answer for all."""
@@ -113,21 +113,26 @@ class RankZeroPlanning:
             raise UsageError(payload)
         return solver.Solution.from_json(payload)
 
+    def solve_problem(self, problem: solver.Problem, *, diagnose: bool = True) -> solver.Solution:
+        """Rank 0 solves `problem` for every rank (InfeasibleError on every rank when nothing is
+        feasible; `diagnose=False` skips finding out why, for callers that expect it)."""
+        answer = ("", "")
+        if dist.get_rank() == 0:
+            try:
+                answer = ("ok", self._solve(problem, diagnose).to_json())
+            except solver.InfeasibleError as err:
+                answer = ("infeasible", str(err))
+        kind, payload = broadcast(answer)
+        if kind == "infeasible":
+            raise solver.InfeasibleError(payload)
+        return solver.Solution.from_json(payload)
+
     def fit_steps(self) -> FitSteps:
         """The memory fit's solves and dry runs, with the same result on every rank: rank 0 solves
         a budgeted problem and broadcasts the solution (or that none fits); every rank lowers a
         candidate (lowering may create flattened groups, a collective) and gets rank 0's dry run."""
         def solve(problem: solver.Problem) -> solver.Solution:
-            answer = ("", "")
-            if dist.get_rank() == 0:
-                try:
-                    answer = ("ok", self._solve(problem).to_json())
-                except solver.InfeasibleError as err:
-                    answer = ("infeasible", str(err))
-            kind, payload = broadcast(answer)
-            if kind == "infeasible":
-                raise solver.InfeasibleError(payload)
-            return solver.Solution.from_json(payload)
+            return self.solve_problem(problem, diagnose=False)
 
         return FitSteps(solve, lambda plan: self.dry_run(lower(plan, self.mesh), plan))
 

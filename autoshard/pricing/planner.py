@@ -81,6 +81,7 @@ _Move = tuple[float, float, str, tuple[int, ...], tuple[int, ...], int]
 # kind -> local copy passes (in units of the step's local input bytes) per tensor dim it touches
 # that is not outermost: a gather writes n times its input into place, a scatter/all-to-all
 # reads its input once to lay the chunks out.
+_UNSEEN = object()  # an edge weight not computed yet (None means: not an even layout)
 _COPY_PASSES = {
     "all_gather": lambda n: float(n),
     "reduce_scatter": lambda n: 1.0,
@@ -146,6 +147,7 @@ class Planner:
         self._unit = frozenset(m for m, s in enumerate(self.mesh_shape) if s == 1)
         self._spaces: dict[tuple[int, tuple[str, ...]], _Space] = {}
         self._runs: dict[tuple, tuple[dict, dict]] = {}
+        self._weights: dict[tuple, dict[tuple[Layout, Layout], float | None]] = {}  # per (reduce ops, shape, itemsize)
         self._costs: dict[tuple, float] = {}
         self._plans: dict[tuple, RedistributePlan] = {}
 
@@ -188,16 +190,18 @@ class Planner:
 
     def _dijkstra(self, space: _Space, source: Layout, shape: tuple[int, ...], itemsize: int):
         total = math.prod(shape) * itemsize
-        even: dict[Layout, bool] = {}
         splits = space.splits
+        # An edge's weight depends on the tensor, not on where the search started: searches from
+        # every source layout of one tensor share them (most of a search's time otherwise).
+        weights = self._weights.setdefault((space.ops, shape, itemsize), {})
 
         def weight(u: Layout, v: Layout, data: dict) -> float | None:
-            ok = even.get(v)
-            if ok is None:
-                ok = even[v] = all(shape[td] % n == 0 for td, n in splits[v])
-            if not ok:
-                return None
-            return min(self._move_cost(space, u, move, shape, total) for move in data["moves"])
+            w = weights.get((u, v), _UNSEEN)
+            if w is _UNSEEN:
+                even = all(shape[td] % n == 0 for td, n in splits[v])
+                w = weights[(u, v)] = (min(self._move_cost(space, u, move, shape, total) for move in data["moves"])
+                                       if even else None)
+            return w
 
         return nx.dijkstra_predecessor_and_distance(space.graph, source, weight=weight)
 

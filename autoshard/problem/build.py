@@ -22,7 +22,7 @@ import solver
 from solver.problem import problem_to_json
 
 from autoshard.profiles.device import DeviceProfile
-from autoshard.layout import Layout
+from autoshard.layout import Layout, Placement
 from autoshard.pricing.compute import ComputePricer
 from autoshard.pricing.planner import Planner
 from autoshard.capture.precision import gradient_tail
@@ -45,6 +45,42 @@ class Producer:
     output: int
 
 
+# One node's placements on one mesh dim: (its outputs', its input slots'), None for non-tensors.
+DimPlacements = tuple[tuple[Placement | None, ...], tuple[Placement | None, ...]]
+
+
+@dataclass(frozen=True)
+class FixedMeshDim:
+    """Placements decided on one mesh dim before the ILP (a `dp_replicate` dim, from a
+    data-parallel solve of that dim alone): a node keeps only the strategies that place its
+    outputs and inputs so on `mesh_dim`, which makes a 3D problem about as small as a 2D one.
+    Nodes not listed (or with no such strategy) keep all of theirs."""
+
+    mesh_dim: int
+    placements: dict[str, DimPlacements]
+    # (id of a catalog's strategy tuple, placements) -> (that tuple, kept indices): repeated
+    # blocks share both, so each distinct pair is filtered once
+    _kept: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def keep(self, name: str, choices: Sequence[Strategy]) -> list[int]:
+        """Indices of `choices` that agree with this dim's placements for node `name`."""
+        want = self.placements.get(name)
+        if want is None:
+            return list(range(len(choices)))
+        key = (id(choices), want)
+        hit = self._kept.get(key)
+        if hit is None or hit[0] is not choices:
+            kept = [i for i, s in enumerate(choices) if dim_placements(s, self.mesh_dim) == want]
+            hit = self._kept[key] = (choices, kept or list(range(len(choices))))
+        return hit[1]
+
+
+def dim_placements(strategy: Strategy, mesh_dim: int = 0) -> DimPlacements:
+    """A strategy's placements on one mesh dim (what `FixedMeshDim` keeps)."""
+    on_dim = lambda layouts: tuple(None if lay is None else lay.placements[mesh_dim] for lay in layouts)  # noqa: E731
+    return on_dim(strategy.outputs), on_dim(strategy.inputs)
+
+
 @dataclass
 class ProblemSpec:
     """User constraints on top of the graph (layouts are text or Layout)."""
@@ -52,9 +88,11 @@ class ProblemSpec:
     input_layouts: dict[int, Layout] = field(default_factory=dict)  # user input index -> layout
     output_layouts: dict[int, Layout] = field(default_factory=dict)  # model output index -> layout
     pins: dict[str, Layout] = field(default_factory=dict)  # parameter FQN pattern -> layout
-    param_memory_bytes: float | None = None  # per rank; None = total / world size (FSDP level)
+    param_memory_bytes: float | None = None  # per rank; None = total / world size (FSDP level; HSDP's
+    #                                          level with a fixed replicate dim: total / the other dims' size)
     recompute: bool = False  # activation checkpointing of every repeated block
     reshard: bool = False  # reshard after forward: every repeated block gathers its parameters again in the backward
+    fixed_dim: FixedMeshDim | None = None  # placements decided on one mesh dim before the ILP
 
 
 @dataclass
@@ -74,6 +112,9 @@ class ShardingProblem:
     recompute_blocks: tuple[str, ...] = ()
     recomputed: frozenset[str] = frozenset()
     reshard_blocks: tuple[str, ...] = ()
+    # what priced it, kept so that a rebuild with other options (the memory fit's) reuses their caches
+    catalog: StrategyCatalog | None = field(default=None, repr=False, compare=False)
+    pricer: ComputePricer | None = field(default=None, repr=False, compare=False)
 
     def fingerprint(self) -> str:
         """Hash of the whole ILP (nodes, choice labels and costs, edges, constraints): equal
@@ -93,10 +134,14 @@ def _val(node: fx.Node, index: int = 0):
     return val[index] if isinstance(val, (tuple, list)) else val
 
 
-def _placeholder_strategies(node: fx.Node, catalog: StrategyCatalog, allowed: Layout | None) -> list[Strategy]:
-    """Every even layout of a placeholder (or just `allowed`). The catalog shares the Strategy
-    objects per shape: placeholders of repeated blocks then share cost matrices."""
+def _placeholder_strategies(node: fx.Node, catalog: StrategyCatalog, allowed: Layout | None,
+                            fixed_dim: FixedMeshDim | None) -> list[Strategy]:
+    """Every even layout of a placeholder (or just `allowed`; those `fixed_dim` keeps). The
+    catalog shares the Strategy objects per shape: placeholders of repeated blocks then share
+    cost matrices."""
     choices = catalog.source_strategies(node.meta["val"].shape)
+    if fixed_dim is not None:
+        choices = [choices[i] for i in fixed_dim.keep(node.name, choices)]
     if allowed is None:
         return list(choices)
     return [s for s in choices if s.outputs[0] == allowed]
@@ -149,7 +194,7 @@ def build_problem(graph: JointGraph, mesh_shape: tuple[int, ...], planner: Plann
     sharding = ShardingProblem(graph=graph, mesh_shape=mesh_shape, strategies=choices.strategies,
                                compute_s=compute_s, fx_nodes=choices.fx_nodes, inputs=choices.inputs,
                                problem=solver.Problem(), recompute_blocks=recompute_blocks,
-                               recomputed=recomputed, reshard_blocks=reshard_blocks)
+                               recomputed=recomputed, reshard_blocks=reshard_blocks, catalog=catalog, pricer=pricer)
     _fill_solver_problem(sharding, planner, spec, graph.param_names, repeated)
     return sharding
 
@@ -181,7 +226,7 @@ def _collect_choices(c: _Choices, graph: JointGraph, catalog: StrategyCatalog, p
                 fixed = spec.input_layouts.get(user_inputs[node])
             else:
                 fixed = None
-            c.strategies[node.name] = _placeholder_strategies(node, catalog, fixed)
+            c.strategies[node.name] = _placeholder_strategies(node, catalog, fixed, spec.fixed_dim)
             c.compute_s[node.name] = [0.0] * len(c.strategies[node.name])
             if not c.strategies[node.name]:
                 what = param_fqn.get(node) or f"input {user_inputs.get(node, node.name)}"
@@ -197,6 +242,9 @@ def _collect_choices(c: _Choices, graph: JointGraph, catalog: StrategyCatalog, p
             output = graph.output_index(node)
             if output in spec.output_layouts:
                 kept = _with_output(node, choices, output, spec.output_layouts[output], mesh_shape)
+                choices, costs = [choices[i] for i in kept], [costs[i] for i in kept]
+            if spec.fixed_dim is not None:
+                kept = spec.fixed_dim.keep(node.name, choices)
                 choices, costs = [choices[i] for i in kept], [costs[i] for i in kept]
             c.strategies[node.name], c.compute_s[node.name] = list(choices), list(costs)
         else:
@@ -287,7 +335,8 @@ def _fill_solver_problem(sp: ShardingProblem, planner: Planner, spec: ProblemSpe
     for fqn, node in sp.graph.params.items():
         problem.same_choice([node.name, grad_sink(fqn)], name=f"grad of {fqn} in its parameter's layout")
     total = sum(_val(node).numel() * _val(node).dtype.itemsize for node in sp.graph.params.values())
-    limit = spec.param_memory_bytes if spec.param_memory_bytes is not None else total / math.prod(mesh_shape)
+    shards = math.prod(mesh_shape) // (mesh_shape[spec.fixed_dim.mesh_dim] if spec.fixed_dim is not None else 1)
+    limit = spec.param_memory_bytes if spec.param_memory_bytes is not None else total / shards
     problem.memory_budget([node.name for node in sp.graph.params.values()], limit * (1 + 1e-9),
                           name="parameter bytes per rank")
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -131,11 +132,13 @@ def _preset_or_file(preset, spec: str):
         raise ValueError(f"{err}, or the path of a profile file written by `python -m autoshard calibrate`") from None
 
 
-def network_profile(spec: NetworkProfile | str, mesh_shape: tuple[int, ...]) -> NetworkProfile:
-    """A NetworkProfile from a profile, a preset name, or a profile file measured on this mesh shape."""
+def network_profile(spec: NetworkProfile | str, mesh_shape: tuple[int, ...],
+                    intra_node_dims: Sequence[int] | None = None) -> NetworkProfile:
+    """A NetworkProfile from a profile, a preset name (`intra_node_dims` on the intra-node link;
+    default the last dim), or a profile file measured on this mesh shape."""
     if isinstance(spec, NetworkProfile):
         return spec
-    found = _preset_or_file(lambda name: NetworkProfile.preset(name, len(mesh_shape)), spec)
+    found = _preset_or_file(lambda name: NetworkProfile.preset(name, len(mesh_shape), intra_node_dims), spec)
     if found is not None:
         return found
     data = read_profile(spec)

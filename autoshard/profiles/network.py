@@ -77,17 +77,25 @@ class NetworkProfile:
                 return a, b
         return max(self.alpha[m] for m in mesh_dims), min(self.beta[m] for m in mesh_dims)
 
+    def restricted_to(self, mesh_dim: int) -> NetworkProfile:
+        """This profile for a 1D mesh made of `mesh_dim` alone (its links, measured kinds included)."""
+        kinds = tuple((k, (0,), a, b) for k, dims, a, b in self.kinds if dims == (mesh_dim,))
+        return NetworkProfile((self.alpha[mesh_dim],), (self.beta[mesh_dim],), self.launch_s, self.mem_bw, self.name,
+                              kinds=kinds)
+
     @property
     def mesh_ndim(self) -> int:
         return len(self.alpha)
 
     @classmethod
-    def preset(cls, name: str, mesh_ndim: int) -> NetworkProfile:
-        """Named profile for a mesh of `mesh_ndim` dims; the last dim is the intra-node one."""
+    def preset(cls, name: str, mesh_ndim: int, intra_node_dims: Sequence[int] | None = None) -> NetworkProfile:
+        """Named profile for a mesh of `mesh_ndim` dims: `intra_node_dims` (default: the last dim)
+        get the intra-node link, the others the inter-node one."""
         if name not in _PRESETS:
             raise ValueError(f"unknown network profile {name!r}; known: {sorted(_PRESETS)}")
         if mesh_ndim < 1:
             raise ValueError(f"mesh_ndim must be >= 1, got {mesh_ndim}")
         outer, inner, launch_s, mem_bw = _PRESETS[name]
-        dims = [outer] * (mesh_ndim - 1) + [inner]
+        inside = set(intra_node_dims) if intra_node_dims else {mesh_ndim - 1}
+        dims = [inner if m in inside else outer for m in range(mesh_ndim)]
         return cls(tuple(a for a, _ in dims), tuple(b for _, b in dims), launch_s, mem_bw, name)

@@ -55,7 +55,12 @@ _JSON_ONLY = {"solution"}  # machine-readable extras (the solver's choices) stay
 
 def format_log(report: dict) -> str:
     """The human-readable sharding log, rendered from `plan_report`'s dict."""
-    out = [f"autoshard sharding log: mesh {tuple(report['mesh_shape'])}"]
+    shape, names = tuple(report["mesh_shape"]), report.get("mesh_names")
+    roles = f" = {' x '.join(f'{name} {size}' for name, size in zip(names, shape))}" if names else ""
+    out = [f"autoshard sharding log: mesh {shape}{roles}"]
+    if names and "dp_replicate" in names and shape[names.index("dp_replicate")] > 1:
+        out.append(f"dp_replicate (mesh dim {names.index('dp_replicate')}): parameters replicated over it, the batch "
+                   "split; its placements planned first as data parallelism, then the other dims")
     if "precision" in report:
         out.append(f"mixed precision: {report['precision']['summary']}")
     for key, value in report.items():  # run description etc. passed in as `extra`

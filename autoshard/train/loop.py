@@ -95,7 +95,7 @@ def _check_profiles(settings: Settings) -> None:
     checks before the process group exists, so a bad file is one error line, not a hang."""
     try:
         if settings.network is not None:
-            network_profile(settings.network, settings.mesh)
+            network_profile(settings.network, settings.mesh, settings.intra_node_dims)
         if settings.device_profile is not None:
             device_profile(settings.device_profile)
     except ValueError as err:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from autoshard.driver.config import PlanConfig, mesh_names
+from autoshard.driver.config import PlanConfig
 from autoshard.options import BATCH, INIT_FROM, MODEL, OUT, SEQ, redefault, setting
 
 
@@ -59,7 +59,6 @@ class Settings(PlanConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        mesh_names(self.mesh_names, self.mesh)  # a mesh past 4 dims needs names to be made
         if self.steps < 1:
             raise ValueError(f"--steps must be >= 1, got {self.steps}")
         self.check_batch(self.batch)
