@@ -23,6 +23,8 @@ FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9_-]*[a-z0-9]")
 # Flags of other tools the docs show: torchrun's, SLURM's, and the benchmark scripts' own.
 OTHER_TOOLS = {
     "--standalone", "--nproc_per_node", "--nnodes", "--max-restarts", "--signal",  # torchrun, SLURM
+    "--rdzv-backend", "--rdzv-endpoint", "--rdzv-id", "--nodes", "--ntasks-per-node", "--gpus-per-node",
+    "--gap-only",  # benchmarks
     "--quick", "--only", "--json", "--wide", "--repeats", "--kills", "--stall-only", "--no-stall",  # benchmarks
 }
 

@@ -37,7 +37,7 @@ def calibrate_parser(prog: str = "python -m autoshard calibrate") -> argparse.Ar
                    help="mesh shape to calibrate, e.g. 2x2 (default: all ranks in one dim; its product must be the "
                         "world size)")
     p.add_argument("--mesh-names", type=arg_type(name_list), default=None,
-                   help="mesh dim names, e.g. dp,tp (default: dp,tp,pp,cp as many as needed)")
+                   help="mesh dim roles, e.g. dp,tp (default: dp,tp,pp,cp as many as needed)")
     add_option(p, OUT, default="profile.json", help="profile file to write (default profile.json)")
     p.add_argument("--min-size", type=arg_type(parse_bytes), default=4 * KIB, metavar="BYTES",
                    help="smallest collective, local input bytes (default 4KiB)")
