@@ -17,7 +17,7 @@ from autoshard.options import parse_bytes, parse_mesh
 from autoshard.profiles.device import DeviceProfile
 from autoshard.report.build import plan_report
 from autoshard.report.files import write_report
-from autoshard.report.text import format_log, human_bytes, memory_line, summary_lines
+from autoshard.report.text import format_log, human_bytes, human_time, memory_line, summary_lines
 from models import build_model, cross_entropy_loss, get_config
 from simulation import simulated_mesh
 
@@ -75,6 +75,9 @@ def test_log_has_table_graph_and_totals(tiny):
     assert gathers and all("µs" in line or "ns" in line for line in gathers)
     assert "== totals ==" in log and "modeled step time" in log and "ILP:" in log and "== timings ==" in log
     assert "fingerprint: abc" in log
+    assert plan.solution.status == "optimal" and report["totals"]["ilp"]["bound"] == pytest.approx(plan.solution.objective)
+    (ilp,) = [line for line in log.splitlines() if line.startswith("ILP:")]
+    assert ilp.endswith(f"proven lower bound {human_time(plan.solution.objective)} (objective within 0.000%)")
     lines = summary_lines(report)
     assert 1 <= len(lines) <= 8 and "modeled step" in lines[0]
 

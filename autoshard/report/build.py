@@ -137,6 +137,7 @@ def _totals(plan: Plan, parameters: list[dict]) -> dict:
             "backend": stats.backend,
             "status": plan.solution.status,
             "objective": plan.solution.objective,
+            "bound": stats.bound,
             "variables": stats.variables,
             "constraints": stats.constraints,
             "nodes": stats.nodes,

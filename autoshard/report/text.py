@@ -60,7 +60,8 @@ def format_log(report: dict) -> str:
     out = [f"autoshard sharding log: mesh {shape}{roles}"]
     if names and "dp_replicate" in names and shape[names.index("dp_replicate")] > 1:
         out.append(f"dp_replicate (mesh dim {names.index('dp_replicate')}): parameters replicated over it, the batch "
-                   "split; its placements planned first as data parallelism, then the other dims")
+                   "split; its placements planned first as data parallelism, then the other dims (the ILP's "
+                   "bound below holds with those placements fixed)")
     if "precision" in report:
         out.append(f"mixed precision: {report['precision']['summary']}")
     for key, value in report.items():  # run description etc. passed in as `extra`
@@ -205,9 +206,13 @@ def explain_lines(ex: dict) -> list[str]:
 
 
 def _ilp_line(ilp: dict) -> str:
+    bound = ""
+    if ilp.get("bound") is not None:  # plan.json files written before the bound was kept have none
+        gap = (ilp["objective"] - ilp["bound"]) / ilp["objective"] if ilp["objective"] > 0 else 0.0
+        bound = f"; proven lower bound {human_time(ilp['bound'])} (objective within {max(gap, 0.0):.3%})"
     return (f"ILP: {ilp['variables']:,} variables, {ilp['constraints']:,} constraints "
             f"({ilp['nodes']:,} nodes, {ilp['classes']:,} classes, {ilp['core']:,} core after presolve); "
-            f"{ilp['backend']} {ilp['status']} in {ilp['solve_s']:.2f} s")
+            f"{ilp['backend']} {ilp['status']} in {ilp['solve_s']:.2f} s{bound}")
 
 
 def summary_lines(report: dict) -> list[str]:
