@@ -220,6 +220,20 @@ def test_no_plan_fits_is_one_clear_error():
         plan_debug(10e6)
 
 
+def test_the_fit_solves_each_option_under_each_budget_once(monkeypatch):
+    """Under 84 MB the budgeted layouts miss first and the fit goes round again: only the option
+    whose budget was tightened is solved again, the others keep their plans (a budgeted solve of
+    a 70B problem takes tens of seconds)."""
+    from autoshard.driver import fit as fitting
+
+    budgets, real = [], fitting.with_peak_budget
+    monkeypatch.setattr(fitting, "with_peak_budget",
+                        lambda sp, table, budget: budgets.append((id(sp), budget)) or real(sp, table, budget))
+    plan, fit, memory = plan_debug(84e6)
+    assert len(fit.tried) >= 3 and fit.reshard and memory.peak_bytes <= 84e6  # two budgeted rounds
+    assert len(budgets) == len(set(budgets)) and len({sp for sp, _ in budgets}) == 3
+
+
 def test_plan_cli_memory_limit(tmp_path):
     import json
     import subprocess

@@ -107,8 +107,9 @@ def fit_memory(plan: Plan, sharding: ShardingProblem, planner: Planner, device: 
     extra = dict.fromkeys(problems, result.peak_bytes - linear)
     misses = dict.fromkeys(problems, 0)
     smallest = result
+    solved: dict[str, tuple[float, Plan | None]] = {}  # per option: the budget and its plan (None: infeasible)
     while problems:
-        best = _best_budgeted(problems, tables, extra, limit, steps, planner)
+        best = _best_budgeted(problems, tables, extra, limit, steps, planner, solved)
         if best is None:
             break
         candidate, sp, mode = best
@@ -127,16 +128,23 @@ def fit_memory(plan: Plan, sharding: ShardingProblem, planner: Planner, device: 
 
 
 def _best_budgeted(problems: dict[str, ShardingProblem], tables: dict[str, dict[str, list[float]]],
-                   extra: dict[str, float], limit: float, steps: FitSteps,
-                   planner: Planner) -> tuple[Plan, ShardingProblem, str] | None:
-    """Each option's plan under its budget; the one with the lowest modeled step (None: none fits)."""
+                   extra: dict[str, float], limit: float, steps: FitSteps, planner: Planner,
+                   solved: dict[str, tuple[float, Plan | None]]) -> tuple[Plan, ShardingProblem, str] | None:
+    """Each option's plan under its budget; the one with the lowest modeled step (None: none fits).
+    An option whose budget has not changed since it was last solved (in `solved`, updated here)
+    keeps its plan: on a 70B problem one budgeted solve takes tens of seconds."""
     best = None
     for mode, sp in problems.items():
-        try:
-            solution = steps.solve(with_peak_budget(sp, tables[mode], limit - extra[mode]))
-        except solver.InfeasibleError:
+        budget = limit - extra[mode]
+        if solved.get(mode, (None,))[0] != budget:
+            try:
+                solution = steps.solve(with_peak_budget(sp, tables[mode], budget))
+            except solver.InfeasibleError:
+                solution = None
+            solved[mode] = (budget, solution and decode(sp, solution, planner))
+        candidate = solved[mode][1]
+        if candidate is None:
             continue
-        candidate = decode(sp, solution, planner)
         if best is None or candidate.step_time_s < best[0].step_time_s:
             best = (candidate, sp, mode)
     return best
