@@ -26,7 +26,7 @@ sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]  # kee
 from benchmarks.plan import in_fresh_process  # noqa: E402
 
 ROLES3 = ("dp_replicate", "dp_shard", "tp")
-# (model, layers, mesh, batch, seq): small enough for the exact ILP to finish on a CPU core
+# (model, layers, mesh, batch, seq): the exact ILP finishes on the first two on a CPU core, not on the third
 GAP_CASES = [("llama3-tiny", None, (2, 2, 2), 8, 16), ("llama3-debug", 1, (2, 2, 2), 8, 32),
              ("llama3-8b", 1, (2, 2, 2), 8, 1024)]
 EXACT_TIME_LIMIT = 1800.0  # the exact llama3-debug case took 18 minutes on a slow core

@@ -24,8 +24,8 @@ FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9_-]*[a-z0-9]")
 OTHER_TOOLS = {
     "--standalone", "--nproc_per_node", "--nnodes", "--max-restarts", "--signal",  # torchrun, SLURM
     "--rdzv-backend", "--rdzv-endpoint", "--rdzv-id", "--nodes", "--ntasks-per-node", "--gpus-per-node",
-    "--gap-only",  # benchmarks
     "--quick", "--only", "--json", "--wide", "--repeats", "--kills", "--stall-only", "--no-stall",  # benchmarks
+    "--gap-only",
 }
 
 
