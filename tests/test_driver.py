@@ -72,7 +72,8 @@ def test_every_config_field_with_a_flag_is_an_option_of_plan_and_train():
 def test_auto_shard_under_torchrun_solves_on_rank_0_only():
     """4 gloo ranks, mesh (2,2): auto_shard() runs the solver once, on rank 0, and every rank holds
     its plan and computes the single-device loss; a memory limit below the plan's dry-run peak is
-    fitted by rank 0's solves alone, every rank ending with the same fitted plan."""
+    fitted by rank 0's solves alone, every rank ending with the same fitted plan; rank 0's solver
+    failing is an error on every rank, not a hang of the other three."""
     ranks = run_ranks("dist_auto_shard.py", timeout=400)
     assert [r["solves"] for r in ranks] == [1, 0, 0, 0]
     assert len({r["plan"] for r in ranks}) == 1
@@ -82,6 +83,9 @@ def test_auto_shard_under_torchrun_solves_on_rank_0_only():
     assert len({r["fitted"] for r in ranks}) == 1
     fit = ranks[0]
     assert fit["fit_tried"] >= 2 and fit["fit_peak"] <= fit["fit_limit"] < fit["peak"]
+    stopped = "SolveError: highs stopped without a solution (time_limit=1)"
+    assert [r["failure"] for r in ranks] == [stopped] + [
+        f"RankZeroFailed: rank 0 failed while planning for every rank: {stopped}"] * 3
 
 
 def test_mesh_roles_are_checked_with_one_error_line(capsys):
@@ -109,3 +113,42 @@ def test_mesh_roles_are_checked_with_one_error_line(capsys):
         assert code == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith("error: ") and message in err[0], err
+
+
+def test_planning_pauses_the_cyclic_garbage_collector_and_restores_it(monkeypatch):
+    """Every gen-2 collection walks all of planning's objects (a quarter of a 70B plan's time):
+    optimize() runs with the collector paused, and leaves it as it found it, also on an error."""
+    import gc
+
+    import autoshard.driver.api as api
+    from models import build_model, cross_entropy_loss, get_config
+
+    seen = []
+    build = api.build_problem
+
+    def recording_build(*args, **kwargs):
+        seen.append(gc.isenabled())
+        return build(*args, **kwargs)
+
+    monkeypatch.setattr(api, "build_problem", recording_build)
+    net = build_model(get_config("llama3-tiny"), device="meta")
+    inputs = lambda: (torch.randint(0, 16, (4, 8)),) * 2  # noqa: E731
+    config = PlanConfig(mesh=(2, 2), memory_limit=math.inf)
+    assert gc.isenabled()
+    api.AutoShard(net, inputs, config=config, loss_fn=cross_entropy_loss).optimize()
+    assert seen == [False] and gc.isenabled()
+
+    def failing_build(*args, **kwargs):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(api, "build_problem", failing_build)
+    with pytest.raises(RuntimeError, match="boom"):
+        api.AutoShard(net, inputs, config=config, loss_fn=cross_entropy_loss).optimize()
+    assert gc.isenabled()
+    gc.disable()
+    try:  # a caller that paused it keeps it paused
+        monkeypatch.setattr(api, "build_problem", build)
+        api.AutoShard(net, inputs, config=config, loss_fn=cross_entropy_loss).optimize()
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
