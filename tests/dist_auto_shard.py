@@ -5,6 +5,8 @@ real process group plan once, on rank 0, for every rank (driver.ranks).
    problem fingerprint and solution, and the first step's loss beside the single-device loss.
 2. The same step under a memory limit below the plan's dry-run peak: the fit's solves and dry runs
    run on rank 0 only, and every rank ends with the same fitted plan.
+3. Rank 0's solver stopping without a solution (a time limit too short): every rank raises, rank 0
+   its own SolveError and the others a RankZeroFailed naming it, instead of waiting for rank 0.
 
 Rank 0 prints one line `RESULT [json per rank]`; tests/test_driver.py asserts on it.
 """
@@ -56,6 +58,18 @@ def main() -> None:
     result |= {"fit_solves": len(solves), "peak": peak, "fit_limit": auto.fit.limit,
                "fit_peak": auto.fit.peak_bytes, "fit_tried": len(auto.fit.tried), "fit_mode": auto.fit.mode,
                "fitted": auto.sharding.fingerprint() + solution_hash(fitted)}
+
+    def stopped(*args, **kwargs):
+        raise solver.SolveError("highs stopped without a solution (time_limit=1)")
+
+    solver.solve = stopped
+    try:
+        with AutoShard(build_model(TINY, device="meta"), example, mesh, loss_fn=cross_entropy_loss,
+                       config=CONFIG) as auto:
+            auto.optimize()
+        result["failure"] = None
+    except Exception as err:  # noqa: BLE001 - what each rank raised is the result
+        result["failure"] = f"{type(err).__name__}: {err}"
     report_ranks(result)
 
 

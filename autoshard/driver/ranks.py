@@ -5,8 +5,9 @@ a saved solution made for the same problem (same fingerprint: graph, mesh, profi
 and broadcasts the answer; every rank checks it traced the same problem, and in the end that it
 holds the same plan. Fitting a memory limit goes the same way: rank 0 solves each budgeted problem
 and dry-runs each candidate, every rank gets the results, so every rank decides alike. A failure
-(infeasible constraints, a program that cannot run) is every rank's one `UsageError`, not rank 0's
-traceback and the others' hang.
+(infeasible constraints, a program that cannot run) is every rank's one `UsageError`, and any other
+exception on rank 0 is raised on every rank (`on_rank_zero`), not rank 0's traceback and the
+others' hang.
 
 `AutoShard.optimize` plans this way by default inside a process group of more than one rank;
 `train` always does (it also passes the solution of a `--plan-file`).
@@ -18,7 +19,7 @@ import hashlib
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable, TypeVar
 
 import torch.distributed as dist
 
@@ -33,6 +34,8 @@ from autoshard.runtime import dryrun
 from autoshard.runtime.dryrun import DryRunError, DryRunResult
 
 log = logging.getLogger("autoshard")
+
+T = TypeVar("T")
 
 
 def in_process_group() -> bool:
@@ -55,6 +58,29 @@ def same_on_every_rank(what: str, value: str) -> None:
     dist.all_gather_object(values, value)
     if len(set(values)) != 1:
         raise UsageError(f"ranks {what} (fingerprints {values}); same code and inputs on every rank?")
+
+
+class RankZeroFailed(RuntimeError):
+    """Raised on every other rank when rank 0 failed in a step it runs for all of them."""
+
+
+def on_rank_zero(work: Callable[[], T]) -> T:
+    """Rank 0's `work()`, on every rank. An exception in `work` on rank 0 is raised on every
+    rank, rank 0's own there and a `RankZeroFailed` naming it elsewhere: the other ranks would
+    otherwise wait for rank 0's broadcast until the process group times out (30 minutes)."""
+    outcome: tuple[str, Any] = ("", None)
+    failure: BaseException | None = None
+    if dist.get_rank() == 0:
+        try:
+            outcome = ("ok", work())
+        except Exception as err:  # noqa: BLE001 - every rank must hear of it
+            outcome, failure = ("failed", f"{type(err).__name__}: {err}"), err
+    kind, payload = broadcast(outcome)
+    if kind == "failed":
+        if failure is not None:
+            raise failure
+        raise RankZeroFailed(f"rank 0 failed while planning for every rank: {payload}")
+    return payload
 
 
 @dataclass(frozen=True)
@@ -90,25 +116,25 @@ class RankZeroPlanning:
         """Every rank calls this with the problem it built; rank 0's answer for all."""
         fingerprint = sharding.fingerprint()
         same_on_every_rank("traced different problems", fingerprint)
-        answer: tuple[str, str] = ("", "")
-        if dist.get_rank() == 0:
+
+        def answer() -> tuple[str, str]:
             saved = self.saved
             if saved is not None and saved.fingerprint != fingerprint and not saved.required:
                 log.info("autoshard: %s was made for another problem; solving", saved.source)
                 saved = None
             if saved is not None and saved.fingerprint != fingerprint:
-                answer = ("error", f"{saved.source} was made for another problem (fingerprint {saved.fingerprint}, "
-                                   f"this run's is {fingerprint}): different model, shapes, mesh, profiles or "
-                                   "constraints")
-            elif saved is not None:
-                answer = ("ok", saved.solution)
+                return ("error", f"{saved.source} was made for another problem (fingerprint {saved.fingerprint}, "
+                                 f"this run's is {fingerprint}): different model, shapes, mesh, profiles or "
+                                 "constraints")
+            if saved is not None:
                 log.info("autoshard: reusing the solution in %s", saved.source)
-            else:
-                try:
-                    answer = ("ok", self._solve(sharding.problem).to_json())
-                except ValueError as e:  # infeasible constraints: every rank must hear it, not hang
-                    answer = ("error", str(e))
-        kind, payload = broadcast(answer)
+                return ("ok", saved.solution)
+            try:
+                return ("ok", self._solve(sharding.problem).to_json())
+            except ValueError as e:  # infeasible constraints: a usage error on every rank
+                return ("error", str(e))
+
+        kind, payload = on_rank_zero(answer)
         if kind == "error":
             raise UsageError(payload)
         return solver.Solution.from_json(payload)
@@ -116,13 +142,13 @@ class RankZeroPlanning:
     def solve_problem(self, problem: solver.Problem, *, diagnose: bool = True) -> solver.Solution:
         """Rank 0 solves `problem` for every rank (InfeasibleError on every rank when nothing is
         feasible; `diagnose=False` skips finding out why, for callers that expect it)."""
-        answer = ("", "")
-        if dist.get_rank() == 0:
+        def answer() -> tuple[str, str]:
             try:
-                answer = ("ok", self._solve(problem, diagnose).to_json())
+                return ("ok", self._solve(problem, diagnose).to_json())
             except solver.InfeasibleError as err:
-                answer = ("infeasible", str(err))
-        kind, payload = broadcast(answer)
+                return ("infeasible", str(err))
+
+        kind, payload = on_rank_zero(answer)
         if kind == "infeasible":
             raise solver.InfeasibleError(payload)
         return solver.Solution.from_json(payload)
@@ -140,16 +166,16 @@ class RankZeroPlanning:
         """Every rank calls this with its program of `plan`: rank 0 dry-runs its own (fake tensors:
         no memory, no communication; every rank holds the same local shapes) and every rank gets
         the result."""
-        outcome: tuple[str, Any] = ("", None)
-        if dist.get_rank() == 0:
+        def outcome() -> tuple[str, Any]:
             start = time.perf_counter()
             try:
                 result = DryRunResult(plan.mesh_shape, {0: dryrun.estimate(program, 0, plan.module_paths)})
-                result.seconds = time.perf_counter() - start
-                outcome = ("ok", result)
             except DryRunError as err:
-                outcome = ("error", err.line)
-        kind, payload = broadcast(outcome)
+                return ("error", err.line)
+            result.seconds = time.perf_counter() - start
+            return ("ok", result)
+
+        kind, payload = on_rank_zero(outcome)
         if kind == "error":
             raise UsageError(f"the planned program cannot run: {payload}")
         return payload
