@@ -67,6 +67,20 @@ def test_tiny_dry_run_reports_rank_0(tiny):
     assert "rank 0: peak" in result.summary()
 
 
+def test_a_dry_run_writes_no_python_code_for_the_program(tiny):
+    """The dry run walks the program's graphs node by node: their Python code (~1.5 s for a 70B
+    program, dry-run three times in a memory fit) is written only when the program is called."""
+    from torch.fx._lazy_graph_module import _LazyGraphModule
+
+    with tc.fake_process_group(4):
+        mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        program = lower(tiny, mesh)
+        estimate(program, 0, tiny.module_paths)
+    for half in (program.forward, program.backward):
+        assert isinstance(half, _LazyGraphModule) and half._needs_recompile()
+        assert "def forward" in tc.write_code(half).code and not half._needs_recompile()
+
+
 def test_a_corrupted_program_is_one_error_naming_the_node(tiny):
     """A placeholder whose local-shape meta is wrong: the dry run names the node that cannot run."""
     with tc.fake_process_group(4):

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch import fx, nn
 
+from autoshard import _torch_compat as tc
 from autoshard.program.collectives import dim_order, prepare_groups
 from autoshard.program.buckets import bucket, overlap
 from autoshard.program.modules import AWAIT, LOCAL_SHAPE, AwaitBucket, Bucket, Redistribute
@@ -216,8 +217,8 @@ def _split(plan: Plan, joint: fx.Graph, modules: dict[str, nn.Module], prefetch:
     modules[AWAIT] = AwaitBucket()
     for g in (fwd, bwd):
         overlap(g, modules, prefetch)
-    forward = fx.GraphModule({k: modules[k] for k in _used_modules(fwd)}, fwd, "AutoshardForward")
-    backward = fx.GraphModule({k: modules[k] for k in _used_modules(bwd)}, bwd, "AutoshardBackward")
+    forward = tc.lazy_graph_module({k: modules[k] for k in _used_modules(fwd)}, fwd, "AutoshardForward")
+    backward = tc.lazy_graph_module({k: modules[k] for k in _used_modules(bwd)}, bwd, "AutoshardBackward")
     return forward, backward, _comm_stats(forward, backward, modules)
 
 

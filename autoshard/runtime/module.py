@@ -202,7 +202,7 @@ class ParallelModule(nn.Module):
 
     def _compile(self, phase: str, gm: torch.fx.GraphModule, args: tuple) -> tuple:
         """The phase's first compiled run, timed: shapes are fixed by the plan (dynamic=False)."""
-        fn = torch.compile(gm, dynamic=False, options=INDUCTOR_OPTIONS)
+        fn = torch.compile(tc.write_code(gm), dynamic=False, options=INDUCTOR_OPTIONS)
         graphs, breaks = tc.dynamo_counts()
         start = time.perf_counter()
         out = fn(*args)
