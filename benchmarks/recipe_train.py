@@ -9,6 +9,9 @@ torchtitan's llama3 recipe: `parallelize_module` on the "tp" mesh dim (sequence 
 wq/wk/wv/w1/w3, row-wise wo/w2 reduce-scattering to sequence shards, row-wise embedding, column-wise
 output with loss parallel), then `fully_shard` on the "dp" mesh dim per block and on the root.
 With `--mesh Nx1` there is no TP: pure FSDP2, `fully_shard` per block and root over all N ranks.
+With `--ddp` (mesh Nx1): torch's `DistributedDataParallel` over all N ranks, its default buckets
+(25 MiB, the first 1 MiB) all-reduced while the backward runs: a user's first choice for a model
+that fits one device.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import torch.distributed as dist  # noqa: E402
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # noqa: E402
 from torch.distributed.tensor import DTensor, Replicate, Shard  # noqa: E402
+from torch.nn.parallel import DistributedDataParallel  # noqa: E402
 from torch.distributed.tensor.parallel import (  # noqa: E402
     ColwiseParallel,
     PrepareModuleInput,
@@ -81,7 +85,9 @@ def apply_fsdp(model, dp_mesh, mp_policy: MixedPrecisionPolicy | None = None) ->
 
 
 def layouts(model) -> dict[str, str]:
-    """Parameter FQN -> its placements on (dp, tp), for the log."""
+    """Parameter FQN -> its placements on (dp, tp), for the log (DDP: replicated everywhere)."""
+    if isinstance(model, DistributedDataParallel):
+        return {n: "RR (DDP)" for n, _ in model.module.named_parameters()}
     return {n: "".join(map(repr, p.placements)) if isinstance(p, DTensor) else "plain"
             for n, p in model.named_parameters()}
 
@@ -106,9 +112,14 @@ def train(args) -> None:
         cfg = cfg.with_(max_seq_len=args.seq)
     model = build_model(cfg, seed=args.seed)  # full weights on every rank, equal to single-device
     tp = mesh_shape[1] > 1
-    if tp:  # Nx1: pure FSDP2 over every rank
-        apply_tp(model, mesh["tp"])
-    apply_fsdp(model, mesh["dp"], mp_policy(args.param_dtype, args.reduce_dtype))
+    if args.ddp:
+        if tp or args.param_dtype:
+            raise SystemExit("error: --ddp runs plain DistributedDataParallel: mesh Nx1, no --param-dtype")
+        model = DistributedDataParallel(model)  # every rank; gradients averaged over the world
+    else:
+        if tp:  # Nx1: pure FSDP2 over every rank
+            apply_tp(model, mesh["tp"])
+        apply_fsdp(model, mesh["dp"], mp_policy(args.param_dtype, args.reduce_dtype))
     optim = make_optimizer(model.parameters(), TrainSettings(lr=args.lr))
 
     out = Path(args.out)
@@ -163,6 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--wire-step", type=int, default=0, help="meter this step's collectives (0: none)")
     p.add_argument("--param-dtype", default=None, help="FSDP2 MixedPrecisionPolicy.param_dtype (bf16, ...)")
     p.add_argument("--reduce-dtype", default=None, help="FSDP2 MixedPrecisionPolicy.reduce_dtype (fp32, ...)")
+    p.add_argument("--ddp", action="store_true", help="torch's DistributedDataParallel instead (mesh Nx1)")
     p.add_argument("--out", default="runs/recipe")
     try:
         train(p.parse_args(argv))

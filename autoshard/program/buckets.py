@@ -1,10 +1,15 @@
 """Grouping a program's collectives and placing them: a block's parameter gathers (gradient
-reductions) become one `Bucket` (`bucket`), and each bucket is launched ahead of its wait
-(`overlap`), as FSDP2 prefetches. Both move nodes of the lowered joint graph; values never change."""
+reduce-scatters) become one `Bucket`, as FSDP2 groups them; gradient all-reduces (replicated
+parameters) become size-capped buckets in the order the backward produces the gradients, as DDP
+groups them (`bucket`). Each bucket is launched ahead of its wait (`overlap`): FSDP2's prefetch,
+DDP's all-reduce of a bucket as soon as its last gradient exists. Both move nodes of the lowered
+joint graph; values never change."""
 
 from __future__ import annotations
 
+import heapq
 import itertools
+import math
 import operator
 from typing import Any
 
@@ -16,11 +21,17 @@ from autoshard.problem.plan import Plan
 from autoshard.program.modules import AWAIT, LOCAL_SHAPE, Bucket, Redistribute
 
 
-def bucket(plan: Plan, joint: fx.Graph, modules: dict[str, nn.Module], mesh: Any) -> None:
+DEFAULT_BUCKET_BYTES = 25 * 2**20  # DDP's bucket_cap_mb
+
+
+def bucket(plan: Plan, joint: fx.Graph, modules: dict[str, nn.Module], mesh: Any,
+           cap_bytes: float = DEFAULT_BUCKET_BYTES) -> None:
     """Group parameter all-gathers (plans starting with one, reading a parameter or its mixed
     precision cast) and gradient reduce-scatters (plans starting with one, on an edge where the
-    plan reduces a gradient) by (block, mesh dims, dtype); each group of 2+ becomes one `Bucket`.
-    Gathers run per block at first use, scatters once every member's gradient is ready."""
+    plan reduces a gradient) by (block, mesh dims, dtype), and gradient all-reduces by (mesh dims,
+    dtype) into buckets of at most `cap_bytes` (one gradient larger than that alone), filled in
+    the order the backward produces the gradients; each group of 2+ becomes one `Bucket`.
+    Gathers run per block at first use, reductions once every member's gradient is ready."""
     graph = plan.graph
     output = next(iter(reversed(joint.nodes)))
     grad_of = dict(zip(output.args[0][1:], graph.params))  # gradient redistribution -> FQN
@@ -37,34 +48,92 @@ def bucket(plan: Plan, joint: fx.Graph, modules: dict[str, nn.Module], mesh: Any
         source = node.args[0].meta.get("autoshard_source")
         if first.kind == "all_gather" and source in param_of:
             fqn = param_of[source]
-        elif first.kind == "reduce_scatter" and (node in grad_of or module.consumer in tail_of):
+        elif first.kind in ("reduce_scatter", "all_reduce") and (node in grad_of or module.consumer in tail_of):
             fqn = grad_of.get(node) or tail_of[module.consumer]
             grad_kind.add(node)
         else:
             continue
         dtype = source.meta["val"].dtype
-        groups.setdefault((first.kind, block_of(fqn), tuple(sorted(first.mesh_dims)), dtype), []).append(node)
+        block = block_of(fqn) if first.kind != "all_reduce" else None  # DDP's buckets span blocks
+        groups.setdefault((first.kind, block, tuple(sorted(first.mesh_dims)), dtype), []).append(node)
     order = _Positions(joint)
-    for members in groups.values():
-        if len(members) < 2:
+    # gathers and per-block reduce-scatters first, then the all-reduces; a group of gradient
+    # reductions is cut into buckets knowing the dependencies the buckets made so far add (a
+    # bucket joins its members' paths into one collective)
+    for key, members in sorted(groups.items(), key=lambda item: item[0][0] == "all_reduce"):
+        if members[0] not in grad_kind:
+            _make_bucket(joint, modules, mesh, order, output, members, gradients=False)
             continue
-        site = _bucket_site(order, members, output, gradients=members[0] in grad_kind)
-        if site is None:
+        upstream = _reductions_upstream(grad_kind, order)
+        cap = cap_bytes if key[0] == "all_reduce" else math.inf
+        for chunk in _ready_buckets(members, modules, order, upstream, cap):
+            _make_bucket(joint, modules, mesh, order, output, sorted(chunk, key=order.__getitem__), gradients=True)
+
+
+def _make_bucket(joint: fx.Graph, modules: dict[str, nn.Module], mesh: Any, order: _Positions, output: fx.Node,
+                 members: list[fx.Node], gradients: bool) -> None:
+    """2+ redistributions (in program order) replaced by one `Bucket` and a getitem per member,
+    where `_bucket_site` finds room for it."""
+    site = _bucket_site(order, members, output, gradients) if len(members) > 1 else None
+    if site is None:
+        return
+    name = f"bucket_{sum(isinstance(m, Bucket) for m in modules.values())}"
+    modules[name] = Bucket(name, [modules[m.target] for m in members], mesh)
+    with joint.inserting_before(site):
+        bucket = joint.call_module(name, tuple(m.args[0] for m in members))
+        bucket.meta[LOCAL_SHAPE] = [m.meta[LOCAL_SHAPE] for m in members]
+        order.inserted(bucket, site)
+        for i, member in enumerate(members):
+            item = joint.call_function(operator.getitem, (bucket, i))
+            item.meta[LOCAL_SHAPE] = member.meta[LOCAL_SHAPE]
+            order.inserted(item, site)
+            member.replace_all_uses_with(item)
+    for member in members:
+        joint.erase_node(member)
+        del modules[member.target]
+
+
+def _reductions_upstream(reductions: set[fx.Node], order: _Positions) -> dict[fx.Node, int]:
+    """Per node computed from gradient reductions (or one itself), which, as a bit mask; nodes
+    not listed are computed from none. Walks only what the reductions feed (a gradient's tail,
+    buckets, the output) in program order: a few nodes per parameter, not the whole graph."""
+    bit = {m: 1 << i for i, m in enumerate(reductions) if m.graph is not None and m in order.pos}
+    upstream: dict[fx.Node, int] = {}
+    heap = [(order[m], i, m) for i, m in enumerate(bit)]
+    heapq.heapify(heap)
+    tie = itertools.count(len(heap))
+    while heap:
+        _, _, node = heapq.heappop(heap)
+        if node in upstream:
             continue
-        name = f"bucket_{sum(isinstance(m, Bucket) for m in modules.values())}"
-        modules[name] = Bucket(name, [modules[m.target] for m in members], mesh)
-        with joint.inserting_before(site):
-            bucket = joint.call_module(name, tuple(m.args[0] for m in members))
-            bucket.meta[LOCAL_SHAPE] = [m.meta[LOCAL_SHAPE] for m in members]
-            order.inserted(bucket, site)
-            for i, member in enumerate(members):
-                item = joint.call_function(operator.getitem, (bucket, i))
-                item.meta[LOCAL_SHAPE] = member.meta[LOCAL_SHAPE]
-                order.inserted(item, site)
-                member.replace_all_uses_with(item)
-        for member in members:
-            joint.erase_node(member)
-            del modules[member.target]
+        mask = bit.get(node, 0)
+        for arg in node.all_input_nodes:
+            mask |= upstream.get(arg, 0)
+        upstream[node] = mask
+        for user in node.users:
+            if user not in upstream:
+                heapq.heappush(heap, (order[user], next(tie), user))
+    return upstream
+
+
+def _ready_buckets(members: list[fx.Node], modules: dict[str, nn.Module], order: _Positions,
+                   upstream: dict[fx.Node, int], cap_bytes: float) -> list[list[fx.Node]]:
+    """`members` (gradient reductions) in the order their gradients are computed, cut into
+    consecutive buckets of at most `cap_bytes` of input each; a member computed from the result
+    of one already in the bucket (a gradient reduced over one mesh dim, then over another)
+    starts the next bucket: one collective cannot wait for itself."""
+    ready = sorted(members, key=lambda m: order[m.args[0]])
+    out: list[list[fx.Node]] = []
+    size, inside = 0.0, 0
+    for m in ready:
+        nbytes = modules[m.target].plan.steps[0].in_bytes
+        if not out or size + nbytes > cap_bytes or upstream.get(m.args[0], 0) & inside:
+            out.append([])
+            size, inside = 0.0, 0
+        out[-1].append(m)
+        size += nbytes
+        inside |= upstream[m]
+    return out
 
 
 class _Positions:
@@ -129,9 +198,12 @@ def overlap(graph: fx.Graph, modules: dict[str, nn.Module], prefetch: int) -> No
     - parameter gathers: gather k launches just after gather k-`prefetch` is waited on, so the
       rank computes one block while the next blocks' parameters arrive; at most `prefetch`
       gathers in flight beside the one in use;
-    - gradient reductions: each launches as soon as its gradients exist and is waited on just
+    - gradient reduce-scatters: each launches as soon as its gradients exist and is waited on just
       before reduction k+`prefetch` launches (at most `prefetch` in flight), or where its result
-      is first read, if that is earlier.
+      is first read, if that is earlier;
+    - gradient all-reduces (DDP's buckets): each launches as soon as its gradients exist and is
+      waited on where its result is first read (the end of the backward), as DDP waits for all of
+      them before the optimizer; the output is the size of the gradients, which live anyway.
     Values do not change: only where each collective starts and where the rank waits for it."""
     buckets = [n for n in graph.nodes if n.op == "call_module" and isinstance(modules[n.target], Bucket)]
     waits: dict[fx.Node, fx.Node] = {}
@@ -148,7 +220,7 @@ def overlap(graph: fx.Graph, modules: dict[str, nn.Module], prefetch: int) -> No
     pos = _numbered(graph)
     for k in range(prefetch, len(gathers)):
         _launch_early(gathers[k], waits[gathers[k - prefetch]], pos, modules)
-    for launch in reductions:
+    for launch in reductions + [b for b in buckets if modules[b.target].kind == "all_reduce"]:
         _launch_early(launch, None, pos, modules)
     pos = _numbered(graph)
     reductions.sort(key=pos.__getitem__)

@@ -65,9 +65,10 @@ class PendingBucket:
 
 def launch_bucket(plans: Sequence[RedistributePlan], local_tensors: Sequence[torch.Tensor], mesh: Any,
                   dim_orders: Sequence[Sequence[int] | None] | None = None) -> PendingBucket:
-    """Start the first steps of several plans (all all-gathers, or all reduce-scatters, over the
-    same mesh dims) as ONE collective on the concatenated buffers: what FSDP calls a bucket, one
-    launch and one synchronisation instead of one per tensor. Returns without waiting."""
+    """Start the first steps of several plans (all all-gathers, all reduce-scatters or all
+    all-reduces, over the same mesh dims) as ONE collective on the concatenated buffers: what FSDP
+    and DDP call a bucket, one launch and one synchronisation instead of one per tensor. Returns
+    without waiting."""
     firsts = [plan.steps[0] for plan in plans]
     kind, phys = firsts[0].kind, group_dims(firsts[0])
     if kind not in _BUCKETED or any(f.kind != kind or group_dims(f) != phys for f in firsts):
@@ -78,6 +79,10 @@ def launch_bucket(plans: Sequence[RedistributePlan], local_tensors: Sequence[tor
         parts = [tuple(x.shape) for x in local_tensors]
         flat = torch.cat([x.reshape(-1) for x in local_tensors])
         result = tc.funcol.all_gather_single(flat, 0, group)
+    elif kind == "all_reduce":
+        parts = [tuple(x.shape) for x in local_tensors]
+        flat = torch.cat([x.reshape(-1) for x in local_tensors])
+        result = tc.all_reduce_owned(flat, "sum", group)  # `flat` is ours: no copy
     else:
         chunks = [_reindex(_split(x, f.tensor_dims[0], n), mesh.shape, f.mesh_dims, phys)
                   for f, x in zip(firsts, local_tensors)]
@@ -307,4 +312,4 @@ _RUN = {
     "reorder": _reorder,
 }
 
-_BUCKETED = ("all_gather", "reduce_scatter")
+_BUCKETED = ("all_gather", "reduce_scatter", "all_reduce")

@@ -5,7 +5,8 @@ Each op of the joint graph runs unchanged on this rank's shard; the only rewrite
   plan (the one the ILP paid for) with our executor, and
 - size arguments of view/expand/factory ops become the output's local shape.
 
-A block's parameter gathers (gradient reductions) become one `Bucket` each (`buckets.py`). The joint graph is
+A block's parameter gathers (gradient reduce-scatters) become one `Bucket` each, gradient all-reduces
+size-capped buckets in the backward's order (`buckets.py`). The joint graph is
 then split in two: `forward` (everything the loss needs, returning the loss and the values the
 backward reads) and `backward` (the rest: tangent in, gradients out, each already in its
 parameter's layout). A value computed in the forward is handed over, unless the plan recomputes
@@ -28,7 +29,7 @@ from torch import fx, nn
 
 from autoshard import _torch_compat as tc
 from autoshard.program.collectives import dim_order, prepare_groups
-from autoshard.program.buckets import bucket, overlap
+from autoshard.program.buckets import DEFAULT_BUCKET_BYTES, bucket, overlap
 from autoshard.program.modules import AWAIT, LOCAL_SHAPE, AwaitBucket, Bucket, Redistribute
 from autoshard.program.random import RandomStream, SeededOp, draws, shard_key
 from autoshard.layout import Layout
@@ -78,11 +79,14 @@ class Program:
     random: RandomStream = field(default_factory=RandomStream)  # the seed and step its random ops draw from
 
 
-def lower(plan: Plan, mesh: Any, prefetch: int = 1) -> Program:
+def lower(plan: Plan, mesh: Any, prefetch: int = 1, bucket_bytes: float = DEFAULT_BUCKET_BYTES) -> Program:
     """The per-rank program of `plan` on `mesh` (a DeviceMesh of the plan's mesh shape). Bucketed
-    collectives run `prefetch` buckets ahead of their use (`buckets.overlap`); 0 waits on each at once."""
+    collectives run `prefetch` buckets ahead of their use (`buckets.overlap`); 0 waits on each at once.
+    Gradient all-reduces are bucketed up to `bucket_bytes` each (DDP's bucket_cap_mb)."""
     if prefetch < 0:
         raise ValueError(f"prefetch must be >= 0, got {prefetch}")
+    if not bucket_bytes > 0:
+        raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
     if tuple(mesh.shape) != plan.mesh_shape:
         raise ValueError(f"the plan is for mesh {plan.mesh_shape}, got a mesh of shape {tuple(mesh.shape)}")
     if mesh.mesh_dim_names is None and any(len(st.mesh_dims) > 1 for r in plan.redistributions for st in r.plan.steps):
@@ -91,7 +95,7 @@ def lower(plan: Plan, mesh: Any, prefetch: int = 1) -> Program:
     prepare_groups([r.plan for r in plan.redistributions], mesh)
     stream = RandomStream()
     joint, modules = _local_joint_graph(plan, mesh, stream)
-    bucket(plan, joint, modules, mesh)
+    bucket(plan, joint, modules, mesh, bucket_bytes)
     forward, backward, comm = _split(plan, joint, modules, prefetch)
     graph = plan.graph
     inputs = [(tuple(n.meta["val"].shape), lay) for n, lay in zip(graph.inputs, plan.input_layouts)]
