@@ -124,6 +124,7 @@ def main() -> None:
                    network="cpu-gloo", device="cpu", compile=True) as auto:
         auto.constrain_inputs("S(0)R", "S(0)R")
         auto.pin(PINS)
+        auto.memory_budget(sum(4 * p.numel() for p in build_model(TINY, device="meta").parameters()) / 4)  # FSDP+TP
         plan = auto.optimize()
         compiled = auto.apply(plan)
     eager = parallelize(plan, mesh, build_model(TINY, device="meta"))

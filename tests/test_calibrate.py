@@ -15,7 +15,7 @@ import pytest
 
 from autoshard.__main__ import main as autoshard_main
 from autoshard.train.metrics import step_time_line
-from autoshard.pricing.fit import CollectiveSample, fit_network, fit_rate, nnls
+from autoshard.pricing.fit import CollectiveSample, fit_network, fit_rate, fit_step_parts, nnls
 from autoshard.pricing.planner import Planner
 from autoshard.pricing.ring import linear_cost, step_cost
 from autoshard.profiles.calibrate import CalibrationSettings, planner_groups
@@ -110,6 +110,27 @@ def test_fit_rate_and_nnls():
     assert nnls(a, b) == pytest.approx([1.5, 0.0])
 
 
+def test_fit_recovers_the_per_op_overhead_and_the_optimizer_rate():
+    """Synthetic timings of a step's other two costs: chains of n tiny ops at 7 us each (+2 us of
+    loop), fused AdamW over N elements at 6e8 elements/s (+300 us per step). Exact timings give
+    the parameters back; 3% noise keeps them within 10%."""
+    ops, elements = [1, 8, 64], [2.0**16, 2.0**18, 2.0**20, 2.0**22]
+    rng = np.random.default_rng(0)
+    for noise, rel in ((0.0, 1e-6), (0.03, 0.10)):
+        jitter = lambda: 1 + noise * rng.standard_normal()  # noqa: E731
+        fit = fit_step_parts(ops, [(2e-6 + n * 7e-6) * jitter() for n in ops], elements,
+                             [(3e-4 + e / 6e8) * jitter() for e in elements])
+        assert fit.op_overhead_s == pytest.approx(7e-6, rel=rel) and fit.optimizer_rate == pytest.approx(6e8, rel=rel)
+        assert fit.optimizer_overhead_s == pytest.approx(3e-4, rel=3 * rel) and fit.dispatch_rel_rms < 3 * noise + 1e-6
+    with pytest.raises(ValueError, match="do not grow"):
+        fit_step_parts(ops, [1e-5] * 3, elements, [1e-3 + e / 6e8 for e in elements])
+    # what the planner does with them: an op costs its roofline plus the overhead, the step the
+    # optimizer over this rank's elements
+    device = DeviceProfile(1e10, 1e10, op_overhead_s=fit.op_overhead_s, optimizer_rate=fit.optimizer_rate)
+    assert device.optimizer_s(6e8) == pytest.approx(1.0, rel=0.1)
+    assert DeviceProfile(1e10, 2.8e10).optimizer_s(1e9) == pytest.approx(1.0)  # no rate: mem_bw over 28 B each
+
+
 def test_group_override_prices_flattened_steps():
     plain = NetworkProfile(TRUE.alpha, TRUE.beta, TRUE.launch_s, TRUE.mem_bw)
     assert plain.link((0, 1)) == (50e-6, 0.5e9)  # slowest link without a measurement
@@ -124,7 +145,8 @@ def test_group_override_prices_flattened_steps():
 
 
 def test_profile_file_round_trips(tmp_path):
-    device = DeviceProfile(peak_flops=3.2e10, mem_bw=2.9e10, name="calibrated cpu", memory_bytes=8e9)
+    device = DeviceProfile(peak_flops=3.2e10, mem_bw=2.9e10, name="calibrated cpu", memory_bytes=8e9,
+                           op_overhead_s=8e-6, optimizer_rate=5e8)
     path = ProfileFile(TRUE, device, (2, 2), {"host": "x"}).save(tmp_path / "p.json")
     back = read_profile(path)
     assert back.network == TRUE and back.device == device and back.mesh_shape == (2, 2)
@@ -139,6 +161,13 @@ def test_profile_file_round_trips(tmp_path):
         src, dst, shape, 4)
     device_only = read_profile(ProfileFile(device=device).save(tmp_path / "d.json"))
     assert device_only.network is None and device_only.device == device
+    # a file written before the step's other costs were measured still loads: no overhead, the
+    # optimizer at memory bandwidth
+    old = json.loads((tmp_path / "d.json").read_text())
+    del old["device"]["op_overhead_s"], old["device"]["optimizer_rate"]
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    loaded = device_profile(str(tmp_path / "old.json"))
+    assert loaded.op_overhead_s == 0 and loaded.optimizer_rate is None and loaded.mem_bw == device.mem_bw
     assert network_profile("cpu-gloo", (2, 2)).name == "cpu-gloo" and device_profile("cpu").name == "cpu"
 
 
@@ -220,6 +249,8 @@ def test_single_process_calibrate_writes_a_device_profile(tmp_path):
     data = read_profile(tmp_path / "d.json")
     assert data.network is None and data.device.peak_flops > 1e8 and data.device.mem_bw > 1e8
     assert set(data.details["device"]) == {"float32", "bfloat16"}
+    assert 0 < data.device.op_overhead_s < 1e-3 and data.device.optimizer_rate > 1e6  # a step's other costs
+    assert data.device.op_overhead_s == data.details["step"]["op_dispatch_s"] and "us per op dispatched" in out.stdout
     with pytest.raises(ValueError, match="has no network profile"):
         network_profile(str(tmp_path / "d.json"), (1,))
 

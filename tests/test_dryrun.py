@@ -21,7 +21,9 @@ from models.train_single import TrainSettings, make_optimizer
 GIB = 2**30
 
 
-def make_plan(name: str, mesh_shape, batch: int, seq: int):
+def make_plan(name: str, mesh_shape, batch: int, seq: int, sharded: bool = False):
+    """The plan for H100s without a memory limit; `sharded`: every parameter fully sharded (small
+    models on H100s are cheapest replicated, with no collective to check)."""
     cfg = get_config(name)
     cfg = cfg.with_(max_seq_len=seq) if seq > cfg.max_seq_len else cfg
     model = build_model(cfg, device="meta")
@@ -30,6 +32,8 @@ def make_plan(name: str, mesh_shape, batch: int, seq: int):
         with AutoShard(model, inputs, mesh_shape, loss_fn=cross_entropy_loss, network="h100-node",
                        device="h100") as auto:
             auto.memory_limit(None)  # the unconstrained plans: fp32 70B needs more than an H100 has
+            if sharded:
+                auto.memory_budget(param_bytes(model) / math.prod(mesh_shape))
             return auto.optimize(), model
 
 
@@ -39,12 +43,12 @@ def param_bytes(model) -> int:
 
 @pytest.fixture(scope="module")
 def tiny():
-    return make_plan("llama3-tiny", (2, 2), 4, 16)[0]
+    return make_plan("llama3-tiny", (2, 2), 4, 16, sharded=True)[0]
 
 
 @pytest.fixture(scope="module")
 def debug():
-    return make_plan("llama3-debug", (2, 2), 8, 64)
+    return make_plan("llama3-debug", (2, 2), 8, 64, sharded=True)
 
 
 def check_breakdown(m: MemoryEstimate, model, world: int) -> None:

@@ -21,6 +21,7 @@ def tokens(batch=8, seq=64):
 def fresh(pins=None):
     model = build_model(get_config("llama3-tiny"), device="meta")
     auto = AutoShard(model, tokens(), (2, 2), loss_fn=cross_entropy_loss)
+    auto.memory_budget(sum(p.numel() * p.element_size() for p in model.parameters()) / 4)  # every one sharded
     if pins:
         auto.pin(pins)
     return auto.optimize(), auto

@@ -5,6 +5,7 @@ what the plan priced."""
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -22,9 +23,12 @@ BATCH, SEQ = 8, 16
 
 
 def plan_tiny(mesh_shape, **options):
+    """llama3-tiny with every parameter fully sharded (on H100s it is cheapest replicated, with no
+    gathers to recompute)."""
     example = lambda: (torch.empty(BATCH, SEQ, dtype=torch.int64, device="meta"),) * 2  # noqa: E731
-    with AutoShard(build_model(TINY, device="meta"), example, mesh_shape, loss_fn=cross_entropy_loss,
-                   **options) as auto:
+    model = build_model(TINY, device="meta")
+    with AutoShard(model, example, mesh_shape, loss_fn=cross_entropy_loss, **options) as auto:
+        auto.memory_budget(sum(4 * p.numel() for p in model.parameters()) / math.prod(mesh_shape))
         return auto.optimize()
 
 
@@ -127,7 +131,7 @@ def test_a_tight_limit_turns_on_checkpointing_and_the_plan_fits_and_trains_alike
 
 @pytest.mark.slow
 def test_a_limit_resharding_meets_reshards_after_forward_and_changes_no_number(unconstrained):
-    """Under 84 MB (the plan as solved needs ~86 MB) the fit chooses resharding after the forward
+    """Under 84 MB (the plan as solved needs ~100 MB) the fit chooses resharding after the forward
     over recomputation (cheaper) and solves its layouts under the budget; the backward runs only
     parameter casts and views again; the numbers are those of the same layouts without resharding,
     bit for bit, with the plan's collectives to the byte. (What resharding saves: the 8B test below.)"""
@@ -171,7 +175,11 @@ def test_resharding_8b_frees_the_gathered_parameters_of_every_block():
     saved = held.peak_bytes - resharded.peak_bytes
     assert saved == pytest.approx(2 * block_params / 8, rel=0.05), (saved, 2 * block_params / 8)
     assert resharded.step.comm_s > held.step.comm_s  # the backward gathers every block's parameters again
-    assert plan.step_time_s == pytest.approx(resharded.step.compute_s + resharded.step.comm_s, rel=1e-6)
+    # the plan prices what the program runs: the same ops, the same redistributions (the program
+    # pays a launch per bucket it forms, the plan shares one among a block's parameters)
+    assert plan.compute_s + plan.optimizer_s == pytest.approx(resharded.step.compute_s + resharded.step.optimizer_s,
+                                                              rel=1e-6)
+    assert plan.comm_s <= resharded.step.comm_s <= 1.05 * plan.comm_s
 
 
 @pytest.mark.slow
@@ -221,16 +229,16 @@ def test_no_plan_fits_is_one_clear_error():
 
 
 def test_the_fit_solves_each_option_under_each_budget_once(monkeypatch):
-    """Under 84 MB the budgeted layouts miss first and the fit goes round again: only the option
-    whose budget was tightened is solved again, the others keep their plans (a budgeted solve of
-    a 70B problem takes tens of seconds)."""
+    """Under 78 MB the budgeted resharding plan misses first (~81 MB) and the fit goes round again:
+    only the option whose budget was tightened is solved again, the others keep their plans (a
+    budgeted solve of a 70B problem takes tens of seconds)."""
     from autoshard.driver import fit as fitting
 
     budgets, real = [], fitting.with_peak_budget
     monkeypatch.setattr(fitting, "with_peak_budget",
                         lambda sp, table, budget: budgets.append((id(sp), budget)) or real(sp, table, budget))
-    plan, fit, memory = plan_debug(84e6)
-    assert len(fit.tried) >= 3 and fit.reshard and memory.peak_bytes <= 84e6  # two budgeted rounds
+    plan, fit, memory = plan_debug(78e6)
+    assert len(fit.tried) >= 3 and fit.reshard and memory.peak_bytes <= 78e6  # two budgeted rounds
     assert len(budgets) == len(set(budgets)) and len({sp for sp, _ in budgets}) == 3
 
 

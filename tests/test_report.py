@@ -30,6 +30,7 @@ def tiny():
     model = build_model(get_config("llama3-tiny"), device="meta")
     inputs = lambda: (torch.empty(4, 16, dtype=torch.int64, device="meta"),) * 2  # noqa: E731
     with AutoShard(model, inputs, (2, 2), loss_fn=cross_entropy_loss) as auto:
+        auto.memory_budget(sum(p.numel() * p.element_size() for p in model.parameters()) / 4)  # sharded: gathers
         plan = auto.optimize()
     return plan, plan_report(plan, timings=auto.timings, extra={"fingerprint": "abc"}), auto.timings
 

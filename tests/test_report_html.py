@@ -33,6 +33,7 @@ def report():
     model = build_model(get_config("llama3-tiny"), device="meta")
     inputs = lambda: (torch.empty(4, 16, dtype=torch.int64, device="meta"),) * 2  # noqa: E731
     with AutoShard(model, inputs, (2, 2), loss_fn=cross_entropy_loss) as auto:
+        auto.memory_budget(sum(4 * p.numel() for p in model.parameters()) / 4)  # sharded: collectives to show
         plan = auto.optimize()
         memory = auto.dry_run()
     report = plan_report(plan, dry_run=memory, device=DeviceProfile.preset("h100"), timings=auto.timings,

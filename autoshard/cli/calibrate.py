@@ -68,7 +68,8 @@ def _settings(a: argparse.Namespace):
         raise UsageError("--min-size and --max-size must differ: the fit needs two sizes or more")
     if a.quick:
         return CalibrationSettings(sizes=tuple(sizes), warmup=1, repeats=2, big_repeats=2, matmul_sizes=(32, 64, 128),
-                                   memory_sizes=(16 * KIB, 64 * KIB, 256 * KIB), min_seconds=0.02)
+                                   memory_sizes=(16 * KIB, 64 * KIB, 256 * KIB), optimizer_sizes=(2**14, 2**16, 2**18),
+                                   min_seconds=0.02)
     return CalibrationSettings(sizes=tuple(sizes), repeats=a.repeats, big_repeats=min(3, a.repeats))
 
 
@@ -104,18 +105,18 @@ def _init(a: argparse.Namespace):
 
 
 def _median_rows(per_rank: list[dict]) -> dict:
-    """Device timings of every rank -> one set: the median seconds of each sample over ranks."""
+    """Timings of every rank ({key: {part: rows}}) -> one set: the median seconds of each sample over ranks."""
     out: dict = {}
-    for dtype, parts in per_rank[0].items():
-        out[dtype] = {part: [dict(row, seconds=statistics.median(r[dtype][part][i]["seconds"] for r in per_rank))
-                             for i, row in enumerate(rows)] for part, rows in parts.items()}
+    for key, parts in per_rank[0].items():
+        out[key] = {part: [dict(row, seconds=statistics.median(r[key][part][i]["seconds"] for r in per_rank))
+                           for i, row in enumerate(rows)] for part, rows in parts.items()}
     return out
 
 
-def _device_profile(timings: dict, device, name: str):
+def _device_profile(timings: dict, step: dict, device, name: str):
     """DeviceProfile (the bf16 matmul rate as the 16-bit peak, the fp32 one as the fp32 peak, fp32
-    memory bandwidth) and per-dtype details."""
-    from autoshard.pricing.fit import fit_rate
+    memory bandwidth, one op's dispatch, the fused AdamW step's rate) and per-dtype details."""
+    from autoshard.pricing.fit import fit_rate, fit_step_parts
     from autoshard.profiles.calibrate import memory_capacity
     from autoshard.profiles.device import DeviceProfile
 
@@ -128,9 +129,15 @@ def _device_profile(timings: dict, device, name: str):
                            "timings": parts}
     fp32 = by_dtype.get("float32") or next(iter(by_dtype.values()))
     half = by_dtype.get("bfloat16") or fp32  # the 16-bit rate: what bf16 compute runs at
+    parts = fit_step_parts([r["ops"] for r in step["dispatch"]], [r["seconds"] for r in step["dispatch"]],
+                           [r["elements"] for r in step["optimizer"]], [r["seconds"] for r in step["optimizer"]])
+    step_details = {"op_dispatch_s": parts.op_overhead_s, "dispatch_fit_rel_rms": parts.dispatch_rel_rms,
+                    "optimizer_rate": parts.optimizer_rate, "optimizer_overhead_s": parts.optimizer_overhead_s,
+                    "optimizer_fit_rel_rms": parts.optimizer_rel_rms, "timings": step}
     profile = DeviceProfile(peak_flops=half["matmul_flops"], mem_bw=fp32["mem_bw"], name=name,
-                            memory_bytes=memory_capacity(device), peak_flops_fp32=fp32["matmul_flops"])
-    return profile, by_dtype
+                            memory_bytes=memory_capacity(device), peak_flops_fp32=fp32["matmul_flops"],
+                            op_overhead_s=parts.op_overhead_s, optimizer_rate=parts.optimizer_rate)
+    return profile, by_dtype, step_details
 
 
 def calibrate(a: argparse.Namespace) -> int:
@@ -138,7 +145,7 @@ def calibrate(a: argparse.Namespace) -> int:
     from torch import __version__ as torch_version
 
     from autoshard.pricing.fit import CollectiveSample, fit_network
-    from autoshard.profiles.calibrate import time_collectives, time_device
+    from autoshard.profiles.calibrate import time_collectives, time_device, time_step_parts
     from autoshard.profiles.files import ProfileFile
 
     settings = _settings(a)
@@ -153,14 +160,15 @@ def calibrate(a: argparse.Namespace) -> int:
     say(f"{world} rank(s) on {device.type}, mesh {'x'.join(map(str, mesh_shape))} ({','.join(names)}), "
         f"torch {torch_version}")
     samples = time_collectives(mesh, settings, say) if mesh is not None else []
-    mine = time_device(device, settings, say)
+    mine = {"device": time_device(device, settings, say), "step": {"step": time_step_parts(device, settings, say)}}
     per_rank: list[Any] = [None] * world
     dist.all_gather_object(per_rank, mine)
     if rank != 0:
         return 0
-    timings = _median_rows(per_rank)
+    timings = _median_rows([r["device"] for r in per_rank])
+    step = _median_rows([r["step"] for r in per_rank])["step"]
     host = platform.node() or "host"
-    device_prof, by_dtype = _device_profile(timings, device, f"calibrated {device.type} ({host})")
+    device_prof, by_dtype, step_details = _device_profile(timings, step, device, f"calibrated {device.type} ({host})")
     network, fit = None, None
     if samples:
         fit = fit_network([CollectiveSample(s["kind"], tuple(s["mesh_dims"]), s["group_size"], s["in_bytes"],
@@ -177,6 +185,7 @@ def calibrate(a: argparse.Namespace) -> int:
         "settings": {"sizes": list(settings.sizes), "warmup": settings.warmup, "repeats": settings.repeats,
                      "big_repeats": settings.big_repeats},
         "device": by_dtype,
+        "step": step_details,
     }
     if fit is not None:
         details["network_fit"] = {"rel_rms": fit.rel_rms, "groups": [
@@ -188,14 +197,14 @@ def calibrate(a: argparse.Namespace) -> int:
         path = ProfileFile(network, device_prof, tuple(mesh_shape) if network is not None else None, details).save(a.out)
     except OSError as err:
         raise UsageError(f"cannot write the profile to {a.out}: {err}") from None
-    for line in summary_lines(network, fit, by_dtype):
+    for line in summary_lines(network, fit, by_dtype, step_details):
         say(line)
     use = ([f"--network {path}"] if network is not None else []) + [f"--device {path}"]
     say(f"wrote {path} in {time.perf_counter() - start:.1f} s; plan or train with {' '.join(use)}")
     return 0
 
 
-def summary_lines(network, fit, by_dtype: dict) -> list[str]:
+def summary_lines(network, fit, by_dtype: dict, step: dict) -> list[str]:
     lines = []
     if network is not None and fit is not None:
         lines.append(f"network: launch {network.launch_s * 1e6:.1f} us per collective; "
@@ -208,6 +217,9 @@ def summary_lines(network, fit, by_dtype: dict) -> list[str]:
                 if dims == g.mesh_dims:
                     lines.append(f"    {kind}: alpha {alpha * 1e6:.1f} us, beta {beta / 1e9:.3f} GB/s, fit error "
                                  f"{g.rel_rms_by_kind.get(kind, 0.0):.0%} rms")
+    lines.append(f"device: {step['op_dispatch_s'] * 1e6:.1f} us per op dispatched; fused AdamW "
+                 f"{step['optimizer_rate'] / 1e6:.0f}M parameter elements/s (+{step['optimizer_overhead_s'] * 1e6:.0f} us "
+                 f"per step)")
     for dtype, d in by_dtype.items():
         lines.append(f"device {dtype}: matmul {d['matmul_flops'] / 1e9:.2f} GFLOP/s (+{d['matmul_overhead_s'] * 1e6:.0f} "
                      f"us per call), memory {d['mem_bw'] / 1e9:.2f} GB/s (+{d['mem_overhead_s'] * 1e6:.0f} us per call)")

@@ -114,16 +114,15 @@ def _plan_once(workload, config: PlanConfig, args, *, pins: dict | None = None, 
 
     if what != "autoshard":  # a compared recipe is planned as it is, memory aside
         config = config.replace(memory_limit=math.inf)
-    elif config.memory_limit is None and not args.dry_run:  # fitting the default limit dry-runs plans
-        log.info("memory limit not checked (--no-dry-run; give --memory-limit to check one)")
-        config = config.replace(memory_limit=math.inf)
+    elif not args.dry_run:
+        log.info("memory limit checked on the modeled peak only (--no-dry-run: no program runs)")
     log.info("planning %s: %s on mesh %s, batch %d, seq %d", what, workload.name, config.mesh, args.batch, args.seq)
     try:
         with AutoShard(model, inputs, config=config.replace(memory_budget=budget), loss_fn=workload.loss_fn,
                        n_model_inputs=workload.n_model_inputs) as auto:
             if pins:
                 auto.pin(pins)
-            plan = auto.optimize()
+            plan = auto.optimize(dry_run=args.dry_run)
     except ValueError as err:  # e.g. a layout that does not split a shape evenly on this mesh
         fail(f"planning {what} failed: {err}")
     return plan, dict(auto.timings), auto

@@ -35,7 +35,7 @@ from autoshard.capture.precision import cast_floating
 from autoshard.capture.repeat import trace_step
 from autoshard.capture.trace import mark_outputs
 from autoshard.driver.config import ROLES, PlanConfig, role_of
-from autoshard.driver.fit import fit_memory
+from autoshard.driver.fit import FitSteps, fit_memory
 from autoshard.driver.ranks import RankZeroPlanning, in_process_group
 from autoshard.driver.replicas import fix_replicate_dim
 from autoshard.layout import Layout
@@ -48,6 +48,7 @@ from autoshard.profiles.device import DeviceProfile
 from autoshard.profiles.files import device_profile, network_profile
 from autoshard.profiles.network import NetworkProfile
 from autoshard.runtime.dryrun import DryRunResult, dry_run
+from autoshard.program.buckets import DEFAULT_BUCKET_BYTES
 from autoshard.runtime.module import ParallelModule, parallelize
 
 log = logging.getLogger("autoshard")
@@ -178,7 +179,7 @@ class AutoShard:
         self.spec.output_layouts = {i: _as_layout(lay) for i, lay in enumerate(layouts) if lay is not None}
 
     def memory_budget(self, param_bytes_per_rank: float | None) -> None:
-        """Cap on parameter bytes per rank (None = total / world size, i.e. fully sharded)."""
+        """Cap on parameter bytes per rank (None: no cap; the memory limit bounds the peak)."""
         self.config = self.config.replace(memory_budget=param_bytes_per_rank)
         self.spec.param_memory_bytes = param_bytes_per_rank
 
@@ -227,10 +228,12 @@ class AutoShard:
             outputs = mark_outputs(outputs)
         return outputs
 
-    def optimize(self, *, planning: RankZeroPlanning | None = None) -> Plan:
+    def optimize(self, *, planning: RankZeroPlanning | None = None, dry_run: bool = True) -> Plan:
         """Trace, build the ILP, solve it, decode the plan, fit it under the memory limit. Inside a
         process group of more than one rank, rank 0 solves and dry-runs for all (`planning`,
-        default a `RankZeroPlanning` on this mesh) and the ranks check they hold the same plan."""
+        default a `RankZeroPlanning` on this mesh) and the ranks check they hold the same plan.
+        `dry_run=False`: the fit runs no program, holding the modeled (linear) part of the peak
+        under the limit."""
         if planning is None and in_process_group():
             if not hasattr(self.mesh, "get_coordinate"):
                 raise TypeError(f"planning in a process group of {torch.distributed.get_world_size()} ranks needs "
@@ -262,7 +265,7 @@ class AutoShard:
                     solution = self._solve_step(None)(sharding.problem)
             with self._stage("decode"):
                 plan = decode(sharding, solution, planner)
-            plan, sharding = self._fit(plan, sharding, planner, planning, spec)
+            plan, sharding = self._fit(plan, sharding, planner, planning, spec, dry_run)
         if planning is not None:
             planning.agree(sharding, plan)
         log.info("autoshard plan: %s", plan.summary())
@@ -286,19 +289,21 @@ class AutoShard:
         return lambda problem: solver.solve(problem, backend=self.config.backend, time_limit=self.config.time_limit)
 
     def _fit(self, plan: Plan, sharding: ShardingProblem, planner: Planner,
-             planning: RankZeroPlanning | None, spec: ProblemSpec) -> tuple[Plan, ShardingProblem]:
+             planning: RankZeroPlanning | None, spec: ProblemSpec, dry_run: bool) -> tuple[Plan, ShardingProblem]:
         """The plan (and the problem it solves) fitted under the memory limit, if there is one."""
         self.fit, self._fit_dry_run = None, None
         limit = self.resolved_memory_limit
         if limit is None:
             return plan, sharding
         start = time.perf_counter()
+        steps = planning.fit_steps() if planning is not None else None
+        if not dry_run:
+            steps = FitSteps(self._solve_step(planning), None)
         with tc.no_dispatch_modes():  # the dry run makes its own fake mode
             fitted = fit_memory(plan, sharding, planner, self.device, spec, limit,
-                                backend=self.config.backend, time_limit=self.config.time_limit,
-                                steps=planning.fit_steps() if planning is not None else None)
+                                backend=self.config.backend, time_limit=self.config.time_limit, steps=steps)
         self.fit, self._fit_dry_run = fitted.fit, fitted.dry_run
-        if fitted.fit.peak_bytes is not None:  # a stage only when it dry-ran (and maybe re-planned)
+        if fitted.fit.peak_bytes is not None or fitted.fit.constrained:  # a stage when it dry-ran or re-planned
             self.timings["memory"] = time.perf_counter() - start
             log.info("autoshard: memory took %.2f s", self.timings["memory"])
         return fitted.plan, fitted.sharding
@@ -321,9 +326,11 @@ class AutoShard:
             return explain(self.sharding, self.plan, self.planner, fqn, top=top, max_solves=max_solves,
                            backend=self.config.backend, time_limit=self.config.time_limit)
 
-    def apply(self, plan: Plan | None = None, *, prefetch: int = 1, seed: int = 0) -> ParallelModule:
+    def apply(self, plan: Plan | None = None, *, prefetch: int = 1, bucket_bytes: float = DEFAULT_BUCKET_BYTES,
+              seed: int = 0) -> ParallelModule:
         """The parallel module of `plan` (default: the last `optimize()` result) on this mesh.
-        Bucketed gathers and gradient reductions run up to `prefetch` buckets ahead (0: none).
+        Bucketed gathers and gradient reductions run up to `prefetch` buckets ahead (0: none);
+        gradient all-reduces run in buckets of at most `bucket_bytes` (DDP's bucket_cap_mb).
         Its random ops (dropout) draw from `seed`: the same values on every rank holding a value."""
         plan = plan if plan is not None else self.plan
         if plan is None:
@@ -332,7 +339,8 @@ class AutoShard:
             raise TypeError(f"applying a plan needs a DeviceMesh, got mesh shape {self.mesh_shape}; "
                             "planning alone works with a shape")
         with self._stage("apply"):
-            return parallelize(plan, self.mesh, self.model, prefetch=prefetch, compile=self.compile, seed=seed)
+            return parallelize(plan, self.mesh, self.model, prefetch=prefetch, bucket_bytes=bucket_bytes,
+                               compile=self.compile, seed=seed)
 
     def dry_run(self, plan: Plan | None = None) -> DryRunResult:
         """Run rank 0's program of `plan` (default: the last `optimize()` result) on fake tensors

@@ -90,8 +90,9 @@ class PlanConfig:
     Precision follows torch's `MixedPrecisionPolicy` (FSDP2's meaning): parameters and optimizer
     states stay in their dtype; compute and gathers run in `param_dtype`, gradients are reduced in
     `reduce_dtype`. `memory_limit`: peak bytes per rank (None: the device's capacity less
-    `MEMORY_RESERVE`; inf: no limit); `memory_budget`: parameter bytes per rank (None: total /
-    world size). `recompute` checkpoints every repeated block, `reshard_after_forward` gathers its
+    `MEMORY_RESERVE`; inf: no limit): the ILP may replicate parameters wherever the fitted plan stays
+    under it; `memory_budget`: an extra cap on parameter bytes per rank (None: none; total / world
+    size forces full sharding, the FSDP level). `recompute` checkpoints every repeated block, `reshard_after_forward` gathers its
     parameters again in the backward; under a limit the fit may turn either on. `unroll=False`
     traces every repeated block instead of three (blocks whose code depends on their depth)."""
 
@@ -109,8 +110,8 @@ class PlanConfig:
         help="device (compute) profile for planning: a preset (h100, h200, cpu) or a profile file from "
              "`autoshard calibrate` (default: h100; train: cpu on CPU)")
     memory_budget: float | None = setting(None, "--memory-budget", type=parse_bytes, metavar="BYTES",
-                                          help="parameter bytes per rank, e.g. 2e9 or 16GiB (default: total / "
-                                               "world size)")
+                                          help="cap on parameter bytes per rank, e.g. 2e9 or 16GiB (default: none; "
+                                               "the memory limit bounds each rank's peak)")
     memory_limit: float | None = setting(
         None, "--memory-limit", type=parse_limit, metavar="BYTES",
         help="peak memory per rank a plan must fit, e.g. 70GiB, or 'none' (default: the device profile's capacity "

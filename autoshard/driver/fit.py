@@ -13,6 +13,9 @@ dry run of the last plan and subtracted from the limit. When a plan needs more t
    go again; an option that misses `ROUNDS` times is dropped, so a stronger one gets its turn.
 
 A plan whose linear part is under `TRUST` of the limit is not dry-run here: far from binding.
+Without dry runs (`FitSteps.dry_run` None: `plan --no-dry-run`) the linear part alone is held
+under the limit: a plan whose linear part fits is kept, else the budgeted options are solved with
+the whole limit as their budget and the fastest is kept.
 
 How it solves and dry-runs is a `FitSteps` (default: here, on a fake process group). Under a
 process group every rank runs the fit beside the others with steps whose results are the same on
@@ -49,10 +52,11 @@ class MemoryLimitError(ValueError):
 @dataclass(frozen=True)
 class FitSteps:
     """What `fit_memory` asks of the outside: solve a budgeted problem (InfeasibleError when nothing
-    fits the budget, expected and not diagnosed) and dry-run a plan. Replaceable so that ranks fitting side by side agree."""
+    fits the budget, expected and not diagnosed) and dry-run a plan (None: no dry runs, the linear
+    part alone is checked). Replaceable so that ranks fitting side by side agree."""
 
     solve: Callable[[solver.Problem], solver.Solution]
-    dry_run: Callable[[Plan], DryRunResult]
+    dry_run: Callable[[Plan], DryRunResult] | None
 
 
 @dataclass
@@ -86,16 +90,19 @@ def fit_memory(plan: Plan, sharding: ShardingProblem, planner: Planner, device: 
     def fitted(chosen: Plan, sp: ShardingProblem, mode: str, linear: float, result: DryRunResult | None,
                constrained: bool) -> FittedPlan:
         peak = None if result is None else float(result.peak_bytes)
-        return FittedPlan(chosen, sp, MemoryFit(limit, chosen, linear, peak, constrained, mode, tried), result)
+        return FittedPlan(chosen, sp, MemoryFit(limit, chosen, linear, peak, constrained, mode, tried,
+                                                dry_runs=steps.dry_run is not None), result)
 
-    if linear <= TRUST * limit:
+    if linear <= TRUST * limit or (steps.dry_run is None and linear <= limit):
         return fitted(plan, sharding, asked, linear, None, False)
-    result = steps.dry_run(plan)
-    tried.append((asked, float(result.peak_bytes)))
-    if result.peak_bytes <= limit:
-        return fitted(plan, sharding, asked, linear, result, False)
-    log.info("autoshard: the plan needs %s per rank, over the %s limit: planning under a budget",
-             size_text(result.peak_bytes), size_text(limit))
+    result = steps.dry_run(plan) if steps.dry_run is not None else None
+    if result is not None:
+        tried.append((asked, float(result.peak_bytes)))
+        if result.peak_bytes <= limit:
+            return fitted(plan, sharding, asked, linear, result, False)
+    needs = result.peak_bytes if result is not None else linear
+    log.info("autoshard: the plan needs %s per rank%s, over the %s limit: planning under a budget",
+             size_text(needs), "" if result is not None else " (modeled)", size_text(limit))
     problems = {asked: sharding}
     for mode in MODES[MODES.index(asked) + 1:]:  # what the user did not ask for, the budget may choose
         problems[mode] = build_problem(sharding.graph, sharding.mesh_shape, planner, device,
@@ -104,7 +111,7 @@ def fit_memory(plan: Plan, sharding: ShardingProblem, planner: Planner, device: 
                                        catalog=sharding.catalog, pricer=sharding.pricer)
     tables = {mode: table if sp is sharding else peak_memory_table(sp) for mode, sp in problems.items()}
     # the non-linear part, as the dry run found it: one figure per option, grown by its own misses
-    extra = dict.fromkeys(problems, result.peak_bytes - linear)
+    extra = dict.fromkeys(problems, result.peak_bytes - linear if result is not None else 0.0)
     misses = dict.fromkeys(problems, 0)
     smallest = result
     solved: dict[str, tuple[float, Plan | None]] = {}  # per option: the budget and its plan (None: infeasible)
@@ -113,6 +120,8 @@ def fit_memory(plan: Plan, sharding: ShardingProblem, planner: Planner, device: 
         if best is None:
             break
         candidate, sp, mode = best
+        if steps.dry_run is None:  # its linear part fits the limit: all that is checked
+            return fitted(candidate, sp, mode, modeled_bytes(tables[mode], candidate.solution.choice), None, True)
         result = steps.dry_run(candidate)
         linear = modeled_bytes(tables[mode], candidate.solution.choice)
         tried.append((mode, float(result.peak_bytes)))
@@ -120,10 +129,15 @@ def fit_memory(plan: Plan, sharding: ShardingProblem, planner: Planner, device: 
             smallest = result
         if result.peak_bytes <= limit:
             return fitted(candidate, sp, mode, linear, result, True)
-        extra[mode] = max(extra[mode], result.peak_bytes - linear) * 1.02
+        grown = max(extra[mode], result.peak_bytes - linear)
+        extra[mode] = grown + 0.02 * abs(grown)
         misses[mode] += 1
         if misses[mode] == ROUNDS:  # this option keeps missing: leave it to the others
             del problems[mode]
+    if smallest is None:
+        raise MemoryLimitError(f"no plan fits {size_text(limit)} per rank: even with every option (resharding, "
+                               f"activation checkpointing) the modeled peak is over it; use more devices, a smaller "
+                               f"batch or sequence, or bf16 parameters (--param-dtype bf16)")
     raise MemoryLimitError(_no_fit_message(limit, smallest))
 
 

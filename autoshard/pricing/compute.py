@@ -1,8 +1,10 @@
-"""Compute price of a node's strategies: a per-rank roofline on the device profile.
+"""Compute price of a node's strategies: a per-rank roofline on the device profile, plus the
+profile's dispatch overhead of one op.
 
 flops come from torch's flop counter formulas on global shapes (matmuls, attention,
 convolutions), divided by the work split of the strategy, at the device's rate for the dtype the
-op computes in; bytes are the local input + output sizes. Views cost nothing.
+op computes in; bytes are the local input + output sizes. Views run no kernel: they cost the
+dispatch only.
 """
 
 from __future__ import annotations
@@ -117,7 +119,8 @@ class ComputePricer:
             with cs.no_dispatch_modes():
                 call = OpCall(node, self.mesh_shape)
                 flops = global_flops(call)
-                costs = tuple(roofline_s(call, s.outputs, s.inputs, flops, self.device) for s in strategies)
+                overhead = self.device.op_overhead_s
+                costs = tuple(overhead + roofline_s(call, s.outputs, s.inputs, flops, self.device) for s in strategies)
             self._by_signature[key] = (strategies, costs)
         if isinstance(strategies, tuple):  # immutable: safe to recognize by identity
             self._by_tuple[id(strategies)] = (strategies, costs)

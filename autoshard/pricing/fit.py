@@ -14,7 +14,10 @@ several times slower than its all-reduce), which one link per group cannot expre
 link stays the price of kinds that were not timed (permute).
 Rows are weighted by 1/seconds: the fit minimises relative error, so a 4 KiB call counts as much as
 a 32 MiB one (otherwise the large sizes would decide everything and the latencies would be noise).
-Device rates (flop/s, bytes/s) are the same fit with one work column: t = overhead + work / rate.
+Device rates (flop/s, bytes/s) are the same fit with one work column: t = overhead + work / rate;
+so are the two costs of a step besides its ops' work (`fit_step_parts`): a chain of n tiny ops
+takes n times the per-op dispatch overhead (the slope), and the optimizer step over N parameter
+elements N / its rate.
 """
 
 from __future__ import annotations
@@ -206,6 +209,27 @@ def fit_rate(work: Sequence[float], seconds: Sequence[float]) -> RateFit:
         raise ValueError("timings do not grow with the work: no rate to fit (use larger sizes)")
     return RateFit(float(1 / inv_rate), float(overhead), _rms(_rel_errors(rows @ np.array([overhead, inv_rate]), t)),
                    len(w))
+
+
+@dataclass(frozen=True)
+class StepPartsFit:
+    """Per-op dispatch overhead (s) and the optimizer step's rate (parameter elements / s), with
+    the optimizer's fixed cost per step and how well each fit reproduces its timings."""
+
+    op_overhead_s: float
+    optimizer_rate: float
+    optimizer_overhead_s: float
+    dispatch_rel_rms: float
+    optimizer_rel_rms: float
+
+
+def fit_step_parts(ops: Sequence[float], ops_seconds: Sequence[float], elements: Sequence[float],
+                   optimizer_seconds: Sequence[float]) -> StepPartsFit:
+    """From chains of `ops` tiny ops timed at `ops_seconds` each and optimizer steps over
+    `elements` parameter elements timed at `optimizer_seconds`. ValueError as `fit_rate`."""
+    dispatch = fit_rate(ops, ops_seconds)
+    optimizer = fit_rate(elements, optimizer_seconds)
+    return StepPartsFit(1 / dispatch.rate, optimizer.rate, optimizer.overhead_s, dispatch.rel_rms, optimizer.rel_rms)
 
 
 def _rms(e: np.ndarray) -> float:

@@ -51,7 +51,10 @@ class Step:
     dst: Layout
     tensor_dims: tuple[int, ...]
     cost_s: float
-    bytes: float
+    bytes: float  # sent per rank
+    in_bytes: float = 0.0  # the local input it reads
+    fixed_s: float = 0.0  # the part of cost_s that does not grow with the bytes (launch, latency): one
+    #                       collective carrying several steps' bytes (a bucket) pays it once
 
     def __str__(self) -> str:
         return f"{self.kind}{list(self.mesh_dims)} {self.src} -> {self.dst}"
@@ -243,9 +246,10 @@ class Planner:
         steps = []
         for u, v in pairwise(path):
             costs = [(self._move_cost(space, u, mv, shape, total), mv) for mv in space.graph[u][v]["moves"]]
-            cost_s, (_, _, kind, mesh_dims, tensor_dims, n) = min(costs, key=lambda c: c[0])
+            cost_s, (_, fixed_s, kind, mesh_dims, tensor_dims, n) = min(costs, key=lambda c: c[0])
             in_bytes = total / space.shards[u]
-            steps.append(Step(kind, mesh_dims, u, v, tensor_dims, cost_s, wire_bytes(kind, n, in_bytes)))
+            steps.append(Step(kind, mesh_dims, u, v, tensor_dims, cost_s, wire_bytes(kind, n, in_bytes), in_bytes,
+                              fixed_s))
         if not steps and src != dst:
             steps.append(Step("reorder", (), src, dst, (), 0.0, 0.0))
         elif steps:  # relabel the ends from/to the physical forms

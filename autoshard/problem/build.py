@@ -4,6 +4,13 @@ Every ILP node is either a graph node (an op, a parameter, an input) or a *sink*
 replicated) and one per parameter gradient (must land in its parameter's layout, SameChoice). Every
 edge is priced by the redistribute planner for that tensor's shape and dtype: the only cost model.
 `getitem` nodes are not ILP nodes: they alias one output of their producer.
+
+The objective is the whole step: each op's compute (dispatch overhead + roofline), each
+redistribution, and each parameter's optimizer step in its layout (`DeviceProfile.optimizer_s` of
+its local elements). The program runs a block's parameter gathers and gradient reductions as one
+collective each (`program.buckets`), so an edge that gathers a parameter or reduces a gradient
+pays its first step's launch and latency (`Step.fixed_s`) shared with the block's other
+parameters (`BucketShare`): one launch per block, as the program pays it.
 """
 
 from __future__ import annotations
@@ -24,9 +31,9 @@ from solver.problem import problem_to_json
 from autoshard.profiles.device import DeviceProfile
 from autoshard.layout import Layout, Placement
 from autoshard.pricing.compute import ComputePricer
-from autoshard.pricing.planner import Planner
-from autoshard.capture.precision import gradient_tail
-from autoshard.capture.regions import assign_blocks, find_repeated_blocks
+from autoshard.pricing.planner import Planner, RedistributePlan
+from autoshard.capture.precision import gradient_tail, is_cast
+from autoshard.capture.regions import assign_blocks, block_of, find_repeated_blocks
 from autoshard.strategies import Strategy, StrategyCatalog, input_slots
 from autoshard.capture.trace import JointGraph
 
@@ -35,6 +42,27 @@ LOSS_SINK = "sink:loss"
 
 def grad_sink(fqn: str) -> str:
     return f"sink:grad:{fqn}"
+
+
+# first-step kinds the program runs as one collective per block (`program.buckets`)
+PARAM_BUCKET_KINDS = ("all_gather",)
+GRAD_BUCKET_KINDS = ("reduce_scatter", "all_reduce")
+
+
+@dataclass(frozen=True)
+class BucketShare:
+    """An edge whose redistribution's first step, if of one of `kinds`, rides in a bucket with
+    `members` edges of its block: it pays 1/`members` of that step's launch and latency."""
+
+    kinds: tuple[str, ...]
+    members: int
+
+    def cost_s(self, plan: RedistributePlan) -> float:
+        """The edge's price: the plan's cost, its first step's fixed part shared."""
+        first = plan.steps[0] if plan.steps else None
+        if first is None or first.kind not in self.kinds or self.members <= 1:
+            return plan.cost_s
+        return plan.cost_s - first.fixed_s * (1 - 1 / self.members)
 
 
 @dataclass(frozen=True)
@@ -88,8 +116,8 @@ class ProblemSpec:
     input_layouts: dict[int, Layout] = field(default_factory=dict)  # user input index -> layout
     output_layouts: dict[int, Layout] = field(default_factory=dict)  # model output index -> layout
     pins: dict[str, Layout] = field(default_factory=dict)  # parameter FQN pattern -> layout
-    param_memory_bytes: float | None = None  # per rank; None = total / world size (FSDP level; HSDP's
-    #                                          level with a fixed replicate dim: total / the other dims' size)
+    param_memory_bytes: float | None = None  # parameter bytes per rank; None: no such budget (the memory
+    #                                          limit, `driver.fit`, bounds what a rank holds)
     recompute: bool = False  # activation checkpointing of every repeated block
     reshard: bool = False  # reshard after forward: every repeated block gathers its parameters again in the backward
     fixed_dim: FixedMeshDim | None = None  # placements decided on one mesh dim before the ILP
@@ -106,6 +134,10 @@ class ShardingProblem:
     fx_nodes: dict[str, fx.Node]  # ILP node name -> graph node (sinks: the node they consume)
     inputs: dict[str, list[Producer]]  # ILP node name -> producer of each input slot
     problem: solver.Problem
+    # parameter ILP node -> modeled optimizer step seconds of each choice (its local elements)
+    optimizer_s: dict[str, list[float]] = field(default_factory=dict)
+    # (producer, consumer) ILP nodes -> the bucket its redistribution's first step may share
+    bucket_shares: dict[tuple[str, str], BucketShare] = field(default_factory=dict)
     # activation checkpointing: block-list prefixes recomputed, and the ILP nodes that run twice
     # (their compute and the redistributions into them are priced twice); resharding after the
     # forward runs twice only what blocks compute from their parameters alone (`reshard_blocks`)
@@ -193,7 +225,9 @@ def build_problem(graph: JointGraph, mesh_shape: tuple[int, ...], planner: Plann
         compute_s[name] = [2 * cost for cost in compute_s[name]]
     sharding = ShardingProblem(graph=graph, mesh_shape=mesh_shape, strategies=choices.strategies,
                                compute_s=compute_s, fx_nodes=choices.fx_nodes, inputs=choices.inputs,
-                               problem=solver.Problem(), recompute_blocks=recompute_blocks,
+                               problem=solver.Problem(), optimizer_s=_optimizer_s(graph, choices.strategies, device,
+                                                                                  mesh_shape),
+                               bucket_shares=_bucket_shares(graph, choices.inputs), recompute_blocks=recompute_blocks,
                                recomputed=recomputed, reshard_blocks=reshard_blocks, catalog=catalog, pricer=pricer)
     _fill_solver_problem(sharding, planner, spec, graph.param_names, repeated)
     return sharding
@@ -268,6 +302,43 @@ def _add_sinks(c: _Choices, graph: JointGraph, mesh_shape: tuple[int, ...]) -> N
         c.fx_nodes[name], c.inputs[name] = grad, [c.alias[grad]]
 
 
+def _optimizer_s(graph: JointGraph, strategies: dict[str, list[Strategy]], device: DeviceProfile,
+                 mesh_shape: tuple[int, ...]) -> dict[str, list[float]]:
+    """Per trained parameter: the optimizer step's seconds over its local elements, per choice."""
+    out = {}
+    for fqn, node in graph.params.items():
+        if fqn in graph.grads:
+            shape = tuple(node.meta["val"].shape)
+            out[node.name] = [device.optimizer_s(math.prod(s.outputs[0].local_shape(shape, mesh_shape)))
+                              for s in strategies[node.name]]
+    return out
+
+
+def _bucket_shares(graph: JointGraph, inputs: dict[str, list[Producer]]) -> dict[tuple[str, str], BucketShare]:
+    """The edges the program buckets: from a parameter (or its mixed-precision cast) to its
+    consumers, and into a gradient's sink or tail; each shared by the parameters of its block."""
+    members: dict[tuple[str, int] | None, int] = {}
+    for fqn in graph.params:
+        members[block_of(fqn)] = members.get(block_of(fqn), 0) + 1
+    source = {}  # ILP node of a parameter or its cast -> the parameter's block
+    for fqn, param in graph.params.items():
+        for node in [param, *(u for u in param.users if is_cast(u))]:
+            source[node.name] = block_of(fqn)
+    grad_of = {}  # ILP node (sink or gradient tail) -> the parameter's block
+    for fqn, grad in graph.grads.items():
+        grad_of[grad_sink(fqn)] = block_of(fqn)
+        for node in gradient_tail(grad):
+            grad_of[node.name] = block_of(fqn)
+    out = {}
+    for consumer, producers in inputs.items():
+        for producer in producers:
+            if consumer in grad_of:
+                out[(producer.node, consumer)] = BucketShare(GRAD_BUCKET_KINDS, members[grad_of[consumer]])
+            elif producer.node in source:
+                out[(producer.node, consumer)] = BucketShare(PARAM_BUCKET_KINDS, members[source[producer.node]])
+    return out
+
+
 def _resolve_pins(graph: JointGraph, pins: dict[str, Layout], mesh_shape) -> dict[str, Layout]:
     """Parameter FQN -> pinned layout; two patterns pinning one parameter differently is an error."""
     chosen: dict[str, tuple[str, Layout]] = {}
@@ -295,8 +366,11 @@ def _fill_solver_problem(sp: ShardingProblem, planner: Planner, spec: ProblemSpe
         memory = [0.0] * len(choices)
         if node in param_fqn and name == node.name:
             memory = [_local_bytes(s.outputs[0], node.meta["val"], mesh_shape) for s in choices]
+        costs = sp.compute_s[name]
+        if name in sp.optimizer_s:
+            costs = [c + o for c, o in zip(costs, sp.optimizer_s[name])]
         problem.add_node(name, [solver.Choice(label=s.label, cost=c, memory=m)
-                                for s, c, m in zip(choices, sp.compute_s[name], memory)])
+                                for s, c, m in zip(choices, costs, memory)])
 
     # One edge per (producer, consumer) pair; several slots fed by one producer add up. Repeated
     # blocks share Strategy objects (the catalog caches them by op signature), so matrices are
@@ -310,15 +384,17 @@ def _fill_solver_problem(sp: ShardingProblem, planner: Planner, spec: ProblemSpe
             shape, dtype = sp.tensor_meta(producer)
             src_choices, dst_choices = sp.strategies[producer.node], sp.strategies[consumer]
             no_reduction = consumer in reduce_dtypes and dtype != reduce_dtypes[consumer]
-            key = (tuple(map(id, src_choices)), producer.output, tuple(map(id, dst_choices)), slot, shape, dtype.itemsize)
+            share = sp.bucket_shares.get((producer.node, consumer))
+            key = (tuple(map(id, src_choices)), producer.output, tuple(map(id, dst_choices)), slot, shape, dtype.itemsize,
+                   share)
             matrix = matrix_by_id.get(key)
             if matrix is None:
                 srcs = tuple(s.outputs[producer.output] for s in src_choices)
                 dsts = tuple(s.inputs[slot] for s in dst_choices)
-                by_value = (srcs, dsts, shape, dtype.itemsize)
+                by_value = (srcs, dsts, shape, dtype.itemsize, share)
                 matrix = matrix_cache.get(by_value)
                 if matrix is None:
-                    matrix = matrix_cache[by_value] = _cost_matrix(planner, srcs, dsts, shape, dtype.itemsize)
+                    matrix = matrix_cache[by_value] = _cost_matrix(planner, srcs, dsts, shape, dtype.itemsize, share)
                 matrix_by_id[key] = matrix
             if no_reduction:
                 matrix = _without_reduction(matrix, src_choices, producer.output, dst_choices, slot)
@@ -334,11 +410,10 @@ def _fill_solver_problem(sp: ShardingProblem, planner: Planner, spec: ProblemSpe
 
     for fqn, node in sp.graph.params.items():
         problem.same_choice([node.name, grad_sink(fqn)], name=f"grad of {fqn} in its parameter's layout")
-    total = sum(_val(node).numel() * _val(node).dtype.itemsize for node in sp.graph.params.values())
-    shards = math.prod(mesh_shape) // (mesh_shape[spec.fixed_dim.mesh_dim] if spec.fixed_dim is not None else 1)
-    limit = spec.param_memory_bytes if spec.param_memory_bytes is not None else total / shards
-    problem.memory_budget([node.name for node in sp.graph.params.values()], limit * (1 + 1e-9),
-                          name="parameter bytes per rank")
+    limit = spec.param_memory_bytes
+    if limit is not None and math.isfinite(limit):
+        problem.memory_budget([node.name for node in sp.graph.params.values()], limit * (1 + 1e-9),
+                              name="parameter bytes per rank")
 
     for copies in repeated:
         problem.add_region([_ilp_names(sp, copy) for copy in copies])
@@ -422,17 +497,21 @@ def _ilp_names(sp: ShardingProblem, copy: Sequence[fx.Node]) -> list[str]:
     return names + [grad_sink(sp.graph.param_names[n]) for n in copy if n in sp.graph.param_names]
 
 
-def _cost_matrix(planner: Planner, srcs, dsts, shape, itemsize) -> list[list[float]]:
-    """cost[i][j] = planner cost of srcs[i] -> dsts[j] (memoized by the planner); inf where the
-    planner refuses (a layout that does not split the shape evenly)."""
-    return [[_edge_cost(planner, src, dst, shape, itemsize) for dst in dsts] for src in srcs]
+def _cost_matrix(planner: Planner, srcs, dsts, shape, itemsize, share: BucketShare | None = None) -> list[list[float]]:
+    """cost[i][j] = planner cost of srcs[i] -> dsts[j] (memoized by the planner), its first step's
+    launch shared when the program buckets it (`share`); inf where the planner refuses (a layout
+    that does not split the shape evenly)."""
+    return [[_edge_cost(planner, src, dst, shape, itemsize, share) for dst in dsts] for src in srcs]
 
 
-def _edge_cost(planner: Planner, src, dst, shape, itemsize) -> float:
+def _edge_cost(planner: Planner, src, dst, shape, itemsize, share: BucketShare | None) -> float:
     if src is None or dst is None:
         return 0.0
     try:
-        return planner.cost(src, dst, shape, itemsize)
+        cost = planner.cost(src, dst, shape, itemsize)
     except ValueError:
         return math.inf
+    if share is None or share.members <= 1 or cost == 0.0:
+        return cost
+    return share.cost_s(planner.plan(src, dst, shape, itemsize))
 

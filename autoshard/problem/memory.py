@@ -1,9 +1,11 @@
 """Modeled memory per rank, linear in the ILP's choices: what a budget on the peak can constrain.
 
-At the peak of a step (early in the backward) a rank holds its parameter shards and their AdamW
-states for the whole step, and every value the forward hands to the backward. Both are sums over
-ILP nodes of a figure per choice: a parameter's local bytes plus two fp32 states per local
-element; a handed-over value's local bytes in the layout its producer chose. What is not linear —
+At the peak of a step (in the backward) a rank holds its parameter shards and their AdamW states
+for the whole step, the gradients the backward has produced (all of them, at worst: with
+replicated parameters, the peak is at the end of the backward, where DDP's buckets hold every
+gradient), and every value the forward hands to the backward. All are sums over ILP nodes of a
+figure per choice: a parameter's local bytes, its gradient's (in the parameter's dtype) and two
+fp32 states per local element; a handed-over value's local bytes in the layout its producer chose. What is not linear —
 the transient working set of the op running at the peak, a recomputed block's activations while
 its backward runs — is measured by the dry run and carried as a constant (`driver.fit` fits a plan
 under a limit that way; `MemoryFit` says how it did).
@@ -39,6 +41,7 @@ class MemoryFit:
     constrained: bool  # the unconstrained optimum did not fit; the budget chose this plan
     mode: str  # one of MODES: what the plan's backward gets from its forward
     tried: list[tuple[str, float]] = dataclasses.field(default_factory=list)  # (mode, peak) of each dry run
+    dry_runs: bool = True  # whether the fit could dry-run plans (False: the linear part alone was checked)
 
     @property
     def recompute(self) -> bool:
@@ -50,10 +53,11 @@ class MemoryFit:
         return self.mode != "keep"
 
     def summary(self) -> str:
-        peak = "not dry-run (far below)" if self.peak_bytes is None else f"dry-run peak {size_text(self.peak_bytes)}"
+        peak = (f"dry-run peak {size_text(self.peak_bytes)}" if self.peak_bytes is not None else
+                "not dry-run (far below)" if self.dry_runs else "not dry-run (the modeled part alone checked)")
         how = "planned under the budget" if self.constrained else "the plan as solved fits"
         return (f"memory limit {size_text(self.limit)} per rank: {how}; modeled {size_text(self.modeled_bytes)} "
-                f"(params + AdamW states + handed-over values), {peak}; "
+                f"(params + grads + AdamW states + handed-over values), {peak}; "
                 f"reshard after forward {'on' if self.reshard else 'off'}, "
                 f"activation checkpointing {'on' if self.recompute else 'off'}")
 
@@ -108,14 +112,15 @@ def handed_over(graph: JointGraph, recomputed: frozenset[str]) -> dict[fx.Node, 
 
 def peak_memory_table(sp: ShardingProblem) -> dict[str, list[float]]:
     """ILP node -> modeled bytes per rank of each of its choices at the step's peak: parameters
-    with their AdamW states, and the values handed to the backward (under the problem's
-    recomputation)."""
+    with their gradients and AdamW states, and the values handed to the backward (under the
+    problem's recomputation)."""
     ms = sp.mesh_shape
     table: dict[str, list[float]] = {}
-    for node in sp.graph.params.values():
+    for fqn, node in sp.graph.params.items():
         val = node.meta["val"]
-        table[node.name] = [math.prod(s.outputs[0].local_shape(tuple(val.shape), ms))
-                            * (val.dtype.itemsize + ADAMW_STATE_BYTES) for s in sp.strategies[node.name]]
+        per_element = val.dtype.itemsize * (2 if fqn in sp.graph.grads else 1) + ADAMW_STATE_BYTES
+        table[node.name] = [math.prod(s.outputs[0].local_shape(tuple(val.shape), ms)) * per_element
+                            for s in sp.strategies[node.name]]
     for node, outputs in handed_over(sp.graph, sp.recomputed).items():
         if node.name not in sp.strategies:
             continue

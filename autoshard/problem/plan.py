@@ -27,6 +27,7 @@ class Redistribution:
     consumer: str  # graph node name, or a `Sink.name`
     slot: int  # which input slot of the consumer
     plan: RedistributePlan
+    cost_s: float  # what the edge costs in the plan: the plan's, with a bucketed first step's launch shared
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,7 @@ class Plan:
     # ILP node name -> modeled compute seconds of its chosen strategy (0 for placeholders and sinks)
     node_compute_s: dict[str, float] = field(default_factory=dict)
     comm_s: float = 0.0
+    optimizer_s: float = 0.0  # the optimizer step over this rank's parameter shards
     bytes_by_collective: dict[str, float] = field(default_factory=dict)
     count_by_collective: dict[str, int] = field(default_factory=dict)
     # activation checkpointing: prefixes of the block lists (e.g. "layers") whose forward the
@@ -68,8 +70,9 @@ class Plan:
 
     @property
     def step_time_s(self) -> float:
-        """Modeled time of one training step: compute + communication, no overlap assumed."""
-        return self.compute_s + self.comm_s
+        """Modeled time of one training step: compute + optimizer + communication, no overlap
+        assumed (the ILP's objective)."""
+        return self.compute_s + self.optimizer_s + self.comm_s
 
     @property
     def comm_bytes(self) -> float:
@@ -82,7 +85,8 @@ class Plan:
         kinds = ", ".join(f"{k} x{self.count_by_collective[k]} ({self.bytes_by_collective[k] / 1e6:.2f} MB)"
                           for k in sorted(self.count_by_collective)) or "none"
         return (f"mesh {self.mesh_shape}: modeled step {self.step_time_s * 1e3:.3f} ms "
-                f"(compute {self.compute_s * 1e3:.3f} ms, comm {self.comm_s * 1e3:.3f} ms); "
+                f"(compute {self.compute_s * 1e3:.3f} ms, optimizer {self.optimizer_s * 1e3:.3f} ms, "
+                f"comm {self.comm_s * 1e3:.3f} ms); "
                 f"collectives per rank: {kinds}; "
                 f"{len(self.non_default_order_params())}/{len(self.param_layouts)} parameters in non-default device order")
 
@@ -108,9 +112,11 @@ def decode(sp: ShardingProblem, solution: solver.Solution, planner: Planner) -> 
                 continue
             shape, dtype = sp.tensor_meta(producer)
             plan = planner.plan(src, dst, shape, dtype)
-            redistributions.append(Redistribution(producer.node, consumer, slot, plan))
+            share = sp.bucket_shares.get((producer.node, consumer))
+            cost = plan.cost_s if share is None else share.cost_s(plan)
+            redistributions.append(Redistribution(producer.node, consumer, slot, plan, cost))
             runs = 2 if consumer in sp.recomputed else 1  # once more in the recomputation
-            comm_s += runs * plan.cost_s
+            comm_s += runs * cost
             for step in plan.steps:
                 if step.kind in COLLECTIVE_KINDS:
                     bytes_by[step.kind] += runs * step.bytes
@@ -129,6 +135,7 @@ def decode(sp: ShardingProblem, solution: solver.Solution, planner: Planner) -> 
         compute_s=sum(c for name, c in node_compute_s.items() if name != LOSS_SINK),
         node_compute_s=node_compute_s,
         comm_s=comm_s,
+        optimizer_s=sum(row[solution.choice[name]] for name, row in sp.optimizer_s.items()),
         bytes_by_collective={k: float(v) for k, v in bytes_by.items()},
         count_by_collective=dict(count_by),
         recompute_blocks=sp.recompute_blocks,

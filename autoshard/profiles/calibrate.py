@@ -49,6 +49,8 @@ class CalibrationSettings:
     dtypes: tuple[str, ...] = ("float32", "bfloat16")
     matmul_sizes: tuple[int, ...] = (64, 128, 256, 512)  # n of an n x n @ n x n product
     memory_sizes: tuple[int, ...] = tuple(64 * KIB * 4**i for i in range(5))  # bytes per operand
+    optimizer_sizes: tuple[int, ...] = (2**16, 2**18, 2**20, 2**22)  # fp32 parameter elements of one AdamW step
+    op_chains: tuple[int, ...] = (1, 8, 64)  # tiny ops called back to back: the slope is one op's dispatch
     min_seconds: float = 0.2  # a device timing repeats until this much time (and `repeats` calls)
 
     def __post_init__(self) -> None:
@@ -147,6 +149,37 @@ def _timed(fn: Callable[[], Any], device: torch.device, settings: CalibrationSet
         _sync(device)
         calls += 1
     return (time.perf_counter() - t0) / calls
+
+
+def time_step_parts(device: torch.device, settings: CalibrationSettings,
+                    progress: Callable[[str], None] = lambda line: None) -> dict[str, list[dict]]:
+    """What a training step pays besides its ops' work, on this rank: {"dispatch": [{ops,
+    seconds}]}, chains of that many tiny ops called as the lowered program calls them
+    (`torch.ops.aten` from Python: the slope is the per-op overhead), and {"optimizer":
+    [{elements, seconds}]}, torch's fused AdamW step over fp32 parameters of that many elements in
+    all (16 tensors, as a model has many)."""
+    start = time.perf_counter()
+    a, b = torch.ones(8, device=device), torch.ones(8, device=device)
+    add = torch.ops.aten.add.Tensor
+
+    def chain(n: int) -> Callable[[], None]:
+        def run() -> None:
+            for _ in range(n):
+                add(a, b)
+        return run
+
+    dispatch = [{"ops": float(n), "seconds": _timed(chain(n), device, settings)} for n in settings.op_chains]
+    optimizer = []
+    for elements in settings.optimizer_sizes:
+        params = [torch.zeros(max(1, elements // 16), device=device, requires_grad=True) for _ in range(16)]
+        for p in params:
+            p.grad = torch.ones_like(p)
+        optim = torch.optim.AdamW(params, lr=1e-3, fused=True)
+        optimizer.append({"elements": float(sum(p.numel() for p in params)), "seconds": _timed(optim.step, device,
+                                                                                                settings)})
+    progress(f"device {device.type}: op dispatch, fused AdamW over {settings.optimizer_sizes[0]:,}.."
+             f"{settings.optimizer_sizes[-1]:,} elements in {time.perf_counter() - start:.1f} s")
+    return {"dispatch": dispatch, "optimizer": optimizer}
 
 
 def time_device(device: torch.device, settings: CalibrationSettings,

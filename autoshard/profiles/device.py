@@ -1,9 +1,14 @@
-"""Compute profiles of one rank's device, for the roofline cost of a node.
+"""Compute profiles of one rank's device: what an op, and the optimizer step, cost.
 
-A node's compute time is max(flops / peak, bytes / mem_bw): matmuls and attention are bound by
-the first, everything elementwise by the second. Two peaks per device: the dense 16-bit rate
-(bf16/fp16: tensor cores on GPUs) and the fp32 rate (on GPUs the plain FP32 units: torch runs fp32
-matmuls without TF32 by default), chosen by the dtype an op computes in.
+A node's compute time is `op_overhead_s` + max(flops / peak, bytes / mem_bw): matmuls and
+attention are bound by the flops, everything elementwise by the bytes, and every op pays the
+dispatch of one eager call (Python and torch's dispatcher: serial with the work on a CPU rank,
+hidden behind queued kernels on a busy GPU, so small there). Two peaks per device: the dense
+16-bit rate (bf16/fp16: tensor cores on GPUs) and the fp32 rate (on GPUs the plain FP32 units:
+torch runs fp32 matmuls without TF32 by default), chosen by the dtype an op computes in. The
+optimizer step (torch's fused AdamW, one kernel over every parameter) costs
+`optimizer_s(elements)`: it streams each local parameter element's value, gradient and two
+states, bound by memory bandwidth unless a calibration measured its rate.
 """
 
 from __future__ import annotations
@@ -13,16 +18,20 @@ from dataclasses import dataclass
 
 import torch
 
-# name -> (16-bit peak flops/s, fp32 peak flops/s, memory bandwidth bytes/s, memory capacity bytes;
-# None = this machine's RAM)
+ADAMW_STEP_BYTES = 28  # per fp32 parameter element: read value, gradient, two states; write value, two states
+
+# name -> (16-bit peak flops/s, fp32 peak flops/s, memory bandwidth bytes/s, memory capacity bytes
+# (None = this machine's RAM), per-op overhead s)
 _PRESETS = {
-    # H100 SXM: 989 TFLOP/s dense bf16, 67 TFLOP/s FP32, 3.35 TB/s HBM3, 79.2 GiB as torch.cuda reports it.
-    "h100": (989e12, 67e12, 3.35e12, 85.0e9),
+    # H100 SXM: 989 TFLOP/s dense bf16, 67 TFLOP/s FP32, 3.35 TB/s HBM3, 79.2 GiB as torch.cuda
+    # reports it; ~2 us per kernel launch that the GPU cannot hide behind the next one.
+    "h100": (989e12, 67e12, 3.35e12, 85.0e9, 2e-6),
     # H200 SXM: same compute as H100, 4.8 TB/s HBM3e, 139.8 GiB as torch.cuda reports it.
-    "h200": (989e12, 67e12, 4.8e12, 150.1e9),
+    "h200": (989e12, 67e12, 4.8e12, 150.1e9, 2e-6),
     # A small CPU share (the 2-core CI machine class): ~100 GFLOP/s fp32, ~20 GB/s DRAM. bf16 is
     # anywhere from much slower to 4x faster by the CPU's ISA: the same rate here; calibrate measures it.
-    "cpu": (100e9, 100e9, 20e9, None),
+    # ~10 us per op: the lowered program's Python call and torch's dispatch of a small tensor.
+    "cpu": (100e9, 100e9, 20e9, None, 10e-6),
 }
 _FP32_RATE = frozenset({torch.float32, torch.float64})
 
@@ -38,24 +47,34 @@ class DeviceProfile:
     name: str = "custom"
     memory_bytes: float | None = None  # capacity of one device; None = unknown
     peak_flops_fp32: float | None = None  # flop/s of fp32 compute; None = peak_flops
+    op_overhead_s: float = 0.0  # every op of the program, on top of its roofline
+    optimizer_rate: float | None = None  # parameter elements/s of the optimizer step; None: mem_bw / 28 B
 
     def __post_init__(self) -> None:
         if not (self.peak_flops > 0 and self.mem_bw > 0 and (self.peak_flops_fp32 or 1) > 0):
             raise ValueError(f"peak_flops, peak_flops_fp32 and mem_bw must be positive, got {self.peak_flops}, "
                              f"{self.peak_flops_fp32} and {self.mem_bw}")
+        if not self.op_overhead_s >= 0 or not (self.optimizer_rate is None or self.optimizer_rate > 0):
+            raise ValueError(f"op_overhead_s must be >= 0 and optimizer_rate positive, got {self.op_overhead_s} "
+                             f"and {self.optimizer_rate}")
 
     @classmethod
     def preset(cls, name: str) -> DeviceProfile:
         if name not in _PRESETS:
             raise ValueError(f"unknown device profile {name!r}; known: {sorted(_PRESETS)}")
-        flops16, flops32, bw, memory = _PRESETS[name]
-        return cls(flops16, bw, name, memory if memory is not None else _physical_memory(), flops32)
+        flops16, flops32, bw, memory, overhead = _PRESETS[name]
+        return cls(flops16, bw, name, memory if memory is not None else _physical_memory(), flops32, overhead)
 
     def peak_for(self, dtype: torch.dtype | None) -> float:
         """Peak flop/s of compute in `dtype` (fp32/fp64: the fp32 rate; anything else: 16-bit)."""
         if dtype in _FP32_RATE and self.peak_flops_fp32 is not None:
             return self.peak_flops_fp32
         return self.peak_flops
+
+    def optimizer_s(self, elements: float) -> float:
+        """The optimizer step over `elements` local parameter elements (AdamW, fused)."""
+        rate = self.optimizer_rate if self.optimizer_rate is not None else self.mem_bw / ADAMW_STEP_BYTES
+        return elements / rate
 
     def roofline_s(self, flops: float, bytes_moved: float, dtype: torch.dtype | None = None) -> float:
         """Time of a kernel doing `flops` in `dtype` and moving `bytes_moved`, whichever bound

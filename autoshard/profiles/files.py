@@ -58,7 +58,8 @@ class ProfileFile:
         if self.device is not None:
             d = self.device
             data["device"] = {"name": d.name, "peak_flops": d.peak_flops, "peak_flops_fp32": d.peak_flops_fp32,
-                              "mem_bw": d.mem_bw, "memory_bytes": d.memory_bytes}
+                              "mem_bw": d.mem_bw, "memory_bytes": d.memory_bytes, "op_overhead_s": d.op_overhead_s,
+                              "optimizer_rate": d.optimizer_rate}
         return data | {"details": self.details}
 
     @classmethod
@@ -84,10 +85,13 @@ class ProfileFile:
                 d = data["device"]
                 memory = d.get("memory_bytes")
                 fp32 = d.get("peak_flops_fp32")
+                rate = d.get("optimizer_rate")  # a file from before these fields: no overhead, mem_bw's rate
                 device = DeviceProfile(peak_flops=float(d["peak_flops"]), mem_bw=float(d["mem_bw"]),
                                        name=str(d.get("name", "calibrated")),
                                        memory_bytes=None if memory is None else float(memory),
-                                       peak_flops_fp32=None if fp32 is None else float(fp32))
+                                       peak_flops_fp32=None if fp32 is None else float(fp32),
+                                       op_overhead_s=float(d.get("op_overhead_s") or 0.0),
+                                       optimizer_rate=None if rate is None else float(rate))
             return cls(network, device, mesh, dict(data.get("details") or {}))
         except (KeyError, TypeError, AttributeError) as err:
             raise ValueError(f"malformed profile ({type(err).__name__}: {err})") from None

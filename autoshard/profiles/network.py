@@ -11,13 +11,17 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import combinations
 
-# name -> (inter-node alpha, beta), (last-dim alpha, beta), launch_s, mem_bw
+# name -> (inter-node alpha, beta), (last-dim alpha, beta), launch_s, mem_bw, {kind: its share of beta}
 _PRESETS = {
     # H100 nodes: last mesh dim (tp) on NVLink 4, the others across InfiniBand NDR (400 Gb/s/GPU).
-    "h100-node": ((8e-6, 45e9), (2e-6, 360e9), 10e-6, 3.0e12),
-    # CPU ranks talking gloo over loopback/TCP: every dim alike, slow, high per-call overhead.
-    "cpu-gloo": ((30e-6, 4e9), (30e-6, 4e9), 100e-6, 20e9),
+    "h100-node": ((8e-6, 45e9), (2e-6, 360e9), 10e-6, 3.0e12, {}),
+    # CPU ranks talking gloo over loopback/TCP, a core each or fewer: every dim alike, slow, high
+    # per-call overhead, and gloo's all-gather and reduce-scatter move a byte ~3x slower than its
+    # all-reduce (calibrated on 2-core machines: 2 ranks 0.25 / 0.32 / 0.78 GB/s, 4 ranks sharing
+    # the cores 0.38 / 0.36 / 0.52 GB/s, latencies 0.4-1 ms).
+    "cpu-gloo": ((150e-6, 0.6e9), (150e-6, 0.6e9), 300e-6, 20e9, {"all_gather": 0.4, "reduce_scatter": 0.4}),
 }
 
 
@@ -95,7 +99,11 @@ class NetworkProfile:
             raise ValueError(f"unknown network profile {name!r}; known: {sorted(_PRESETS)}")
         if mesh_ndim < 1:
             raise ValueError(f"mesh_ndim must be >= 1, got {mesh_ndim}")
-        outer, inner, launch_s, mem_bw = _PRESETS[name]
+        outer, inner, launch_s, mem_bw, kind_share = _PRESETS[name]
         inside = set(intra_node_dims) if intra_node_dims else {mesh_ndim - 1}
         dims = [inner if m in inside else outer for m in range(mesh_ndim)]
-        return cls(tuple(a for a, _ in dims), tuple(b for _, b in dims), launch_s, mem_bw, name)
+        alpha, beta = tuple(a for a, _ in dims), tuple(b for _, b in dims)
+        kinds = tuple((kind, group, max(alpha[m] for m in group), min(beta[m] for m in group) * share)
+                      for k in range(1, mesh_ndim + 1) for group in combinations(range(mesh_ndim), k)
+                      for kind, share in kind_share.items())
+        return cls(alpha, beta, launch_s, mem_bw, name, kinds=kinds)

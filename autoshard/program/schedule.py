@@ -2,13 +2,17 @@
 
 The plan's step time is compute + communication, each priced once (the ILP's objective, no
 overlap). The program decides what can overlap: a bucket's collective runs from its launch to its
-wait while the rank computes on; every other redistribution is waited on where it runs. Walking
+wait while the rank computes on, paying one launch for all its members (`bucket_cost_s`); every
+other redistribution is waited on where it runs. Walking
 the forward then the backward program in order:
 - an op adds its modeled compute to the compute stream;
 - a collective starts when both the rank has reached it and the link is free; the rank goes on at
   once after a launch, and waits for it at the `AwaitBucket` (or at once, not bucketed).
-The step ends when both streams are done. With nothing launched ahead (`prefetch=0`) this is the
-plan's sum; the difference is the communication the schedule hides behind compute.
+Then the optimizer steps on the compute stream, once every gradient has arrived. The step ends
+when both streams are done. With nothing launched ahead (`prefetch=0`) this is the plan's sum,
+except that the plan shares a bucket's launch evenly among its block's parameters and the
+program pays it once per bucket it forms; the difference is the communication the schedule hides
+behind compute.
 """
 
 from __future__ import annotations
@@ -28,14 +32,21 @@ class StepModel:
     compute_s: float
     comm_s: float
     overlapped_s: float  # on two streams, as the program schedules its collectives
+    optimizer_s: float = 0.0  # after the backward, on the compute stream
 
     @property
     def no_overlap_s(self) -> float:
-        return self.compute_s + self.comm_s
+        return self.compute_s + self.optimizer_s + self.comm_s
 
     @property
     def hidden_comm_s(self) -> float:
         return self.no_overlap_s - self.overlapped_s
+
+
+def bucket_cost_s(bucket: Bucket) -> float:
+    """One collective carrying every member's first step: their bytes, one launch and latency."""
+    firsts = [m.plan.steps[0] for m in bucket.members]
+    return sum(st.cost_s for st in firsts) - sum(st.fixed_s for st in firsts[1:])
 
 
 def model_step(plan: Plan, graphs: list[fx.GraphModule]) -> StepModel:
@@ -59,7 +70,7 @@ def model_step(plan: Plan, graphs: list[fx.GraphModule]) -> StepModel:
             elif n.op == "call_module":
                 module = gm.get_submodule(n.target)
                 if isinstance(module, Bucket):
-                    cost = sum(m.plan.steps[0].cost_s for m in module.members)
+                    cost = bucket_cost_s(module)
                     link = max(compute, link) + cost
                     total_comm += cost
                     in_flight[n] = link
@@ -72,4 +83,5 @@ def model_step(plan: Plan, graphs: list[fx.GraphModule]) -> StepModel:
                 compute += cost
                 total_compute += cost
     assert not in_flight, "a bucket was launched and never waited on"
-    return StepModel(total_compute, total_comm, max(compute, link))
+    end = max(compute, link) + plan.optimizer_s  # the optimizer reads every gradient
+    return StepModel(total_compute, total_comm, end, plan.optimizer_s)

@@ -245,7 +245,7 @@ def _redistribution_entry(r: Redistribution, dtype: str | None) -> dict:
         "src": str(plan.src),
         "dst": str(plan.dst),
         "steps": [f"{s.kind}[{','.join(map(str, s.mesh_dims))}]" for s in plan.steps],
-        "cost_s": plan.cost_s,
+        "cost_s": r.cost_s,  # the plan's, a bucketed first step's launch shared with its block
         # wire-level bytes of the collectives only, as in the plan's bytes_by_collective
         "bytes": float(sum(s.bytes for s in plan.steps if s.kind in COLLECTIVE_KINDS)),
         "shape": list(plan.shape),

@@ -177,7 +177,8 @@ def _plan(settings: Settings, workload: Workload, mesh, plan_file: PlanFile | No
             plan = auto.optimize(planning=planning)
         except MemoryLimitError as err:  # every rank reached it alike: one line, from rank 0
             raise UsageError(str(err)) from None
-        pmodel = auto.apply(plan, prefetch=settings.prefetch, seed=settings.seed)
+        pmodel = auto.apply(plan, prefetch=settings.prefetch, bucket_bytes=settings.bucket_cap_mb * 2**20,
+                            seed=settings.seed)
     memory = auto.fit_dry_run  # fitting the memory limit dry-ran this very plan, or:
     if memory is None:
         memory = planning.dry_run(pmodel.program, plan)

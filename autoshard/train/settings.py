@@ -39,6 +39,10 @@ class Settings(PlanConfig):
     prefetch: int = setting(1, type=int, help="launch bucketed parameter gathers and gradient reductions up to N "
                                               "buckets ahead of their use, overlapping compute (0: wait on each "
                                               "where it is launched)")
+    bucket_cap_mb: float = setting(25.0, type=float, metavar="MIB",
+                                   help="gradient all-reduces of replicated parameters run in buckets of at most "
+                                        "this many MiB, each launched as soon as its last gradient exists (DDP's "
+                                        "bucket_cap_mb; default 25)")
     checkpoint_every: int = setting(0, type=int, help="checkpoint every K steps (0: never)")
     keep_checkpoints: int = setting(3, type=int, help="keep the newest K complete checkpoints, deleting older ones "
                                                       "(0: keep all)")
@@ -67,3 +71,5 @@ class Settings(PlanConfig):
         for name in ("checkpoint_every", "keep_checkpoints", "wire_step", "memory_step", "prefetch"):
             if getattr(self, name) < 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
+        if not self.bucket_cap_mb > 0:
+            raise ValueError(f"--bucket-cap-mb must be positive, got {self.bucket_cap_mb}")
