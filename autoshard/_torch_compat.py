@@ -116,6 +116,34 @@ def call_arguments(op: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> dict
     return defaults | dict(zip((a.name for a in schema.arguments), args)) | kwargs
 
 
+# Collectives the executor waits on at once, as the raw functional ops on a process group's name
+# (`group_name`, resolved once, outside any compiled code): funcol's wrappers add an async-tensor
+# wrapper through a custom autograd op (~40 us of Python per call on a CPU core) that a collective
+# waited on where it runs does not need (the program's backward is its own).
+_F = torch.ops._c10d_functional
+
+
+def group_name(group: Any) -> str:
+    """The name of the process group funcol would use for `group` ((mesh, dim) or a mesh)."""
+    return str(funcol._resolve_group_name(group))
+
+
+def all_gather_now(x: torch.Tensor, group_size: int, name: str) -> torch.Tensor:
+    return _F.wait_tensor(_F.all_gather_into_tensor(x, group_size, name))
+
+
+def reduce_scatter_now(x: torch.Tensor, op: str, group_size: int, name: str) -> torch.Tensor:
+    return _F.wait_tensor(_F.reduce_scatter_tensor(x, op, group_size, name))
+
+
+def all_reduce_now(x: torch.Tensor, op: str, name: str) -> torch.Tensor:
+    return _F.wait_tensor(_F.all_reduce(x, op, name))
+
+
+def all_to_all_now(x: torch.Tensor, out_splits: list[int], in_splits: list[int], name: str) -> torch.Tensor:
+    return _F.wait_tensor(_F.all_to_all_single(x, out_splits, in_splits, name))
+
+
 def all_reduce_owned(t: torch.Tensor, op: str, group: Any) -> torch.Tensor:
     """`funcol.all_reduce` of a buffer the caller owns, reduced in place: the functional op copies
     its input first (a 25 MiB gradient bucket: 5-15 ms on a CPU rank). Waited on by `wait`."""

@@ -26,7 +26,7 @@ from torch._inductor.utils import run_and_get_code  # noqa: E402
 from autoshard import _torch_compat as tc  # noqa: E402
 from autoshard.driver.api import AutoShard  # noqa: E402
 from autoshard.pricing.planner import Planner  # noqa: E402
-from autoshard.program.collectives import execute, prepare_groups  # noqa: E402
+from autoshard.program.collectives import execute, group_names, prepare_groups  # noqa: E402
 from autoshard.runtime.module import INDUCTOR_OPTIONS, parallelize  # noqa: E402
 from dist_redistribute import CASES  # noqa: E402
 from torchrun import report_ranks  # noqa: E402
@@ -49,7 +49,9 @@ def redistributions(mesh) -> list[dict]:
     for plan in plans:
         x = plan.src.shard_of(full, mesh.shape, mesh.get_coordinate()).clone()
         torch._dynamo.reset()
-        got = torch.compile(lambda t, plan=plan: execute(plan, t, mesh), backend="eager", fullgraph=True)(x)
+        names = group_names(plan, mesh)  # resolved outside compiled code, as a Redistribute module does
+        got = torch.compile(lambda t, plan=plan, names=names: execute(plan, t, mesh, None, names), backend="eager",
+                            fullgraph=True)(x)
         want = execute(plan, x, mesh)
         out.append({"plan": f"{plan.src} -> {plan.dst}", "kinds": [s.kind for s in plan.steps],
                     "equal": torch.equal(got, want) and got.stride() == want.stride()})

@@ -1,7 +1,9 @@
 """Run a RedistributePlan on one rank's local tensor with torch functional collectives.
 
-Every step is built from differentiable pieces (functional collectives carry their own autograd,
-and the local reshapes/narrows are ordinary ops), so the backward of each step is its dual, the
+A collective waited on where it runs is issued as the raw functional op on its process group's
+name, resolved when the plan is lowered (`group_names`): funcol's Python wrappers cost ~40 us a
+call on a CPU core. Every step is built from differentiable pieces (the functional collective ops
+carry their own autograd, and the local reshapes/narrows are ordinary ops), so the backward of each step is its dual, the
 gradient of a replicated value being a partial sum (R <-> P): all-gather <-> reduce-scatter,
 all-to-all <-> all-to-all, permute <-> inverse permute, all-reduce <-> all-reduce, and the local
 chunk / R->P steps <-> local zero-fill / mask (a partial gradient needs no communication).
@@ -29,11 +31,19 @@ from autoshard.pricing.planner import RedistributePlan, Step
 from autoshard.pricing.ring import COLLECTIVE_KINDS
 
 
+def group_names(plan: RedistributePlan, mesh: Any) -> tuple[str | None, ...]:
+    """The process group each step of `plan` runs on, by name (None for a local step): resolved
+    once, where the plan is lowered, not per call (nor inside compiled code, which cannot)."""
+    return tuple(tc.group_name(_group(mesh, group_dims(step))) if step.kind in COLLECTIVE_KINDS else None
+                 for step in plan.steps)
+
+
 def execute(plan: RedistributePlan, local_tensor: torch.Tensor, mesh: Any,
-            dim_order: Sequence[int] | None = None) -> torch.Tensor:
+            dim_order: Sequence[int] | None = None, names: Sequence[str | None] | None = None) -> torch.Tensor:
     """Apply `plan` to this rank's shard of a tensor in layout `plan.src` on `mesh`
     (a DeviceMesh of the plan's mesh shape); return the shard in layout `plan.dst`, dense in
-    `dim_order` (outermost dim first; None = row-major, i.e. contiguous)."""
+    `dim_order` (outermost dim first; None = row-major, i.e. contiguous). `names`: the steps'
+    process groups (`group_names`; resolved here when not given)."""
     if tuple(mesh.shape) != plan.mesh_shape:
         raise ValueError(f"plan was made for mesh shape {plan.mesh_shape}, got a mesh of shape {tuple(mesh.shape)}")
     expected = plan.src.local_shape(plan.shape, plan.mesh_shape)
@@ -46,8 +56,8 @@ def execute(plan: RedistributePlan, local_tensor: torch.Tensor, mesh: Any,
     if coord is None:
         raise ValueError("this rank is not part of the mesh; it has no shard to redistribute")
     x = local_tensor
-    for step in plan.steps:
-        x = _RUN[step.kind](step, x, mesh, coord)
+    for step, name in zip(plan.steps, names if names is not None else group_names(plan, mesh)):
+        x = _RUN[step.kind](step, x, mesh, coord, name)
     return in_dim_order(x, dim_order)
 
 
@@ -61,10 +71,12 @@ class PendingBucket:
     parts: list[tuple[int, ...]]  # per member, the shape of its part of the buffer
     mesh: Any
     dim_orders: list[Sequence[int] | None]
+    names: list[Sequence[str | None]]  # per member, its steps' process groups (`group_names`)
 
 
 def launch_bucket(plans: Sequence[RedistributePlan], local_tensors: Sequence[torch.Tensor], mesh: Any,
-                  dim_orders: Sequence[Sequence[int] | None] | None = None) -> PendingBucket:
+                  dim_orders: Sequence[Sequence[int] | None] | None = None,
+                  names: Sequence[Sequence[str | None]] | None = None) -> PendingBucket:
     """Start the first steps of several plans (all all-gathers, all reduce-scatters or all
     all-reduces, over the same mesh dims) as ONE collective on the concatenated buffers: what FSDP
     and DDP call a bucket, one launch and one synchronisation instead of one per tensor. Returns
@@ -90,7 +102,8 @@ def launch_bucket(plans: Sequence[RedistributePlan], local_tensors: Sequence[tor
         flat = torch.cat([c.reshape(n, -1) for c in chunks], dim=1).reshape(-1)
         result = tc.funcol.reduce_scatter_single(flat, "sum", 0, group)
     orders = list(dim_orders) if dim_orders is not None else [None] * len(plans)
-    return PendingBucket(list(plans), result, parts, mesh, orders)
+    names = list(names) if names is not None else [group_names(plan, mesh) for plan in plans]
+    return PendingBucket(list(plans), result, parts, mesh, orders, names)
 
 
 def finish_bucket(pending: PendingBucket) -> list[torch.Tensor]:
@@ -112,8 +125,8 @@ def finish_bucket(pending: PendingBucket) -> list[torch.Tensor]:
         offset += size
     coord = mesh.get_coordinate()
     for i, plan in enumerate(pending.plans):
-        for step in plan.steps[1:]:
-            outs[i] = _RUN[step.kind](step, outs[i], mesh, coord)
+        for step, name in zip(plan.steps[1:], pending.names[i][1:]):
+            outs[i] = _RUN[step.kind](step, outs[i], mesh, coord, name)
         outs[i] = in_dim_order(outs[i], pending.dim_orders[i])
     return outs
 
@@ -198,50 +211,51 @@ def _reduce_op(step: Step) -> str:
 
 
 # ---------------------------------------------------------------------------- steps
-def _all_gather(step: Step, x: torch.Tensor, mesh: Any, coord: Any) -> torch.Tensor:
+def _all_gather(step: Step, x: torch.Tensor, mesh: Any, coord: Any, group: str | None) -> torch.Tensor:
     (d,) = step.tensor_dims
     phys = group_dims(step)
     n = _group_size(mesh, phys)
-    gathered = tc.wait(tc.funcol.all_gather_single(x.contiguous(), 0, _group(mesh, phys)))
+    gathered = tc.all_gather_now(x.contiguous(), n, group)
     chunks = _reindex(gathered.reshape([n] + list(x.shape)), mesh.shape, phys, step.mesh_dims)
     return _merge(chunks, d)
 
 
-def _reduce_scatter(step: Step, x: torch.Tensor, mesh: Any, coord: Any) -> torch.Tensor:
+def _reduce_scatter(step: Step, x: torch.Tensor, mesh: Any, coord: Any, group: str | None) -> torch.Tensor:
     (d,) = step.tensor_dims
     phys = group_dims(step)
     n = _group_size(mesh, phys)
     chunks = _reindex(_split(x, d, n), mesh.shape, step.mesh_dims, phys)
-    out = tc.wait(tc.funcol.reduce_scatter_single(_stacked(chunks), "sum", 0, _group(mesh, phys)))
+    out = tc.reduce_scatter_now(_stacked(chunks), "sum", n, group)
     out = out.reshape(chunks.shape[1:])
     return out / n if _reduce_op(step) == "avg" else out
 
 
-def _all_reduce(step: Step, x: torch.Tensor, mesh: Any, coord: Any) -> torch.Tensor:
+def _all_reduce(step: Step, x: torch.Tensor, mesh: Any, coord: Any, group: str | None) -> torch.Tensor:
     phys = group_dims(step)
     n = _group_size(mesh, phys)
-    out = tc.wait(tc.funcol.all_reduce(x.contiguous(), "sum", _group(mesh, phys)))
+    out = tc.all_reduce_now(x.contiguous(), "sum", group)
     return out / n if _reduce_op(step) == "avg" else out
 
 
-def _all_to_all(step: Step, x: torch.Tensor, mesh: Any, coord: Any) -> torch.Tensor:
+def _all_to_all(step: Step, x: torch.Tensor, mesh: Any, coord: Any, group: str | None) -> torch.Tensor:
     a, b = step.tensor_dims
     phys = group_dims(step)
     n = _group_size(mesh, phys)
     send = _reindex(_split(x, b, n), mesh.shape, step.mesh_dims, phys)
-    recv = tc.wait(tc.funcol.all_to_all_single(_stacked(send), None, None, _group(mesh, phys)))
+    stacked = _stacked(send)
+    even = [stacked.shape[0] // n] * n
+    recv = tc.all_to_all_now(stacked, even, even, group)
     recv = _reindex(recv.reshape(send.shape), mesh.shape, phys, step.mesh_dims)
     return _merge(recv, a)
 
 
-def _permute(step: Step, x: torch.Tensor, mesh: Any, coord: Any) -> torch.Tensor:
+def _permute(step: Step, x: torch.Tensor, mesh: Any, coord: Any, group: str | None) -> torch.Tensor:
     (d,) = step.tensor_dims
     phys = group_dims(step)
     n = _group_size(mesh, phys)
     src_order, dst_order = dict(step.src.order)[d], dict(step.dst.order)[d]
     splits = _permute_splits(tuple(coord[m] for m in phys), tuple(mesh.shape), phys, src_order, dst_order, x.numel())
-    out = tc.funcol.all_to_all_single(x.contiguous().reshape(-1), splits[n:], splits[:n], _group(mesh, phys))
-    return tc.wait(out).reshape(x.shape)
+    return tc.all_to_all_now(x.contiguous().reshape(-1), splits[n:], splits[:n], group).reshape(x.shape)
 
 
 @tc.per_rank
@@ -279,7 +293,7 @@ def _ravel(coords: Sequence[int], sizes: Sequence[int]) -> int:
     return i
 
 
-def _chunk(step: Step, x: torch.Tensor, mesh: Any, coord: Any) -> torch.Tensor:
+def _chunk(step: Step, x: torch.Tensor, mesh: Any, coord: Any, group: str | None) -> torch.Tensor:
     (d,), (m,) = step.tensor_dims, step.mesh_dims
     size = x.shape[d] // mesh.shape[m]
     if not isinstance(coord[m], int):  # simulated ranks (LocalTensorMode): narrow takes no per-rank start
@@ -287,7 +301,7 @@ def _chunk(step: Step, x: torch.Tensor, mesh: Any, coord: Any) -> torch.Tensor:
     return torch.narrow(x, d, coord[m] * size, size).contiguous()
 
 
-def _to_partial(step: Step, x: torch.Tensor, mesh: Any, coord: Any) -> torch.Tensor:
+def _to_partial(step: Step, x: torch.Tensor, mesh: Any, coord: Any, group: str | None) -> torch.Tensor:
     """R -> P: sum keeps the value on coordinate 0 and zeros elsewhere (exact, unlike v/n);
     avg keeps the value everywhere."""
     (m,) = step.mesh_dims
@@ -297,7 +311,7 @@ def _to_partial(step: Step, x: torch.Tensor, mesh: Any, coord: Any) -> torch.Ten
     return x * torch.narrow(keep, 0, coord[m], 1).reshape(())
 
 
-def _reorder(step: Step, x: torch.Tensor, mesh: Any, coord: Any) -> torch.Tensor:
+def _reorder(step: Step, x: torch.Tensor, mesh: Any, coord: Any, group: str | None) -> torch.Tensor:
     return x
 
 

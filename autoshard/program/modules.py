@@ -13,7 +13,7 @@ from torch import nn
 
 from autoshard.pricing.planner import RedistributePlan
 from autoshard.pricing.ring import COLLECTIVE_KINDS
-from autoshard.program.collectives import PendingBucket, execute, finish_bucket, launch_bucket
+from autoshard.program.collectives import PendingBucket, execute, finish_bucket, group_names, launch_bucket
 
 
 class Redistribute(nn.Module):
@@ -26,9 +26,10 @@ class Redistribute(nn.Module):
         super().__init__()
         self.plan, self.mesh, self.producer, self.consumer = plan, mesh, producer, consumer
         self.dim_order = dim_order
+        self.names = group_names(plan, mesh)  # its steps' process groups, resolved once
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return execute(self.plan, x, self.mesh, self.dim_order)
+        return execute(self.plan, x, self.mesh, self.dim_order, self.names)
 
     def extra_repr(self) -> str:
         steps = " -> ".join(f"{s.kind}{list(s.mesh_dims)}" for s in self.plan.steps)
@@ -56,7 +57,8 @@ class Bucket(nn.Module):
         return self.members[0].plan.steps[0].kind
 
     def forward(self, *xs: torch.Tensor) -> PendingBucket:
-        return launch_bucket([m.plan for m in self.members], xs, self.mesh, [m.dim_order for m in self.members])
+        return launch_bucket([m.plan for m in self.members], xs, self.mesh, [m.dim_order for m in self.members],
+                             [m.names for m in self.members])
 
     def extra_repr(self) -> str:
         first = self.members[0].plan.steps[0]
