@@ -242,6 +242,21 @@ def test_the_fit_solves_each_option_under_each_budget_once(monkeypatch):
     assert len(budgets) == len(set(budgets)) and len({sp for sp, _ in budgets}) == 3
 
 
+def test_after_two_misses_the_budget_follows_the_peaks_slope():
+    """A tighter budget shards more and the gathers' working set grows back part of the saving: the
+    first miss takes the non-linear part seen (2% more) off the limit, later ones the secant of the
+    last two (budget, peak) misses aimed 1% under the limit, whichever budget is lower."""
+    from autoshard.driver.fit import _next_budget
+
+    limit = 100.0
+    assert _next_budget(limit, 90.0, 20.0, [(90.0, 110.0)]) == pytest.approx(100 - 20.4)
+    # the peak fell 5 for 10.4 of budget (slope 0.48): 6 more to fall needs 12.5 less budget
+    misses = [(90.0, 110.0), (79.6, 105.0)]
+    assert _next_budget(limit, 79.6, 25.0, misses) == pytest.approx(79.6 - (105 - 99) * 10.4 / 5)
+    # a slope that says nothing (the peak did not fall) leaves the non-linear rule
+    assert _next_budget(limit, 79.6, 25.0, [(90.0, 104.0), (79.6, 105.0)]) == pytest.approx(100 - 25.5)
+
+
 def test_plan_cli_memory_limit(tmp_path):
     import json
     import subprocess

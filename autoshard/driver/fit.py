@@ -10,7 +10,10 @@ dry run of the last plan and subtracted from the limit. When a plan needs more t
    its forward, recompute every repeated block — solve with the budget;
 2. keep the feasible plan with the lowest modeled step time; dry-run it;
 3. if its peak is still over the limit, that option's non-linear part grew: tighten its budget and
-   go again; an option that misses `ROUNDS` times is dropped, so a stronger one gets its turn.
+   go again (by the non-linear part seen, or, from its second miss on, by the slope of its last two
+   peaks over their budgets, aiming just under the limit: a tighter budget shards more, and the
+   gathers' working set grows back part of what it saves); an option that misses `ROUNDS` times is
+   dropped, so a stronger one gets its turn.
 
 A plan whose linear part is under `TRUST` of the limit is not dry-run here: far from binding.
 Without dry runs (`FitSteps.dry_run` None: `plan --no-dry-run`) the linear part alone is held
@@ -42,7 +45,7 @@ from autoshard.runtime.dryrun import DryRunResult, dry_run
 log = logging.getLogger("autoshard")
 
 TRUST = 0.5  # a plan whose linear part is under this share of the limit fits without a dry run
-ROUNDS = 2  # dry runs over the limit after which an option is given up
+ROUNDS = 3  # dry runs over the limit after which an option is given up
 
 
 class MemoryLimitError(ValueError):
@@ -110,13 +113,14 @@ def fit_memory(plan: Plan, sharding: ShardingProblem, planner: Planner, device: 
                                                            reshard=mode == "reshard"),
                                        catalog=sharding.catalog, pricer=sharding.pricer)
     tables = {mode: table if sp is sharding else peak_memory_table(sp) for mode, sp in problems.items()}
-    # the non-linear part, as the dry run found it: one figure per option, grown by its own misses
-    extra = dict.fromkeys(problems, result.peak_bytes - linear if result is not None else 0.0)
-    misses = dict.fromkeys(problems, 0)
+    # each option's budget: the limit less the non-linear part the dry run found, tightened by its own misses
+    extra = max(0.0, result.peak_bytes - linear) if result is not None else 0.0
+    budgets = dict.fromkeys(problems, limit - extra)
+    missed: dict[str, list[tuple[float, float]]] = {mode: [] for mode in problems}  # (budget, dry-run peak)
     smallest = result
     solved: dict[str, tuple[float, Plan | None]] = {}  # per option: the budget and its plan (None: infeasible)
     while problems:
-        best = _best_budgeted(problems, tables, extra, limit, steps, planner, solved)
+        best = _best_budgeted(problems, tables, budgets, steps, planner, solved)
         if best is None:
             break
         candidate, sp, mode = best
@@ -125,14 +129,15 @@ def fit_memory(plan: Plan, sharding: ShardingProblem, planner: Planner, device: 
         result = steps.dry_run(candidate)
         linear = modeled_bytes(tables[mode], candidate.solution.choice)
         tried.append((mode, float(result.peak_bytes)))
+        log.info("autoshard: memory fit: the %s plan under a budget of %s: modeled %s, dry-run peak %s",
+                 mode, size_text(solved[mode][0]), size_text(linear), size_text(result.peak_bytes))
         if result.peak_bytes < smallest.peak_bytes:
             smallest = result
         if result.peak_bytes <= limit:
             return fitted(candidate, sp, mode, linear, result, True)
-        grown = max(extra[mode], result.peak_bytes - linear)
-        extra[mode] = grown + 0.02 * abs(grown)
-        misses[mode] += 1
-        if misses[mode] == ROUNDS:  # this option keeps missing: leave it to the others
+        missed[mode].append((budgets[mode], float(result.peak_bytes)))
+        budgets[mode] = _next_budget(limit, budgets[mode], result.peak_bytes - linear, missed[mode])
+        if len(missed[mode]) == ROUNDS:  # this option keeps missing: leave it to the others
             del problems[mode]
     if smallest is None:
         raise MemoryLimitError(f"no plan fits {size_text(limit)} per rank: even with every option (resharding, "
@@ -142,14 +147,14 @@ def fit_memory(plan: Plan, sharding: ShardingProblem, planner: Planner, device: 
 
 
 def _best_budgeted(problems: dict[str, ShardingProblem], tables: dict[str, dict[str, list[float]]],
-                   extra: dict[str, float], limit: float, steps: FitSteps, planner: Planner,
+                   budgets: dict[str, float], steps: FitSteps, planner: Planner,
                    solved: dict[str, tuple[float, Plan | None]]) -> tuple[Plan, ShardingProblem, str] | None:
     """Each option's plan under its budget; the one with the lowest modeled step (None: none fits).
     An option whose budget has not changed since it was last solved (in `solved`, updated here)
     keeps its plan: on a 70B problem one budgeted solve takes tens of seconds."""
     best = None
     for mode, sp in problems.items():
-        budget = limit - extra[mode]
+        budget = budgets[mode]
         if solved.get(mode, (None,))[0] != budget:
             try:
                 solution = steps.solve(with_peak_budget(sp, tables[mode], budget))
@@ -162,6 +167,19 @@ def _best_budgeted(problems: dict[str, ShardingProblem], tables: dict[str, dict[
         if best is None or candidate.step_time_s < best[0].step_time_s:
             best = (candidate, sp, mode)
     return best
+
+
+def _next_budget(limit: float, budget: float, nonlinear: float, missed: list[tuple[float, float]]) -> float:
+    """The budget after a miss at `budget`: under the limit by the non-linear part seen so far
+    (2% more), or lower where the last two misses' slope (peak per budget) says the limit needs it,
+    aiming 1% under it."""
+    grown = max(limit - budget, nonlinear)
+    out = limit - (grown + 0.02 * abs(grown))
+    if len(missed) >= 2:
+        (b1, p1), (b2, p2) = missed[-2:]
+        if b1 != b2 and (p1 - p2) / (b1 - b2) > 0:
+            out = min(out, b2 - (p2 - 0.99 * limit) * (b1 - b2) / (p1 - p2))
+    return out
 
 
 def _no_fit_message(limit: float, smallest: DryRunResult) -> str:
