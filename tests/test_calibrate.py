@@ -131,6 +131,29 @@ def test_fit_recovers_the_per_op_overhead_and_the_optimizer_rate():
     assert DeviceProfile(1e10, 2.8e10).optimizer_s(1e9) == pytest.approx(1.0)  # no rate: mem_bw over 28 B each
 
 
+def test_noisy_step_part_timings_keep_the_presets_figures(capsys):
+    """Ranks sharing two cores can time a 16x bigger optimizer step no slower: calibrate keeps
+    the device kind's preset for dispatch and the optimizer (a note, not an error) and says so in
+    the profile's details; timings that do grow are fitted."""
+    import torch
+
+    from autoshard.cli.calibrate import _device_profile
+
+    flat = {"float32": {"matmul": [{"flops": f, "seconds": 1e-4 + f / 3e10} for f in (1e6, 1e7, 1e8)],
+                        "memory": [{"bytes": b, "seconds": 1e-5 + b / 1e10} for b in (1e5, 1e6, 1e7)]}}
+    noisy = {"dispatch": [{"ops": n, "seconds": 1e-5 + n * 8e-6} for n in (1.0, 8.0, 64.0)],
+             "optimizer": [{"elements": e, "seconds": 2e-3} for e in (2.0**14, 2.0**17, 2.0**20)]}
+    profile, _, step = _device_profile(flat, noisy, torch.device("cpu"), "test")
+    cpu = DeviceProfile.preset("cpu")
+    assert not step["fitted"] and profile.op_overhead_s == cpu.op_overhead_s
+    assert profile.optimizer_s(1e6) == pytest.approx(cpu.optimizer_s(1e6))
+    assert "the cpu preset's figures are used" in capsys.readouterr().err
+    good = dict(noisy, optimizer=[{"elements": e, "seconds": 1e-4 + e / 5e8} for e in (2.0**14, 2.0**17, 2.0**20)])
+    profile, _, step = _device_profile(flat, good, torch.device("cpu"), "test")
+    assert step["fitted"] and profile.op_overhead_s == pytest.approx(8e-6, rel=1e-3)
+    assert profile.optimizer_rate == pytest.approx(5e8, rel=1e-3)
+
+
 def test_group_override_prices_flattened_steps():
     plain = NetworkProfile(TRUE.alpha, TRUE.beta, TRUE.launch_s, TRUE.mem_bw)
     assert plain.link((0, 1)) == (50e-6, 0.5e9)  # slowest link without a measurement
