@@ -173,6 +173,7 @@ def modeled_figures(plan: Plan) -> dict[str, Any]:
     return {
         "step_time_s": plan.step_time_s,
         "compute_s": plan.compute_s,
+        "optimizer_s": plan.optimizer_s,
         "comm_s": plan.comm_s,
         "comm_bytes": plan.comm_bytes,
         "bytes_by_collective": dict(sorted(plan.bytes_by_collective.items())),

@@ -367,11 +367,13 @@ def summary_section(report: dict, names: Sequence[str], colors: dict[str, str]) 
         items.append(("reshard after forward", _e(f"every block of {', '.join(report['reshard']['blocks'])} "
                                                   f"gathers its parameters again in the backward")))
     step = t["step_time_s"]
+    optimizer = t.get("optimizer_s", 0.0)
     items.append(("modeled step per rank", f'{_e(human_time(step))} = compute {_e(human_time(t["compute_s"]))} + '
-                  f'communication {_e(human_time(t["comm_s"]))} (no overlap)'))
-    bar = _bar([("compute", t["compute_s"], _color("compute", colors)),
+                  f'optimizer {_e(human_time(optimizer))} + communication {_e(human_time(t["comm_s"]))} (no overlap)'))
+    bar = _bar([("compute", t["compute_s"], _color("compute", colors)), ("optimizer", optimizer, "#8e6bbf"),
                 ("communication", t["comm_s"], "#d9534f")], step or 1.0, width=560, height=16)
-    items.append(("", bar + _legend([("compute", _color("compute", colors)), ("communication", "#d9534f")])))
+    items.append(("", bar + _legend([("compute", _color("compute", colors)), ("optimizer", "#8e6bbf"),
+                                     ("communication", "#d9534f")])))
     items.append(("parameters", f'{t["params"]}, {t["non_default_order_params"]} in non-default device order; '
                   f'{_e(human_bytes(t["param_bytes_per_rank"]))} per rank'))
     ilp = t.get("ilp")

@@ -140,8 +140,8 @@ def _totals_lines(report: dict) -> list[str]:
     """Modeled step, collectives per rank, parameters' device order and the ILP's figures."""
     t = report["totals"]
     out = ["", "== totals =="]
-    out.append(f"modeled step time per rank: {human_time(t['step_time_s'])} "
-               f"= compute {human_time(t['compute_s'])} + comm {human_time(t['comm_s'])} (no overlap)")
+    out.append(f"modeled step time per rank: {human_time(t['step_time_s'])} = compute {human_time(t['compute_s'])} "
+               f"+ optimizer {human_time(t.get('optimizer_s', 0.0))} + comm {human_time(t['comm_s'])} (no overlap)")
     if "overlapped_step_s" in t:
         out.append(f"as the program overlaps them (bucketed gathers and gradient reductions launched ahead, "
                    f"compute and comm on two streams): {human_time(t['overlapped_step_s'])}, "
@@ -220,7 +220,8 @@ def summary_lines(report: dict) -> list[str]:
     t = report["totals"]
     overlap = f", {human_time(t['overlapped_step_s'])} overlapped" if "overlapped_step_s" in t else ""
     lines = [f"mesh {tuple(report['mesh_shape'])}: modeled step {human_time(t['step_time_s'])} per rank "
-             f"(compute {human_time(t['compute_s'])}, comm {human_time(t['comm_s'])}{overlap})"]
+             f"(compute {human_time(t['compute_s'])}, optimizer {human_time(t.get('optimizer_s', 0.0))}, "
+             f"comm {human_time(t['comm_s'])}{overlap})"]
     kinds = sorted(t["count_by_collective"])
     comm = ", ".join(f"{k} {human_bytes(t['bytes_by_collective'].get(k, 0.0))} x{t['count_by_collective'][k]}"
                      for k in kinds) or "none"
