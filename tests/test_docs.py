@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from autoshard.cli.args import flag_reference
 from autoshard.cli.calibrate import calibrate_parser
 from autoshard.cli.export import add_export_arguments
 from autoshard.cli.plan import plan_parser
@@ -25,7 +26,7 @@ OTHER_TOOLS = {
     "--standalone", "--nproc_per_node", "--nnodes", "--max-restarts", "--signal",  # torchrun, SLURM
     "--rdzv-backend", "--rdzv-endpoint", "--rdzv-id", "--nodes", "--ntasks-per-node", "--gpus-per-node",
     "--quick", "--only", "--json", "--wide", "--repeats", "--kills", "--stall-only", "--no-stall",  # benchmarks
-    "--gap-only",
+    "--gap-only", "--two-ranks", "--ddp",
 }
 
 
@@ -60,6 +61,22 @@ def test_links_stay_in_the_repository_and_point_at_files(doc):
             continue
         path = target.split("#")[0]
         assert (doc.parent / path).exists(), f"{doc.name} links to {target}, which does not exist"
+
+
+def test_the_cli_flag_reference_is_the_parsers_own():
+    """docs/cli.md's flag tables are what `autoshard.cli.args.flag_reference` makes of each
+    command's parser: every flag, default and help text as the code has them."""
+    report, export = argparse.ArgumentParser(), argparse.ArgumentParser()
+    add_report_arguments(report)
+    add_export_arguments(export)
+    parsers = {"train": train_parser(), "plan": plan_parser(), "report": report, "export": export,
+               "calibrate": calibrate_parser()}
+    text = (ROOT / "docs" / "cli.md").read_text()
+    for name, parser in parsers.items():
+        section = re.search(rf"^### {name}\n\n(\|.*?)\n(?:\n|\Z)", text, re.M | re.S)
+        assert section, f"docs/cli.md has no flag table for {name}"
+        assert section.group(1) == flag_reference(parser), f"docs/cli.md's {name} table; the parser's:\n" + \
+            flag_reference(parser)
 
 
 def test_the_readme_is_short_and_names_every_docs_page():

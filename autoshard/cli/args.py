@@ -64,3 +64,31 @@ def add_dataclass_arguments(parser: argparse.ArgumentParser, cls: type,
     for f, flags, kwargs in field_options(cls):
         add_option(parser, Option(flags, kwargs | (overrides or {}).get(f.name, {})))
     return parser
+
+
+def flag_reference(parser: argparse.ArgumentParser) -> str:
+    """The parser's options as docs/cli.md's Markdown table (flag, default, meaning), so that the
+    flag reference there is generated from the parsers and checked against them
+    (tests/test_docs.py)."""
+    rows = ["| flag | default | meaning |", "|---|---|---|"]
+    for action in parser._actions:
+        if isinstance(action, argparse._HelpAction):
+            continue
+        name = ", ".join(f"`{flag}`" for flag in action.option_strings) or f"`{action.metavar or action.dest.upper()}`"
+        if action.choices and not isinstance(action, argparse.BooleanOptionalAction):
+            name += " (" + " \\| ".join(map(str, action.choices)) + ")"
+        rows.append(f"| {name} | {_default_text(action)} | {(action.help or '').replace('%%', '%')} |")
+    return "\n".join(rows)
+
+
+def _default_text(action: argparse.Action) -> str:
+    if action.required:
+        return "required"
+    if isinstance(action, argparse._StoreTrueAction):
+        return "off"
+    if action.default is None:
+        return ""
+    value = action.default
+    if isinstance(value, tuple) and all(isinstance(v, int) for v in value):
+        value = "x".join(map(str, value))
+    return f"`{value}`"

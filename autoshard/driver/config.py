@@ -115,8 +115,8 @@ class PlanConfig:
     memory_limit: float | None = setting(
         None, "--memory-limit", type=parse_limit, metavar="BYTES",
         help="peak memory per rank a plan must fit, e.g. 70GiB, or 'none' (default: the device profile's capacity "
-             "less 10%%; `plan --no-dry-run` leaves it unchecked); the ILP then chooses layouts, resharding and "
-             "activation checkpointing under it, checked by the dry run")
+             "less 10%%); the ILP then chooses layouts (replicated wherever they fit), resharding and activation "
+             "checkpointing under it, checked by the dry run (`plan --no-dry-run`: on the modeled peak)")
     param_dtype: str | torch.dtype | None = setting(
         None, "--param-dtype", type=dtype_option, metavar="DTYPE",
         help="mixed precision: compute and gather parameters in this dtype (bf16, fp16; parameters and optimizer "
