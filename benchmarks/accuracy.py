@@ -1,23 +1,27 @@
-"""Is the cost model right? Modeled vs measured step time on a (2,2) gloo mesh, calibrated vs presets.
+"""Is the cost model right? Modeled vs measured step time on gloo CPU ranks, calibrated vs presets.
 
-    python benchmarks/accuracy.py            # llama3-debug, batch 8, seq 64, 12 steps per plan (~6 min)
-    python benchmarks/accuracy.py --quick    # llama3-tiny, 4 steps, calibrated profile only (smoke check)
+    python benchmarks/accuracy.py              # llama3-debug, 2x2, batch 8, seq 64, 12 steps per plan (~8 min)
+    python benchmarks/accuracy.py --two-ranks  # the same on 2 ranks, meshes 1x2 and 2x1 (a core per rank)
+    python benchmarks/accuracy.py --quick      # llama3-tiny, 4 steps, calibrated profile only (smoke check)
 
-1. `torchrun ... -m autoshard calibrate --mesh 2x2` writes a profile of this machine.
+1. `torchrun ... -m autoshard calibrate --mesh M` writes a profile of this machine for the mesh.
 2. For each profile set (the calibrated file; the default presets cpu-gloo / cpu) and each plan
-   (autoshard's; the FSDP+TP recipe's parameter layouts pinned; pure FSDP pinned), `python -m
-   autoshard train` plans with that profile and trains; its metrics rows carry the modeled step
-   time, and the measured one is the median of the steps after warm-up (OMP_NUM_THREADS=1).
+   (autoshard's; on 2x2 also DDP's layouts pinned (every parameter replicated), the FSDP+TP
+   recipe's and pure FSDP's), `python -m autoshard train` plans with that profile and trains; its
+   metrics rows carry the modeled step time (the plan's: ops with their dispatch, collectives with
+   their launches, the optimizer step), and the measured one is the median of the steps after
+   warm-up (OMP_NUM_THREADS=1).
 
-The goal (issue 19): with the calibrated profile every plan's modeled step is within 25% of its
-measured one, and the modeled ranking of the three plans is the measured one. This machine is
-shared: measured times are medians, and still move by 10% or more between runs.
+The goals: with the calibrated profile every plan's modeled step is within 25% of its measured one,
+and the modeled ranking of the plans is the measured one. This machine is shared: measured times
+are medians, and still move by 10% or more between runs.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import statistics
@@ -33,7 +37,7 @@ sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]  # kee
 from benchmarks.training import ROOT, _torchrun  # noqa: E402
 
 GOAL = 0.25  # |modeled / measured - 1|
-PLANS = {"autoshard": None, "FSDP+TP recipe pinned": "fsdp-tp", "FSDP pinned": "fsdp"}
+PLANS = {"autoshard": None, "DDP pinned": "ddp", "FSDP+TP recipe pinned": "fsdp-tp", "FSDP pinned": "fsdp"}
 PRESETS = ("cpu-gloo", "cpu")
 SHOWN = ("layers.0.attention.wq.weight", "layers.0.feed_forward.w2.weight", "norm.weight")
 
@@ -50,6 +54,7 @@ class Case:
 
 FULL = Case("llama3-debug", batch=8, seq=64, steps=12)
 QUICK = Case("llama3-tiny", batch=8, seq=16, steps=4)
+TWO_RANKS = [Case("llama3-debug", batch=8, seq=64, steps=12, mesh=mesh) for mesh in ("1x2", "2x1")]
 
 
 def _run(cmd: list[str], log: Path) -> None:
@@ -62,14 +67,18 @@ def _run(cmd: list[str], log: Path) -> None:
         raise RuntimeError(f"failed (exit {done.returncode}):\n{log.read_text()[-4000:]}")
 
 
-def calibrate(out: Path, quick: bool) -> tuple[Path, float, dict]:
-    path = out / "profile.json"
+def _world(case: Case) -> int:
+    return math.prod(int(size) for size in case.mesh.split("x"))
+
+
+def calibrate(out: Path, quick: bool, case: Case) -> tuple[Path, float, dict]:
+    path = out / f"profile-{case.mesh}.json"
     start = time.perf_counter()
-    _run([*_torchrun(), "--standalone", "--nproc_per_node=4", "-m", "autoshard", "calibrate", "--mesh", "2x2",
-          "--out", str(path), *(["--quick"] if quick else [])], out / "calibrate.txt")
+    _run([*_torchrun(), "--standalone", f"--nproc_per_node={_world(case)}", "-m", "autoshard", "calibrate", "--mesh",
+          case.mesh, "--out", str(path), *(["--quick"] if quick else [])], out / f"calibrate-{case.mesh}.txt")
     wall = time.perf_counter() - start
     data = json.loads(path.read_text())
-    print("\n".join(line for line in (out / "calibrate.txt").read_text().splitlines()
+    print("\n".join(line for line in (out / f"calibrate-{case.mesh}.txt").read_text().splitlines()
                     if line.startswith("[calibrate")), flush=True)
     return path, wall, data
 
@@ -77,7 +86,7 @@ def calibrate(out: Path, quick: bool) -> tuple[Path, float, dict]:
 def train(case: Case, recipe: str | None, network: str, device: str, out: Path) -> dict:
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
-    _run([*_torchrun(), "--standalone", "--nproc_per_node=4", "-m", "autoshard", "train", "--model", case.model,
+    _run([*_torchrun(), "--standalone", f"--nproc_per_node={_world(case)}", "-m", "autoshard", "train", "--model", case.model,
           "--mesh", case.mesh, "--batch", str(case.batch), "--seq", str(case.seq), "--steps", str(case.steps),
           "--network", network, "--device", device, *(["--recipe", recipe] if recipe else []), "--out", str(out)],
          out / "console.txt")
@@ -88,31 +97,46 @@ def train(case: Case, recipe: str | None, network: str, device: str, out: Path) 
     measured = statistics.median(timed)
     modeled = rows[0]["modeled_step_s"]
     return {"modeled_s": modeled, "compute_s": totals["compute_s"], "comm_s": totals["comm_s"],
+            "optimizer_s": totals.get("optimizer_s", 0.0), "overlapped_s": rows[0].get("modeled_overlapped_step_s"),
             "measured_s": measured, "measured_steps_s": timed, "ratio": modeled / measured,
             "collectives": totals.get("count_by_collective"),
             "layouts": {p["fqn"]: p["layout"] for p in report["parameters"] if p["fqn"] in SHOWN}}
 
 
-def run(quick: bool = False, out_dir: str | os.PathLike = ROOT / "runs" / "bench-accuracy") -> dict:
-    case = QUICK if quick else FULL
+def run(quick: bool = False, out_dir: str | os.PathLike = ROOT / "runs" / "bench-accuracy",
+        two_ranks: bool = False) -> dict:
+    """Calibrate, then train each plan with each profile set, for every case (2x2; or 1x2 and 2x1
+    with `two_ranks`, autoshard's plan alone); print and return the figures: one entry per case
+    under "cases", the first case's also at the top level."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    profile, calibrate_s, data = calibrate(out, quick)
+    cases = [QUICK] if quick else TWO_RANKS if two_ranks else [FULL]
+    done = [_run_case(case, quick, out, plans=PLANS if _world(case) == 4 else {"autoshard": None}) for case in cases]
+    figures = done[0] | {"cases": done}
+    print()
+    print(markdown(figures))
+    return figures
+
+
+def _run_case(case: Case, quick: bool, out: Path, plans: dict[str, str | None]) -> dict:
+    profile, calibrate_s, data = calibrate(out, quick, case)
     sets = {"calibrated": (str(profile), str(profile))}
     if not quick:
         sets["presets (cpu-gloo, cpu)"] = PRESETS
     figures: dict = {"case": asdict(case), "calibrate_s": calibrate_s, "profile": {
         "network": data["network"], "device": data["device"], "fit_rel_rms": data["details"]["network_fit"]["rel_rms"],
         "device_by_dtype": {k: {f: v for f, v in d.items() if f != "timings"}
-                            for k, d in data["details"]["device"].items()}}, "sets": {}}
+                            for k, d in data["details"]["device"].items()},
+        "step": {k: v for k, v in data["details"].get("step", {}).items() if k != "timings"}}, "sets": {}}
     for label, (network, device) in sets.items():
         rows = {}
-        for name, recipe in PLANS.items():
-            print(f"[accuracy] {label}: {name}", flush=True)
-            rows[name] = train(case, recipe, network, device, out / f"{label.split()[0]}-{recipe or 'autoshard'}")
+        for name, recipe in plans.items():
+            print(f"[accuracy] {case.mesh} {label}: {name}", flush=True)
+            rows[name] = train(case, recipe, network, device, out / f"{case.mesh}-{label.split()[0]}-{recipe or 'autoshard'}")
             r = rows[name]
-            print(f"[accuracy]   modeled {r['modeled_s'] * 1e3:.1f} ms (compute {r['compute_s'] * 1e3:.1f}, comm "
-                  f"{r['comm_s'] * 1e3:.1f}), measured {r['measured_s'] * 1e3:.1f} ms: ratio {r['ratio']:.2f}", flush=True)
+            print(f"[accuracy]   modeled {r['modeled_s'] * 1e3:.1f} ms (compute {r['compute_s'] * 1e3:.1f}, optimizer "
+                  f"{r['optimizer_s'] * 1e3:.1f}, comm {r['comm_s'] * 1e3:.1f}), measured {r['measured_s'] * 1e3:.1f} "
+                  f"ms: ratio {r['ratio']:.2f}", flush=True)
         modeled_rank = sorted(rows, key=lambda n: rows[n]["modeled_s"])
         measured_rank = sorted(rows, key=lambda n: rows[n]["measured_s"])
         figures["sets"][label] = {
@@ -120,26 +144,31 @@ def run(quick: bool = False, out_dir: str | os.PathLike = ROOT / "runs" / "bench
             "within_goal": all(abs(r["ratio"] - 1) <= GOAL for r in rows.values()),
             "same_ranking": modeled_rank == measured_rank,
         }
-    print()
-    print(markdown(figures))
     return figures
 
 
 def markdown(figures: dict) -> str:
-    c = figures["case"]
-    rows = [f"{c['model']}, mesh {c['mesh']}, gloo, 4 processes, global batch {c['batch']}, seq {c['seq']}, "
-            f"median of steps {c['warmup'] + 1}-{c['steps']}:", "",
-            "| profiles | plan | modeled ms (compute + comm) | measured ms | modeled / measured |", "|---|---|---|---|---|"]
-    for label, s in figures["sets"].items():
-        for name, r in s["plans"].items():
-            rows.append(f"| {label} | {name} | {r['modeled_s'] * 1e3:.1f} ({r['compute_s'] * 1e3:.1f} + "
-                        f"{r['comm_s'] * 1e3:.1f}) | {r['measured_s'] * 1e3:.1f} | {r['ratio']:.2f} |")
-    rows.append("")
-    for label, s in figures["sets"].items():
-        rows.append(f"- {label}: within {GOAL:.0%} for every plan: {'yes' if s['within_goal'] else 'no'}; ranking "
-                    f"modeled {' < '.join(s['modeled_ranking'])}, measured {' < '.join(s['measured_ranking'])}: "
-                    f"{'same' if s['same_ranking'] else 'different'}")
-    return "\n".join(rows)
+    rows = []
+    for case in figures.get("cases", [figures]):
+        c = case["case"]
+        world = math.prod(int(size) for size in c["mesh"].split("x"))
+        rows += [f"{c['model']}, mesh {c['mesh']}, gloo, {world} processes, global batch {c['batch']}, seq {c['seq']}, "
+                 f"median of steps {c['warmup'] + 1}-{c['steps']}:", "",
+                 "| profiles | plan | modeled ms (compute + optimizer + comm) | measured ms | modeled / measured |",
+                 "|---|---|---|---|---|"]
+        for label, s in case["sets"].items():
+            for name, r in s["plans"].items():
+                rows.append(f"| {label} | {name} | {r['modeled_s'] * 1e3:.1f} ({r['compute_s'] * 1e3:.1f} + "
+                            f"{r.get('optimizer_s', 0.0) * 1e3:.1f} + {r['comm_s'] * 1e3:.1f}) | "
+                            f"{r['measured_s'] * 1e3:.1f} | {r['ratio']:.2f} |")
+        rows.append("")
+        for label, s in case["sets"].items():
+            ranking = (f"; ranking modeled {' < '.join(s['modeled_ranking'])}, measured "
+                       f"{' < '.join(s['measured_ranking'])}: {'same' if s['same_ranking'] else 'different'}"
+                       if len(s["plans"]) > 1 else "")
+            rows.append(f"- {label}: within {GOAL:.0%} for every plan: {'yes' if s['within_goal'] else 'no'}{ranking}")
+        rows.append("")
+    return "\n".join(rows).rstrip()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -147,8 +176,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="llama3-tiny, 4 steps, calibrated only (smoke check)")
     p.add_argument("--json", help="write the figures here")
     p.add_argument("--out", default=str(ROOT / "runs" / "bench-accuracy"), help="run directories go here")
+    p.add_argument("--two-ranks", action="store_true", help="2 ranks, meshes 1x2 and 2x1, autoshard's plan")
     a = p.parse_args(argv)
-    figures = run(quick=a.quick, out_dir=a.out)
+    figures = run(quick=a.quick, out_dir=a.out, two_ranks=a.two_ranks)
     if a.json:
         Path(a.json).write_text(json.dumps(figures, indent=1))
     return 0

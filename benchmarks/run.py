@@ -14,8 +14,8 @@ Sections (each also runs alone: benchmarks/plan.py, planner.py, training.py, mem
   memory    autoshard under the memory limit vs the FSDP+TP recipe with full activation checkpointing:
             dry-run peak per rank and modeled step (llama3-8b (8,8), llama3-70b (32,8) and (64,8), bf16/fp32)
   planner   redistribution: our planner vs torch's greedy and graph planners (wins/ties/losses)
-  training  real training on a (2,2) gloo mesh: autoshard (with and without prefetch) vs torch's
-            fully_shard+parallelize_module and pure fully_shard, medians of 3 runs; a wide model (one run)
+  training  real training on gloo CPU ranks (2x2, and 2 ranks): autoshard vs torch DDP, torch's
+            fully_shard+parallelize_module and pure fully_shard, medians of 3 interleaved runs; a wide model
             fp32 and bf16 (both under the same MixedPrecisionPolicy)
   accuracy  the cost model vs the clock: calibrate this machine, then modeled vs measured step time of
             autoshard's plan, the FSDP+TP recipe pinned and pure FSDP pinned, calibrated vs presets
@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import os
 import platform
 import sys
@@ -84,13 +85,12 @@ def main(argv: list[str] | None = None) -> int:
         elif section == "training":
             # quick: bf16 only (the fp32 trainers are the same scripts with no policy, and fp32
             # parallel training is checked against one device by tests/test_train.py)
-            cases = [] if a.quick else [("training", None, False)]
-            cases += [("training_bf16", ("bf16", "fp32"), False)]
-            cases += [] if a.quick else [("training_wide", None, True)]  # TP should win on paper; one run
-            for key, precision, wide in cases:
+            cases = [] if a.quick else [("training", None, {}), ("training_two_ranks", None, {"two_ranks": True})]
+            cases += [("training_bf16", ("bf16", "fp32"), {})]
+            cases += [] if a.quick else [("training_wide", None, {"wide": True})]  # TP should win on paper
+            for key, precision, case in cases:
                 try:
-                    results[key] = training_bench.run(quick=a.quick, precision=precision, wide=wide,
-                                                      repeats=1 if wide else None)
+                    results[key] = training_bench.run(quick=a.quick, precision=precision, **case)
                 except training_bench.LossMismatch as err:
                     results[key] = err.figures
                     failures.append(f"{key}: {err}")
@@ -124,7 +124,8 @@ def markdown(results: dict) -> str:
         parts.append(memory_bench.markdown(results["memory"]))
     if "planner" in results:
         parts.append(_planner_table(results["planner"]))
-    parts += [_training_table(results[key]) for key in ("training", "training_bf16", "training_wide") if key in results]
+    parts += [_training_table(results[key]) for key in ("training", "training_two_ranks", "training_bf16",
+                                                         "training_wide") if key in results]
     if "accuracy" in results:
         parts.append(accuracy_bench.markdown(results["accuracy"]))
     return "\n\n".join(parts)
@@ -174,18 +175,22 @@ def _planner_table(planner: dict) -> str:
     return "\n".join(rows)
 
 
+TRAINERS = {"recipe": "recipe (fully_shard + parallelize_module)",
+            "fsdp2": "pure FSDP2 (fully_shard per block and root, all ranks)",
+            "ddp": "torch DistributedDataParallel (all ranks)"}
+
+
 def _training_table(t: dict) -> str:
-    w, a, r = t["workload"], t["autoshard"], t["recipe"]
+    w, a = t["workload"], t["autoshard"]
     mib = 2 ** 20
     dtypes = f"param {w['param_dtype']}, reduce {w['reduce_dtype']}" if w.get("param_dtype") else "fp32"
     repeats = f", median of {t['repeats']} runs each" if t.get("repeats", 1) > 1 else ""
-    rows = [f"{w['model']}, mesh {w['mesh']}, {dtypes}, gloo, 4 processes, global batch {w['batch']}, "
+    world = math.prod(int(size) for size in w["mesh"].split("x"))
+    rows = [f"{w['model']}, mesh {w['mesh']}, {dtypes}, gloo, {world} processes, global batch {w['batch']}, "
             f"seq {w['seq']}, {w['steps']} steps{repeats}:", "",
             "| | tokens/s | peak RSS/rank | wire MiB/rank/step | max rel. loss dev vs 1 device |",
             "|---|---|---|---|---|"]
-    named = [("autoshard", a), ("recipe (fully_shard + parallelize_module)", r)]
-    if "fsdp2" in t:
-        named.append(("pure FSDP2 (fully_shard per block and root, all ranks)", t["fsdp2"]))
+    named = [("autoshard", a), *((TRAINERS[name], t[name]) for name in TRAINERS if name in t)]
     if "autoshard_sync" in t:
         named.append(("autoshard `--prefetch 0` (no overlap)", t["autoshard_sync"]))
     for name, f in named:
@@ -193,10 +198,10 @@ def _training_table(t: dict) -> str:
         each = f" ({' / '.join(f'{x:,.0f}' for x in runs)})" if len(runs) > 1 else ""
         rows.append(f"| {name} | {f['tokens_per_s']:,.0f}{each} | {f['peak_rss_mb']:,.0f} MiB | "
                     f"{f['wire_bytes'] / mib:.2f} | {f['max_rel_loss_dev']:.1e} |")
-    best = (f"; autoshard / best baseline ({t['best_baseline']}): **{t['best_baseline_ratio']:.2f}**"
-            if "best_baseline" in t else "")
-    rows += ["", f"Throughput ratio autoshard / recipe: **{t['throughput_ratio']:.2f}**{best} (target >= 1.0); "
-             f"autoshard planning {a['planning_s']:.1f} s (not in tokens/s)."]
+    recipe = f"autoshard / recipe: **{t['throughput_ratio']:.2f}**; " if "throughput_ratio" in t else ""
+    rows += ["", f"Throughput ratio {recipe}autoshard / best baseline ({t['best_baseline']}): "
+             f"**{t['best_baseline_ratio']:.2f}** (target >= 1.0); autoshard planning {a['planning_s']:.1f} s "
+             f"(not in tokens/s)."]
     return "\n".join(rows)
 
 if __name__ == "__main__":

@@ -1,23 +1,27 @@
-"""Real training on a (2,2) gloo mesh: autoshard's parallel module vs the hand-written FSDP+TP recipe.
+"""Real training on gloo CPU ranks: autoshard's parallel module vs what a user would pick instead.
 
-Back to back, same model, global batch, sequence, steps, lr, init seed and data seed, 4 processes
-under torchrun (OMP_NUM_THREADS=1):
+Back to back, same model, global batch, sequence, steps, lr, init seed, data seed and AdamW
+settings, N processes under torchrun (OMP_NUM_THREADS=1):
 
-  autoshard   `python -m autoshard train` (plans, applies, trains; planning is timed apart)
-  recipe      benchmarks/recipe_train.py (torchtitan's llama3 TP plan + FSDP2, torch's own APIs)
+  autoshard   `python -m autoshard train` with default flags (plans, applies, trains; planning is timed apart)
+  recipe      benchmarks/recipe_train.py (torchtitan's llama3 TP plan + FSDP2, torch's own APIs; 2-D meshes)
   fsdp2       benchmarks/recipe_train.py --mesh Nx1 (pure FSDP2: fully_shard per block and root, all ranks)
-  autoshard_sync  `python -m autoshard train --prefetch 0` (full runs only): every bucket waited on where
-              it is launched, to show what the overlap brings
+  ddp         benchmarks/recipe_train.py --ddp --mesh Nx1 (torch's DistributedDataParallel, default
+              buckets; fp32 only: DDP has no MixedPrecisionPolicy)
+  autoshard_sync  `python -m autoshard train --prefetch 0` (the 2x2 case, full runs only): every bucket
+              waited on where it is launched, to show what the overlap brings
 
 Each trainer runs `repeats` times (3 in a full run), interleaved round by round so that a busy
-spell of the machine hits all alike; a trainer's figures are those of its median run by tokens/s.
+spell of the machine hits all alike; a trainer's figures are those of its median run by tokens/s,
+and autoshard is compared with the best of the baselines.
 
 and, in this process, the single-device reference (models/train_single.py). Both parallel loss
 curves must match the reference (fp32); a mismatch exits non-zero. Bytes on the wire are measured
 the same way for both: `autoshard.runtime.wire.WireMeter` around one training step on every rank, pricing
 each collective it sees (functional or c10d) with the ring model.
 
-    python benchmarks/training.py            # llama3-debug, global batch 8, seq 256, 20 steps, 3 rounds (~15 min)
+    python benchmarks/training.py            # llama3-debug 2x2, global batch 8, seq 256, 20 steps, 3 rounds (~20 min)
+    python benchmarks/training.py --two-ranks   # the same on 2 ranks: mesh 2x1 against DDP and FSDP2 on 2 ranks
     python benchmarks/training.py --quick    # llama3-tiny, 5 steps (CI smoke check)
     python benchmarks/training.py --json out.json [--out runs/bench-training]
     python benchmarks/training.py --param-dtype bf16 --reduce-dtype fp32   # both trainers in bf16
@@ -28,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import statistics
@@ -79,6 +84,7 @@ class Workload:
 
 
 FULL = Workload("llama3-debug", batch=8, seq=256, steps=20)
+TWO_RANKS = Workload("llama3-debug", batch=8, seq=256, steps=20, mesh="2x1")  # a core per rank: nothing shared
 QUICK = Workload("llama3-tiny", batch=8, seq=32, steps=5)
 # where tensor parallelism should win on paper: wide layers, a small batch of long sequences
 WIDE = Workload("llama3-wide", batch=4, seq=512, steps=8)  # batch: pure FSDP2 splits it over 4 ranks
@@ -178,29 +184,42 @@ def _median_run(runs: list[RunFigures]) -> RunFigures:
     return median
 
 
+BASELINES = ("recipe", "fsdp2", "ddp")
+
+
+def _trainers(work: Workload, quick: bool) -> list[tuple[str, list[str], Workload]]:
+    """(name, torchrun target, workload) of every trainer of `work`."""
+    world = math.prod(int(size) for size in work.mesh.split("x"))
+    tp = int(work.mesh.split("x")[1]) if "x" in work.mesh else 1
+    recipe = [str(Path(_HERE) / "recipe_train.py")]
+    every_rank = replace(work, mesh=f"{world}x1")  # no TP: data parallel over every rank
+    return [("autoshard", ["-m", "autoshard", "train"], work),
+            *([("recipe", recipe, work)] if tp > 1 else []),
+            ("fsdp2", recipe, every_rank),
+            *([("ddp", [*recipe, "--ddp"], every_rank)] if not work.param_dtype else []),
+            *([("autoshard_sync", ["-m", "autoshard", "train", "--prefetch", "0"], work)]
+              if not quick and tp > 1 and work.model == FULL.model else [])]
+
+
 def run(quick: bool = False, out_dir: str | os.PathLike = ROOT / "runs" / "bench-training",
-        precision: tuple[str, str] | None = None, repeats: int | None = None, wide: bool = False) -> dict:
+        precision: tuple[str, str] | None = None, repeats: int | None = None, wide: bool = False,
+        two_ranks: bool = False) -> dict:
     """Train the parallel versions `repeats` times each (default 3, 1 with `quick`) and the
     reference once; print and return the comparison. `precision`: (param dtype, reduce dtype) for
     every trainer and the reference, e.g. ("bf16", "fp32"). Raises `LossMismatch` (after printing)
-    when a parallel loss curve leaves the reference. `wide`: the WIDE workload instead."""
+    when a parallel loss curve leaves the reference. `wide` / `two_ranks`: the WIDE / TWO_RANKS
+    workload instead."""
     from autoshard.capture.precision import parse_dtype
     from models.train_single import TrainSettings, train_single
 
-    work = WIDE if wide else QUICK if quick else FULL
+    work = WIDE if wide else TWO_RANKS if two_ranks else QUICK if quick else FULL
     repeats = repeats or (1 if quick else 3)
     if precision:
         work = replace(work, param_dtype=precision[0], reduce_dtype=precision[1])
-    out = Path(out_dir) / ("fp32" if not precision else f"{precision[0]}-{precision[1]}") / work.model
+    dtypes = "fp32" if not precision else f"{precision[0]}-{precision[1]}"
+    out = Path(out_dir) / dtypes / f"{work.model}-{work.mesh}"
     total_start = time.perf_counter()
-    world = 1
-    for size in work.mesh.split("x"):
-        world *= int(size)
-    recipe = [str(Path(_HERE) / "recipe_train.py")]
-    trainers = [("autoshard", ["-m", "autoshard", "train"], work),
-                ("recipe", recipe, work),
-                ("fsdp2", recipe, replace(work, mesh=f"{world}x1")),  # no TP: fully_shard over every rank
-                *([("autoshard_sync", ["-m", "autoshard", "train", "--prefetch", "0"], work)] if not quick else [])]
+    trainers = _trainers(work, quick)
     runs: dict[str, list[RunFigures]] = {name: [] for name, _, _ in trainers}
     for repeat in range(repeats):
         for name, target, w in trainers:
@@ -214,7 +233,7 @@ def run(quick: bool = False, out_dir: str | os.PathLike = ROOT / "runs" / "bench
                                    if k in SHOWN}
             runs[name].append(figures)
     chosen = {name: _median_run(r) for name, r in runs.items()}
-    auto, recipe_run, fsdp2 = chosen["autoshard"], chosen["recipe"], chosen["fsdp2"]
+    auto = chosen["autoshard"]
     report = json.loads((Path(auto.run_dir) / "plan.json").read_text())
     planning_s = sum(s for stage, s in report["timings"].items() if stage != "dry_run")  # the dry run is not planning
 
@@ -226,7 +245,8 @@ def run(quick: bool = False, out_dir: str | os.PathLike = ROOT / "runs" / "bench
     reference_s = time.perf_counter() - start
     for r in (f for every in runs.values() for f in every):
         _compare(r, single.losses)
-    best = max((recipe_run, fsdp2), key=lambda r: r.tokens_per_s)
+    baselines = [chosen[name] for name in BASELINES if name in chosen]
+    best = max(baselines, key=lambda r: r.tokens_per_s)
 
     from autoshard.report.text import summary_lines
 
@@ -239,17 +259,19 @@ def run(quick: bool = False, out_dir: str | os.PathLike = ROOT / "runs" / "bench
         "autoshard": entry(auto) | {"planning_s": planning_s, "planning_stages_s": report["timings"],
                                     "plan_summary": summary_lines(report),
                                     "modeled_step_s": report["totals"]["step_time_s"],
+                                    "modeled_comm_bytes": report["totals"]["comm_bytes"],
                                     "modeled_overlapped_step_s": report["totals"].get("overlapped_step_s")},
-        "recipe": entry(recipe_run),
-        "fsdp2": entry(fsdp2),
+        **{r.name: entry(r) for r in baselines},
+        "baselines": [r.name for r in baselines],
         "best_baseline": best.name,
         "best_baseline_ratio": auto.tokens_per_s / best.tokens_per_s,
         "reference": {"losses": single.losses, "wall_s": reference_s, "tokens_per_s": single.tokens_per_s},
-        "throughput_ratio": auto.tokens_per_s / recipe_run.tokens_per_s,
-        "wire_ratio": auto.wire_bytes / recipe_run.wire_bytes if recipe_run.wire_bytes else None,
+        "wire_ratio": auto.wire_bytes / best.wire_bytes if best.wire_bytes else None,
         "loss_rtol": work.loss_rtol,
         "wall_s": time.perf_counter() - total_start,
     }
+    if "recipe" in chosen:
+        figures["throughput_ratio"] = auto.tokens_per_s / chosen["recipe"].tokens_per_s
     if "autoshard_sync" in chosen:
         figures["autoshard_sync"] = entry(chosen["autoshard_sync"])
         figures["overlap_ratio"] = auto.tokens_per_s / chosen["autoshard_sync"].tokens_per_s
@@ -262,7 +284,7 @@ def run(quick: bool = False, out_dir: str | os.PathLike = ROOT / "runs" / "bench
 
 
 # ---------------------------------------------------------------------------------- printing
-TITLES = {"autoshard": "autoshard", "recipe": "recipe (FSDP2+TP)", "fsdp2": "pure FSDP2",
+TITLES = {"autoshard": "autoshard", "recipe": "recipe (FSDP2+TP)", "fsdp2": "pure FSDP2", "ddp": "torch DDP",
           "autoshard_sync": "autoshard, prefetch 0"}
 
 
@@ -270,7 +292,8 @@ def _print(figures: dict, runs: list[RunFigures]) -> None:
     w = figures["workload"]
     mib = 2 ** 20
     dtypes = f"param {w['param_dtype']}, reduce {w['reduce_dtype']}" if w.get("param_dtype") else "fp32"
-    print(f"\n{w['model']} on mesh {w['mesh']} ({dtypes}; gloo, 4 processes, OMP_NUM_THREADS=1): global batch {w['batch']}, "
+    world = math.prod(int(size) for size in w["mesh"].split("x"))
+    print(f"\n{w['model']} on mesh {w['mesh']} ({dtypes}; gloo, {world} processes, OMP_NUM_THREADS=1): global batch {w['batch']}, "
           f"seq {w['seq']}, {w['steps']} steps; throughput = mean of steps {w['warmup'] + 1}-{w['steps']}; "
           f"wire = ring-model bytes per rank during step {w['wire_step']}; the median of {figures['repeats']} "
           f"run(s) per trainer")
@@ -294,15 +317,18 @@ def _print(figures: dict, runs: list[RunFigures]) -> None:
     print(f"{'':<{width}}" + "".join(f"{TITLES[r.name]:>22}" for r in runs))
     for label, *cells in rows:
         print(f"{label:<{width}}" + "".join(f"{c:>22}" for c in cells))
-    print(f"throughput ratio autoshard / recipe: {figures['throughput_ratio']:.2f}; autoshard / best baseline "
-          f"({figures['best_baseline']}): {figures['best_baseline_ratio']:.2f} (target >= 1.0); "
+    wire = f"{figures['wire_ratio']:.2f}" if figures["wire_ratio"] is not None else "-"
+    print((f"throughput ratio autoshard / recipe: {figures['throughput_ratio']:.2f}; " if "throughput_ratio" in figures
+           else "") + f"autoshard / best baseline ({figures['best_baseline']}): {figures['best_baseline_ratio']:.2f} "
+          f"(target >= 1.0); "
           + (f"autoshard / its prefetch 0: {figures['overlap_ratio']:.2f}; " if "overlap_ratio" in figures else "")
-          + f"wire ratio vs recipe: {figures['wire_ratio']:.2f}; single-device loss {auto.losses[0]:.4f} -> "
+          + f"wire ratio vs {figures['best_baseline']}: {wire}; single-device loss {auto.losses[0]:.4f} -> "
           f"{figures['reference']['losses'][-1]:.4f}; total wall {figures['wall_s']:.0f} s")
+    other = runs[1]
     print("\nparameter layouts [dp, tp]:")
-    print(f"{'parameter':<34}{'autoshard':>22}   recipe (torch placements)")
+    print(f"{'parameter':<34}{'autoshard':>22}   {other.name} (torch placements)")
     for name in SHOWN:
-        print(f"{name:<34}{auto.layouts.get(name, '?'):>22}   {runs[1].layouts.get(name, '?')}")
+        print(f"{name:<34}{auto.layouts.get(name, '?'):>22}   {other.layouts.get(name, '?')}")
     print("\nautoshard plan: " + "\n                ".join(figures["autoshard"]["plan_summary"]))
 
 
@@ -320,10 +346,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=None, help="runs per trainer (default 3; 1 with --quick)")
     p.add_argument("--wide", action="store_true", help=f"the case where TP should win on paper: {WIDE.model}, "
                                                         f"batch {WIDE.batch}, seq {WIDE.seq}, {WIDE.steps} steps")
+    p.add_argument("--two-ranks", action="store_true", help=f"{TWO_RANKS.model} on 2 ranks (mesh {TWO_RANKS.mesh}) "
+                                                             "against DDP and FSDP2 on 2 ranks")
     a = p.parse_args(argv)
     code = 0
     try:
-        figures = run(quick=a.quick, out_dir=a.out, repeats=a.repeats, wide=a.wide,
+        figures = run(quick=a.quick, out_dir=a.out, repeats=a.repeats, wide=a.wide, two_ranks=a.two_ranks,
                       precision=(a.param_dtype, a.reduce_dtype) if a.param_dtype else None)
     except LossMismatch as e:
         print(f"FAIL: {e}", file=sys.stderr)

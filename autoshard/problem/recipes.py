@@ -30,7 +30,10 @@ FSDP_TP_2D = {
 # Pure FSDP over every rank of a 2D mesh: each parameter split on dim 0 over both mesh dims.
 FSDP_2D = {"*": "S(0)S(0)[0,1]"}
 
-RECIPES = {"fsdp-tp": FSDP_TP_2D, "fsdp": FSDP_2D}
+# DDP: every parameter replicated on every rank (gradients all-reduced).
+DDP_2D = {"*": "RR"}
+
+RECIPES = {"fsdp-tp": FSDP_TP_2D, "fsdp": FSDP_2D, "ddp": DDP_2D}
 
 
 def recipe_pins(name: str) -> dict[str, str]:

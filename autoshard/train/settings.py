@@ -33,7 +33,7 @@ class Settings(PlanConfig):
                                         "from step 2 on (step 1 runs checked, uncompiled; the next unmetered step "
                                         "compiles)")
     plan_file: str | None = setting(None, help="reuse a plan.json written by an earlier run or `plan`")
-    recipe: str | None = setting(None, choices=("fsdp-tp", "fsdp"),
+    recipe: str | None = setting(None, choices=("fsdp-tp", "fsdp", "ddp"),
                                  help="pin the parameters to a hand-written recipe's layouts (autoshard.problem.recipes), "
                                       "at its own parameter bytes per rank: to measure it beside autoshard's plan")
     prefetch: int = setting(1, type=int, help="launch bucketed parameter gathers and gradient reductions up to N "
