@@ -253,6 +253,8 @@ def test_after_two_misses_the_budget_follows_the_peaks_slope():
     # the peak fell 5 for 10.4 of budget (slope 0.48): 6 more to fall needs 12.5 less budget
     misses = [(90.0, 110.0), (79.6, 105.0)]
     assert _next_budget(limit, 79.6, 25.0, misses) == pytest.approx(79.6 - (105 - 99) * 10.4 / 5)
+    # a nearly flat slope halves the budget at most
+    assert _next_budget(limit, 79.6, 25.0, [(90.0, 105.1), (79.6, 105.0)]) == pytest.approx(79.6 / 2)
     # a slope that says nothing (the peak did not fall) leaves the non-linear rule
     assert _next_budget(limit, 79.6, 25.0, [(90.0, 104.0), (79.6, 105.0)]) == pytest.approx(100 - 25.5)
 

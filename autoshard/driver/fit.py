@@ -172,13 +172,14 @@ def _best_budgeted(problems: dict[str, ShardingProblem], tables: dict[str, dict[
 def _next_budget(limit: float, budget: float, nonlinear: float, missed: list[tuple[float, float]]) -> float:
     """The budget after a miss at `budget`: under the limit by the non-linear part seen so far
     (2% more), or lower where the last two misses' slope (peak per budget) says the limit needs it,
-    aiming 1% under it."""
+    aiming 1% under it (at most halving the budget)."""
     grown = max(limit - budget, nonlinear)
     out = limit - (grown + 0.02 * abs(grown))
     if len(missed) >= 2:
         (b1, p1), (b2, p2) = missed[-2:]
         if b1 != b2 and (p1 - p2) / (b1 - b2) > 0:
-            out = min(out, b2 - (p2 - 0.99 * limit) * (b1 - b2) / (p1 - p2))
+            secant = b2 - (p2 - 0.99 * limit) * (b1 - b2) / (p1 - p2)
+            out = min(out, max(secant, 0.5 * b2))  # a nearly flat slope must not throw the budget away
     return out
 
 
