@@ -144,11 +144,11 @@ def all_to_all_now(x: torch.Tensor, out_splits: list[int], in_splits: list[int],
     return _F.wait_tensor(_F.all_to_all_single(x, out_splits, in_splits, name))
 
 
-def all_reduce_owned(t: torch.Tensor, op: str, group: Any) -> torch.Tensor:
-    """`funcol.all_reduce` of a buffer the caller owns, reduced in place: the functional op copies
-    its input first (a 25 MiB gradient bucket: 5-15 ms on a CPU rank). Waited on by `wait`."""
-    name = funcol._resolve_group_name(group)
-    return funcol._maybe_wrap_tensor(torch.ops._c10d_functional.all_reduce_(t, op, name))
+def all_reduce_owned(t: torch.Tensor, op: str, name: str) -> torch.Tensor:
+    """`funcol.all_reduce` of a buffer the caller owns, reduced in place on the group named `name`:
+    the functional op copies its input first (a 25 MiB gradient bucket: 5-15 ms on a CPU rank).
+    Waited on by `wait`."""
+    return funcol._maybe_wrap_tensor(_F.all_reduce_(t, op, name))
 
 
 def wait(t: torch.Tensor) -> torch.Tensor:

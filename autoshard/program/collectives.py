@@ -86,23 +86,19 @@ def launch_bucket(plans: Sequence[RedistributePlan], local_tensors: Sequence[tor
     if kind not in _BUCKETED or any(f.kind != kind or group_dims(f) != phys for f in firsts):
         raise ValueError(f"a bucket needs one collective kind on one set of mesh dims, got {[str(f) for f in firsts]}")
     n = _group_size(mesh, phys)
-    group = _group(mesh, phys)
-    if kind == "all_gather":
-        parts = [tuple(x.shape) for x in local_tensors]
-        flat = torch.cat([x.reshape(-1) for x in local_tensors])
-        result = tc.funcol.all_gather_single(flat, 0, group)
-    elif kind == "all_reduce":
-        parts = [tuple(x.shape) for x in local_tensors]
-        flat = torch.cat([x.reshape(-1) for x in local_tensors])
-        result = tc.all_reduce_owned(flat, "sum", group)  # `flat` is ours: no copy
-    else:
+    names = list(names) if names is not None else [group_names(plan, mesh) for plan in plans]
+    if kind == "reduce_scatter":
         chunks = [_reindex(_split(x, f.tensor_dims[0], n), mesh.shape, f.mesh_dims, phys)
                   for f, x in zip(firsts, local_tensors)]
         parts = [tuple(c.shape[1:]) for c in chunks]
         flat = torch.cat([c.reshape(n, -1) for c in chunks], dim=1).reshape(-1)
-        result = tc.funcol.reduce_scatter_single(flat, "sum", 0, group)
+        result = tc.funcol.reduce_scatter_single(flat, "sum", 0, _group(mesh, phys))
+    else:
+        parts = [tuple(x.shape) for x in local_tensors]
+        flat = torch.cat([x.reshape(-1) for x in local_tensors])
+        result = (tc.funcol.all_gather_single(flat, 0, _group(mesh, phys)) if kind == "all_gather"
+                  else tc.all_reduce_owned(flat, "sum", names[0][0]))  # `flat` is ours: reduced in place
     orders = list(dim_orders) if dim_orders is not None else [None] * len(plans)
-    names = list(names) if names is not None else [group_names(plan, mesh) for plan in plans]
     return PendingBucket(list(plans), result, parts, mesh, orders, names)
 
 
