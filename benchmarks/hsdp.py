@@ -22,6 +22,7 @@ import time
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]  # keep solver.py from shadowing
+sys.path.insert(0, os.path.dirname(_HERE))  # run as a script: `benchmarks` from the repository root
 
 from benchmarks.plan import in_fresh_process  # noqa: E402
 

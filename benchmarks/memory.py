@@ -27,6 +27,7 @@ from dataclasses import asdict, dataclass
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]  # keep solver.py from shadowing solver
+sys.path.insert(0, os.path.dirname(_HERE))  # run as a script: `benchmarks` from the repository root
 
 from benchmarks.plan import in_fresh_process  # noqa: E402
 
