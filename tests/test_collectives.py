@@ -248,6 +248,7 @@ def test_executor_rejects_bad_inputs():
 
 
 @pytest.mark.slow
+@pytest.mark.ranks
 def test_torchrun_gloo_2x2():
     """Real processes: torchrun, 4 gloo ranks on a (2,2) mesh, a handful of plans incl. an order
     change (permute) and one-shot steps, checked numerically inside the script."""

@@ -15,6 +15,7 @@ from torchrun import run_ranks
 
 
 @pytest.mark.slow
+@pytest.mark.ranks
 def test_torchrun_compiled_program_trains_like_the_uncompiled_one():
     """4 gloo ranks on (2,2): every redistribution kind traces fullgraph; a collective waited late
     stays waited late once compiled (inductor alone would wait at once); llama3-tiny, one plan,

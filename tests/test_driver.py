@@ -69,6 +69,7 @@ def test_every_config_field_with_a_flag_is_an_option_of_plan_and_train():
 
 
 @pytest.mark.slow
+@pytest.mark.ranks
 def test_auto_shard_under_torchrun_solves_on_rank_0_only():
     """4 gloo ranks, mesh (2,2): auto_shard() runs the solver once, on rank 0, and every rank holds
     its plan and computes the single-device loss; a memory limit below the plan's dry-run peak is

@@ -78,6 +78,7 @@ def test_bad_export_input_is_one_error_line_and_writes_nothing(tmp_path, capsys,
 
 
 @pytest.mark.slow
+@pytest.mark.ranks
 def test_an_hf_model_trained_on_2x2_exports_back_to_transformers(tmp_path):
     """`train --model hf:DIR` (a tiny Qwen3, tied embeddings) on 4 gloo ranks (2,2), a checkpoint
     at step 2; `export --hf`: from_pretrained finds no missing or unexpected key and every tensor

@@ -149,6 +149,7 @@ def test_resume_no_refuses_an_earlier_runs_checkpoints(tmp_path, capsys):
 
 
 @pytest.mark.slow
+@pytest.mark.ranks
 def test_torchrun_restarts_after_sigkills_continue_with_the_same_losses():
     """4 gloo ranks (2,2), 20 steps, checkpoints every 4 written in the background: a random rank
     SIGKILLed at two steps (maybe mid-write) under --max-restarts 2; torchrun exits 0 and every

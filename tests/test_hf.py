@@ -247,6 +247,7 @@ def test_bad_hf_input_is_one_error_line(tmp_path, capsys, case, message, command
 
 
 @pytest.mark.slow
+@pytest.mark.ranks
 def test_torchrun_trains_an_hf_model_from_its_safetensors_like_single_device(tmp_path):
     """4 gloo ranks on (2,2), `--model hf:DIR --init-from DIR` (a tiny Llama saved by
     save_pretrained): the 5 losses equal the single-device run from the same weights."""

@@ -73,6 +73,7 @@ def test_network_presets_put_the_tp_dims_inside_a_node():
 
 
 @pytest.mark.slow
+@pytest.mark.ranks
 def test_eight_gloo_ranks_train_hsdp_like_single_device(tmp_path):
     """`train` on 8 real gloo processes, mesh (2,2,2) with roles: 2 steps with the single-device
     losses; the log and plan.json name each dim's role."""

@@ -271,6 +271,7 @@ def test_replicated_gradients_all_reduce_in_capped_buckets_in_the_backward_order
 
 
 @pytest.mark.slow
+@pytest.mark.ranks
 def test_ddp_buckets_on_4_gloo_ranks_launch_in_the_backward_and_wait_at_its_end():
     """The same replicated plan on 4 real gloo processes (128 KiB buckets): as the program runs,
     every bucket is launched (in the backward's order, at most the cap each) before the first is

@@ -231,6 +231,7 @@ def test_plan_cli_bad_dtype_is_one_line(tmp_path, flag, value):
 
 
 @pytest.mark.slow
+@pytest.mark.ranks
 def test_torchrun_bf16_trains_checkpoints_and_resumes(tmp_path):
     """4 gloo ranks, --param-dtype bf16 --reduce-dtype fp32: the losses follow the single-device run
     with the same policy; resuming from the step-2 checkpoint (fp32 master weights and AdamW states)

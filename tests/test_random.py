@@ -79,6 +79,7 @@ def test_lowering_seeds_every_random_op_from_the_run_seed():
 
 
 @pytest.mark.slow
+@pytest.mark.ranks
 def test_torchrun_dropout_with_per_rank_seeds_stays_consistent():
     """4 gloo ranks (2,2), HF GPT-2 with dropout 0.1, each rank's generator seeded 1000 + rank:
     every rank reports the same loss and every replica of a parameter shard is identical after 3

@@ -34,6 +34,7 @@ def metrics(run: Path) -> list[dict]:
 
 
 @pytest.mark.slow
+@pytest.mark.ranks
 def test_torchrun_trains_like_single_device_and_resumes(tmp_path):
     """4 gloo ranks on (2,2): 10 steps equal the single-device losses; the log and plan.json list
     every parameter; a run resumed from the step-3 checkpoint (later ones gone, as if killed after
@@ -83,6 +84,7 @@ def test_torchrun_trains_like_single_device_and_resumes(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.ranks
 def test_torchrun_under_a_memory_limit_recomputes_and_trains_like_single_device(tmp_path):
     """llama3-debug on 4 gloo ranks (2,2) under 60 MB per rank: the plan as solved does not fit
     (~85 MiB); the ranks fit it together (rank 0 solving and dry-running for all) into one plan

@@ -1,14 +1,29 @@
 """Running a tests/dist_*.py script on 4 gloo ranks and handing its per-rank results back: the
 launcher side (`run_ranks`, in a test) and the script side (`report_ranks`, on every rank)."""
+import contextlib
+import fcntl
 import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PREFIX = "RESULT "
+
+
+@contextlib.contextmanager
+def one_launch_at_a_time():
+    """Hold this test run's lock on multi-process launches (shared by its xdist workers)."""
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID", str(os.getpid()))
+    with open(os.path.join(tempfile.gettempdir(), f"autoshard-tests-{run}.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def run_ranks(script: str, timeout: int, nproc: int = 4) -> list[dict]:
