@@ -15,7 +15,8 @@ import pytest
 
 from autoshard.__main__ import main as autoshard_main
 from autoshard.train.metrics import step_time_line
-from autoshard.pricing.fit import CollectiveSample, fit_network, fit_rate, fit_step_parts, nnls
+from autoshard.pricing.fit import (CollectiveSample, fit_network, fit_rate, fit_step_parts, fit_step_rates,
+                                   nnls)
 from autoshard.pricing.planner import Planner
 from autoshard.pricing.ring import linear_cost, step_cost
 from autoshard.profiles.calibrate import CalibrationSettings, planner_groups
@@ -154,6 +155,74 @@ def test_noisy_step_part_timings_keep_the_presets_figures(capsys):
     assert profile.optimizer_rate == pytest.approx(5e8, rel=1e-3)
 
 
+def test_the_ops_of_a_measured_training_step_give_the_profiles_rates(capsys):
+    """A step whose matmuls (2 GFLOP) took 80 ms inside it and whose 1,000 memory-bound ops (200 MB)
+    took 45 ms, 5 us of each their dispatch: 25 GFLOP/s and 5 GB/s, which calibrate writes as the
+    profile's fp32 and memory rates (those timed alone stay in the details). Memory-bound ops no
+    slower than their dispatch are noise: the rates timed alone stand, with a note."""
+    import torch
+
+    from autoshard.cli.calibrate import _device_profile
+
+    assert fit_step_rates(2e9, 0.08, 2e8, 1000, 0.045, 5e-6) == pytest.approx((2.5e10, 5e9))
+    with pytest.raises(ValueError, match="no more than their dispatch"):
+        fit_step_rates(2e9, 0.08, 2e8, 1000, 0.004, 5e-6)
+    rates = {"float32": {"matmul": [{"flops": f, "seconds": f / 4e10} for f in (1e6, 1e7, 1e8)],
+                         "memory": [{"bytes": b, "seconds": b / 3e10} for b in (1e5, 1e6, 1e7)]}}
+    step = {"dispatch": [{"ops": n, "seconds": n * 5e-6} for n in (1.0, 8.0, 64.0)],
+            "optimizer": [{"elements": e, "seconds": e / 5e8} for e in (2.0**14, 2.0**17, 2.0**20)],
+            "reference": [{"seconds": 0.13, "ops": 1500, "flops": 2e9, "flop_ops_s": 0.08, "memory_bytes": 2e8,
+                           "memory_ops": 1000, "memory_ops_s": 0.045}]}
+    profile, _, details = _device_profile(rates, step, torch.device("cpu"), "test")
+    assert profile.mem_bw == pytest.approx(5e9, rel=1e-3) and profile.peak_flops_fp32 == pytest.approx(2.5e10)
+    assert details["in_step"] == {"fp32_flops": profile.peak_flops_fp32, "mem_bw": profile.mem_bw}
+    assert details["alone"] == pytest.approx({"fp32_flops": 4e10, "mem_bw": 3e10}, rel=1e-3)
+    step["reference"][0]["memory_ops_s"] = 0.004
+    profile, _, details = _device_profile(rates, step, torch.device("cpu"), "test")
+    assert profile.mem_bw == pytest.approx(3e10, rel=1e-3) and profile.peak_flops_fp32 == pytest.approx(4e10, rel=1e-3)
+    assert details["in_step"] is None and "ops are priced at the rates timed alone" in capsys.readouterr().err
+
+
+def test_the_reference_step_runs_real_tensors_outside_the_trace(monkeypatch):
+    """The timed step computes on real tensors with no mode active: inputs made while the trace's
+    fake mode was still open would time fake-tensor bookkeeping instead of the ops."""
+    import torch
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    import autoshard.profiles.calibrate as timing
+    from autoshard.cli.calibrate import time_reference_step
+
+    seen = []
+
+    def timed_once(fn, device, settings):
+        seen.append((_get_current_dispatch_mode_stack(), fn()))
+        return 0.1
+
+    monkeypatch.setattr(timing, "_timed", timed_once)
+    monkeypatch.setattr("autoshard.cli.calibrate.REFERENCE", ("llama3-tiny", 1, 2, 16))
+    (row,) = time_reference_step(torch.device("cpu"), CalibrationSettings())
+    ((modes, outputs),) = seen  # called once, on real tensors, with no mode active
+    tensors = [t for t in outputs if isinstance(t, torch.Tensor)]
+    assert modes == [] and len(tensors) > 10 and {type(t) for t in tensors} == {torch.Tensor}, {type(t) for t in tensors}
+    assert torch.isfinite(tensors[0])
+    assert row["seconds"] == 0.1 and row["ops"] > 100 and row["flops"] > 0 and row["memory_bytes"] > 0
+    assert row["flop_ops_s"] > 0 and row["memory_ops_s"] > 0 and 0 < row["memory_ops"] < row["ops"]
+
+
+def test_graph_work_counts_what_the_roofline_prices():
+    """A matmul's flops, an elementwise op's input + output bytes, a view's dispatch alone."""
+    import torch
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from autoshard.pricing.compute import graph_work
+
+    def f(a, b):
+        return torch.relu(a @ b).view(-1)
+
+    work = graph_work(make_fx(f, tracing_mode="fake")(torch.ones(4, 8), torch.ones(8, 16)).graph)
+    assert (work.ops, work.flops, work.memory_bytes) == (3, 2 * 4 * 8 * 16, 2 * 4 * 16 * 4)
+
+
 def test_group_override_prices_flattened_steps():
     plain = NetworkProfile(TRUE.alpha, TRUE.beta, TRUE.launch_s, TRUE.mem_bw)
     assert plain.link((0, 1)) == (50e-6, 0.5e9)  # slowest link without a measurement
@@ -274,6 +343,12 @@ def test_single_process_calibrate_writes_a_device_profile(tmp_path):
     assert set(data.details["device"]) == {"float32", "bfloat16"}
     assert 0 < data.device.op_overhead_s < 1e-3 and data.device.optimizer_rate > 1e6  # a step's other costs
     assert data.device.op_overhead_s == data.details["step"]["op_dispatch_s"] and "us per op dispatched" in out.stdout
+    # the rates are those of a whole training step's ops: memory-bound ones far below a streaming add
+    (ref,) = data.details["step"]["timings"]["reference"]
+    assert ref["ops"] > 100 and ref["flops"] > 0 and ref["memory_bytes"] > 0 and ref["seconds"] > 0
+    in_step, alone = data.details["step"]["in_step"], data.details["step"]["alone"]
+    assert (data.device.mem_bw, data.device.peak_flops_fp32) == (in_step["mem_bw"], in_step["fp32_flops"])
+    assert in_step["mem_bw"] < alone["mem_bw"] and "inside a training step matmuls and attention" in out.stdout
     with pytest.raises(ValueError, match="has no network profile"):
         network_profile(str(tmp_path / "d.json"), (1,))
 
@@ -285,6 +360,7 @@ def _kind_cost(profile: NetworkProfile, row: dict) -> float:
 
 
 @pytest.mark.slow
+@pytest.mark.ranks
 def test_torchrun_calibrate_writes_a_profile_the_planner_uses(tmp_path):
     """4 gloo ranks, (2,2), tiny sizes: every planner group timed with every kind, a fit per group,
     and the file plans llama3-tiny through the API with the flattened group's own link."""

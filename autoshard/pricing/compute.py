@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -125,3 +126,43 @@ class ComputePricer:
         if isinstance(strategies, tuple):  # immutable: safe to recognize by identity
             self._by_tuple[id(strategies)] = (strategies, costs)
         return costs
+
+
+@dataclass(frozen=True)
+class GraphWork:
+    """What the roofline counts in a whole graph run on one device (`autoshard calibrate` times
+    such a run): the ops that dispatch, the flops of those with a flop formula (matmuls,
+    attention), and the input + output bytes of the others, the memory-bound ones."""
+
+    ops: int
+    flops: float
+    memory_bytes: float
+
+
+def op_class(node: fx.Node) -> str | None:
+    """How the roofline prices an op node: "flop" (a flop formula: matmuls, attention), "memory"
+    (input + output bytes), "free" (a view: its dispatch only); None for what is not an op."""
+    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+        return None
+    if is_free(node.target):
+        return "free"
+    with cs.no_dispatch_modes():
+        return "flop" if global_flops(OpCall(node, (1,))) else "memory"
+
+
+def graph_work(graph: fx.Graph) -> GraphWork:
+    """The roofline's inputs summed over `graph`'s ops, on global shapes (a mesh of one device)."""
+    ops, flops, memory = 0, 0.0, 0.0
+    with cs.no_dispatch_modes():
+        for node in graph.nodes:
+            kind = op_class(node)
+            if kind is None:
+                continue
+            ops += 1
+            call = OpCall(node, (1,))
+            if kind == "flop":
+                flops += global_flops(call)
+            elif kind == "memory":
+                memory += sum(math.prod(t.shape) * t.element_size() for t in call.in_vals + call.out_vals
+                              if t is not None)
+    return GraphWork(ops, flops, memory)

@@ -232,5 +232,20 @@ def fit_step_parts(ops: Sequence[float], ops_seconds: Sequence[float], elements:
     return StepPartsFit(1 / dispatch.rate, optimizer.rate, optimizer.overhead_s, dispatch.rel_rms, optimizer.rel_rms)
 
 
+def fit_step_rates(flops: float, flop_s: float, memory_bytes: float, memory_ops: int, memory_s: float,
+                   op_overhead_s: float) -> tuple[float, float]:
+    """(flop rate, memory rate) of the ops of a whole training step, from the seconds its flop
+    ops (matmuls, attention) and its `memory_ops` memory-bound ops took inside it: the rates at
+    which the roofline, with `op_overhead_s` per op, reproduces both. Inside a step memory-bound
+    ops read operands that left the cache, broadcast, reduce and write fresh allocations, several
+    times slower than a streaming add; attention runs below the matmul rate. ValueError when the
+    timings leave nothing to fit (noise)."""
+    rest = memory_s - memory_ops * op_overhead_s
+    if not (flops > 0 and flop_s > 0 and memory_bytes > 0 and rest > 0):
+        raise ValueError(f"{memory_ops} memory-bound ops took {memory_s * 1e3:.2f} ms, no more than their "
+                         f"dispatch ({memory_ops * op_overhead_s * 1e3:.2f} ms), or nothing was timed")
+    return flops / flop_s, memory_bytes / rest
+
+
 def _rms(e: np.ndarray) -> float:
     return float(math.sqrt(float(np.mean(np.square(e))))) if len(e) else 0.0
