@@ -210,5 +210,15 @@ def test_hand_written_fsdp_tp_recipe_costs_at_least_the_free_plan():
 
 
 def test_unknown_recipe_is_named():
-    with pytest.raises(ValueError, match="unknown recipe 'megatron'; known: fsdp-tp, fsdp"):
+    with pytest.raises(ValueError, match="unknown recipe 'megatron'; known: fsdp-tp, fsdp, ddp$"):
         recipe_pins("megatron")
+
+
+def test_ddp_and_fsdp_recipes_lay_out_every_parameter_alike():
+    """`train --recipe ddp` replicates every parameter; `--recipe fsdp` splits each on dim 0 over
+    both mesh dims (dp first): a quarter of the bytes on (2,2)."""
+    model = build_model(get_config("llama3-tiny"), device="meta")
+    ddp, fsdp = recipe_layouts(model, "ddp"), recipe_layouts(model, "fsdp")
+    assert set(map(str, ddp.values())) == {"RR"} and set(map(str, fsdp.values())) == {"S(0)S(0)[0,1]"}
+    assert len(ddp) == len(fsdp) == len(list(model.parameters()))
+    assert param_bytes_per_rank(model, fsdp, (2, 2)) == param_bytes_per_rank(model, ddp, (2, 2)) / 4
