@@ -142,7 +142,7 @@ class GraphWork:
 def op_class(node: fx.Node) -> str | None:
     """How the roofline prices an op node: "flop" (a flop formula: matmuls, attention), "memory"
     (input + output bytes), "free" (a view: its dispatch only); None for what is not an op."""
-    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+    if node.op != "call_function" or not cs.is_op_overload(node.target):
         return None
     if is_free(node.target):
         return "free"
