@@ -220,7 +220,7 @@ def test_graph_work_counts_what_the_roofline_prices():
         return torch.relu(a @ b).view(-1)
 
     work = graph_work(make_fx(f, tracing_mode="fake")(torch.ones(4, 8), torch.ones(8, 16)).graph)
-    assert (work.ops, work.flops, work.memory_bytes) == (3, 2 * 4 * 8 * 16, 2 * 4 * 16 * 4)
+    assert (work.ops, work.flops, work.memory_ops, work.memory_bytes) == (3, 2 * 4 * 8 * 16, 1, 2 * 4 * 16 * 4)
 
 
 def test_group_override_prices_flattened_steps():

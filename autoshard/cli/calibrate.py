@@ -149,11 +149,9 @@ def time_reference_step(device, settings, progress=lambda line: None) -> list[di
             graph = copy.deepcopy(joint.gm.graph)
             graph._codegen = fx.graph.CodeGen()  # positional placeholders, as the lowered program calls them
             work = graph_work(graph)
-            memory_ops = 0
             for node in graph.nodes:
                 kind = op_class(node)
                 if kind in clock:
-                    memory_ops += kind == "memory"
                     node.target = clocked(kind, node.target)
             step = fx.GraphModule(joint.gm, graph)
             shapes = [(tuple(v.shape), v.dtype) for v in (n.meta["val"] for n in graph.nodes if n.op == "placeholder")]
@@ -175,10 +173,10 @@ def time_reference_step(device, settings, progress=lambda line: None) -> list[di
         return []
     flop_s, memory_s = clock["flop"] / calls, clock["memory"] / calls
     progress(f"device {device.type}: a training step of {name} ({blocks} blocks, batch {batch}, seq {seq}) in "
-             f"{seconds * 1e3:.1f} ms: matmuls and attention {flop_s * 1e3:.1f} ms, {memory_ops} memory-bound ops "
+             f"{seconds * 1e3:.1f} ms: matmuls and attention {flop_s * 1e3:.1f} ms, {work.memory_ops} memory-bound ops "
              f"{memory_s * 1e3:.1f} ms (timed in {time.perf_counter() - start:.1f} s)")
     return [{"seconds": seconds, "ops": work.ops, "flops": work.flops, "memory_bytes": work.memory_bytes,
-             "flop_ops_s": flop_s, "memory_ops": memory_ops, "memory_ops_s": memory_s}]
+             "flop_ops_s": flop_s, "memory_ops": work.memory_ops, "memory_ops_s": memory_s}]
 
 
 def _median_rows(per_rank: list[dict]) -> dict:

@@ -132,10 +132,11 @@ class ComputePricer:
 class GraphWork:
     """What the roofline counts in a whole graph run on one device (`autoshard calibrate` times
     such a run): the ops that dispatch, the flops of those with a flop formula (matmuls,
-    attention), and the input + output bytes of the others, the memory-bound ones."""
+    attention), and the count and input + output bytes of the others, the memory-bound ones."""
 
     ops: int
     flops: float
+    memory_ops: int
     memory_bytes: float
 
 
@@ -152,7 +153,7 @@ def op_class(node: fx.Node) -> str | None:
 
 def graph_work(graph: fx.Graph) -> GraphWork:
     """The roofline's inputs summed over `graph`'s ops, on global shapes (a mesh of one device)."""
-    ops, flops, memory = 0, 0.0, 0.0
+    ops, flops, memory_ops, memory = 0, 0.0, 0, 0.0
     with cs.no_dispatch_modes():
         for node in graph.nodes:
             kind = op_class(node)
@@ -163,6 +164,7 @@ def graph_work(graph: fx.Graph) -> GraphWork:
             if kind == "flop":
                 flops += global_flops(call)
             elif kind == "memory":
+                memory_ops += 1
                 memory += sum(math.prod(t.shape) * t.element_size() for t in call.in_vals + call.out_vals
                               if t is not None)
-    return GraphWork(ops, flops, memory)
+    return GraphWork(ops, flops, memory_ops, memory)
