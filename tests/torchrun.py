@@ -41,11 +41,12 @@ def run_ranks(script: str, timeout: int, nproc: int = 4) -> list[dict]:
 
 def report_ranks(result: dict) -> None:
     """Gather every rank's `result` to rank 0, which prints them for `run_ranks`; then leave the
-    process group."""
+    process group together."""
     import torch.distributed as dist
 
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, result)
     if dist.get_rank() == 0:
         print(PREFIX + json.dumps(every), flush=True)
+    dist.barrier()  # nobody tears the process group down while a peer still talks (a gloo abort)
     dist.destroy_process_group()
