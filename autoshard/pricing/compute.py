@@ -143,12 +143,18 @@ class GraphWork:
 def op_class(node: fx.Node) -> str | None:
     """How the roofline prices an op node: "flop" (a flop formula: matmuls, attention), "memory"
     (input + output bytes), "free" (a view: its dispatch only); None for what is not an op."""
+    return _classified(node)[0]
+
+
+def _classified(node: fx.Node) -> tuple[str | None, float]:
+    """`op_class` and the op's flops on global shapes (0 unless "flop")."""
     if node.op != "call_function" or not cs.is_op_overload(node.target):
-        return None
+        return None, 0.0
     if is_free(node.target):
-        return "free"
+        return "free", 0.0
     with cs.no_dispatch_modes():
-        return "flop" if global_flops(OpCall(node, (1,))) else "memory"
+        flops = global_flops(OpCall(node, (1,)))
+    return ("flop" if flops else "memory"), flops
 
 
 def graph_work(graph: fx.Graph) -> GraphWork:
@@ -156,14 +162,13 @@ def graph_work(graph: fx.Graph) -> GraphWork:
     ops, flops, memory_ops, memory = 0, 0.0, 0, 0.0
     with cs.no_dispatch_modes():
         for node in graph.nodes:
-            kind = op_class(node)
+            kind, node_flops = _classified(node)
             if kind is None:
                 continue
             ops += 1
-            call = OpCall(node, (1,))
-            if kind == "flop":
-                flops += global_flops(call)
-            elif kind == "memory":
+            flops += node_flops
+            if kind == "memory":
+                call = OpCall(node, (1,))
                 memory_ops += 1
                 memory += sum(math.prod(t.shape) * t.element_size() for t in call.in_vals + call.out_vals
                               if t is not None)
