@@ -7,12 +7,12 @@
 """
 
 from .model import available_backends
-from .problem import (Allowed, Choice, Constraint, Edge, Fixed, InfeasibleError, MemoryBudget,
+from .problem import (Allowed, Choice, Constraint, Edge, EdgeMemory, Fixed, InfeasibleError, MemoryBudget,
                       Node, Problem, RepeatedRegion, SameChoice)
 from .solve import Solution, SolveError, SolveStats, solve
 
 __all__ = [
-    "Allowed", "Choice", "Constraint", "Edge", "Fixed", "InfeasibleError", "MemoryBudget", "Node",
+    "Allowed", "Choice", "Constraint", "Edge", "EdgeMemory", "Fixed", "InfeasibleError", "MemoryBudget", "Node",
     "Problem", "RepeatedRegion", "SameChoice", "Solution", "SolveError", "SolveStats",
     "available_backends", "solve",
 ]

@@ -2,8 +2,9 @@
 
 x[c, k] one-hot per class. Pairwise costs use the local-polytope ("marginal") linearization: one
 y per *finite* entry with sum_l y[k, l] = x_a[k] and sum_k y[k, l] = x_b[l]; forbidden (inf) entries
-simply have no y, which forbids the pair. Rows (columns) of an edge matrix that are equal are
-merged first, the y then pairing groups of choices, which is exact and often much smaller.
+simply have no y, which forbids the pair. Rows (columns) of an edge matrix that are equal (in its
+cost and in every budget's memory on it) are merged first, the y then pairing groups of choices,
+which is exact and often much smaller. A memory budget's row sums its classes' x and its edges' y.
 Triangles of the class graph can be tightened on demand (`Model.add_triangle`).
 """
 
@@ -70,20 +71,32 @@ class Model:
             self.x[c] = (idx, xs)
             self._equal([(v, 1) for v in xs], 1)
             obj += [(v, w) for v, w in zip(xs, (red.cost[c][idx] * self.scale).tolist()) if w]
+        budget_terms: list[list] = [[] for _ in red.budgets]  # per budget: (y, bytes) of its edges
         for (a, b), block in blocks.items():
             xa, xb = self.x[a][1], self.x[b][1]
-            rows, row_of = np.unique(block, axis=0, return_inverse=True)
-            cols, col_of = np.unique(rows.T, axis=0, return_inverse=True)
+            ia, ib = self.x[a][0], self.x[b][0]
+            counted = [(i, m[np.ix_(ia, ib)]) for i, budget in enumerate(red.budgets)
+                       if (m := budget.edges.get((a, b))) is not None]
+            # entries [k, l, 0] cost, [k, l, 1 + i] the i-th counting budget's bytes: choices with
+            # equal rows in all of them share their y
+            stack = np.stack([block] + [m for _, m in counted], axis=2)
+            rows, row_of = np.unique(stack.reshape(len(ia), -1), axis=0, return_inverse=True)
+            rows = rows.reshape(len(rows), len(ib), -1)
+            cols, col_of = np.unique(rows.transpose(1, 0, 2).reshape(len(ib), -1), axis=0, return_inverse=True)
+            cols = cols.reshape(len(cols), len(rows), -1)  # [h, g, entry]
             row_of, col_of = row_of.ravel(), col_of.ravel()
             # y[g, h]: row group g of a paired with column group h of b, finite entries only
             ys, by_row, by_col = {}, [[] for _ in rows], [[] for _ in cols]
-            for g, h in zip(*np.nonzero(np.isfinite(cols.T))):
+            for g, h in zip(*np.nonzero(np.isfinite(cols[:, :, 0].T))):
                 v = ys[g, h] = self._var(f"y{len(self.columns)}")
                 by_row[g].append((v, 1))
                 by_col[h].append((v, 1))
-                w = float(cols[h, g]) * self.scale
+                w = float(cols[h, g, 0]) * self.scale
                 if w:
                     obj.append((v, w))
+                for entry, (i, _) in enumerate(counted, start=1):
+                    if cols[h, g, entry]:
+                        budget_terms[i].append((v, float(cols[h, g, entry])))
             for k, g in enumerate(row_of):
                 by_row[g].append((xa[k], -1))
             for l, h in enumerate(col_of):
@@ -91,11 +104,11 @@ class Model:
             for terms in by_row + by_col:
                 self._equal(terms, 0)
             self.pairs[(a, b)] = (row_of, col_of, ys)
-        for _, mem, limit in red.budgets:
-            terms = [(v, m) for c, row in mem.items()
-                     for v, m in zip(self.x[c][1], row[self.x[c][0]].tolist()) if m]
+        for budget, pairs in zip(red.budgets, budget_terms):
+            terms = [(v, m) for c, row in budget.memory.items()
+                     for v, m in zip(self.x[c][1], row[self.x[c][0]].tolist()) if m] + pairs
             if terms:
-                self._add(terms, pulp.LpConstraintLE, float(limit))
+                self._add(terms, pulp.LpConstraintLE, float(budget.limit))
         self.lp.setObjective(pulp.LpAffineExpression(obj if objective else []))
         self.build_s = time.perf_counter() - start
         self.built = (len(self.columns), self.constraints)  # size before any tightening

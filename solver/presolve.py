@@ -11,7 +11,8 @@ same class can only take its diagonal, which becomes a node cost. Then, to a fix
 - classes with a single choice are fixed and their edge rows folded into the neighbours' costs;
 - classes with at most two neighbours (and no say in a memory budget) are eliminated exactly by
   min-sum dynamic programming, remembering the best choice for each neighbour assignment;
-- edges whose cost splits as a[k] + b[l] are folded into the two node costs.
+- edges whose cost splits as a[k] + b[l] are folded into the two node costs (a budget's memory on
+  an edge likewise into the two classes' memory; an edge that still carries some stays).
 
 Every step keeps at least one optimal assignment, so solving the core and back-substituting
 (`Reduction.assign`) gives an optimum of the original problem.
@@ -25,7 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .problem import Allowed, Edge, Fixed, MemoryBudget, Problem, tie_classes
+from .problem import Allowed, Edge, EdgeMemory, Fixed, MemoryBudget, Problem, tie_classes
 
 
 class Conflict(Exception):
@@ -75,6 +76,39 @@ class Arrays:
                    [edge_array(e) for e in problem.edges])
 
 
+@dataclass
+class Budget:
+    """A MemoryBudget in class space: bytes per choice of each class whose choice matters, bytes
+    per choice pair of class pairs (a < b, a's choices as rows), and what is left of the limit
+    once classes with a fixed load are taken off."""
+
+    constraint: MemoryBudget
+    memory: dict[int, np.ndarray]
+    edges: dict[tuple[int, int], np.ndarray]
+    limit: float
+
+    def copy(self) -> "Budget":
+        return Budget(self.constraint, dict(self.memory), dict(self.edges), self.limit)
+
+    def oriented(self, a: int, b: int) -> np.ndarray | None:
+        """Edge memory between classes a and b with a's choices as rows (None: none)."""
+        m = self.edges.get((min(a, b), max(a, b)))
+        return None if m is None else m if a < b else m.T
+
+    def around(self) -> dict[int, list[tuple[int, np.ndarray]]]:
+        """Class -> (neighbour, edge memory oriented from the class) for every budget edge."""
+        out: dict[int, list[tuple[int, np.ndarray]]] = {}
+        for (a, b), m in self.edges.items():
+            out.setdefault(a, []).append((b, m))
+            out.setdefault(b, []).append((a, m.T))
+        return out
+
+    def load(self, choice: dict[int, int]) -> float:
+        """Bytes of an assignment of (at least) every class this budget names."""
+        nodes = sum(float(m[choice[c]]) for c, m in self.memory.items())
+        return nodes + sum(float(m[choice[a], choice[b]]) for (a, b), m in self.edges.items())
+
+
 class Reduction:
     """Class-space view of a Problem under a given subset of constraints and regions."""
 
@@ -118,17 +152,19 @@ class Reduction:
             else:
                 self._add_edge(a, b, m, e)
 
-        # budgets: (constraint, class -> memory per choice, remaining limit)
-        self.budgets: list[tuple[MemoryBudget, dict[int, np.ndarray], float]] = []
+        self.budgets: list[Budget] = []
         for con in constraints:
             if isinstance(con, MemoryBudget):
-                mem: dict[int, np.ndarray] = {}
+                budget = Budget(con, {}, {}, con.limit)
+                mem = budget.memory
                 for n in dict.fromkeys(con.nodes):
                     i = index[n]
                     c = self.node_class[i]
                     row = arrays.memory[i] if con.memory is None else np.array(con.memory[n], float)
                     mem[c] = mem[c] + row if c in mem else row
-                self.budgets.append((con, mem, con.limit))
+                for pair in con.edges:
+                    self._add_budget_edge(budget, pair, index)
+                self.budgets.append(budget)
         if reduce:
             self._reduce()
 
@@ -147,7 +183,7 @@ class Reduction:
         sub.alive, sub.cost, sub.mat = dict(self.alive), dict(self.cost), dict(self.mat)
         sub.origin, sub.fixed, sub.elim = dict(self.origin), dict(self.fixed), list(self.elim)
         sub.adj = {c: set(nbrs) for c, nbrs in self.adj.items()}
-        sub.budgets = [(con, dict(mem), limit) for con, mem, limit in self.budgets]
+        sub.budgets = [budget.copy() for budget in self.budgets]
         for key, mask in (forbid or {}).items():
             sub.mat[key] = np.where(mask, np.inf, sub.mat[key])
         for c, mask in keep.items():
@@ -192,6 +228,21 @@ class Reduction:
             self.adj[a].add(b)
             self.adj[b].add(a)
 
+    def _add_budget_edge(self, budget: Budget, pair: EdgeMemory, index: dict[str, int]) -> None:
+        """A budget's edge memory in class space: on the diagonal where both ends share a class,
+        else beside a (possibly zero-cost) edge, so that the ILP has the pair's variables."""
+        a, b = self.node_class[index[pair.src]], self.node_class[index[pair.dst]]
+        m = np.array(pair.memory, float)
+        if a == b:
+            row = np.diagonal(m)
+            budget.memory[a] = budget.memory[a] + row if a in budget.memory else row.copy()
+            return
+        if a > b:
+            a, b, m = b, a, m.T
+        if (a, b) not in self.mat:
+            self._add_edge(a, b, np.zeros_like(m), pair)
+        budget.edges[(a, b)] = budget.edges[(a, b)] + m if (a, b) in budget.edges else m
+
     def _drop_edge(self, a: int, b: int) -> None:
         key = (min(a, b), max(a, b))
         del self.mat[key], self.origin[key]
@@ -204,18 +255,37 @@ class Reduction:
         del self.adj[c]
 
     def _affects_budget(self, c: int) -> bool:
-        """Whether c's choice changes some budget's load (constant loads come off the limit)."""
+        """Whether c's choice changes some budget's load (constant loads come off the limit; edge
+        memory that splits into the two ends' goes to them)."""
         alive = self.alive[c]
         varying = False
-        for i, (con, mem, limit) in enumerate(self.budgets):
+        for budget in self.budgets:
+            for nb in [nb for nb in self.adj[c] if budget.oriented(c, nb) is not None]:
+                varying |= not self._fold_budget_edge(budget, c, nb)
+            mem = budget.memory
             if c in mem:
                 m = mem[c][alive]
                 if m.max() > m.min():
                     varying = True
                 else:
-                    self.budgets[i] = (con, mem, limit - m[0])
+                    budget.limit -= m[0]
                     del mem[c]
         return varying
+
+    def _fold_budget_edge(self, budget: Budget, c: int, nb: int) -> bool:
+        """Fold the budget's memory on edge c-nb into the two classes' if it splits as
+        a[k] + b[l] over the live choices; whether it did."""
+        ic, inb = np.flatnonzero(self.alive[c]), np.flatnonzero(self.alive[nb])
+        block = budget.oriented(c, nb)[np.ix_(ic, inb)]
+        a, b = block[:, 0], block[0, :] - block[0, 0]
+        if np.abs(block - a[:, None] - b[None, :]).max() > 1e-12 * max(float(np.abs(block).max()), 1.0):
+            return False
+        for cls, idx, part in ((c, ic, a), (nb, inb, b)):
+            row = np.zeros(len(self.alive[cls]))
+            row[idx] = part
+            budget.memory[cls] = budget.memory[cls] + row if cls in budget.memory else row
+        del budget.edges[(min(c, nb), max(c, nb))]
+        return True
 
     # ---- the fixpoint -----------------------------------------------------------------------
     def _reduce(self) -> None:
@@ -226,10 +296,11 @@ class Reduction:
                 continue
             touched = self._step(c)
             dirty.update(touched)
-        for con, mem, limit in self.budgets:
-            least = sum(m[self.alive[c]].min() for c, m in mem.items())
-            if least > limit * (1 + 1e-12) + 1e-9:
-                raise Conflict(None, con)
+        for budget in self.budgets:
+            least = sum(m[self.alive[c]].min() for c, m in budget.memory.items()) + sum(
+                m[np.ix_(self.alive[a], self.alive[b])].min() for (a, b), m in budget.edges.items())
+            if least > budget.limit * (1 + 1e-12) + 1e-9:
+                raise Conflict(None, budget.constraint)
 
     def _step(self, c: int) -> set[int]:
         """Apply every reduction to class c; return the classes whose neighbourhood changed."""
@@ -268,10 +339,16 @@ class Reduction:
             diff[np.isnan(diff)] = np.inf  # l forbidden for both: a context that cannot happen
             gain += diff.min(axis=2)
             scale += float(np.abs(m, where=np.isfinite(m), out=np.zeros_like(m)).max())
-        for _, mem, _ in self.budgets:
-            if c in mem:
-                load = mem[c][idx]
-                gain[load[:, None] < load[None, :]] = -np.inf
+        for budget in self.budgets:
+            # more[k, j]: the most memory switching k -> j can add, whatever the neighbours choose
+            load = budget.memory[c][idx] if c in budget.memory else np.zeros(len(idx))
+            more = load[None, :] - load[:, None]
+            for nb in self.adj[c]:
+                m = budget.oriented(c, nb)
+                if m is not None:
+                    m = m[idx][:, self.alive[nb]]
+                    more = more + (m[None, :, :] - m[:, None, :]).max(axis=2)
+            gain[more > 0] = -np.inf
         tol = 1e-12 * scale
         order = np.arange(len(idx))
         beats = (gain > tol) | ((gain >= -tol) & (order[None, :] < order[:, None]))
@@ -287,9 +364,14 @@ class Reduction:
         k = int(np.flatnonzero(self.alive[c])[0])
         self.fixed[c] = k
         self.counts.fixed += 1
-        for i, (con, mem, limit) in enumerate(self.budgets):
-            if c in mem:
-                self.budgets[i] = (con, mem, limit - mem.pop(c)[k])
+        for budget in self.budgets:
+            for nb in self.adj[c]:
+                m = budget.oriented(c, nb)
+                if m is not None:
+                    budget.memory[nb] = budget.memory[nb] + m[k] if nb in budget.memory else m[k].copy()
+                    del budget.edges[(min(c, nb), max(c, nb))]
+            if c in budget.memory:
+                budget.limit -= budget.memory.pop(c)[k]
         for nb in list(self.adj[c]):
             row = self.oriented(c, nb)[k]
             origin = self.origin[(min(c, nb), max(c, nb))]
@@ -323,7 +405,11 @@ class Reduction:
         self._drop_class(c)
 
     def _fold_separable(self, c: int, nb: int) -> bool:
-        """Fold an edge whose live block is a[k] + b[l] (incl. constant) into node costs."""
+        """Fold an edge whose live block is a[k] + b[l] (incl. constant) into node costs (not one
+        whose budget memory does not split so: its variables are the budget's too)."""
+        if any(budget.oriented(c, nb) is not None and not self._fold_budget_edge(budget, c, nb)
+               for budget in self.budgets):
+            return False
         ic, inb = np.flatnonzero(self.alive[c]), np.flatnonzero(self.alive[nb])
         block = self.oriented(c, nb)[np.ix_(ic, inb)]
         if not np.isfinite(block).all():

@@ -69,17 +69,31 @@ class SameChoice:
 
 
 @dataclass
+class EdgeMemory:
+    """Bytes a budget counts for a pair of choices of `src` and `dst`: memory[src choice][dst
+    choice]. What exists only for some pairs, e.g. a copy that the edge's redistribution makes
+    and the step then holds (none when both ends agree)."""
+
+    src: str
+    dst: str
+    memory: list[list[float]]
+
+
+@dataclass
 class MemoryBudget:
-    """Sum of the chosen `memory` over `nodes` must not exceed `limit`. `memory` (node -> bytes per
-    choice) gives this budget its own figures; without it, each choice's `Choice.memory` counts."""
+    """Sum of the chosen `memory` over `nodes`, plus the chosen entries of `edges`, must not
+    exceed `limit`. `memory` (node -> bytes per choice) gives this budget its own figures;
+    without it, each choice's `Choice.memory` counts."""
 
     nodes: list[str]
     limit: float
     name: str = ""
     memory: dict[str, list[float]] | None = None
+    edges: list[EdgeMemory] = field(default_factory=list)
 
     def describe(self) -> str:
-        return f"MemoryBudget({self.name or '-'!s}: {len(self.nodes)} nodes <= {self.limit:g})"
+        pairs = f" and {len(self.edges)} edges" if self.edges else ""
+        return f"MemoryBudget({self.name or '-'!s}: {len(self.nodes)} nodes{pairs} <= {self.limit:g})"
 
 
 @dataclass
@@ -148,9 +162,12 @@ class Problem:
         return self._add(SameChoice(list(nodes), name))
 
     def memory_budget(self, nodes: Sequence[str], limit: float, name: str = "",
-                      memory: Mapping[str, Sequence[float]] | None = None) -> MemoryBudget:
+                      memory: Mapping[str, Sequence[float]] | None = None,
+                      edges: Mapping[tuple[str, str], Sequence[Sequence[float]]] | None = None) -> MemoryBudget:
+        """`edges`: (src, dst) -> bytes per choice pair, counted beside the nodes' (`EdgeMemory`)."""
         table = None if memory is None else {n: [float(m) for m in memory[n]] for n in nodes}
-        return self._add(MemoryBudget(list(nodes), float(limit), name, table))
+        pairs = [EdgeMemory(src, dst, [list(map(float, row)) for row in m]) for (src, dst), m in (edges or {}).items()]
+        return self._add(MemoryBudget(list(nodes), float(limit), name, table, pairs))
 
     def add_region(self, copies: Sequence[Sequence[str]]) -> RepeatedRegion:
         region = RepeatedRegion([list(c) for c in copies])
@@ -282,6 +299,12 @@ def _validate_constraint(con, known) -> None:
             if con.memory is not None and (row is None or len(row) != k
                                            or not all(0 <= m < math.inf for m in row)):
                 raise ValueError(f"{what}: node {n!r} needs {k} finite memory figures >= 0")
+        for pair in con.edges:
+            rows, cols = known(pair.src, what), known(pair.dst, what)
+            m = np.asarray(pair.memory, dtype=float)
+            if m.shape != (rows, cols) or not (np.isfinite(m) & (m >= 0)).all():
+                raise ValueError(f"{what}: edge {pair.src!r}->{pair.dst!r} needs a {rows}x{cols} matrix of "
+                                 f"finite memory figures >= 0")
         if math.isnan(con.limit):
             raise ValueError(f"{what}: limit is NaN")
     else:
@@ -356,6 +379,8 @@ def _constraint(kind: str, fields: dict) -> dict:
         fields["limit"] = encode_float(fields["limit"])
     if "memory" in fields and fields["memory"] is None:  # a budget over the choices' own memory
         del fields["memory"]
+    if "edges" in fields and not fields["edges"]:
+        del fields["edges"]
     return {"kind": kind, **fields}
 
 
@@ -376,6 +401,8 @@ def problem_from_json(text: str) -> Problem:
             raise ValueError(f"unknown constraint kind {kind!r}")
         if "limit" in c:
             c["limit"] = decode_float(c["limit"])
+        if "edges" in c:
+            c["edges"] = [EdgeMemory(**e) for e in c["edges"]]
         constraints.append(_KINDS[kind](**c))
     problem = Problem(nodes, edges, constraints, [RepeatedRegion(r) for r in data["regions"]])
     problem.validate()

@@ -184,9 +184,11 @@ def core_cost(red: Reduction, choice: dict[int, int]) -> float:
 def local_search(red: Reduction, start: dict[int, int], sweeps: int = 50) -> dict[int, int] | None:
     """Best-response descent from `start` within memory budgets; None if it stays infeasible."""
     choice = dict(start)
-    loads = [sum(float(m[choice[c]]) for c, m in mem.items()) for _, mem, _ in red.budgets]
-    if any(load > limit + 1e-9 * abs(limit) for load, (_, _, limit) in zip(loads, red.budgets)):
+    loads = [budget.load(choice) for budget in red.budgets]
+    limits = [budget.limit + 1e-9 * abs(budget.limit) for budget in red.budgets]
+    if any(load > limit for load, limit in zip(loads, limits)):
         return None
+    around = [budget.around() for budget in red.budgets]
     for _ in range(sweeps):
         changed = False
         for c in red.core:
@@ -194,18 +196,25 @@ def local_search(red: Reduction, start: dict[int, int], sweeps: int = 50) -> dic
             local = red.cost[c][idx].copy()
             for nb in red.adj[c]:
                 local += red.oriented(c, nb)[idx, choice[nb]]
-            for i, (_, mem, limit) in enumerate(red.budgets):
-                if c in mem:
-                    over = loads[i] - mem[c][choice[c]] + mem[c][idx] > limit + 1e-9 * abs(limit)
-                    local[over] = np.inf
+            deltas = []  # per budget: its load change for each choice of c (None: c has no say)
+            for budget, edges, load, limit in zip(red.budgets, around, loads, limits):
+                delta = None
+                if c in budget.memory:
+                    delta = budget.memory[c][idx] - budget.memory[c][choice[c]]
+                for nb, m in edges.get(c, ()):
+                    step = m[idx, choice[nb]] - m[choice[c], choice[nb]]
+                    delta = step if delta is None else delta + step
+                if delta is not None:
+                    local[load + delta > limit] = np.inf
+                deltas.append(delta)
             best = int(np.argmin(local))
             current = local[np.searchsorted(idx, choice[c])]
             better = local[best] < current - 1e-12 * abs(current) if np.isfinite(current) \
                 else np.isfinite(local[best])
             if better:
-                for i, (_, mem, _) in enumerate(red.budgets):
-                    if c in mem:
-                        loads[i] += mem[c][idx[best]] - mem[c][choice[c]]
+                for i, delta in enumerate(deltas):
+                    if delta is not None:
+                        loads[i] += delta[best]
                 choice[c] = int(idx[best])
                 changed = True
         if not changed:

@@ -35,6 +35,8 @@ def brute(problem: Problem):
         elif isinstance(con, MemoryBudget):
             load = sum(np.array([c.memory for c in problem.nodes[index[n]].choices])
                        [grid[:, index[n]]] for n in set(con.nodes))
+            for pair in con.edges:
+                load = load + np.array(pair.memory)[grid[:, index[pair.src]], grid[:, index[pair.dst]]]
             ok &= load <= con.limit + 1e-9
     for region in problem.regions:
         for names in zip(*region.copies):
@@ -83,7 +85,14 @@ def random_problem(seed: int, max_nodes: int = 8, max_k: int = 4) -> Problem:
     if rng.random() < 0.3:
         nodes = rng.sample([x.name for x in p.nodes], rng.randint(1, n))
         hi = sum(max(c.memory for c in p.nodes[p.index()[x]].choices) for x in nodes)
-        p.memory_budget(nodes, rng.uniform(0, hi), "mem")
+        edges = {}
+        if rng.random() < 0.5:  # memory on some pairs (an edge or not, a tied pair or not)
+            for _ in range(rng.randint(1, 3)):
+                i, j = rng.sample(range(n), 2)
+                edges[(f"n{i}", f"n{j}")] = [[float(rng.randint(0, 4) * (rng.random() < 0.6))
+                                              for _ in range(sizes[j])] for _ in range(sizes[i])]
+            hi += sum(max(map(max, m)) for m in edges.values())
+        p.memory_budget(nodes, rng.uniform(0, hi), "mem", edges=edges)
     return p
 
 

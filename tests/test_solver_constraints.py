@@ -118,6 +118,31 @@ def test_a_budget_with_its_own_memory_table():
         p.validate()
 
 
+def test_a_budget_counts_memory_on_edges():
+    """Bytes that exist only for some pairs of choices (a copy the edge's redistribution makes)
+    count when that pair is chosen: the cheapest pair is ruled out by them alone, pairs that
+    hold nothing stay open, and the terms survive JSON; a matrix of the wrong shape is refused."""
+    from solver.problem import problem_from_json, problem_to_json
+
+    p = tiny()
+    free = solve(p)
+    assert (free.choice["w"], free.choice["v"]) == (1, 1)
+    copy = [[0.0, 0.0], [0.0, 50.0]]  # w S feeding v S holds 50 bytes; every other pair none
+    budget = p.memory_budget(["w", "v"], 20.0, "peak", memory={"w": [1.0, 1.0], "v": [1.0, 1.0]},
+                             edges={("w", "v"): copy})
+    tight = solve(p)
+    assert (tight.choice["w"], tight.choice["v"]) != (1, 1) and tight.objective > free.objective
+    assert tight.objective == pytest.approx(min(
+        sum(p.cost({"w": a, "v": b, "y": y})) for a, b, y in itertools.product((0, 1), repeat=3) if (a, b) != (1, 1)))
+    again = problem_from_json(problem_to_json(p))
+    assert again.constraints[-1] == budget and solve(again).choice == tight.choice
+    p.constraints[-1].limit = 60.0  # now the copy fits: the free answer again
+    assert solve(p).choice == free.choice
+    p.constraints.append(type(budget)(["w"], 1.0, "bad", None, [type(budget.edges[0])("w", "v", [[1.0]])]))
+    with pytest.raises(ValueError, match="edge 'w'->'v' needs a 2x2 matrix"):
+        p.validate()
+
+
 def test_pins_and_same_choice_are_respected():
     p = tiny()
     p.fix("w", 0)
