@@ -2,7 +2,7 @@
 and activation checkpointing under a budget on the modeled peak, and the dry run checks the result.
 
 The budget's linear part is `problem.memory.peak_memory_table` (parameters with their AdamW
-states, values handed to the backward). What is not linear in the choices — the working set of the
+states, values handed to the backward, the copies redistributions into handed-over views make). What is not linear in the choices — the working set of the
 op running at the peak, a recomputed block's activations during its backward — is taken from the
 dry run of the last plan and subtracted from the limit. When a plan needs more than the limit:
 
@@ -37,7 +37,8 @@ import solver
 
 from autoshard.pricing.planner import Planner
 from autoshard.problem.build import ProblemSpec, ShardingProblem, build_problem
-from autoshard.problem.memory import MODES, MemoryFit, modeled_bytes, peak_memory_table, size_text, with_peak_budget
+from autoshard.problem.memory import (MODES, MemoryFit, PeakTable, modeled_bytes, peak_memory_table, size_text,
+                                      with_peak_budget)
 from autoshard.problem.plan import Plan, decode
 from autoshard.profiles.device import DeviceProfile
 from autoshard.runtime.dryrun import DryRunResult, dry_run
@@ -146,7 +147,7 @@ def fit_memory(plan: Plan, sharding: ShardingProblem, planner: Planner, device: 
     raise MemoryLimitError(_no_fit_message(limit, smallest))
 
 
-def _best_budgeted(problems: dict[str, ShardingProblem], tables: dict[str, dict[str, list[float]]],
+def _best_budgeted(problems: dict[str, ShardingProblem], tables: dict[str, PeakTable],
                    budgets: dict[str, float], steps: FitSteps, planner: Planner,
                    solved: dict[str, tuple[float, Plan | None]]) -> tuple[Plan, ShardingProblem, str] | None:
     """Each option's plan under its budget; the one with the lowest modeled step (None: none fits).
