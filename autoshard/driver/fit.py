@@ -112,7 +112,7 @@ def fit_memory(plan: Plan, sharding: ShardingProblem, planner: Planner, device: 
         problems[mode] = build_problem(sharding.graph, sharding.mesh_shape, planner, device,
                                        dataclasses.replace(spec, recompute=mode == "recompute",
                                                            reshard=mode == "reshard"),
-                                       catalog=sharding.catalog, pricer=sharding.pricer)
+                                       catalog=sharding.catalog, pricer=sharding.pricer, repeated=sharding.repeated)
     tables = {mode: table if sp is sharding else peak_memory_table(sp) for mode, sp in problems.items()}
     # each option's budget: the limit less the non-linear part the dry run found, tightened by its own misses
     extra = max(0.0, result.peak_bytes - linear) if result is not None else 0.0

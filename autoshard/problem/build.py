@@ -147,6 +147,7 @@ class ShardingProblem:
     # what priced it, kept so that a rebuild with other options (the memory fit's) reuses their caches
     catalog: StrategyCatalog | None = field(default=None, repr=False, compare=False)
     pricer: ComputePricer | None = field(default=None, repr=False, compare=False)
+    repeated: list[list[list[fx.Node]]] | None = field(default=None, repr=False, compare=False)  # the graph's repeated blocks
 
     def fingerprint(self) -> str:
         """Hash of the whole ILP (nodes, choice labels and costs, edges, constraints): equal
@@ -198,11 +199,14 @@ def _local_bytes(layout: Layout, val, mesh_shape) -> float:
 
 def build_problem(graph: JointGraph, mesh_shape: tuple[int, ...], planner: Planner, device: DeviceProfile,
                   spec: ProblemSpec, *, catalog: StrategyCatalog | None = None,
-                  pricer: ComputePricer | None = None) -> ShardingProblem:
+                  pricer: ComputePricer | None = None,
+                  repeated: list[list[list[fx.Node]]] | None = None) -> ShardingProblem:
     """Price every choice and edge; the returned problem is ready for `solver.solve`.
 
-    `catalog` (strategies on this mesh) and `pricer` (compute on `device`) are made here unless
-    given: pass a catalog to reuse its strategies across builds, e.g. for another device profile."""
+    `catalog` (strategies on this mesh), `pricer` (compute on `device`) and `repeated` (the
+    graph's repeated blocks) are made here unless given: pass a catalog to reuse its strategies
+    across builds, e.g. for another device profile, and all three to rebuild the same graph with
+    other options (the memory fit's)."""
     mesh_shape = tuple(mesh_shape)
     catalog = catalog if catalog is not None else StrategyCatalog(mesh_shape)
     pricer = pricer if pricer is not None else ComputePricer(device, mesh_shape)
@@ -214,7 +218,7 @@ def build_problem(graph: JointGraph, mesh_shape: tuple[int, ...], planner: Plann
     choices = _Choices()
     _collect_choices(choices, graph, catalog, pricer, spec, mesh_shape)
     _add_sinks(choices, graph, mesh_shape)
-    repeated = find_repeated_blocks(graph)
+    repeated = find_repeated_blocks(graph) if repeated is None else repeated
     recompute_blocks, reshard_blocks, recomputed = (), (), frozenset()
     if spec.recompute:
         recompute_blocks, recomputed = _recomputed(graph, repeated)
@@ -228,7 +232,8 @@ def build_problem(graph: JointGraph, mesh_shape: tuple[int, ...], planner: Plann
                                problem=solver.Problem(), optimizer_s=_optimizer_s(graph, choices.strategies, device,
                                                                                   mesh_shape),
                                bucket_shares=_bucket_shares(graph, choices.inputs), recompute_blocks=recompute_blocks,
-                               recomputed=recomputed, reshard_blocks=reshard_blocks, catalog=catalog, pricer=pricer)
+                               recomputed=recomputed, reshard_blocks=reshard_blocks, catalog=catalog, pricer=pricer,
+                               repeated=repeated)
     _fill_solver_problem(sharding, planner, spec, graph.param_names, repeated)
     return sharding
 
@@ -361,6 +366,9 @@ def _fill_solver_problem(sp: ShardingProblem, planner: Planner, spec: ProblemSpe
                          repeated: list[list[list[fx.Node]]]) -> None:
     problem = sp.problem
     mesh_shape = sp.mesh_shape
+    # repeated blocks have equal choices position by position: they share one list of Choice objects
+    # (a 3D 70B problem has millions of choices)
+    choice_lists: dict[tuple, list[solver.Choice]] = {}
     for name, choices in sp.strategies.items():
         node = sp.fx_nodes[name]
         memory = [0.0] * len(choices)
@@ -369,14 +377,17 @@ def _fill_solver_problem(sp: ShardingProblem, planner: Planner, spec: ProblemSpe
         costs = sp.compute_s[name]
         if name in sp.optimizer_s:
             costs = [c + o for c, o in zip(costs, sp.optimizer_s[name])]
-        problem.add_node(name, [solver.Choice(label=s.label, cost=c, memory=m)
-                                for s, c, m in zip(choices, costs, memory)])
+        key = (tuple(map(id, choices)), tuple(costs), tuple(memory))
+        if key not in choice_lists:
+            choice_lists[key] = [solver.Choice(label=s.label, cost=c, memory=m) for s, c, m in zip(choices, costs, memory)]
+        problem.add_node(name, choice_lists[key])
 
     # One edge per (producer, consumer) pair; several slots fed by one producer add up. Repeated
     # blocks share Strategy objects (the catalog caches them by op signature), so matrices are
     # looked up by Strategy identity first: comparing layouts is the slow part.
     matrix_cache: dict = {}  # by layouts
     matrix_by_id: dict = {}  # by Strategy identity
+    variants: dict = {}  # ("no reduction", key) or ("twice", id(matrix)) -> (matrix, that variant of it)
     reduce_dtypes = _gradient_reduce_dtypes(sp)
     for consumer, producers in sp.inputs.items():
         merged: dict[str, list[list[float]]] = {}
@@ -397,9 +408,16 @@ def _fill_solver_problem(sp: ShardingProblem, planner: Planner, spec: ProblemSpe
                     matrix = matrix_cache[by_value] = _cost_matrix(planner, srcs, dsts, shape, dtype.itemsize, share)
                 matrix_by_id[key] = matrix
             if no_reduction:
-                matrix = _without_reduction(matrix, src_choices, producer.output, dst_choices, slot)
+                hit = variants.get(("no reduction", key))
+                if hit is None:
+                    hit = variants[("no reduction", key)] = (matrix, _without_reduction(
+                        matrix, src_choices, producer.output, dst_choices, slot))
+                matrix = hit[1]
             if consumer in sp.recomputed:  # the recomputation redistributes its inputs again
-                matrix = [[2 * c for c in row] for row in matrix]
+                hit = variants.get(("twice", id(matrix)))
+                if hit is None or hit[0] is not matrix:
+                    hit = variants[("twice", id(matrix))] = (matrix, [[2 * c for c in row] for row in matrix])
+                matrix = hit[1]
             if producer.node in merged:
                 merged[producer.node] = [[a + b for a, b in zip(r1, r2)]
                                          for r1, r2 in zip(merged[producer.node], matrix)]

@@ -137,47 +137,50 @@ def peak_memory_table(sp: ShardingProblem) -> PeakTable:
     copy that a redistribution into a handed-over view makes (in the view's input layout; none
     where the producer's layout is already that one)."""
     ms = sp.mesh_shape
+    elements: dict[tuple, int] = {}  # (layout, shape) -> local elements: repeated blocks ask alike
+    rows: dict[tuple, list | None] = {}  # repeated blocks share strategies: one row (matrix) per distinct key
+
+    def local(layout, shape: tuple[int, ...]) -> int:
+        n = elements.get((layout, shape))
+        if n is None:
+            n = elements[(layout, shape)] = math.prod(layout.local_shape(shape, ms))
+        return n
+
+    def outputs_row(strategies, outputs: list[tuple[int, tuple[int, ...], int]]) -> list[float]:
+        """Bytes of the given (output index, shape, bytes per element) in each strategy's layouts."""
+        key = (tuple(map(id, strategies)), tuple(outputs))
+        if key not in rows:
+            rows[key] = [float(sum(local(s.outputs[i], shape) * size for i, shape, size in outputs
+                                   if s.outputs[i] is not None)) for s in strategies]
+        return rows[key]
+
     table = PeakTable({}, {})
     for fqn, node in sp.graph.params.items():
         val = node.meta["val"]
         per_element = val.dtype.itemsize * (2 if fqn in sp.graph.grads else 1) + ADAMW_STATE_BYTES
-        table.nodes[node.name] = [math.prod(s.outputs[0].local_shape(tuple(val.shape), ms)) * per_element
-                                  for s in sp.strategies[node.name]]
+        table.nodes[node.name] = outputs_row(sp.strategies[node.name], [(0, tuple(val.shape), per_element)])
     held = handed_over(sp.graph, sp.recomputed)
     for node, outputs in held.storages.items():
         if node.name not in sp.strategies:
             continue
         vals = node.meta["val"] if isinstance(node.meta["val"], (tuple, list)) else [node.meta["val"]]
-        row = []
-        for strategy in sp.strategies[node.name]:
-            total = 0.0
-            for i in outputs:
-                layout, val = strategy.outputs[i], vals[i]
-                if layout is not None and hasattr(val, "shape"):
-                    total += math.prod(layout.local_shape(tuple(val.shape), ms)) * val.dtype.itemsize
-            row.append(total)
-        table.nodes[node.name] = row
-    copies: dict = {}  # repeated blocks share strategy lists: one matrix per distinct edge
+        table.nodes[node.name] = outputs_row(sp.strategies[node.name], [
+            (i, tuple(vals[i].shape), vals[i].dtype.itemsize) for i in sorted(outputs) if hasattr(vals[i], "shape")])
     for view in held.views:
         if view.name not in sp.strategies or not sp.inputs[view.name]:
             continue
         producer = sp.inputs[view.name][0]
         srcs, dsts = sp.strategies[producer.node], sp.strategies[view.name]
         shape, dtype = sp.tensor_meta(producer)
-        key = (id(srcs), producer.output, id(dsts), shape, dtype)
-        if key not in copies:
-            copies[key] = (srcs, dsts, _copy_matrix([s.outputs[producer.output] for s in srcs],
-                                                    [s.inputs[0] for s in dsts], shape, dtype.itemsize, ms))
-        matrix = copies[key][2]
-        if any(map(any, matrix)):
-            table.edges[(producer.node, view.name)] = matrix
+        key = ("copy", tuple(map(id, srcs)), producer.output, tuple(map(id, dsts)), shape, dtype)
+        if key not in rows:
+            sizes = [0 if s.inputs[0] is None else local(s.inputs[0], shape) * dtype.itemsize for s in dsts]
+            matrix = [[0.0 if src.outputs[producer.output] is None or src.outputs[producer.output] == dst.inputs[0]
+                       else float(size) for dst, size in zip(dsts, sizes)] for src in srcs]
+            rows[key] = matrix if any(map(any, matrix)) else None  # None: no pair makes a copy
+        if rows[key] is not None:
+            table.edges[(producer.node, view.name)] = rows[key]
     return table
-
-
-def _copy_matrix(srcs, dsts, shape, itemsize, mesh_shape) -> list[list[float]]:
-    """Bytes of the copy a redistribution src -> dst makes: dst's local bytes where they differ."""
-    local = [0.0 if dst is None else math.prod(dst.local_shape(shape, mesh_shape)) * itemsize for dst in dsts]
-    return [[0.0 if src is None or src == dst else size for dst, size in zip(dsts, local)] for src in srcs]
 
 
 def modeled_bytes(table: PeakTable, choice: dict[str, int]) -> float:

@@ -47,6 +47,7 @@ class StrategyCatalog:
         self.layouts = LayoutCache(self.mesh_shape)
         self.registry = DTensorRegistry(self.mesh_shape, self.layouts)
         self._by_signature: dict[tuple, tuple[Strategy, ...]] = {}
+        self._by_node: dict[fx.Node, tuple[Strategy, ...]] = {}  # a rebuild (the memory fit's) skips signatures
         self._by_shape: dict[tuple[int, ...], tuple[Strategy, ...]] = {}
         self._warned: set[Any] = set()  # ops already warned about (one warning per op)
 
@@ -54,6 +55,9 @@ class StrategyCatalog:
     def strategies(self, node: fx.Node) -> tuple[Strategy, ...]:
         """Every candidate strategy of a call_function node (not getitem), deduplicated. Nodes with
         equal op signatures get the same tuple of the same Strategy objects."""
+        hit = self._by_node.get(node)
+        if hit is not None:
+            return hit
         if node.op != "call_function" or node.target is operator.getitem:
             raise ValueError(f"node_strategies takes call_function nodes other than getitem, got {node.op} {node.name}")
         key = signature(node)
@@ -61,6 +65,7 @@ class StrategyCatalog:
         if hit is None:
             with cs.no_dispatch_modes():
                 hit = self._by_signature[key] = self._enumerate(OpCall(node, self.mesh_shape))
+        self._by_node[node] = hit
         return hit
 
     def source_strategies(self, shape: Sequence[int]) -> tuple[Strategy, ...]:
