@@ -69,15 +69,15 @@ def size_text(n: float) -> str:
     return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
-
 @dataclass
 class HandedOver:
     """What the forward hands to the backward: producing node -> which of its outputs, each
     storage once (`storages`), and the views on the way from a handed-over value to its storage
-    (`views`): where the edge into such a view redistributes, the view reads a copy of its own."""
+    (`views`, in the order met): where the edge into such a view redistributes, the view reads a
+    copy of its own."""
 
     storages: dict[fx.Node, set[int]]
-    views: set[fx.Node]
+    views: dict[fx.Node, None]  # an ordered set: the budget's terms come out the same every run
 
 
 def handed_over(graph: JointGraph, recomputed: frozenset[str]) -> HandedOver:
@@ -86,14 +86,14 @@ def handed_over(graph: JointGraph, recomputed: frozenset[str]) -> HandedOver:
     k and v's projections read three views of one normalized activation: one storage) — except
     views of what a block computes from its parameters alone (a transposed weight), which read a
     redistributed copy of their own. Placeholders are not listed."""
-    out = HandedOver({}, set())
+    out = HandedOver({}, {})
     seen: set[fx.Node] = set()
     from_params = graph.from_params
 
     def storage(value: fx.Node) -> tuple[fx.Node, int] | None:
         while (value.op == "call_function" and value not in from_params and value.args
                and isinstance(value.args[0], fx.Node) and tc.shares_input_storage(value.target)):
-            out.views.add(value)
+            out.views[value] = None
             value = value.args[0]
         if value.op != "call_function":
             return None  # a view of a placeholder: the parameter or input is counted already
