@@ -153,6 +153,7 @@ class Reduction:
                 self._add_edge(a, b, m, e)
 
         self.budgets: list[Budget] = []
+        arrays_of: dict[int, np.ndarray] = {}  # id(memory matrix) -> its array: repeated blocks share matrices
         for con in constraints:
             if isinstance(con, MemoryBudget):
                 budget = Budget(con, {}, {}, con.limit)
@@ -163,7 +164,9 @@ class Reduction:
                     row = arrays.memory[i] if con.memory is None else np.array(con.memory[n], float)
                     mem[c] = mem[c] + row if c in mem else row
                 for pair in con.edges:
-                    self._add_budget_edge(budget, pair, index)
+                    if id(pair.memory) not in arrays_of:
+                        arrays_of[id(pair.memory)] = np.array(pair.memory, float)
+                    self._add_budget_edge(budget, pair, arrays_of[id(pair.memory)], index)
                 self.budgets.append(budget)
         if reduce:
             self._reduce()
@@ -228,11 +231,11 @@ class Reduction:
             self.adj[a].add(b)
             self.adj[b].add(a)
 
-    def _add_budget_edge(self, budget: Budget, pair: EdgeMemory, index: dict[str, int]) -> None:
-        """A budget's edge memory in class space: on the diagonal where both ends share a class,
-        else beside a (possibly zero-cost) edge, so that the ILP has the pair's variables."""
+    def _add_budget_edge(self, budget: Budget, pair: EdgeMemory, m: np.ndarray, index: dict[str, int]) -> None:
+        """A budget's edge memory (`m`: `pair.memory` as an array, never changed in place) in class
+        space: on the diagonal where both ends share a class, else beside a (possibly zero-cost)
+        edge, so that the ILP has the pair's variables."""
         a, b = self.node_class[index[pair.src]], self.node_class[index[pair.dst]]
-        m = np.array(pair.memory, float)
         if a == b:
             row = np.diagonal(m)
             budget.memory[a] = budget.memory[a] + row if a in budget.memory else row.copy()

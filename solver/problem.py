@@ -145,10 +145,7 @@ class Problem:
     def add_edge(self, src: str, dst: str, cost: Sequence[Sequence[float]]) -> Edge:
         """Edges passed the same matrix object share one converted copy: repeated blocks pass the
         same matrices thousands of times (the matrix must not be changed after it is added)."""
-        held = self._converted.get(id(cost))
-        if held is None or held[0] is not cost:
-            held = self._converted[id(cost)] = (cost, [list(map(float, row)) for row in cost])
-        edge = Edge(src, dst, held[1])
+        edge = Edge(src, dst, self._floats(cost))
         self.edges.append(edge)
         return edge
 
@@ -166,13 +163,21 @@ class Problem:
                       edges: Mapping[tuple[str, str], Sequence[Sequence[float]]] | None = None) -> MemoryBudget:
         """`edges`: (src, dst) -> bytes per choice pair, counted beside the nodes' (`EdgeMemory`)."""
         table = None if memory is None else {n: [float(m) for m in memory[n]] for n in nodes}
-        pairs = [EdgeMemory(src, dst, [list(map(float, row)) for row in m]) for (src, dst), m in (edges or {}).items()]
+        pairs = [EdgeMemory(src, dst, self._floats(m)) for (src, dst), m in (edges or {}).items()]
         return self._add(MemoryBudget(list(nodes), float(limit), name, table, pairs))
 
     def add_region(self, copies: Sequence[Sequence[str]]) -> RepeatedRegion:
         region = RepeatedRegion([list(c) for c in copies])
         self.regions.append(region)
         return region
+
+    def _floats(self, matrix: Sequence[Sequence[float]]) -> list[list[float]]:
+        """`matrix` as lists of floats, converted once per matrix object (repeated blocks pass the
+        same one thousands of times; it must not be changed after it is added)."""
+        held = self._converted.get(id(matrix))
+        if held is None or held[0] is not matrix:
+            held = self._converted[id(matrix)] = (matrix, [list(map(float, row)) for row in matrix])
+        return held[1]
 
     def _add(self, constraint):
         self.constraints.append(constraint)

@@ -2,9 +2,10 @@
 and activation checkpointing under a budget on the modeled peak, and the dry run checks the result.
 
 The budget's linear part is `problem.memory.peak_memory_table` (parameters with their AdamW
-states, values handed to the backward, the copies redistributions into handed-over views make). What is not linear in the choices — the working set of the
-op running at the peak, a recomputed block's activations during its backward — is taken from the
-dry run of the last plan and subtracted from the limit. When a plan needs more than the limit:
+states, values handed to the backward, the copies redistributions into handed-over views make).
+What is not linear in the choices — the working set of the op running at the peak, a recomputed
+block's activations during its backward — is taken from the dry run of the last plan and
+subtracted from the limit. When a plan needs more than the limit:
 
 1. for each option the user did not rule out — keep (as asked), reshard every repeated block after
    its forward, recompute every repeated block — solve with the budget;

@@ -387,7 +387,7 @@ def _fill_solver_problem(sp: ShardingProblem, planner: Planner, spec: ProblemSpe
     # looked up by Strategy identity first: comparing layouts is the slow part.
     matrix_cache: dict = {}  # by layouts
     matrix_by_id: dict = {}  # by Strategy identity
-    variants: dict = {}  # ("no reduction", key) or ("twice", id(matrix)) -> (matrix, that variant of it)
+    variants: dict = {}  # (key, without reduction, priced twice) -> that variant of the key's matrix
     reduce_dtypes = _gradient_reduce_dtypes(sp)
     for consumer, producers in sp.inputs.items():
         merged: dict[str, list[list[float]]] = {}
@@ -407,17 +407,17 @@ def _fill_solver_problem(sp: ShardingProblem, planner: Planner, spec: ProblemSpe
                 if matrix is None:
                     matrix = matrix_cache[by_value] = _cost_matrix(planner, srcs, dsts, shape, dtype.itemsize, share)
                 matrix_by_id[key] = matrix
-            if no_reduction:
-                hit = variants.get(("no reduction", key))
-                if hit is None:
-                    hit = variants[("no reduction", key)] = (matrix, _without_reduction(
-                        matrix, src_choices, producer.output, dst_choices, slot))
-                matrix = hit[1]
-            if consumer in sp.recomputed:  # the recomputation redistributes its inputs again
-                hit = variants.get(("twice", id(matrix)))
-                if hit is None or hit[0] is not matrix:
-                    hit = variants[("twice", id(matrix))] = (matrix, [[2 * c for c in row] for row in matrix])
-                matrix = hit[1]
+            twice = consumer in sp.recomputed  # the recomputation redistributes its inputs again
+            if no_reduction or twice:
+                variant = variants.get((key, no_reduction, twice))
+                if variant is None:
+                    variant = matrix
+                    if no_reduction:
+                        variant = _without_reduction(variant, src_choices, producer.output, dst_choices, slot)
+                    if twice:
+                        variant = [[2 * c for c in row] for row in variant]
+                    variants[(key, no_reduction, twice)] = variant
+                matrix = variant
             if producer.node in merged:
                 merged[producer.node] = [[a + b for a, b in zip(r1, r2)]
                                          for r1, r2 in zip(merged[producer.node], matrix)]

@@ -7,10 +7,10 @@ gradient), and every value the forward hands to the backward. All are sums over 
 figure per choice: a parameter's local bytes, its gradient's (in the parameter's dtype) and two
 fp32 states per local element; a handed-over value's local bytes in the layout its producer chose;
 and, over ILP edges, a figure per pair of choices: the copy a redistribution into a handed-over
-view makes (a sequence-parallel activation gathered for a matmul whose backward reads it). What is not linear —
-the transient working set of the op running at the peak, a recomputed block's activations while
-its backward runs — is measured by the dry run and carried as a constant (`driver.fit` fits a plan
-under a limit that way; `MemoryFit` says how it did).
+view makes (a sequence-parallel activation gathered for a matmul whose backward reads it). What
+is not linear — the transient working set of the op running at the peak, a recomputed block's
+activations while its backward runs — is measured by the dry run and carried as a constant
+(`driver.fit` fits a plan under a limit that way; `MemoryFit` says how it did).
 """
 
 from __future__ import annotations
