@@ -21,10 +21,11 @@ from models.train_single import TrainSettings, make_optimizer
 GIB = 2**30
 
 
-def make_plan(name: str, mesh_shape, batch: int, seq: int, sharded: bool = False):
+def make_plan(name: str, mesh_shape, batch: int, seq: int, sharded: bool = False, **config):
     """The plan for H100s without a memory limit; `sharded`: every parameter fully sharded (small
-    models on H100s are cheapest replicated, with no collective to check)."""
-    cfg = get_config(name)
+    models on H100s are cheapest replicated, with no collective to check); `config`: changes to
+    the model's config."""
+    cfg = get_config(name).with_(**config)
     cfg = cfg.with_(max_seq_len=seq) if seq > cfg.max_seq_len else cfg
     model = build_model(cfg, device="meta")
     inputs = lambda: (torch.empty(batch, seq, dtype=torch.int64, device="meta"),) * 2  # noqa: E731
@@ -124,6 +125,35 @@ def test_estimate_matches_torch_memtracker_on_a_real_step(debug):
                 tracker.reset_mod_stats()
         real = tc.tracker_total(tracker.get_tracker_snapshot("peak"))
     assert abs(m.peak_bytes - real) <= 0.10 * real, (m.summary(), real)
+
+
+def test_repeated_blocks_replay_their_ops_and_account_the_same(debug, monkeypatch):
+    """An op met before with inputs of the same geometry (the same op of the next block) is not
+    dispatched again: its outputs are made directly. The estimate equals the one with every op
+    dispatched, and a 6-block model dispatches as many ops as a 2-block one."""
+    from autoshard.runtime import dryrun
+
+    plan, _ = debug
+    dispatched = []
+    live_dispatch = dryrun._LiveBytes.__torch_dispatch__
+
+    def counted(self, func, types, args=(), kwargs=None):
+        if func is not torch.ops.prim.device.default:
+            dispatched.append(func)
+        return live_dispatch(self, func, types, args, kwargs)
+
+    monkeypatch.setattr(dryrun._LiveBytes, "__torch_dispatch__", counted)
+    replayed = dry_run(plan).ranks[0]
+    six = len(dispatched)
+    dispatched.clear()
+    dry_run(make_plan("llama3-debug", (2, 2), 8, 64, sharded=True, n_layers=2)[0])
+    assert six == len(dispatched)
+    with monkeypatch.context() as m:
+        m.setattr(dryrun, "_op_key", lambda *args: None)
+        dispatched.clear()
+        every = dry_run(plan).ranks[0]
+    assert len(dispatched) > 2 * six
+    assert replayed == every
 
 
 SCALES = [
