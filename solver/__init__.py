@@ -9,10 +9,10 @@
 from .model import available_backends
 from .problem import (Allowed, Choice, Constraint, Edge, EdgeMemory, Fixed, InfeasibleError, MemoryBudget,
                       Node, Problem, RepeatedRegion, SameChoice)
-from .solve import Solution, SolveError, SolveStats, solve
+from .solve import NoBetterError, Solution, SolveError, SolveStats, solve
 
 __all__ = [
     "Allowed", "Choice", "Constraint", "Edge", "EdgeMemory", "Fixed", "InfeasibleError", "MemoryBudget", "Node",
-    "Problem", "RepeatedRegion", "SameChoice", "Solution", "SolveError", "SolveStats",
+    "NoBetterError", "Problem", "RepeatedRegion", "SameChoice", "Solution", "SolveError", "SolveStats",
     "available_backends", "solve",
 ]

@@ -34,8 +34,9 @@ class CoreResult:
 
 
 def solve_core(red: Reduction, backend: str, deadline: float | None, msg: bool,
-               rel_gap: float) -> CoreResult:
-    """Solve the core; `deadline` is a time.perf_counter() value or None."""
+               rel_gap: float, stop_at: float | None = None) -> CoreResult:
+    """Solve the core; `deadline` is a time.perf_counter() value or None. With `stop_at` (a core
+    cost), stop with status 'cutoff' once the LP proves that no solution costs less."""
 
     def left():
         return None if deadline is None else max(deadline - time.perf_counter(), 1.0)
@@ -50,6 +51,9 @@ def solve_core(red: Reduction, backend: str, deadline: float | None, msg: bool,
     if status == "optimal":
         lower = pulp.value(model.lp.objective) or 0.0
         result.lower = lower / model.scale
+        if stop_at is not None and lower - _lp_tolerance(red, lower) >= stop_at * model.scale:
+            result.status = "cutoff"
+            return result
         incumbent = _incumbent(red, model, backend, msg, left())
     if incumbent is None:  # no LP or no incumbent: the plain MIP
         status = run(model, backend, left(), msg, rel_gap)
@@ -58,8 +62,7 @@ def solve_core(red: Reduction, backend: str, deadline: float | None, msg: bool,
         result.status = status
         return result
     upper = core_cost(red, incumbent) * model.scale
-    # LP tolerances: each chosen column may be off by ~1e-7 in reduced cost
-    tol = 1e-7 * (len(red.core) + len(red.mat)) + 1e-9 * abs(upper)
+    tol = _lp_tolerance(red, upper)
     slack = upper - lower
     result.status, result.choice = "optimal", incumbent
     if slack <= tol + rel_gap * abs(upper):
@@ -173,6 +176,11 @@ def _incumbent(red: Reduction, model: Model, backend: str, msg: bool, time_limit
         if found is not None and core_cost(red, found) < best_cost:
             best, best_cost = found, core_cost(red, found)
     return best
+
+
+def _lp_tolerance(red: Reduction, objective: float) -> float:
+    """How far an LP objective (scaled) may be off: each chosen column by ~1e-7 in reduced cost."""
+    return 1e-7 * (len(red.core) + len(red.mat)) + 1e-9 * abs(objective)
 
 
 def core_cost(red: Reduction, choice: dict[int, int]) -> float:

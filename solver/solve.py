@@ -6,6 +6,8 @@ import json
 import time
 from dataclasses import asdict, dataclass, field
 
+import numpy as np
+
 from .diagnose import explain
 from .model import pick_backend
 from .presolve import Conflict, Reduction
@@ -15,6 +17,10 @@ from .search import core_cost, solve_core
 
 class SolveError(RuntimeError):
     """The backend stopped without any solution (time limit too short, solver failure)."""
+
+
+class NoBetterError(ValueError):
+    """No assignment costs less than the cutoff asked for: the LP relaxation's bound proves it."""
 
 
 @dataclass
@@ -68,7 +74,7 @@ class Solution:
 
 def solve(problem: Problem, backend: str = "auto", time_limit: float | None = None,
           msg: bool = False, rel_gap: float = 1e-6, presolve: bool = True,
-          diagnose: bool = True) -> Solution:
+          diagnose: bool = True, cutoff: float | None = None) -> Solution:
     """Pick one choice per node minimising node + edge cost under the problem's constraints.
 
     Raises ValueError for malformed input, InfeasibleError (a ValueError) naming the conflicting
@@ -79,6 +85,8 @@ def solve(problem: Problem, backend: str = "auto", time_limit: float | None = No
     testing and measuring. diagnose=False skips the search for the conflicting constraints when
     nothing is feasible (many ILP checks): the InfeasibleError then says only where it was found,
     for callers that expect some problems to be infeasible (e.g. trying pins one by one).
+    cutoff: only a solution costing less is wanted (one already in hand costs that much): raises
+    NoBetterError as soon as the LP relaxation proves there is none, before the MIP's search.
     """
     problem.validate()
     backend = pick_backend(backend)
@@ -96,13 +104,17 @@ def solve(problem: Problem, backend: str = "auto", time_limit: float | None = No
     status, core_choice = "optimal", {}
     if red.core:
         deadline = None if time_limit is None else t0 + time_limit
-        result = solve_core(red, backend, deadline, msg, rel_gap)
+        stop_at = None if cutoff is None else _core_cutoff(problem, red, cutoff)
+        result = solve_core(red, backend, deadline, msg, rel_gap, stop_at)
         model = result.model
         stats.build_s, stats.variables, stats.constraints = model.build_s, *model.built
         stats.solve_s = time.perf_counter() - t1 - model.build_s
         stats.lp_fixed, stats.triangles = result.lp_fixed, result.triangles
         if result.status == "infeasible":
             raise explain(problem, backend) if diagnose else InfeasibleError("infeasible (not diagnosed)")
+        if result.status == "cutoff":
+            raise NoBetterError(f"no solution costs less than {cutoff:.6g}: the LP bound is "
+                                f"{cutoff - stop_at + result.lower:.6g}")
         if result.status == "none":
             raise SolveError(f"{backend} stopped without a solution "
                              f"(time_limit={time_limit}, {stats.variables} variables)")
@@ -115,6 +127,14 @@ def solve(problem: Problem, backend: str = "auto", time_limit: float | None = No
         max(0.0, objective - core_cost(red, core_choice) + result.lower)
     labels = {n.name: n.choices[choice[n.name]].label for n in problem.nodes}
     return Solution(choice, objective, node_cost, edge_cost, status, stats, labels)
+
+
+def _core_cutoff(problem: Problem, red: Reduction, cutoff: float) -> float | None:
+    """`cutoff` on the core's cost: less the cost presolve took out of the core (the fixed
+    classes), read off one assignment (None if that one is infinite: no cutoff then)."""
+    start = {c: int(np.where(red.alive[c], red.cost[c], np.inf).argmin()) for c in red.core}
+    outside = sum(problem.cost(red.assign(start))) - core_cost(red, start)
+    return cutoff - outside if np.isfinite(outside) else None
 
 
 def _undiagnosed(conflict: Conflict) -> InfeasibleError:

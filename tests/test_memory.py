@@ -262,18 +262,67 @@ def test_no_plan_fits_is_one_clear_error():
         plan_debug(10e6)
 
 
-def test_the_fit_solves_each_option_under_each_budget_once(monkeypatch):
-    """Under 78 MB the budgeted resharding plan misses first (~81 MB) and the fit goes round again:
-    only the option whose budget was tightened is solved again, the others keep their plans (a
-    budgeted solve of a 70B problem takes tens of seconds)."""
+def record_fit_solves(monkeypatch) -> list[list]:
+    """[(problem id, budget), outcome] of every budgeted solve of the fit, in order: 'ok',
+    'infeasible' or 'cut' (nothing beats the cutoff)."""
+    import solver
     from autoshard.driver import fit as fitting
 
-    budgets, real = [], fitting.with_peak_budget
-    monkeypatch.setattr(fitting, "with_peak_budget",
-                        lambda sp, table, budget: budgets.append((id(sp), budget)) or real(sp, table, budget))
+    solves, budget_of, real_budget, real_solve = [], {}, fitting.with_peak_budget, solver.solve
+
+    def budgeted(sp, table, budget):
+        problem = real_budget(sp, table, budget)
+        budget_of[id(problem)] = (id(sp), budget)
+        return problem
+
+    def solve(problem, **kwargs):
+        entry = [budget_of.get(id(problem)), "ok"]
+        try:
+            return real_solve(problem, **kwargs)
+        except solver.NoBetterError:
+            entry[1] = "cut"
+            raise
+        except solver.InfeasibleError:
+            entry[1] = "infeasible"
+            raise
+        finally:
+            if entry[0] is not None:
+                solves.append(entry)
+
+    monkeypatch.setattr(fitting, "with_peak_budget", budgeted)
+    monkeypatch.setattr(solver, "solve", solve)
+    return solves
+
+
+def test_the_fit_solves_each_option_under_each_budget_once(monkeypatch):
+    """Under 78 MB the budgeted resharding plan misses first (~86 MB) and the fit goes round again:
+    only the option whose budget was tightened is solved again, and one that the cutoff ruled out
+    when resharding was the best (nothing left to beat now); the others keep their results (a
+    budgeted solve of a 70B problem takes tens of seconds)."""
+    solves = record_fit_solves(monkeypatch)
     plan, fit, memory = plan_debug(78e6)
-    assert len(fit.tried) >= 3 and fit.reshard and memory.peak_bytes <= 78e6  # two budgeted rounds
-    assert len(budgets) == len(set(budgets)) and len({sp for sp, _ in budgets}) == 3
+    assert len(fit.tried) >= 3 and fit.recompute and memory.peak_bytes <= 78e6  # two budgeted rounds
+    assert len({sp for (sp, _), _ in solves}) == 3
+    for i, (key, _) in enumerate(solves):
+        earlier = [outcome for k, outcome in solves[:i] if k == key]
+        assert not earlier or earlier[-1] == "cut", solves
+
+
+def test_cutoffs_skip_options_that_cannot_win_and_change_no_plan(monkeypatch):
+    """Under 90 MB each option after the best so far is solved with its step as a cutoff: three
+    solves end at the LP bound, and the fit ends with the plan it makes without cutoffs."""
+    import solver
+
+    solves = record_fit_solves(monkeypatch)
+    plan, fit, memory = plan_debug(90e6)
+    assert sum(outcome == "cut" for _, outcome in solves) >= 2
+    uncut = solver.solve
+    monkeypatch.setattr(solver, "solve", lambda problem, cutoff=None, **kwargs: uncut(problem, **kwargs))
+    solves.clear()
+    plan_all, fit_all, _ = plan_debug(90e6)
+    assert not any(outcome == "cut" for _, outcome in solves)
+    assert (plan.param_layouts, plan.step_time_s, fit.mode, fit.tried) == \
+        (plan_all.param_layouts, plan_all.step_time_s, fit_all.mode, fit_all.tried)
 
 
 def test_after_two_misses_the_budget_follows_the_peaks_slope():

@@ -7,7 +7,7 @@ import random
 import numpy as np
 import pytest
 
-from solver import (Allowed, Choice, Fixed, InfeasibleError, MemoryBudget, Problem, SameChoice,
+from solver import (Allowed, Choice, Fixed, InfeasibleError, MemoryBudget, NoBetterError, Problem, SameChoice,
                     available_backends, solve)
 
 INF = math.inf
@@ -125,6 +125,27 @@ def test_random_problems_match_brute_force(presolve):
         with_core += sol is not None and sol.stats.variables > 0
     assert 20 <= infeasible <= 200  # both outcomes are exercised
     assert with_core >= 40          # the ILP itself is exercised, not only presolve
+
+
+def test_a_cutoff_stops_only_where_nothing_costs_less():
+    """With a cutoff above the optimum the optimum comes back; at or below it, either the optimum
+    or NoBetterError (the LP bound proved it)."""
+    proved = 0
+    for seed in range(300):
+        problem = random_problem(seed)
+        best = brute(problem)
+        if best is None:
+            continue
+        margin = 1e-3 * max(1.0, abs(best))
+        assert solve(problem, cutoff=best + margin).objective == pytest.approx(best, rel=1e-6, abs=1e-9)
+        try:
+            sol = solve(problem, cutoff=best - margin)
+        except NoBetterError as err:
+            proved += 1
+            assert "no solution costs less than" in str(err)
+        else:
+            assert sol.objective == pytest.approx(best, rel=1e-6, abs=1e-9)
+    assert proved >= 10  # 18 of the 300: most are solved by presolve alone, without an LP
 
 
 def test_presolve_matches_plain_ilp_on_larger_problems():

@@ -88,9 +88,10 @@ def without_cyclic_gc():
             gc.enable()
 
 
-def _outside_modes(solve: Callable[[solver.Problem], solver.Solution], problem: solver.Problem) -> solver.Solution:
+def _outside_modes(solve: Callable[..., solver.Solution], problem: solver.Problem,
+                   cutoff: float | None) -> solver.Solution:
     with tc.no_dispatch_modes():  # leave the tracer's fake mode: ranks communicate
-        return solve(problem)
+        return solve(problem, cutoff)
 
 
 def _world_size() -> int | None:
@@ -282,11 +283,13 @@ class AutoShard:
             except ValueError as err:
                 raise ValueError(f"input {index} (shape {shape}): {err}") from None
 
-    def _solve_step(self, planning: RankZeroPlanning | None) -> Callable[[solver.Problem], solver.Solution]:
-        """How a problem is solved here: by this process, or by rank 0 for every rank."""
+    def _solve_step(self, planning: RankZeroPlanning | None) -> Callable[..., solver.Solution]:
+        """How a problem is solved here, under an optional cutoff: by this process, or by rank 0
+        for every rank."""
         if planning is not None:
-            return lambda problem: _outside_modes(planning.solve_problem, problem)
-        return lambda problem: solver.solve(problem, backend=self.config.backend, time_limit=self.config.time_limit)
+            return lambda problem, cutoff=None: _outside_modes(planning.solve_problem, problem, cutoff)
+        return lambda problem, cutoff=None: solver.solve(problem, backend=self.config.backend,
+                                                         time_limit=self.config.time_limit, cutoff=cutoff)
 
     def _fit(self, plan: Plan, sharding: ShardingProblem, planner: Planner,
              planning: RankZeroPlanning | None, spec: ProblemSpec, dry_run: bool) -> tuple[Plan, ShardingProblem]:

@@ -8,7 +8,9 @@ block's activations during its backward — is taken from the dry run of the las
 subtracted from the limit. When a plan needs more than the limit:
 
 1. for each option the user did not rule out — keep (as asked), reshard every repeated block after
-   its forward, recompute every repeated block — solve with the budget;
+   its forward, recompute every repeated block — solve with the budget, each after the first with
+   the best step so far as a cutoff: the LP relaxation often proves that an option cannot beat it,
+   and the MIP's search (tens of seconds on a 70B problem) is skipped;
 2. keep the feasible plan with the lowest modeled step time; dry-run it;
 3. if its peak is still over the limit, that option's non-linear part grew: tighten its budget and
    go again (by the non-linear part seen, or, from its second miss on, by the slope of its last two
@@ -56,11 +58,12 @@ class MemoryLimitError(ValueError):
 
 @dataclass(frozen=True)
 class FitSteps:
-    """What `fit_memory` asks of the outside: solve a budgeted problem (InfeasibleError when nothing
-    fits the budget, expected and not diagnosed) and dry-run a plan (None: no dry runs, the linear
-    part alone is checked). Replaceable so that ranks fitting side by side agree."""
+    """What `fit_memory` asks of the outside: solve a budgeted problem under a cutoff (None: none;
+    InfeasibleError when nothing fits the budget, expected and not diagnosed; NoBetterError when
+    nothing costs less than the cutoff) and dry-run a plan (None: no dry runs, the linear part
+    alone is checked). Replaceable so that ranks fitting side by side agree."""
 
-    solve: Callable[[solver.Problem], solver.Solution]
+    solve: Callable[[solver.Problem, float | None], solver.Solution]
     dry_run: Callable[[Plan], DryRunResult] | None
 
 
@@ -85,8 +88,8 @@ def fit_memory(plan: Plan, sharding: ShardingProblem, planner: Planner, device: 
     """`plan` if it fits `limit`, else the best plan that does (with the problem it solves);
     MemoryLimitError when none does. `steps` default to solving and dry-running in this process."""
     if steps is None:
-        steps = FitSteps(lambda problem: solver.solve(problem, backend=backend, time_limit=time_limit,
-                                                      diagnose=False), dry_run)
+        steps = FitSteps(lambda problem, cutoff: solver.solve(problem, backend=backend, time_limit=time_limit,
+                                                              diagnose=False, cutoff=cutoff), dry_run)
     table = peak_memory_table(sharding)
     linear = modeled_bytes(table, plan.solution.choice)
     asked = mode_of(spec)
@@ -120,7 +123,7 @@ def fit_memory(plan: Plan, sharding: ShardingProblem, planner: Planner, device: 
     budgets = dict.fromkeys(problems, limit - extra)
     missed: dict[str, list[tuple[float, float]]] = {mode: [] for mode in problems}  # (budget, dry-run peak)
     smallest = result
-    solved: dict[str, tuple[float, Plan | None]] = {}  # per option: the budget and its plan (None: infeasible)
+    solved: dict[str, _Solved] = {}
     while problems:
         best = _best_budgeted(problems, tables, budgets, steps, planner, solved)
         if best is None:
@@ -132,7 +135,7 @@ def fit_memory(plan: Plan, sharding: ShardingProblem, planner: Planner, device: 
         linear = modeled_bytes(tables[mode], candidate.solution.choice)
         tried.append((mode, float(result.peak_bytes)))
         log.info("autoshard: memory fit: the %s plan under a budget of %s: modeled %s, dry-run peak %s",
-                 mode, size_text(solved[mode][0]), size_text(linear), size_text(result.peak_bytes))
+                 mode, size_text(solved[mode].budget), size_text(linear), size_text(result.peak_bytes))
         if result.peak_bytes < smallest.peak_bytes:
             smallest = result
         if result.peak_bytes <= limit:
@@ -148,22 +151,42 @@ def fit_memory(plan: Plan, sharding: ShardingProblem, planner: Planner, device: 
     raise MemoryLimitError(_no_fit_message(limit, smallest))
 
 
+@dataclass(frozen=True)
+class _Solved:
+    """An option's last solve: its budget, its plan (None: nothing fits the budget, or nothing
+    costs less than `cut`), and the cutoff that ruled it out (None: none did)."""
+
+    budget: float
+    plan: Plan | None
+    cut: float | None = None
+
+    def stale(self, budget: float, cutoff: float | None) -> bool:
+        """Whether it must be solved again: its budget changed, or it was cut below a better step
+        than the best one now (after a miss, the best option's tighter budget costs it more)."""
+        return self.budget != budget or (self.cut is not None and (cutoff is None or cutoff > self.cut))
+
+
 def _best_budgeted(problems: dict[str, ShardingProblem], tables: dict[str, PeakTable],
                    budgets: dict[str, float], steps: FitSteps, planner: Planner,
-                   solved: dict[str, tuple[float, Plan | None]]) -> tuple[Plan, ShardingProblem, str] | None:
+                   solved: dict[str, _Solved]) -> tuple[Plan, ShardingProblem, str] | None:
     """Each option's plan under its budget; the one with the lowest modeled step (None: none fits).
-    An option whose budget has not changed since it was last solved (in `solved`, updated here)
-    keeps its plan: on a 70B problem one budgeted solve takes tens of seconds."""
+    Options are solved in order with the best step so far as their cutoff. An option whose last
+    solve (in `solved`, updated here) is not stale keeps its result: on a 70B problem one budgeted
+    solve takes tens of seconds."""
     best = None
     for mode, sp in problems.items():
-        budget = budgets[mode]
-        if solved.get(mode, (None,))[0] != budget:
+        budget, cutoff = budgets[mode], None if best is None else best[0].step_time_s
+        if mode not in solved or solved[mode].stale(budget, cutoff):
             try:
-                solution = steps.solve(with_peak_budget(sp, tables[mode], budget))
+                solution = steps.solve(with_peak_budget(sp, tables[mode], budget), cutoff)
+                solved[mode] = _Solved(budget, decode(sp, solution, planner))
             except solver.InfeasibleError:
-                solution = None
-            solved[mode] = (budget, solution and decode(sp, solution, planner))
-        candidate = solved[mode][1]
+                solved[mode] = _Solved(budget, None)
+            except solver.NoBetterError:
+                log.info("autoshard: memory fit: no %s plan under a budget of %s beats the %s plan's %.1f ms",
+                         mode, size_text(budget), best[2], 1e3 * cutoff)
+                solved[mode] = _Solved(budget, None, cutoff)
+        candidate = solved[mode].plan
         if candidate is None:
             continue
         if best is None or candidate.step_time_s < best[0].step_time_s:

@@ -109,8 +109,9 @@ class RankZeroPlanning:
         self.backend = backend
         self.time_limit = time_limit
 
-    def _solve(self, problem: solver.Problem, diagnose: bool = True) -> solver.Solution:
-        return solver.solve(problem, backend=self.backend, time_limit=self.time_limit, diagnose=diagnose)
+    def _solve(self, problem: solver.Problem, diagnose: bool = True, cutoff: float | None = None) -> solver.Solution:
+        return solver.solve(problem, backend=self.backend, time_limit=self.time_limit, diagnose=diagnose,
+                            cutoff=cutoff)
 
     def solve(self, sharding: ShardingProblem) -> solver.Solution:
         """Every rank calls this with the problem it built; rank 0's answer for all."""
@@ -139,26 +140,32 @@ class RankZeroPlanning:
             raise UsageError(payload)
         return solver.Solution.from_json(payload)
 
-    def solve_problem(self, problem: solver.Problem, *, diagnose: bool = True) -> solver.Solution:
+    def solve_problem(self, problem: solver.Problem, cutoff: float | None = None, *,
+                      diagnose: bool = True) -> solver.Solution:
         """Rank 0 solves `problem` for every rank (InfeasibleError on every rank when nothing is
-        feasible; `diagnose=False` skips finding out why, for callers that expect it)."""
+        feasible; `diagnose=False` skips finding out why, for callers that expect it;
+        NoBetterError on every rank when nothing costs less than `cutoff`)."""
         def answer() -> tuple[str, str]:
             try:
-                return ("ok", self._solve(problem, diagnose).to_json())
+                return ("ok", self._solve(problem, diagnose, cutoff).to_json())
             except solver.InfeasibleError as err:
                 return ("infeasible", str(err))
+            except solver.NoBetterError as err:
+                return ("no better", str(err))
 
         kind, payload = on_rank_zero(answer)
         if kind == "infeasible":
             raise solver.InfeasibleError(payload)
+        if kind == "no better":
+            raise solver.NoBetterError(payload)
         return solver.Solution.from_json(payload)
 
     def fit_steps(self) -> FitSteps:
         """The memory fit's solves and dry runs, with the same result on every rank: rank 0 solves
         a budgeted problem and broadcasts the solution (or that none fits); every rank lowers a
         candidate (lowering may create flattened groups, a collective) and gets rank 0's dry run."""
-        def solve(problem: solver.Problem) -> solver.Solution:
-            return self.solve_problem(problem, diagnose=False)
+        def solve(problem: solver.Problem, cutoff: float | None) -> solver.Solution:
+            return self.solve_problem(problem, cutoff, diagnose=False)
 
         return FitSteps(solve, lambda plan: self.dry_run(lower(plan, self.mesh), plan))
 
