@@ -317,7 +317,7 @@ def _op_key(target: Any, args: tuple, kwargs: dict) -> tuple | None:
     """What decides an op's outputs' shapes, strides and aliasing: the op, its tensors' geometry
     and dtypes, its other arguments (None: not replayed: not an aten-style op, a collective, an op
     that mutates, whose output shape depends on data, or with unhashable arguments)."""
-    if not isinstance(target, torch._ops.OpOverload) or target.namespace in _NO_REPLAY_NAMESPACES \
+    if not tc.is_op_overload(target) or target.namespace in _NO_REPLAY_NAMESPACES \
             or target._schema.is_mutable or any(tag in target.tags for tag in _NO_REPLAY_TAGS):
         return None
     key = (target, _signature(args), _signature(kwargs))
