@@ -270,10 +270,10 @@ class _Run(CheckedRun):
         """An op met before with inputs of the same shapes, strides and dtypes (the same op of the
         next repeated block) makes the same outputs: on fake tensors they are made directly, the
         op's dispatch skipped (most of a dry run's time)."""
-        key = _op_key(target, args, kwargs)
+        tensors = _tensors((args, list(kwargs.values())))
+        key = _op_key(target, args, kwargs, tensors)
         if key is None:
             return super().call_function(target, args, kwargs)
-        tensors = _tensors((args, list(kwargs.values())))
         record = self.live.replays.get(key)
         if record is None:
             run = lambda: super(_Run, self).call_function(target, args, kwargs)  # noqa: E731
@@ -313,14 +313,17 @@ _NO_REPLAY_NAMESPACES = ("_c10d_functional", "c10d", "c10d_functional")  # colle
 _NO_REPLAY_TAGS = (torch.Tag.data_dependent_output, torch.Tag.dynamic_output_shape)
 
 
-def _op_key(target: Any, args: tuple, kwargs: dict) -> tuple | None:
+def _op_key(target: Any, args: tuple, kwargs: dict, tensors: list[torch.Tensor]) -> tuple | None:
     """What decides an op's outputs' shapes, strides and aliasing: the op, its tensors' geometry
-    and dtypes, its other arguments (None: not replayed: not an aten-style op, a collective, an op
-    that mutates, whose output shape depends on data, or with unhashable arguments)."""
+    and dtypes and which of them share a storage, its other arguments (None: not replayed: not an
+    aten-style op, a collective, an op that mutates, whose output shape depends on data, or with
+    unhashable arguments)."""
     if not tc.is_op_overload(target) or target.namespace in _NO_REPLAY_NAMESPACES \
             or target._schema.is_mutable or any(tag in target.tags for tag in _NO_REPLAY_TAGS):
         return None
-    key = (target, _signature(args), _signature(kwargs))
+    first: dict[int, int] = {}
+    shared = tuple(first.setdefault(id(t.untyped_storage()), i) for i, t in enumerate(tensors))
+    key = (target, _signature(args), _signature(kwargs), shared)
     try:
         hash(key)
     except TypeError:  # a symbolic size
