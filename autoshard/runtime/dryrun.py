@@ -257,31 +257,31 @@ class _Run(CheckedRun):
             plans, tensors = [(m.plan, m.dim_order) for m in members], args
         key = (type(module), tuple((id(p), order) for p, order in plans),
                tuple((tuple(a.shape), a.stride(), a.dtype) for a in tensors))
-        record = self.live.replays.get(key)
-        if record is None:
-            run = lambda: super(_Run, self).call_module(target, args, kwargs)  # noqa: E731
-            record, result = _Replay.record(self.live, run, tensors)
-            if record is not None:
-                self.live.replays[key] = record
-            return result
-        return record.replay(self.live, tensors)
+        return self._replayed(key, lambda: super(_Run, self).call_module(target, args, kwargs), tensors)
 
     def call_function(self, target: Any, args: tuple, kwargs: dict) -> Any:
         """An op met before with inputs of the same shapes, strides and dtypes (the same op of the
         next repeated block) makes the same outputs: on fake tensors they are made directly, the
         op's dispatch skipped (most of a dry run's time)."""
+        if not _replayable(target):
+            return super().call_function(target, args, kwargs)
         tensors = _tensors((args, list(kwargs.values())))
         key = _op_key(target, args, kwargs, tensors)
         if key is None:
             return super().call_function(target, args, kwargs)
+        return self._replayed(key, lambda: super(_Run, self).call_function(target, args, kwargs), tensors,
+                              fake_only=True)
+
+    def _replayed(self, key: tuple, run, tensors, fake_only: bool = False) -> Any:
+        """The replay of `key`'s record on `tensors`; the first time, `run`'s result, recorded
+        (an op's only where its outputs are fake: real ones carry data a replay would not)."""
         record = self.live.replays.get(key)
-        if record is None:
-            run = lambda: super(_Run, self).call_function(target, args, kwargs)  # noqa: E731
-            record, result = _Replay.record(self.live, run, tensors)
-            if record is not None and record.fake is not None:
-                self.live.replays[key] = record
-            return result
-        return record.replay(self.live, tensors)
+        if record is not None:
+            return record.replay(self.live, tensors)
+        record, result = _Replay.record(self.live, run, tensors)
+        if record is not None and (record.fake is not None or not fake_only):
+            self.live.replays[key] = record
+        return result
 
     def run_node(self, n: fx.Node) -> Any:
         try:
@@ -313,14 +313,17 @@ _NO_REPLAY_NAMESPACES = ("_c10d_functional", "c10d", "c10d_functional")  # colle
 _NO_REPLAY_TAGS = (torch.Tag.data_dependent_output, torch.Tag.dynamic_output_shape)
 
 
+def _replayable(target: Any) -> bool:
+    """Whether a call's outputs follow from its arguments' geometry: an aten-style op that is not a
+    collective, does not mutate, and whose output shape does not depend on data."""
+    return tc.is_op_overload(target) and target.namespace not in _NO_REPLAY_NAMESPACES \
+        and not target._schema.is_mutable and not any(tag in target.tags for tag in _NO_REPLAY_TAGS)
+
+
 def _op_key(target: Any, args: tuple, kwargs: dict, tensors: list[torch.Tensor]) -> tuple | None:
-    """What decides an op's outputs' shapes, strides and aliasing: the op, its tensors' geometry
-    and dtypes and which of them share a storage, its other arguments (None: not replayed: not an
-    aten-style op, a collective, an op that mutates, whose output shape depends on data, or with
-    unhashable arguments)."""
-    if not tc.is_op_overload(target) or target.namespace in _NO_REPLAY_NAMESPACES \
-            or target._schema.is_mutable or any(tag in target.tags for tag in _NO_REPLAY_TAGS):
-        return None
+    """What decides a replayable op's outputs' shapes, strides and aliasing: the op, its tensors'
+    geometry and dtypes and which of them share a storage, its other arguments (None: an
+    unhashable argument, a symbolic size)."""
     first: dict[int, int] = {}
     shared = tuple(first.setdefault(id(t.untyped_storage()), i) for i, t in enumerate(tensors))
     key = (target, _signature(args), _signature(kwargs), shared)
