@@ -101,7 +101,14 @@ def test_write_report_writes_all_three_files(tiny, tmp_path):
     plan, _, timings = tiny
     log_path, json_path = write_report(plan, tmp_path / "new" / "dir", timings=timings)
     assert log_path.read_text(encoding="utf-8").startswith("autoshard sharding log")
+    report = plan_report(plan, timings=timings)
+    assert json.loads(json_path.read_text()) == report
+    lines = json_path.read_text().splitlines()  # one line per top-level key and per entry of a list
     assert len(json.loads(json_path.read_text())["parameters"]) == len(plan.param_layouts)
+    for key in ("parameters", "nodes"):
+        start = lines.index(f' "{key}": [')
+        assert [json.loads(line.rstrip(",")) for line in lines[start + 1:start + 1 + len(report[key])]] == report[key]
+    assert lines[0] == "{" and lines[-1] == "}"
     assert sorted(p.name for p in log_path.parent.iterdir()) == ["plan.json", "report.html", "sharding.log"]  # no temp
 
 

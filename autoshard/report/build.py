@@ -42,9 +42,10 @@ def plan_report(plan: Plan, *, program: Program | None = None, dry_run: DryRunRe
     a parameter's next best layouts under "explain"; `mesh_names` label the mesh dims."""
     graph = plan.graph
     dtypes = {node.name: _dtype(node) for node in graph.nodes}
+    text = _Texts()
     by_consumer: dict[str, list[dict]] = {}
     for r in plan.redistributions:
-        by_consumer.setdefault(r.consumer, []).append(_redistribution_entry(r, dtypes.get(r.producer)))
+        by_consumer.setdefault(r.consumer, []).append(_redistribution_entry(r, dtypes.get(r.producer), text))
     parameters = _parameter_entries(plan)
     precision = graph.precision
     report: dict[str, Any] = {
@@ -57,7 +58,7 @@ def plan_report(plan: Plan, *, program: Program | None = None, dry_run: DryRunRe
         "reshard": {"blocks": list(plan.reshard_blocks), "ops": len(plan.recomputed) if plan.reshard_blocks else 0},
         "parameters": parameters,
         "inputs": _input_entries(plan),
-        "nodes": _node_entries(plan, dtypes, by_consumer),
+        "nodes": _node_entries(plan, dtypes, by_consumer, text),
         "sinks": [_sink_entry(sink, by_consumer) for sink in [plan.loss_sink, *plan.grad_sinks.values()]],
         "totals": _totals(plan, parameters),
     }
@@ -107,7 +108,18 @@ def _input_entries(plan: Plan) -> list[dict]:
     return out
 
 
-def _node_entries(plan: Plan, dtypes: dict[str, str | None], by_consumer: dict[str, list[dict]]) -> list[dict]:
+class _Texts(dict):
+    """str() of each distinct layout, strategy or step sequence, made once: a 70B plan names a few
+    hundred of them across ~60,000 entries."""
+
+    def __missing__(self, key: Any) -> str:
+        value = self[key] = (" ".join(f"{s.kind}[{','.join(map(str, s.mesh_dims))}]" for s in key)
+                             if isinstance(key, tuple) else str(key))
+        return value
+
+
+def _node_entries(plan: Plan, dtypes: dict[str, str | None], by_consumer: dict[str, list[dict]],
+                  text: _Texts) -> list[dict]:
     out = []
     for node in plan.graph.nodes:
         if node.op != "call_function" or node.name not in plan.strategies:
@@ -118,7 +130,7 @@ def _node_entries(plan: Plan, dtypes: dict[str, str | None], by_consumer: dict[s
             "module": plan.module_paths.get(node.name, ""),
             "phase": "backward" if plan.graph.is_backward(node) else "forward",
             "dtype": dtypes[node.name],
-            "strategy": str(plan.strategies[node.name]),
+            "strategy": text[plan.strategies[node.name]],
             "compute_s": plan.node_compute_s[node.name],
             "redistributions": by_consumer.get(node.name, []),
         })
@@ -237,15 +249,15 @@ def _dtype(node: fx.Node) -> str | None:
     return ",".join(dict.fromkeys(names)) or None
 
 
-def _redistribution_entry(r: Redistribution, dtype: str | None) -> dict:
+def _redistribution_entry(r: Redistribution, dtype: str | None, text: _Texts) -> dict:
     plan = r.plan
     return {
         "from": r.producer,
         "slot": r.slot,
         "dtype": dtype,
-        "src": str(plan.src),
-        "dst": str(plan.dst),
-        "steps": [f"{s.kind}[{','.join(map(str, s.mesh_dims))}]" for s in plan.steps],
+        "src": text[plan.src],
+        "dst": text[plan.dst],
+        "steps": text[plan.steps].split(" ") if plan.steps else [],
         "cost_s": r.cost_s,  # the plan's, a bucketed first step's launch shared with its block
         # wire-level bytes of the collectives only, as in the plan's bytes_by_collective
         "bytes": float(sum(s.bytes for s in plan.steps if s.kind in COLLECTIVE_KINDS)),

@@ -34,10 +34,24 @@ def write_report_files(report: dict, out_dir: str | os.PathLike,
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     log_path, json_path = out / LOG_NAME, out / JSON_NAME
-    _write_atomic(json_path, json.dumps(report, indent=1) + "\n")
+    _write_atomic(json_path, json_text(report))
     _write_atomic(log_path, format_log(report))
     write_html(report, out, metrics)
     return log_path, json_path
+
+
+def json_text(report: dict) -> str:
+    """The report as JSON with one line per top-level key and per entry of a top-level list (a
+    node, a parameter): readable and diffable line by line, and written by json's C encoder (an
+    indented dump goes through its Python one: ~2 s for a 70B plan)."""
+    lines = []
+    for key, value in report.items():
+        head = f"{json.dumps(key)}: "
+        if isinstance(value, list) and value:
+            lines.append(head + "[\n  " + ",\n  ".join(map(json.dumps, value)) + "\n ]")
+        else:
+            lines.append(head + json.dumps(value))
+    return "{\n " + ",\n ".join(lines) + "\n}\n"
 
 
 def write_html(report: dict, out_dir: str | os.PathLike, metrics: list[dict] | None = None) -> Path:
