@@ -84,7 +84,6 @@ _Move = tuple[float, float, str, tuple[int, ...], tuple[int, ...], int]
 # kind -> local copy passes (in units of the step's local input bytes) per tensor dim it touches
 # that is not outermost: a gather writes n times its input into place, a scatter/all-to-all
 # reads its input once to lay the chunks out.
-_UNSEEN = object()  # an edge weight not computed yet (None means: not an even layout)
 _COPY_PASSES = {
     "all_gather": lambda n: float(n),
     "reduce_scatter": lambda n: 1.0,
@@ -93,41 +92,79 @@ _COPY_PASSES = {
 
 
 class _Space:
-    """The state graph for one tensor rank and set of partial ops, grown lazily from sources."""
+    """The state graph for one tensor rank and set of partial ops, grown lazily from sources.
+
+    Its nodes are ints (`ids[layout]`, `layouts[id]`): the searches' dict operations then hash
+    and compare ints, where a Layout's Python-level __hash__ and __eq__ cost millions of calls
+    on a 3D mesh."""
 
     def __init__(self, planner: Planner, ndim: int, ops: tuple[str, ...]):
         self.planner, self.ndim, self.ops = planner, ndim, ops
         self.graph = nx.DiGraph()
+        self.ids: dict[Layout, int] = {}
+        self.layouts: list[Layout] = []
         self.splits: dict[Layout, tuple[tuple[int, int], ...]] = {}  # (tensor dim, #shards)
         self.shards: dict[Layout, int] = {}  # total shards = global bytes / local bytes
-        self._expanded: set[Layout] = set()
+        self._expanded: set[int] = set()
+        # An edge's weight depends on the tensor, not on where a search starts: each tensor
+        # (shape, itemsize) gets an int slot in every edge's data, priced once for all searches.
+        self._slots: dict[tuple[tuple[int, ...], int], int] = {}
+        self._priced: list[int] = []  # per slot: how many edges (of self._edges) it has priced
+        self._edges: list[tuple[Layout, Layout, dict]] = []
 
-    def ensure(self, source: Layout) -> None:
-        self._node(source)
-        todo = [source]
+    def ensure(self, source: Layout) -> int:
+        """Grow the graph from `source`; returns its node."""
+        start = self._node(source)
+        todo = [start]
         while todo:
-            u = todo.pop()
-            if u in self._expanded:
+            i = todo.pop()
+            if i in self._expanded:
                 continue
-            self._expanded.add(u)
+            self._expanded.add(i)
+            u = self.layouts[i]
             for move, v in self.planner._successors(u, self.ndim, self.ops):
-                if v not in self.splits:
-                    self._node(v)
-                    todo.append(v)
+                j = self.ids.get(v)
+                if j is None:
+                    j = self._node(v)
+                    todo.append(j)
                 kind, mesh_dims, tensor_dims, n = move
                 per_byte, fixed = linear_cost(self.planner.profile, kind, mesh_dims, n)
                 entry = (per_byte / self.shards[u], fixed, kind, mesh_dims, tensor_dims, n)
-                if self.graph.has_edge(u, v):
-                    self.graph[u][v]["moves"].append(entry)
+                if self.graph.has_edge(i, j):
+                    self.graph[i][j]["moves"].append(entry)
                 else:
-                    self.graph.add_edge(u, v, moves=[entry])
+                    self.graph.add_edge(i, j, moves=[entry])
+                    self._edges.append((u, self.layouts[j], self.graph[i][j]))
+        return start
 
-    def _node(self, lay: Layout) -> None:
+    def weight_slot(self, shape: tuple[int, ...], itemsize: int) -> int:
+        """The edge-data key holding this tensor's weights (None: the move's target does not split
+        the shape evenly), priced on every edge the graph has so far."""
+        slot = self._slots.get((shape, itemsize))
+        if slot is None:
+            slot = self._slots[(shape, itemsize)] = len(self._priced)
+            self._priced.append(0)
+        if self._priced[slot] < len(self._edges):
+            planner, total = self.planner, math.prod(shape) * itemsize
+            for u, v, data in self._edges[self._priced[slot]:]:
+                even = all(shape[td] % n == 0 for td, n in self.splits[v])
+                data[slot] = (min(planner._move_cost(self, u, move, shape, total) for move in data["moves"])
+                              if even else None)
+            self._priced[slot] = len(self._edges)
+        return slot
+
+    def _node(self, lay: Layout) -> int:
+        i = self.ids.get(lay)
+        if i is not None:
+            return i
         mesh = self.planner.mesh_shape
         splits = tuple((td, math.prod(mesh[m] for m in mds)) for td, mds in lay.order)
+        i = self.ids[lay] = len(self.layouts)
+        self.layouts.append(lay)
         self.splits[lay] = splits
         self.shards[lay] = math.prod(n for _, n in splits)
-        self.graph.add_node(lay)
+        self.graph.add_node(i)
+        return i
 
 
 class Planner:
@@ -150,7 +187,6 @@ class Planner:
         self._unit = frozenset(m for m, s in enumerate(self.mesh_shape) if s == 1)
         self._spaces: dict[tuple[int, tuple[str, ...]], _Space] = {}
         self._runs: dict[tuple, tuple[dict, dict]] = {}
-        self._weights: dict[tuple, dict[tuple[Layout, Layout], float | None]] = {}  # per (reduce ops, shape, itemsize)
         self._costs: dict[tuple, float] = {}
         self._plans: dict[tuple, RedistributePlan] = {}
 
@@ -184,29 +220,16 @@ class Planner:
         run_key = (ps, shape, itemsize, ops)
         run = self._runs.get(run_key)
         if run is None:
-            space.ensure(ps)
-            run = self._runs[run_key] = self._dijkstra(space, ps, shape, itemsize)
+            run = self._runs[run_key] = self._dijkstra(space, space.ensure(ps), shape, itemsize)
         pred, dist = run
-        if pd not in dist:  # cannot happen for even layouts; guard against silent nonsense
+        target = space.ids.get(pd)
+        if target not in dist:  # cannot happen for even layouts; guard against silent nonsense
             raise ValueError(f"no redistribution from {src} to {dst} for shape {shape}")
-        return dist[pd], ps, pd, space, run
+        return dist[target], ps, pd, space, run
 
-    def _dijkstra(self, space: _Space, source: Layout, shape: tuple[int, ...], itemsize: int):
-        total = math.prod(shape) * itemsize
-        splits = space.splits
-        # An edge's weight depends on the tensor, not on where the search started: searches from
-        # every source layout of one tensor share them (most of a search's time otherwise).
-        weights = self._weights.setdefault((space.ops, shape, itemsize), {})
-
-        def weight(u: Layout, v: Layout, data: dict) -> float | None:
-            w = weights.get((u, v), _UNSEEN)
-            if w is _UNSEEN:
-                even = all(shape[td] % n == 0 for td, n in splits[v])
-                w = weights[(u, v)] = (min(self._move_cost(space, u, move, shape, total) for move in data["moves"])
-                                       if even else None)
-            return w
-
-        return nx.dijkstra_predecessor_and_distance(space.graph, source, weight=weight)
+    def _dijkstra(self, space: _Space, source: int, shape: tuple[int, ...], itemsize: int):
+        slot = space.weight_slot(shape, itemsize)
+        return nx.dijkstra_predecessor_and_distance(space.graph, source, weight=lambda u, v, data: data[slot])
 
     def _move_cost(self, space: _Space, u: Layout, move: _Move, shape: tuple[int, ...], total: float) -> float:
         a, b, kind, _, tensor_dims, n = move
@@ -238,14 +261,15 @@ class Planner:
 
     def _build_plan(self, src: Layout, dst: Layout, shape: tuple[int, ...], itemsize: int) -> RedistributePlan:
         cost, ps, pd, space, (pred, _) = self._search(src, dst, shape, itemsize)
-        path = [pd]
-        while path[-1] != ps:
+        path, start = [space.ids[pd]], space.ids[ps]
+        while path[-1] != start:
             path.append(pred[path[-1]][0])
         path.reverse()
         total = math.prod(shape) * itemsize
         steps = []
-        for u, v in pairwise(path):
-            costs = [(self._move_cost(space, u, mv, shape, total), mv) for mv in space.graph[u][v]["moves"]]
+        for i, j in pairwise(path):
+            u, v = space.layouts[i], space.layouts[j]
+            costs = [(self._move_cost(space, u, mv, shape, total), mv) for mv in space.graph[i][j]["moves"]]
             cost_s, (_, fixed_s, kind, mesh_dims, tensor_dims, n) = min(costs, key=lambda c: c[0])
             in_bytes = total / space.shards[u]
             steps.append(Step(kind, mesh_dims, u, v, tensor_dims, cost_s, wire_bytes(kind, n, in_bytes), in_bytes,
