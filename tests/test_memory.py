@@ -263,7 +263,8 @@ def test_no_plan_fits_is_one_clear_error():
 
 
 def record_fit_solves(monkeypatch) -> list[list]:
-    """[(problem id, budget), outcome] of every budgeted solve of the fit, in order: 'ok',
+    """[(problem id, budget), outcome] of every solve, in order: budgeted ones keyed by their
+    option's ShardingProblem and budget, others by (problem id, None); outcome 'ok',
     'infeasible' or 'cut' (nothing beats the cutoff)."""
     import solver
     from autoshard.driver import fit as fitting
@@ -276,7 +277,7 @@ def record_fit_solves(monkeypatch) -> list[list]:
         return problem
 
     def solve(problem, **kwargs):
-        entry = [budget_of.get(id(problem)), "ok"]
+        entry = [budget_of.get(id(problem), (id(problem), None)), "ok"]
         try:
             return real_solve(problem, **kwargs)
         except solver.NoBetterError:
@@ -286,8 +287,7 @@ def record_fit_solves(monkeypatch) -> list[list]:
             entry[1] = "infeasible"
             raise
         finally:
-            if entry[0] is not None:
-                solves.append(entry)
+            solves.append(entry)
 
     monkeypatch.setattr(fitting, "with_peak_budget", budgeted)
     monkeypatch.setattr(solver, "solve", solve)
@@ -302,7 +302,7 @@ def test_the_fit_solves_each_option_under_each_budget_once(monkeypatch):
     solves = record_fit_solves(monkeypatch)
     plan, fit, memory = plan_debug(78e6)
     assert len(fit.tried) >= 3 and fit.recompute and memory.peak_bytes <= 78e6  # two budgeted rounds
-    assert len({sp for (sp, _), _ in solves}) == 3
+    assert len({sp for (sp, budget), _ in solves if budget is not None}) == 3
     for i, (key, _) in enumerate(solves):
         earlier = [outcome for k, outcome in solves[:i] if k == key]
         assert not earlier or earlier[-1] == "cut", solves
@@ -313,16 +313,64 @@ def test_cutoffs_skip_options_that_cannot_win_and_change_no_plan(monkeypatch):
     solves end at the LP bound, and the fit ends with the plan it makes without cutoffs."""
     import solver
 
+    from autoshard.driver import fit as fitting
+
     solves = record_fit_solves(monkeypatch)
     plan, fit, memory = plan_debug(90e6)
     assert sum(outcome == "cut" for _, outcome in solves) >= 2
-    uncut = solver.solve
-    monkeypatch.setattr(solver, "solve", lambda problem, cutoff=None, **kwargs: uncut(problem, **kwargs))
+    assert any(budget is None and outcome == "cut" for (_, budget), outcome in solves)  # cut before any budget
+    real_option = fitting._solve_option  # every option solved under its budget, no cutoff
+    monkeypatch.setattr(fitting, "_solve_option",
+                        lambda sp, table, budget, cutoff, *rest: real_option(sp, table, budget, None, *rest))
     solves.clear()
     plan_all, fit_all, _ = plan_debug(90e6)
     assert not any(outcome == "cut" for _, outcome in solves)
     assert (plan.param_layouts, plan.step_time_s, fit.mode, fit.tried) == \
         (plan_all.param_layouts, plan_all.step_time_s, fit_all.mode, fit_all.tried)
+
+
+def test_an_option_is_first_solved_without_its_budget(monkeypatch):
+    """With a cutoff, an option is first solved without the budget (kept across budgets): cut when
+    that LP or optimum cannot beat the cutoff, taken when its optimum fits the budget; only
+    otherwise is the budgeted problem solved. Without a cutoff, the budgeted one directly."""
+    from types import SimpleNamespace
+
+    import solver
+    from autoshard.driver import fit as fitting
+
+    monkeypatch.setattr(fitting, "decode", lambda sp, solution, planner: solution)
+    monkeypatch.setattr(fitting, "with_peak_budget", lambda sp, table, budget: ("budgeted", budget))
+    monkeypatch.setattr(fitting, "modeled_bytes", lambda table, choice: choice["bytes"])
+    sp = SimpleNamespace(problem="unbudgeted")
+    calls, answers = [], []
+
+    def solve(problem, cutoff):
+        calls.append((problem, cutoff))
+        answer = answers.pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    steps = fitting.FitSteps(solve, None)
+
+    def option(budget, cutoff, unbudgeted, *given):
+        calls.clear()
+        answers[:] = given
+        return fitting._solve_option(sp, None, budget, cutoff, steps, None, unbudgeted, "reshard")
+
+    def solution(bound, nbytes):
+        return SimpleNamespace(stats=SimpleNamespace(bound=bound), choice={"bytes": nbytes})
+
+    free = {}
+    budgeted = solution(7.0, 60)
+    assert option(60, None, free, budgeted).plan is budgeted and calls == [(("budgeted", 60), None)]
+    assert option(60, 10.0, free, solver.NoBetterError("lp")) == fitting._Solved(60, None, 10.0)
+    assert calls == [("unbudgeted", 10.0)] and free["reshard"].cut == 10.0
+    assert option(50, 9.0, free) == fitting._Solved(50, None, 9.0) and calls == []  # a lower cutoff: still cut
+    fits = solution(5.0, 50)
+    assert option(60, 12.0, free, fits).plan is fits and calls == [("unbudgeted", 12.0)]  # its optimum fits
+    assert option(40, 12.0, free, budgeted).plan is budgeted and calls == [(("budgeted", 40), 12.0)]
+    assert option(60, 4.0, free) == fitting._Solved(60, None, 4.0) and calls == []  # kept optimum >= cutoff
 
 
 def test_after_two_misses_the_budget_follows_the_peaks_slope():
