@@ -43,7 +43,7 @@ def solve_core(red: Reduction, backend: str, deadline: float | None, msg: bool,
 
     model = Model(red)
     result = CoreResult("none", {}, model)
-    status, result.triangles = _tightened_lp(red, model, backend, left, msg, rel_gap)
+    status, result.triangles = _tightened_lp(red, model, backend, left, msg, rel_gap, stop_at)
     if status == "infeasible":
         result.status = "infeasible"
         return result
@@ -51,7 +51,7 @@ def solve_core(red: Reduction, backend: str, deadline: float | None, msg: bool,
     if status == "optimal":
         lower = pulp.value(model.lp.objective) or 0.0
         result.lower = lower / model.scale
-        if stop_at is not None and lower - _lp_tolerance(red, lower) >= stop_at * model.scale:
+        if _reaches(red, model, stop_at):
             result.status = "cutoff"
             return result
         incumbent = _incumbent(red, model, backend, msg, left())
@@ -124,19 +124,29 @@ def _solve_narrowed(red: Reduction, sub: Reduction, backend: str, time_limit, ms
     return {c: nodes[red.names[c]] for c in red.core}, status
 
 
+def _reaches(red: Reduction, model: Model, stop_at: float | None) -> bool:
+    """Whether the LP just solved proves that no solution of the core costs less than `stop_at`."""
+    if stop_at is None:
+        return False
+    lower = pulp.value(model.lp.objective) or 0.0
+    return lower - _lp_tolerance(red, lower) >= stop_at * model.scale
+
+
 def _tightened_lp(red: Reduction, model: Model, backend: str, left, msg: bool, rel_gap: float,
-                  rounds: int = 4, growth: float = 0.5, largest: int = 4096) -> tuple[str, int]:
+                  stop_at: float | None = None, rounds: int = 4, growth: float = 0.5,
+                  largest: int = 4096) -> tuple[str, int]:
     """Solve the LP relaxation; while it is fractional, tighten it on the triangles that have
     two or more fractional classes (frustrated cycles are what make the local polytope loose)
     and re-solve. The LP gets slow quickly as it grows, so at most `growth` times the original
     number of columns is added in all, and no triangle of more than `largest` choice triples
-    (with many choices per node a triangle costs more than the MIP it would help).
+    (with many choices per node a triangle costs more than the MIP it would help). Tightening
+    only raises the bound: it stops as soon as the bound reaches `stop_at` (a core cost).
     Returns the LP status and the triangles added."""
     done: set[tuple[int, int, int]] = set()
     budget = int(growth * model.variables)
     for round_ in range(rounds + 1):
         status = run(model, backend, left(), msg, rel_gap, mip=False)
-        if status != "optimal" or budget <= 0 or round_ == rounds:
+        if status != "optimal" or budget <= 0 or round_ == rounds or _reaches(red, model, stop_at):
             break
         frac = {c for c, (_, xs) in model.x.items() if max(v.varValue for v in xs) < 1 - 1e-6}
         found = {tri for a in frac for b in red.adj[a] for c in red.adj[a] & red.adj[b]

@@ -76,3 +76,39 @@ def test_core_cost_is_the_objective_up_to_a_constant():
         choice = {c: int(rng.choice(list(red.alive[c].nonzero()[0]))) for c in red.core}
         gaps.add(round(sum(p.cost(red.assign(choice))) - core_cost(red, choice), 9))
     assert len(gaps) == 1
+
+
+def test_tightening_stops_once_the_lp_bound_reaches_the_cutoff(monkeypatch):
+    """Triangles only raise the LP bound: with a cutoff the first bound already reaches, one LP
+    is solved; with one between the first and the last bound, rounds go on until it is reached."""
+    import pulp
+
+    bounds, real_run = [], search.run
+
+    def run(model, *args, mip=True, **kwargs):
+        status = real_run(model, *args, mip=mip, **kwargs)
+        if not mip:
+            bounds.append(pulp.value(model.lp.objective) / model.scale)
+        return status
+
+    monkeypatch.setattr(search, "run", run)
+    tightened = 0
+    for seed in range(20):
+        p = frustrated(seed)
+        red = Reduction(p, p.constraints, p.regions)
+        bounds.clear()
+        search._tightened_lp(red, Model(red), "highs", lambda: None, False, 1e-6)
+        rounds = list(bounds)
+        if len(rounds) < 2 or rounds[-1] <= rounds[0] + 1e-6:
+            continue
+        tightened += 1
+        assert rounds == sorted(rounds)
+        for stop_at, expected in ((rounds[0] * 0.999, 1), ((rounds[0] + rounds[-1]) / 2, None)):
+            bounds.clear()
+            search._tightened_lp(red, Model(red), "highs", lambda: None, False, 1e-6, stop_at)
+            if expected is not None:
+                assert len(bounds) == expected
+            else:
+                assert 1 < len(bounds) <= len(rounds) and bounds[-1] >= stop_at * (1 - 1e-6)
+                assert all(b < stop_at for b in bounds[:-1])
+    assert tightened >= 3
