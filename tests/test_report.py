@@ -108,7 +108,7 @@ def test_write_report_writes_all_three_files(tiny, tmp_path):
     for key in ("parameters", "nodes"):
         start = lines.index(f' "{key}": [')
         assert [json.loads(line.rstrip(",")) for line in lines[start + 1:start + 1 + len(report[key])]] == report[key]
-    assert lines[0] == "{" and lines[-1] == "}"
+    assert lines[0] == "{" and lines[-1] == "}" and f' "mesh_shape": {json.dumps(report["mesh_shape"])},' in lines
     assert sorted(p.name for p in log_path.parent.iterdir()) == ["plan.json", "report.html", "sharding.log"]  # no temp
 
 

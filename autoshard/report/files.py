@@ -41,13 +41,13 @@ def write_report_files(report: dict, out_dir: str | os.PathLike,
 
 
 def json_text(report: dict) -> str:
-    """The report as JSON with one line per top-level key and per entry of a top-level list (a
-    node, a parameter): readable and diffable line by line, and written by json's C encoder (an
-    indented dump goes through its Python one: ~2 s for a 70B plan)."""
+    """The report as JSON with one line per top-level key and per record of a top-level list of
+    records (a node, a parameter): readable and diffable line by line, and written by json's C
+    encoder (an indented dump goes through its Python one: ~2 s for a 70B plan)."""
     lines = []
     for key, value in report.items():
         head = f"{json.dumps(key)}: "
-        if isinstance(value, list) and value:
+        if isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
             lines.append(head + "[\n  " + ",\n  ".join(map(json.dumps, value)) + "\n ]")
         else:
             lines.append(head + json.dumps(value))
