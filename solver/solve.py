@@ -20,7 +20,13 @@ class SolveError(RuntimeError):
 
 
 class NoBetterError(ValueError):
-    """No assignment costs less than the cutoff asked for: the LP relaxation's bound proves it."""
+    """No assignment costs less than the cutoff asked for: the LP relaxation's bound proves it.
+    `bound` is that proven lower bound on the objective (at least the cutoff; None: unknown), so a
+    caller can tell a later, higher cutoff that it is still out of reach without solving again."""
+
+    def __init__(self, message: str, bound: float | None = None):
+        super().__init__(message)
+        self.bound = bound
 
 
 @dataclass
@@ -113,8 +119,9 @@ def solve(problem: Problem, backend: str = "auto", time_limit: float | None = No
         if result.status == "infeasible":
             raise explain(problem, backend) if diagnose else InfeasibleError("infeasible (not diagnosed)")
         if result.status == "cutoff":
-            raise NoBetterError(f"no solution costs less than {cutoff:.6g}: the LP bound is "
-                                f"{cutoff - stop_at + result.lower:.6g}")
+            bound = cutoff - stop_at + result.lower
+            raise NoBetterError(f"no solution costs less than {cutoff:.6g}: the LP bound is {bound:.6g}",
+                                max(bound, cutoff))
         if result.status == "none":
             raise SolveError(f"{backend} stopped without a solution "
                              f"(time_limit={time_limit}, {stats.variables} variables)")

@@ -366,11 +366,18 @@ def test_an_option_is_first_solved_without_its_budget(monkeypatch):
     assert option(60, None, free, budgeted).plan is budgeted and calls == [(("budgeted", 60), None)]
     assert option(60, 10.0, free, solver.NoBetterError("lp")) == fitting._Solved(60, None, 10.0)
     assert calls == [("unbudgeted", 10.0)] and free["reshard"].cut == 10.0
-    assert option(50, 9.0, free) == fitting._Solved(50, None, 9.0) and calls == []  # a lower cutoff: still cut
+    assert option(50, 9.0, free) == fitting._Solved(50, None, 10.0) and calls == []  # a lower cutoff: still cut
     fits = solution(5.0, 50)
     assert option(60, 12.0, free, fits).plan is fits and calls == [("unbudgeted", 12.0)]  # its optimum fits
     assert option(40, 12.0, free, budgeted).plan is budgeted and calls == [(("budgeted", 40), 12.0)]
-    assert option(60, 4.0, free) == fitting._Solved(60, None, 4.0) and calls == []  # kept optimum >= cutoff
+    assert option(60, 4.0, free) == fitting._Solved(60, None, 5.0) and calls == []  # kept optimum >= cutoff
+    # a cut remembers the bound the LP proved, above its cutoff: a later cutoff up to it needs no solve
+    free = {}
+    assert option(60, 10.0, free, solver.NoBetterError("lp", 11.0)) == fitting._Solved(60, None, 11.0)
+    assert option(50, 10.5, free) == fitting._Solved(50, None, 11.0) and calls == []
+    assert option(40, 12.0, free, solution(11.5, 60), solver.NoBetterError("lp", 12.5)) == \
+        fitting._Solved(40, None, 12.5) and calls == [("unbudgeted", 12.0), (("budgeted", 40), 12.0)]
+    assert not fitting._Solved(40, None, 12.5).stale(40, 12.5) and fitting._Solved(40, None, 12.5).stale(40, 12.6)
 
 
 def test_after_two_misses_the_budget_follows_the_peaks_slope():

@@ -129,7 +129,7 @@ def test_random_problems_match_brute_force(presolve):
 
 def test_a_cutoff_stops_only_where_nothing_costs_less():
     """With a cutoff above the optimum the optimum comes back; at or below it, either the optimum
-    or NoBetterError (the LP bound proved it)."""
+    or NoBetterError naming the LP bound that proved it: at least the cutoff, at most the optimum."""
     proved = 0
     for seed in range(300):
         problem = random_problem(seed)
@@ -142,7 +142,8 @@ def test_a_cutoff_stops_only_where_nothing_costs_less():
             sol = solve(problem, cutoff=best - margin)
         except NoBetterError as err:
             proved += 1
-            assert "no solution costs less than" in str(err)
+            assert "no solution costs less than" in str(err) and f"the LP bound is {err.bound:.6g}" in str(err)
+            assert best - margin <= err.bound <= best + 1e-6 * max(1.0, abs(best))
         else:
             assert sol.objective == pytest.approx(best, rel=1e-6, abs=1e-9)
     assert proved >= 10  # 18 of the 300: most are solved by presolve alone, without an LP

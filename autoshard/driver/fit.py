@@ -156,7 +156,8 @@ def fit_memory(plan: Plan, sharding: ShardingProblem, planner: Planner, device: 
 @dataclass(frozen=True)
 class _Solved:
     """An option's last solve: its budget, its plan (None: nothing fits the budget, or nothing
-    costs less than `cut`), and the cutoff that ruled it out (None: none did)."""
+    costs less than `cut`), and, when a cutoff ruled it out, the proven lower bound on its step
+    that did (None: none did). A later cutoff up to that bound rules it out again unsolved."""
 
     budget: float
     plan: Plan | None
@@ -170,8 +171,8 @@ class _Solved:
 
 @dataclass(frozen=True)
 class _Unbudgeted:
-    """An option solved without the budget under a cutoff: its optimum (None: `cut`, the cutoff
-    its LP bound reached). No budgeted plan of the option costs less than the optimum, and the
+    """An option solved without the budget under a cutoff: its optimum (None: `cut`, the proven
+    lower bound that reached the cutoff). No budgeted plan of the option costs less than the optimum, and the
     optimum is the budgeted one when it fits the budget; the LP without the budget's row solves
     in a fraction of the time (70B (8,8,8): ~3 s against 8-12 s)."""
 
@@ -212,18 +213,27 @@ def _solve_option(sp: ShardingProblem, table: PeakTable, budget: float, cutoff: 
         if free is None or (free.cut is not None and cutoff > free.cut):
             try:
                 free = unbudgeted[mode] = _Unbudgeted(steps.solve(sp.problem, cutoff))
-            except solver.NoBetterError:
-                free = unbudgeted[mode] = _Unbudgeted(None, cutoff)
-        if free.solution is None or free.solution.stats.bound >= cutoff:
-            return _Solved(budget, None, cutoff)
+            except solver.NoBetterError as err:
+                free = unbudgeted[mode] = _Unbudgeted(None, _proven(err, cutoff))
+        if free.solution is None:
+            return _Solved(budget, None, free.cut)
+        if free.solution.stats.bound >= cutoff:
+            return _Solved(budget, None, free.solution.stats.bound)
         if modeled_bytes(table, free.solution.choice) <= budget:
             return _Solved(budget, decode(sp, free.solution, planner))
     try:
         return _Solved(budget, decode(sp, steps.solve(with_peak_budget(sp, table, budget), cutoff), planner))
     except solver.InfeasibleError:
         return _Solved(budget, None)
-    except solver.NoBetterError:
-        return _Solved(budget, None, cutoff)
+    except solver.NoBetterError as err:
+        return _Solved(budget, None, _proven(err, cutoff))
+
+
+def _proven(err: solver.NoBetterError, cutoff: float) -> float:
+    """The lower bound a cut proved: the LP's when the solver names it (often above the cutoff:
+    the fit's cutoff rises as tighter budgets cost the best option more, and an option cut once
+    stays cut until the cutoff passes this), else the cutoff itself."""
+    return cutoff if err.bound is None else max(err.bound, cutoff)
 
 
 def _next_budget(limit: float, budget: float, nonlinear: float, missed: list[tuple[float, float]]) -> float:

@@ -145,19 +145,19 @@ class RankZeroPlanning:
         """Rank 0 solves `problem` for every rank (InfeasibleError on every rank when nothing is
         feasible; `diagnose=False` skips finding out why, for callers that expect it;
         NoBetterError on every rank when nothing costs less than `cutoff`)."""
-        def answer() -> tuple[str, str]:
+        def answer() -> tuple[str, str, float | None]:
             try:
-                return ("ok", self._solve(problem, diagnose, cutoff).to_json())
+                return ("ok", self._solve(problem, diagnose, cutoff).to_json(), None)
             except solver.InfeasibleError as err:
-                return ("infeasible", str(err))
+                return ("infeasible", str(err), None)
             except solver.NoBetterError as err:
-                return ("no better", str(err))
+                return ("no better", str(err), err.bound)
 
-        kind, payload = on_rank_zero(answer)
+        kind, payload, bound = on_rank_zero(answer)
         if kind == "infeasible":
             raise solver.InfeasibleError(payload)
         if kind == "no better":
-            raise solver.NoBetterError(payload)
+            raise solver.NoBetterError(payload, bound)
         return solver.Solution.from_json(payload)
 
     def fit_steps(self) -> FitSteps:
