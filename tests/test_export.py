@@ -4,6 +4,7 @@ loads with every tensor the checkpoint's, and that `--init-from` trains from aga
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -60,16 +61,23 @@ def test_our_llama_exports_as_llama_for_causal_lm_with_the_same_logits(tmp_path,
     assert abs(first - batch_loss(ours, workload, 0)) <= 1e-5 * first
 
 
+@pytest.fixture(scope="module")
+def one_step_run(tmp_path_factory) -> Path:
+    """A one-step training run with its checkpoint, made once; each test copies it."""
+    run = tmp_path_factory.mktemp("export") / "run"
+    assert train_main([*TINY, "--steps", "1", "--checkpoint-every", "1", "--out", str(run)]) == 0
+    return run
+
+
 @pytest.mark.parametrize("args, message", [
     (["{tmp}/nowhere", "--hf", "{tmp}/o"], "not a training run directory (no plan.json)"),
     (["{run}", "--hf", "{tmp}/o", "--step", "2"], "no complete checkpoint of step 2 (there are: 1)"),
     (["{run}", "--hf", "{run}"], "exists and is not an empty directory"),
     (["{run}", "--hf", "/proc/autoshard-export"], "cannot write /proc/autoshard-export"),
 ])
-def test_bad_export_input_is_one_error_line_and_writes_nothing(tmp_path, capsys, args, message):
+def test_bad_export_input_is_one_error_line_and_writes_nothing(tmp_path, capsys, one_step_run, args, message):
     run = tmp_path / "run"
-    assert train_main([*TINY, "--steps", "1", "--checkpoint-every", "1", "--out", str(run)]) == 0
-    capsys.readouterr()
+    shutil.copytree(one_step_run, run)
     with pytest.raises(SystemExit) as exit_:
         autoshard_main(["export", *[a.replace("{tmp}", str(tmp_path)).replace("{run}", str(run)) for a in args]])
     err = capsys.readouterr().err
