@@ -51,8 +51,8 @@ def solve_core(red: Reduction, backend: str, deadline: float | None, msg: bool,
     if status == "optimal":
         lower = pulp.value(model.lp.objective) or 0.0
         result.lower = lower / model.scale
-        if _reaches(red, model, stop_at):
-            result.status = "cutoff"
+        if _reaches(red, model, stop_at):  # the bound less the LP's tolerance: still at least stop_at
+            result.status, result.lower = "cutoff", (lower - _lp_tolerance(red, lower)) / model.scale
             return result
         incumbent = _incumbent(red, model, backend, msg, left())
     if incumbent is None:  # no LP or no incumbent: the plain MIP

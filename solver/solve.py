@@ -119,9 +119,8 @@ def solve(problem: Problem, backend: str = "auto", time_limit: float | None = No
         if result.status == "infeasible":
             raise explain(problem, backend) if diagnose else InfeasibleError("infeasible (not diagnosed)")
         if result.status == "cutoff":
-            bound = cutoff - stop_at + result.lower
-            raise NoBetterError(f"no solution costs less than {cutoff:.6g}: the LP bound is {bound:.6g}",
-                                max(bound, cutoff))
+            bound = max(cutoff, cutoff - stop_at + result.lower)  # the max only guards rounding
+            raise NoBetterError(f"no solution costs less than {cutoff:.6g}: the LP bound is {bound:.6g}", bound)
         if result.status == "none":
             raise SolveError(f"{backend} stopped without a solution "
                              f"(time_limit={time_limit}, {stats.variables} variables)")
