@@ -172,9 +172,9 @@ class _Solved:
 @dataclass(frozen=True)
 class _Unbudgeted:
     """An option solved without the budget under a cutoff: its optimum (None: `cut`, the proven
-    lower bound that reached the cutoff). No budgeted plan of the option costs less than the optimum, and the
-    optimum is the budgeted one when it fits the budget; the LP without the budget's row solves
-    in a fraction of the time (70B (8,8,8): ~3 s against 8-12 s)."""
+    lower bound that reached the cutoff). No budgeted plan of the option costs less than the
+    optimum, and the optimum is the budgeted one when it fits the budget; the LP without the
+    budget's row solves in a fraction of the time (70B (8,8,8): ~3 s against 8-12 s)."""
 
     solution: solver.Solution | None
     cut: float | None = None
@@ -230,10 +230,10 @@ def _solve_option(sp: ShardingProblem, table: PeakTable, budget: float, cutoff: 
 
 
 def _proven(err: solver.NoBetterError, cutoff: float) -> float:
-    """The lower bound a cut proved: the LP's when the solver names it (often above the cutoff:
-    the fit's cutoff rises as tighter budgets cost the best option more, and an option cut once
-    stays cut until the cutoff passes this), else the cutoff itself."""
-    return cutoff if err.bound is None else max(err.bound, cutoff)
+    """The lower bound a cut proved: the LP's when the solver names it (at least the cutoff, often
+    above it: the fit's cutoff rises as tighter budgets cost the best option more, and an option
+    cut once stays cut until the cutoff passes this), else the cutoff itself."""
+    return cutoff if err.bound is None else err.bound
 
 
 def _next_budget(limit: float, budget: float, nonlinear: float, missed: list[tuple[float, float]]) -> float:
