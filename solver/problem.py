@@ -227,12 +227,16 @@ class Problem:
     def validate(self) -> None:
         """Raise ValueError naming the first malformed piece of input."""
         index: dict[str, int] = {}
+        checked: set[int] = set()  # choice lists shared by nodes (repeated blocks) are checked once
         for node in self.nodes:
             if node.name in index:
                 raise ValueError(f"duplicate node name {node.name!r}")
             index[node.name] = len(index)
             if not node.choices:
                 raise ValueError(f"node {node.name!r} has no choices")
+            if id(node.choices) in checked:
+                continue
+            checked.add(id(node.choices))
             for c in node.choices:
                 if not (c.cost >= 0 and 0 <= c.memory < math.inf):  # False for NaN too
                     _check_cost(c.cost, f"node {node.name!r} choice {c.label!r} cost")
@@ -261,16 +265,19 @@ class Problem:
     def _validate_edges(self, known) -> None:
         """Cost matrices sized by their nodes' choices, every entry >= 0 (`known(name, what)`: a
         node's number of choices, or the error naming `what` for an unknown node)."""
-        checked: set[int] = set()  # shared matrices are checked once
+        width: dict[int, int | None] = {}  # shared matrices are checked once: their rows' length (None: ragged)
         for e in self.edges:
             what = f"edge {e.src!r}->{e.dst!r}"
             rows, cols = known(e.src, what), known(e.dst, what)
-            if len(e.cost) != rows or any(len(r) != cols for r in e.cost):
+            seen = id(e.cost) in width
+            if not seen:
+                lengths = {len(r) for r in e.cost}
+                width[id(e.cost)] = lengths.pop() if len(lengths) == 1 else None
+            if len(e.cost) != rows or width[id(e.cost)] != cols:
                 shape = f"{len(e.cost)}x{[len(r) for r in e.cost]}"
                 raise ValueError(f"{what}: cost matrix must be {rows}x{cols}, got {shape}")
-            if id(e.cost) in checked:
+            if seen:
                 continue
-            checked.add(id(e.cost))
             m = np.asarray(e.cost, dtype=float)
             if not (m >= 0).all():  # also catches NaN
                 _check_cost(float(m[~(m >= 0)][0]), f"{what} cost")

@@ -17,7 +17,6 @@ import time
 from dataclasses import dataclass
 
 import numpy as np
-import pulp
 
 from .model import Model, choices, run
 from .presolve import Conflict, Reduction
@@ -49,7 +48,7 @@ def solve_core(red: Reduction, backend: str, deadline: float | None, msg: bool,
         return result
     incumbent = None
     if status == "optimal":
-        lower = pulp.value(model.lp.objective) or 0.0
+        lower = model.objective
         result.lower = lower / model.scale
         if _reaches(red, model, stop_at):  # the bound less the LP's tolerance: still at least stop_at
             result.status, result.lower = "cutoff", (lower - _lp_tolerance(red, lower)) / model.scale
@@ -88,14 +87,14 @@ def _ruled_out(red: Reduction, model: Model, threshold: float):
     and how many columns that rules out."""
     keep, forbid, count = {}, {}, 0
     for c, (idx, xs) in model.x.items():
-        out = np.array([v.dj is not None and v.dj > threshold for v in xs])
+        out = model.reduced[xs] > threshold
         keep[c] = red.alive[c].copy()
         keep[c][idx[out]] = False
         count += int(out.sum())
     for (a, b), (row_of, col_of, ys) in model.pairs.items():
         groups = np.zeros((row_of.max() + 1, col_of.max() + 1), bool)
         for (g, h), v in ys.items():
-            if v.dj is not None and v.dj > threshold:
+            if model.reduced[v] > threshold:
                 groups[g, h] = True
                 count += 1
         mask = np.zeros(red.mat[(a, b)].shape, bool)
@@ -128,7 +127,7 @@ def _reaches(red: Reduction, model: Model, stop_at: float | None) -> bool:
     """Whether the LP just solved proves that no solution of the core costs less than `stop_at`."""
     if stop_at is None:
         return False
-    lower = pulp.value(model.lp.objective) or 0.0
+    lower = model.objective
     return lower - _lp_tolerance(red, lower) >= stop_at * model.scale
 
 
@@ -148,7 +147,7 @@ def _tightened_lp(red: Reduction, model: Model, backend: str, left, msg: bool, r
         status = run(model, backend, left(), msg, rel_gap, mip=False)
         if status != "optimal" or budget <= 0 or round_ == rounds or _reaches(red, model, stop_at):
             break
-        frac = {c for c, (_, xs) in model.x.items() if max(v.varValue for v in xs) < 1 - 1e-6}
+        frac = {c for c, (_, xs) in model.x.items() if model.value[xs].max() < 1 - 1e-6}
         found = {tri for a in frac for b in red.adj[a] for c in red.adj[a] & red.adj[b]
                  if len(frac.intersection(tri := tuple(sorted((a, b, c))))) >= 2}
         added = 0
@@ -170,7 +169,7 @@ def _incumbent(red: Reduction, model: Model, backend: str, msg: bool, time_limit
     candidates = [choices(model)]
     keep = {}
     for c, (idx, xs) in model.x.items():
-        if max(v.varValue for v in xs) > 1 - 1e-6:
+        if model.value[xs].max() > 1 - 1e-6:
             keep[c] = np.zeros(len(red.alive[c]), bool)
             keep[c][candidates[0][c]] = True
     if len(keep) < len(model.x):

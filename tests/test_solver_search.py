@@ -36,7 +36,7 @@ def plain_mip(problem: Problem) -> float:
     red = Reduction(problem, problem.constraints, problem.regions, reduce=False)
     model = Model(red)
     assert run(model, "highs", None, False, 1e-9) == "optimal"
-    chosen = {c: int(idx[max(range(len(xs)), key=lambda i: xs[i].varValue)])
+    chosen = {c: int(idx[max(range(len(xs)), key=lambda i: model.value[xs[i]])])
               for c, (idx, xs) in model.x.items()}
     return sum(problem.cost(red.assign(chosen)))
 
@@ -81,14 +81,12 @@ def test_core_cost_is_the_objective_up_to_a_constant():
 def test_tightening_stops_once_the_lp_bound_reaches_the_cutoff(monkeypatch):
     """Triangles only raise the LP bound: with a cutoff the first bound already reaches, one LP
     is solved; with one between the first and the last bound, rounds go on until it is reached."""
-    import pulp
-
     bounds, real_run = [], search.run
 
     def run(model, *args, mip=True, **kwargs):
         status = real_run(model, *args, mip=mip, **kwargs)
         if not mip:
-            bounds.append(pulp.value(model.lp.objective) / model.scale)
+            bounds.append(model.objective / model.scale)
         return status
 
     monkeypatch.setattr(search, "run", run)
