@@ -182,11 +182,9 @@ def _run_highs(model: Model, time_limit, msg: bool, rel_gap: float, mip: bool, c
     lp.num_col_, lp.num_row_ = len(model.cost), len(model.rows)
     lp.col_cost_ = np.array(model.cost, float)
     lp.col_lower_ = np.zeros(lp.num_col_)
-    binary = np.array(model.binary, bool)
-    lp.col_upper_ = np.where(binary, 1.0, highspy.kHighsInf)
-    inf = highspy.kHighsInf
-    lp.row_lower_ = np.array([max(r[2], -inf) for r in model.rows], float)
-    lp.row_upper_ = np.array([min(r[3], inf) for r in model.rows], float)
+    lp.col_upper_ = np.where(np.array(model.binary, bool), 1.0, highspy.kHighsInf)  # kHighsInf is float inf
+    lp.row_lower_ = np.array([r[2] for r in model.rows], float)
+    lp.row_upper_ = np.array([r[3] for r in model.rows], float)
     lengths = np.array([len(r[0]) for r in model.rows], np.int32)
     lp.a_matrix_.format_ = highspy.MatrixFormat.kRowwise
     lp.a_matrix_.start_ = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
