@@ -64,6 +64,7 @@ class Arrays:
             return m if costs else np.where(np.isfinite(m), 0.0, m)
 
         shared: dict[int, np.ndarray] = {}  # edges holding the same matrix object share one array
+        per_list: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # so do nodes holding one choice list
 
         def edge_array(e: Edge) -> np.ndarray:
             m = shared.get(id(e.cost))
@@ -71,8 +72,15 @@ class Arrays:
                 m = shared[id(e.cost)] = keep(np.array(e.cost, float))
             return m
 
-        return cls([keep(np.array([c.cost for c in n.choices], float)) for n in problem.nodes],
-                   [np.array([c.memory for c in n.choices], float) for n in problem.nodes],
+        def node_arrays(choices: list) -> tuple[np.ndarray, np.ndarray]:
+            got = per_list.get(id(choices))
+            if got is None:
+                got = per_list[id(choices)] = (keep(np.array([c.cost for c in choices], float)),
+                                               np.array([c.memory for c in choices], float))
+            return got
+
+        nodes = [node_arrays(n.choices) for n in problem.nodes]
+        return cls([cost for cost, _ in nodes], [memory for _, memory in nodes],
                    [edge_array(e) for e in problem.edges])
 
 

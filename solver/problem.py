@@ -138,7 +138,12 @@ class Problem:
 
     # ---- building helpers -------------------------------------------------------------------
     def add_node(self, name: str, choices: Sequence[Choice | str]) -> Node:
-        node = Node(name, [c if isinstance(c, Choice) else Choice(c) for c in choices])
+        """Nodes passed the same list of Choice objects share it, as edges share matrices:
+        validation and presolve convert a shared list once (the list must not change after)."""
+        if isinstance(choices, list) and all(isinstance(c, Choice) for c in choices):
+            node = Node(name, choices)
+        else:
+            node = Node(name, [c if isinstance(c, Choice) else Choice(c) for c in choices])
         self.nodes.append(node)
         return node
 
@@ -226,23 +231,24 @@ class Problem:
     # ---- validation -------------------------------------------------------------------------
     def validate(self) -> None:
         """Raise ValueError naming the first malformed piece of input."""
-        index: dict[str, int] = {}
-        checked: set[int] = set()  # choice lists shared by nodes (repeated blocks) are checked once
+        count = {n.name: len(n.choices) for n in self.nodes}
+        if len(count) != len(self.nodes):
+            seen: set[str] = set()
+            for node in self.nodes:
+                if node.name in seen:
+                    raise ValueError(f"duplicate node name {node.name!r}")
+                seen.add(node.name)
+        first: dict[int, Node] = {}  # choice lists shared by nodes (repeated blocks) are checked once
         for node in self.nodes:
-            if node.name in index:
-                raise ValueError(f"duplicate node name {node.name!r}")
-            index[node.name] = len(index)
+            first.setdefault(id(node.choices), node)
+        for node in first.values():
             if not node.choices:
                 raise ValueError(f"node {node.name!r} has no choices")
-            if id(node.choices) in checked:
-                continue
-            checked.add(id(node.choices))
             for c in node.choices:
                 if not (c.cost >= 0 and 0 <= c.memory < math.inf):  # False for NaN too
                     _check_cost(c.cost, f"node {node.name!r} choice {c.label!r} cost")
                     raise ValueError(f"node {node.name!r} choice {c.label!r}: memory must be "
                                      f"finite and >= 0, got {c.memory!r}")
-        count = {n.name: len(n.choices) for n in self.nodes}
 
         def known(name, what):
             if name not in count:
@@ -257,7 +263,10 @@ class Problem:
             if not region.copies or len({len(c) for c in region.copies}) != 1:
                 raise ValueError(f"{what}: copies must be non-empty and of equal length")
             for pos, names in enumerate(zip(*region.copies)):
-                sizes = {known(n, what) for n in names}
+                try:
+                    sizes = {count[n] for n in names}
+                except KeyError as missing:
+                    known(missing.args[0], what)  # raises, naming it
                 if len(sizes) > 1:
                     raise ValueError(f"{what}: position {pos} ({names[0]!r}...) has different "
                                      f"numbers of choices {sizes}")
