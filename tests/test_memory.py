@@ -5,6 +5,7 @@ what the plan priced."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 
 import pytest
@@ -87,6 +88,37 @@ def test_recompute_lowers_the_dry_runs_activations_and_is_priced():
     assert not free.recomputed and plan.step_time_s > free.step_time_s  # recomputation costs time
     forward_mm = [n for n in plan.recomputed if n.startswith("mm")]
     assert forward_mm and all(plan.node_compute_s[n] > 0 for n in forward_mm)
+
+
+def test_another_option_derived_from_a_problem_is_the_problem_built_with_it():
+    """The memory fit derives each option's problem from the one it has (`with_options`): the
+    same ILP that `build_problem` makes with that option (the same fingerprint: every choice's
+    cost, every edge's matrix), from a problem without recomputation and from one with it; the
+    nodes and edges that do not run twice keep their choice lists and matrices."""
+    from autoshard.problem.build import build_problem, with_options
+
+    example = lambda: (torch.empty(BATCH, SEQ, dtype=torch.int64, device="meta"),) * 2  # noqa: E731
+    with AutoShard(build_model(TINY, device="meta"), example, (2, 2), loss_fn=cross_entropy_loss) as auto:
+        auto.optimize()
+        kept, planner, device, spec = auto.sharding, auto.planner, auto.device, auto.spec
+    options = {mode: dataclasses.replace(spec, recompute=mode == "recompute", reshard=mode == "reshard")
+               for mode in ("keep", "reshard", "recompute")}
+    built = {mode: build_problem(kept.graph, kept.mesh_shape, planner, device, o, catalog=kept.catalog,
+                                 pricer=kept.pricer, repeated=kept.repeated) for mode, o in options.items()}
+    assert built["keep"].fingerprint() == kept.fingerprint() and built["recompute"].recomputed
+    assert built["reshard"].recomputed and built["reshard"].fingerprint() != kept.fingerprint()
+    for base in (kept, built["recompute"]):
+        for mode, option in options.items():
+            derived = with_options(base, option)
+            assert derived.fingerprint() == built[mode].fingerprint(), (mode, base.recomputed)
+            assert (derived.recomputed, derived.recompute_blocks, derived.reshard_blocks, derived.compute_s) == \
+                (built[mode].recomputed, built[mode].recompute_blocks, built[mode].reshard_blocks,
+                 built[mode].compute_s)
+    derived = with_options(kept, options["recompute"])
+    same = [a.choices is b.choices for a, b in zip(kept.problem.nodes, derived.problem.nodes)]
+    assert sum(same) == len(same) - len(derived.recomputed & kept.compute_s.keys()) > 0
+    assert all(a.cost is b.cost for a, b in zip(kept.problem.edges, derived.problem.edges)
+               if b.dst not in derived.recomputed)
 
 
 # ---------------------------------------------------------------------------------- memory limit
@@ -298,41 +330,47 @@ def test_the_fit_solves_each_option_under_each_budget_once(monkeypatch):
     """Under 78 MB the budgeted resharding plan misses first (~86 MB) and the fit goes round again:
     only the option whose budget was tightened is solved again, and one that the cutoff ruled out
     when resharding was the best (nothing left to beat now); the others keep their results (a
-    budgeted solve of a 70B problem takes tens of seconds)."""
+    budgeted solve of a 70B problem takes seconds). Each option is solved once without the budget."""
     solves = record_fit_solves(monkeypatch)
     plan, fit, memory = plan_debug(78e6)
     assert len(fit.tried) >= 3 and fit.recompute and memory.peak_bytes <= 78e6  # two budgeted rounds
-    assert len({sp for (sp, budget), _ in solves if budget is not None}) == 3
+    assert len({sp for (sp, budget), _ in solves if budget is None}) == 3  # each option once without the budget
+    # keep and reshard under their budgets; recompute's optimum without the budget fits it: no budgeted solve
+    assert len({sp for (sp, budget), _ in solves if budget is not None}) == 2
     for i, (key, _) in enumerate(solves):
         earlier = [outcome for k, outcome in solves[:i] if k == key]
         assert not earlier or earlier[-1] == "cut", solves
 
 
-def test_cutoffs_skip_options_that_cannot_win_and_change_no_plan(monkeypatch):
-    """Under 90 MB each option after the best so far is solved with its step as a cutoff: three
-    solves end at the LP bound, and the fit ends with the plan it makes without cutoffs."""
-    import solver
-
+def test_cutoffs_skip_options_that_cannot_win_and_change_no_plan(monkeypatch, caplog):
+    """Under 90 MB each option after the best so far meets its step as a cutoff: at least two are
+    ruled out by the lower bound of their solve without the budget, with no budgeted solve, and
+    the fit ends with the plan it makes without cutoffs."""
     from autoshard.driver import fit as fitting
 
     solves = record_fit_solves(monkeypatch)
+    caplog.set_level(logging.INFO, logger="autoshard")
     plan, fit, memory = plan_debug(90e6)
-    assert sum(outcome == "cut" for _, outcome in solves) >= 2
-    assert any(budget is None and outcome == "cut" for (_, budget), outcome in solves)  # cut before any budget
+    cut = [m for m in caplog.messages if m.startswith("autoshard: memory fit: no ") and " beats the " in m]
+    # the bounds of the solves without the budget (started before the first round) did it: no solve was cut
+    assert len(cut) >= 2 and not any(outcome == "cut" for _, outcome in solves), (cut, solves)
+    assert len({sp for (sp, budget), _ in solves if budget is None}) == 3
     real_option = fitting._solve_option  # every option solved under its budget, no cutoff
-    monkeypatch.setattr(fitting, "_solve_option",
-                        lambda sp, table, budget, cutoff, *rest: real_option(sp, table, budget, None, *rest))
+    monkeypatch.setattr(fitting, "_solve_option", lambda option, cutoff, *rest: real_option(option, None, *rest))
     solves.clear()
+    caplog.clear()
     plan_all, fit_all, _ = plan_debug(90e6)
+    assert not any(" beats the " in m for m in caplog.messages)
     assert not any(outcome == "cut" for _, outcome in solves)
     assert (plan.param_layouts, plan.step_time_s, fit.mode, fit.tried) == \
         (plan_all.param_layouts, plan_all.step_time_s, fit_all.mode, fit_all.tried)
 
 
 def test_an_option_is_first_solved_without_its_budget(monkeypatch):
-    """With a cutoff, an option is first solved without the budget (kept across budgets): cut when
-    that LP or optimum cannot beat the cutoff, taken when its optimum fits the budget; only
-    otherwise is the budgeted problem solved. Without a cutoff, the budgeted one directly."""
+    """An option is first solved without the budget (kept across budgets): cut when that LP or
+    optimum cannot beat the cutoff, taken when its optimum fits the budget; only otherwise is the
+    budgeted problem solved. A solve started before the first round is waited for, not repeated:
+    one without the budget, and the budgeted one (without a cutoff) when the budget is the same."""
     from types import SimpleNamespace
 
     import solver
@@ -344,19 +382,27 @@ def test_an_option_is_first_solved_without_its_budget(monkeypatch):
     sp = SimpleNamespace(problem="unbudgeted")
     calls, answers = [], []
 
-    def solve(problem, cutoff):
+    def answer(given):
+        if isinstance(given, Exception):
+            raise given
+        return given
+
+    def start(problem, cutoff):
         calls.append((problem, cutoff))
-        answer = answers.pop(0)
-        if isinstance(answer, Exception):
-            raise answer
-        return answer
+        given = answers.pop(0)
+        return lambda: answer(given)
 
-    steps = fitting.FitSteps(solve, None)
+    steps = fitting.FitSteps(start, None)
+    kept = fitting._Option("reshard", sp, None, 0)  # what an option's solves found, across calls
 
-    def option(budget, cutoff, unbudgeted, *given):
+    def option(budget, cutoff, free, *given):
         calls.clear()
         answers[:] = given
-        return fitting._solve_option(sp, None, budget, cutoff, steps, None, unbudgeted, "reshard")
+        kept.budget, kept.unbudgeted = budget, free.get("reshard")
+        solved = fitting._solve_option(kept, cutoff, steps, None)
+        if kept.unbudgeted is not None:
+            free["reshard"] = kept.unbudgeted
+        return solved
 
     def solution(bound, nbytes):
         return SimpleNamespace(stats=SimpleNamespace(bound=bound), choice={"bytes": nbytes})
@@ -377,6 +423,21 @@ def test_an_option_is_first_solved_without_its_budget(monkeypatch):
     assert option(50, 10.5, free) == fitting._Solved(50, None, 11.0) and calls == []
     assert option(40, 12.0, free, solution(11.5, 60), solver.NoBetterError("lp", 12.5)) == \
         fitting._Solved(40, None, 12.5) and calls == [("unbudgeted", 12.0), (("budgeted", 40), 12.0)]
+    # started ahead: the solve without the budget is waited for (even with no cutoff: its optimum fits)
+    calls.clear()
+    kept.unbudgeted, kept.budget, kept.ahead = None, 60, lambda: fits
+    assert fitting._solve_option(kept, None, steps, None).plan is fits and calls == [] and kept.ahead is None
+    # ... and when it does not fit, the budgeted solve started ahead is the answer without a cutoff
+    kept.unbudgeted, kept.budget, kept.ahead, kept.started = None, 40, lambda: fits, lambda: budgeted
+    assert fitting._solve_option(kept, None, steps, None).plan is budgeted and calls == [] and kept.started is None
+    # ... but not under a cutoff (solved again with it), nor an infeasible one without the budget
+    kept.unbudgeted, kept.ahead, kept.started = None, lambda: fits, lambda: budgeted
+    answers[:] = [solver.NoBetterError("lp", 8.0)]
+    assert fitting._solve_option(kept, 7.5, steps, None) == fitting._Solved(40, None, 8.0)
+    assert calls == [(("budgeted", 40), 7.5)]
+    calls.clear()
+    kept.unbudgeted, kept.ahead = None, lambda: answer(solver.InfeasibleError("none"))
+    assert fitting._solve_option(kept, 7.5, steps, None) == fitting._Solved(40, None) and calls == []
     assert not fitting._Solved(40, None, 12.5).stale(40, 12.5) and fitting._Solved(40, None, 12.5).stale(40, 12.6)
 
 

@@ -35,7 +35,7 @@ from autoshard.capture.precision import cast_floating
 from autoshard.capture.repeat import trace_step
 from autoshard.capture.trace import mark_outputs
 from autoshard.driver.config import ROLES, PlanConfig, role_of
-from autoshard.driver.fit import FitSteps, fit_memory
+from autoshard.driver.fit import FitSteps, fit_memory, solving_here
 from autoshard.driver.ranks import RankZeroPlanning, in_process_group
 from autoshard.driver.replicas import fix_replicate_dim
 from autoshard.layout import Layout
@@ -299,11 +299,11 @@ class AutoShard:
         if limit is None:
             return plan, sharding
         start = time.perf_counter()
-        steps = planning.fit_steps() if planning is not None else None
-        if not dry_run:
-            steps = FitSteps(self._solve_step(planning), None)
+        steps = planning.fit_steps(dry_run) if planning is not None else None  # None: solve and dry-run here
+        if steps is None and not dry_run:
+            steps = FitSteps(solving_here(self.config.backend, self.config.time_limit), None)
         with tc.no_dispatch_modes():  # the dry run makes its own fake mode
-            fitted = fit_memory(plan, sharding, planner, self.device, spec, limit,
+            fitted = fit_memory(plan, sharding, planner, spec, limit,
                                 backend=self.config.backend, time_limit=self.config.time_limit, steps=steps)
         self.fit, self._fit_dry_run = fitted.fit, fitted.dry_run
         if fitted.fit.peak_bytes is not None or fitted.fit.constrained:  # a stage when it dry-ran or re-planned

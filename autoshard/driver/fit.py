@@ -24,6 +24,11 @@ Without dry runs (`FitSteps.dry_run` None: `plan --no-dry-run`) the linear part 
 under the limit: a plan whose linear part fits is kept, else the budgeted options are solved with
 the whole limit as their budget and the fastest is kept.
 
+Solves run beside the fit (`in_background`; HiGHS leaves Python's lock while it solves): while
+the asked option's budgeted solve runs, the fit derives the other options' problems from the one
+it has (`with_options`) and starts their solves without the budget, which the first round then
+reads (their optimum bounds their budgeted step from below, and is it when it fits).
+
 How it solves and dry-runs is a `FitSteps` (default: here, on a fake process group). Under a
 process group every rank runs the fit beside the others with steps whose results are the same on
 every rank (`driver.ranks`: rank 0 solves and dry-runs and broadcasts the results), so every rank
@@ -32,22 +37,25 @@ decides alike.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
+import threading
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, TypeVar
 
 import solver
 
 from autoshard.pricing.planner import Planner
-from autoshard.problem.build import ProblemSpec, ShardingProblem, build_problem
+from autoshard.problem.build import ProblemSpec, ShardingProblem, with_options
 from autoshard.problem.memory import (MODES, MemoryFit, PeakTable, modeled_bytes, peak_memory_table, size_text,
                                       with_peak_budget)
 from autoshard.problem.plan import Plan, decode
-from autoshard.profiles.device import DeviceProfile
 from autoshard.runtime.dryrun import DryRunResult, dry_run
 
 log = logging.getLogger("autoshard")
+
+T = TypeVar("T")
 
 TRUST = 0.5  # a plan whose linear part is under this share of the limit fits without a dry run
 ROUNDS = 3  # dry runs over the limit after which an option is given up
@@ -59,13 +67,52 @@ class MemoryLimitError(ValueError):
 
 @dataclass(frozen=True)
 class FitSteps:
-    """What `fit_memory` asks of the outside: solve a budgeted problem under a cutoff (None: none;
-    InfeasibleError when nothing fits the budget, expected and not diagnosed; NoBetterError when
-    nothing costs less than the cutoff) and dry-run a plan (None: no dry runs, the linear part
-    alone is checked). Replaceable so that ranks fitting side by side agree."""
+    """What `fit_memory` asks of the outside: start solving a budgeted problem under a cutoff
+    (None: none) and return what waits for its solution (raising InfeasibleError when nothing fits
+    the budget, expected and not diagnosed; NoBetterError when nothing costs less than the cutoff),
+    and dry-run a plan (None: no dry runs, the linear part alone is checked). Replaceable so that
+    ranks fitting side by side agree: every rank waits for the solves in the same order."""
 
-    solve: Callable[[solver.Problem, float | None], solver.Solution]
+    start: Callable[[solver.Problem, float | None], Callable[[], solver.Solution]]
     dry_run: Callable[[Plan], DryRunResult] | None
+
+
+AT_ONCE = 2  # solves run at once: the asked option's budgeted one and one started ahead
+
+
+def in_background(work: Callable[[], T], gate: threading.Semaphore | None = None) -> Callable[[], T]:
+    """Start `work` on a thread of its own (once `gate` lets it); the call returned waits for it
+    and returns its result or raises its exception. A daemon thread: a solve nobody waits for
+    (the fit failed) does not hold the process at exit."""
+    outcome: list = []
+
+    def run() -> None:
+        with gate if gate is not None else contextlib.nullcontext():
+            try:
+                outcome.append((True, work()))
+            except BaseException as err:  # noqa: BLE001 - raised again by the waiter
+                outcome.append((False, err))
+
+    thread = threading.Thread(target=run, name="autoshard-solve", daemon=True)
+    thread.start()
+
+    def wait() -> T:
+        thread.join()
+        ok, value = outcome[0]
+        if not ok:
+            raise value
+        return value
+
+    return wait
+
+
+def solving_here(backend: str = "auto", time_limit: float | None = None) -> Callable[..., Callable[[], solver.Solution]]:
+    """`FitSteps.start` for solving in this process: each solve on a thread of its own, `AT_ONCE`
+    at a time (their presolves and model building hold Python's lock: more at once would slow the
+    one the fit waits for first)."""
+    gate = threading.Semaphore(AT_ONCE)
+    return lambda problem, cutoff: in_background(lambda: solver.solve(
+        problem, backend=backend, time_limit=time_limit, diagnose=False, cutoff=cutoff), gate)
 
 
 @dataclass
@@ -83,14 +130,13 @@ def mode_of(spec: ProblemSpec) -> str:
     return "recompute" if spec.recompute else "reshard" if spec.reshard else "keep"
 
 
-def fit_memory(plan: Plan, sharding: ShardingProblem, planner: Planner, device: DeviceProfile, spec: ProblemSpec,
+def fit_memory(plan: Plan, sharding: ShardingProblem, planner: Planner, spec: ProblemSpec,
                limit: float, *, backend: str = "auto", time_limit: float | None = None,
                steps: FitSteps | None = None) -> FittedPlan:
     """`plan` if it fits `limit`, else the best plan that does (with the problem it solves);
     MemoryLimitError when none does. `steps` default to solving and dry-running in this process."""
     if steps is None:
-        steps = FitSteps(lambda problem, cutoff: solver.solve(problem, backend=backend, time_limit=time_limit,
-                                                              diagnose=False, cutoff=cutoff), dry_run)
+        steps = FitSteps(solving_here(backend, time_limit), dry_run)
     table = peak_memory_table(sharding)
     linear = modeled_bytes(table, plan.solution.choice)
     asked = mode_of(spec)
@@ -112,40 +158,36 @@ def fit_memory(plan: Plan, sharding: ShardingProblem, planner: Planner, device: 
     needs = result.peak_bytes if result is not None else linear
     log.info("autoshard: the plan needs %s per rank%s, over the %s limit: planning under a budget",
              size_text(needs), "" if result is not None else " (modeled)", size_text(limit))
-    problems = {asked: sharding}
-    for mode in MODES[MODES.index(asked) + 1:]:  # what the user did not ask for, the budget may choose
-        problems[mode] = build_problem(sharding.graph, sharding.mesh_shape, planner, device,
-                                       dataclasses.replace(spec, recompute=mode == "recompute",
-                                                           reshard=mode == "reshard"),
-                                       catalog=sharding.catalog, pricer=sharding.pricer, repeated=sharding.repeated)
-    tables = {mode: table if sp is sharding else peak_memory_table(sp) for mode, sp in problems.items()}
     # each option's budget: the limit less the non-linear part the dry run found, tightened by its own misses
     extra = max(0.0, result.peak_bytes - linear) if result is not None else 0.0
-    budgets = dict.fromkeys(problems, limit - extra)
-    missed: dict[str, list[tuple[float, float]]] = {mode: [] for mode in problems}  # (budget, dry-run peak)
+    first = _Option(asked, sharding, table, limit - extra, unbudgeted=_Unbudgeted(plan.solution))
+    # its budgeted solve runs while the others are derived and start solving without the budget
+    first.started = steps.start(with_peak_budget(sharding, table, first.budget), None)
+    options = [first]
+    for mode in MODES[MODES.index(asked) + 1:]:  # what the user did not ask for, the budget may choose
+        sp = with_options(sharding, dataclasses.replace(spec, recompute=mode == "recompute", reshard=mode == "reshard"))
+        options.append(_Option(mode, sp, peak_memory_table(sp), first.budget, ahead=steps.start(sp.problem, None)))
     smallest = result
-    solved: dict[str, _Solved] = {}
-    unbudgeted: dict[str, _Unbudgeted] = {}
-    while problems:
-        best = _best_budgeted(problems, tables, budgets, steps, planner, solved, unbudgeted)
+    while options:
+        best = _best_budgeted(options, steps, planner)
         if best is None:
             break
-        candidate, sp, mode = best
+        candidate, option = best
+        linear = modeled_bytes(option.table, candidate.solution.choice)
         if steps.dry_run is None:  # its linear part fits the limit: all that is checked
-            return fitted(candidate, sp, mode, modeled_bytes(tables[mode], candidate.solution.choice), None, True)
+            return fitted(candidate, option.sharding, option.mode, linear, None, True)
         result = steps.dry_run(candidate)
-        linear = modeled_bytes(tables[mode], candidate.solution.choice)
-        tried.append((mode, float(result.peak_bytes)))
+        tried.append((option.mode, float(result.peak_bytes)))
         log.info("autoshard: memory fit: the %s plan under a budget of %s: modeled %s, dry-run peak %s",
-                 mode, size_text(solved[mode].budget), size_text(linear), size_text(result.peak_bytes))
+                 option.mode, size_text(option.budget), size_text(linear), size_text(result.peak_bytes))
         if result.peak_bytes < smallest.peak_bytes:
             smallest = result
         if result.peak_bytes <= limit:
-            return fitted(candidate, sp, mode, linear, result, True)
-        missed[mode].append((budgets[mode], float(result.peak_bytes)))
-        budgets[mode] = _next_budget(limit, budgets[mode], result.peak_bytes - linear, missed[mode])
-        if len(missed[mode]) == ROUNDS:  # this option keeps missing: leave it to the others
-            del problems[mode]
+            return fitted(candidate, option.sharding, option.mode, linear, result, True)
+        option.missed.append((option.budget, float(result.peak_bytes)))
+        option.budget = _next_budget(limit, option.budget, result.peak_bytes - linear, option.missed)
+        if len(option.missed) == ROUNDS:  # this option keeps missing: leave it to the others
+            options.remove(option)
     if smallest is None:
         raise MemoryLimitError(f"no plan fits {size_text(limit)} per rank: even with every option (resharding, "
                                f"activation checkpointing) the modeled peak is over it; use more devices, a smaller "
@@ -171,62 +213,90 @@ class _Solved:
 
 @dataclass(frozen=True)
 class _Unbudgeted:
-    """An option solved without the budget under a cutoff: its optimum (None: `cut`, the proven
-    lower bound that reached the cutoff). No budgeted plan of the option costs less than the
-    optimum, and the optimum is the budgeted one when it fits the budget; the LP without the
-    budget's row solves in a fraction of the time (70B (8,8,8): ~3 s against 8-12 s)."""
+    """An option solved without the budget: its optimum (None: `cut`, the proven lower bound that
+    reached the cutoff it was solved under; neither: nothing is feasible even without the
+    budget). No budgeted plan of the option costs less than the optimum, and the optimum is the
+    budgeted one when it fits the budget; without the budget's row the problem solves in a
+    fraction of the time (70B (8,8,8): ~2 s against 8-12 s)."""
 
     solution: solver.Solution | None
     cut: float | None = None
 
 
-def _best_budgeted(problems: dict[str, ShardingProblem], tables: dict[str, PeakTable],
-                   budgets: dict[str, float], steps: FitSteps, planner: Planner,
-                   solved: dict[str, _Solved], unbudgeted: dict[str, _Unbudgeted]
-                   ) -> tuple[Plan, ShardingProblem, str] | None:
+@dataclass
+class _Option:
+    """One way to fit the limit (`mode`: keep, reshard or recompute), its problem and peak table,
+    its budget and dry-run misses (budget, peak), and its solves: the last budgeted one, the
+    one without the budget, and solves started before the first round (`ahead`: without the
+    budget; `started`: under `budget`, without a cutoff)."""
+
+    mode: str
+    sharding: ShardingProblem
+    table: PeakTable
+    budget: float
+    missed: list[tuple[float, float]] = dataclasses.field(default_factory=list)
+    solved: _Solved | None = None
+    unbudgeted: _Unbudgeted | None = None
+    ahead: Callable[[], solver.Solution] | None = None
+    started: Callable[[], solver.Solution] | None = None
+
+
+def _best_budgeted(options: list[_Option], steps: FitSteps, planner: Planner) -> tuple[Plan, _Option] | None:
     """Each option's plan under its budget; the one with the lowest modeled step (None: none fits).
     Options are solved in order with the best step so far as their cutoff. An option whose last
-    solve (in `solved`, updated here) is not stale keeps its result: on a 70B problem one budgeted
-    solve takes tens of seconds."""
+    solve is not stale keeps its result: on a 70B problem one budgeted solve takes seconds."""
     best = None
-    for mode, sp in problems.items():
-        budget, cutoff = budgets[mode], None if best is None else best[0].step_time_s
-        if mode not in solved or solved[mode].stale(budget, cutoff):
-            solved[mode] = _solve_option(sp, tables[mode], budget, cutoff, steps, planner, unbudgeted, mode)
-            if solved[mode].cut is not None:
+    for option in options:
+        cutoff = None if best is None else best[0].step_time_s
+        if option.solved is None or option.solved.stale(option.budget, cutoff):
+            option.solved = _solve_option(option, cutoff, steps, planner)
+            if option.solved.cut is not None:
                 log.info("autoshard: memory fit: no %s plan under a budget of %s beats the %s plan's %.1f ms",
-                         mode, size_text(budget), best[2], 1e3 * cutoff)
-        candidate = solved[mode].plan
-        if candidate is None:
-            continue
-        if best is None or candidate.step_time_s < best[0].step_time_s:
-            best = (candidate, sp, mode)
+                         option.mode, size_text(option.budget), best[1].mode, 1e3 * cutoff)
+        candidate = option.solved.plan
+        if candidate is not None and (best is None or candidate.step_time_s < best[0].step_time_s):
+            best = (candidate, option)
     return best
 
 
-def _solve_option(sp: ShardingProblem, table: PeakTable, budget: float, cutoff: float | None, steps: FitSteps,
-                  planner: Planner, unbudgeted: dict[str, _Unbudgeted], mode: str) -> _Solved:
-    """One option under its budget and the cutoff: first without the budget (kept in
-    `unbudgeted` across budgets), whose optimum bounds the budgeted one from below."""
-    if cutoff is not None:
-        free = unbudgeted.get(mode)
-        if free is None or (free.cut is not None and cutoff > free.cut):
-            try:
-                free = unbudgeted[mode] = _Unbudgeted(steps.solve(sp.problem, cutoff))
-            except solver.NoBetterError as err:
-                free = unbudgeted[mode] = _Unbudgeted(None, _proven(err, cutoff))
-        if free.solution is None:
+def _solve_option(option: _Option, cutoff: float | None, steps: FitSteps, planner: Planner) -> _Solved:
+    """One option under its budget and the cutoff: first without the budget (kept across
+    budgets), whose optimum bounds the budgeted one from below and is it when it fits."""
+    budget, sp = option.budget, option.sharding
+    if option.ahead is not None:
+        option.unbudgeted = _waited(option.ahead, None)
+        option.ahead = None
+    free = option.unbudgeted
+    if cutoff is not None and (free is None or (free.cut is not None and cutoff > free.cut)):
+        free = option.unbudgeted = _waited(steps.start(sp.problem, cutoff), cutoff)
+    if free is not None:
+        if free.solution is None and free.cut is None:  # infeasible without the budget: with it too
+            return _Solved(budget, None)
+        if free.solution is None and cutoff is not None:  # cut under a cutoff up to this one
             return _Solved(budget, None, free.cut)
-        if free.solution.stats.bound >= cutoff:
+        if free.solution is not None and cutoff is not None and free.solution.stats.bound >= cutoff:
             return _Solved(budget, None, free.solution.stats.bound)
-        if modeled_bytes(table, free.solution.choice) <= budget:
+        if free.solution is not None and modeled_bytes(option.table, free.solution.choice) <= budget:
             return _Solved(budget, decode(sp, free.solution, planner))
+    started, option.started = option.started, None
+    if started is None or cutoff is not None:  # the one started ahead was for this budget, without a cutoff
+        started = steps.start(with_peak_budget(sp, option.table, budget), cutoff)
     try:
-        return _Solved(budget, decode(sp, steps.solve(with_peak_budget(sp, table, budget), cutoff), planner))
+        return _Solved(budget, decode(sp, started(), planner))
     except solver.InfeasibleError:
         return _Solved(budget, None)
     except solver.NoBetterError as err:
         return _Solved(budget, None, _proven(err, cutoff))
+
+
+def _waited(wait: Callable[[], solver.Solution], cutoff: float | None) -> _Unbudgeted:
+    """An option's solve without the budget, once it is done."""
+    try:
+        return _Unbudgeted(wait())
+    except solver.InfeasibleError:
+        return _Unbudgeted(None)
+    except solver.NoBetterError as err:
+        return _Unbudgeted(None, _proven(err, cutoff))
 
 
 def _proven(err: solver.NoBetterError, cutoff: float) -> float:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, TypeVar
@@ -25,7 +26,7 @@ import torch.distributed as dist
 
 import solver
 
-from autoshard.driver.fit import FitSteps
+from autoshard.driver.fit import AT_ONCE, FitSteps, in_background
 from autoshard.options import UsageError
 from autoshard.problem.build import ShardingProblem
 from autoshard.problem.plan import Plan
@@ -145,29 +146,49 @@ class RankZeroPlanning:
         """Rank 0 solves `problem` for every rank (InfeasibleError on every rank when nothing is
         feasible; `diagnose=False` skips finding out why, for callers that expect it;
         NoBetterError on every rank when nothing costs less than `cutoff`)."""
-        def answer() -> tuple[str, str, float | None]:
-            try:
-                return ("ok", self._solve(problem, diagnose, cutoff).to_json(), None)
-            except solver.InfeasibleError as err:
-                return ("infeasible", str(err), None)
-            except solver.NoBetterError as err:
-                return ("no better", str(err), err.bound)
+        return self._answer(lambda: self._outcome(problem, cutoff, diagnose))
 
-        kind, payload, bound = on_rank_zero(answer)
+    def start_problem(self, problem: solver.Problem, cutoff: float | None = None, *, diagnose: bool = True,
+                      gate: threading.Semaphore | None = None) -> Callable[[], solver.Solution]:
+        """`solve_problem`, with rank 0 solving beside the caller (once `gate` lets it): every rank
+        calls what this returns, in the same order as the other ranks, for rank 0's answer."""
+        if dist.get_rank() == 0:
+            outcome = in_background(lambda: self._outcome(problem, cutoff, diagnose), gate)
+        else:
+            def outcome() -> tuple[str, str, float | None]:
+                raise AssertionError("only rank 0 solves")  # never called: on_rank_zero runs it on rank 0
+        return lambda: self._answer(outcome)
+
+    def _outcome(self, problem: solver.Problem, cutoff: float | None, diagnose: bool) -> tuple[str, str, float | None]:
+        """Rank 0's solve as something to broadcast: the solution, or which error and why."""
+        try:
+            return ("ok", self._solve(problem, diagnose, cutoff).to_json(), None)
+        except solver.InfeasibleError as err:
+            return ("infeasible", str(err), None)
+        except solver.NoBetterError as err:
+            return ("no better", str(err), err.bound)
+
+    @staticmethod
+    def _answer(outcome: Callable[[], tuple[str, str, float | None]]) -> solver.Solution:
+        """Rank 0's `outcome()` on every rank, as the solution or the error it names."""
+        kind, payload, bound = on_rank_zero(outcome)
         if kind == "infeasible":
             raise solver.InfeasibleError(payload)
         if kind == "no better":
             raise solver.NoBetterError(payload, bound)
         return solver.Solution.from_json(payload)
 
-    def fit_steps(self) -> FitSteps:
+    def fit_steps(self, dry_runs: bool = True) -> FitSteps:
         """The memory fit's solves and dry runs, with the same result on every rank: rank 0 solves
-        a budgeted problem and broadcasts the solution (or that none fits); every rank lowers a
-        candidate (lowering may create flattened groups, a collective) and gets rank 0's dry run."""
-        def solve(problem: solver.Problem, cutoff: float | None) -> solver.Solution:
-            return self.solve_problem(problem, cutoff, diagnose=False)
+        each budgeted problem beside the fit and broadcasts the solution (or that none fits);
+        every rank lowers a candidate (lowering may create flattened groups, a collective) and gets
+        rank 0's dry run. `dry_runs=False`: none (the fit checks the modeled peak alone)."""
+        gate = threading.Semaphore(AT_ONCE)
 
-        return FitSteps(solve, lambda plan: self.dry_run(lower(plan, self.mesh), plan))
+        def start(problem: solver.Problem, cutoff: float | None) -> Callable[[], solver.Solution]:
+            return self.start_problem(problem, cutoff, diagnose=False, gate=gate)
+
+        return FitSteps(start, (lambda plan: self.dry_run(lower(plan, self.mesh), plan)) if dry_runs else None)
 
     def dry_run(self, program: Program, plan: Plan) -> DryRunResult:
         """Every rank calls this with its program of `plan`: rank 0 dry-runs its own (fake tensors:

@@ -15,6 +15,7 @@ parameters (`BucketShare`): one launch per block, as the program pays it.
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import hashlib
 import math
@@ -236,6 +237,48 @@ def build_problem(graph: JointGraph, mesh_shape: tuple[int, ...], planner: Plann
                                repeated=repeated)
     _fill_solver_problem(sharding, planner, spec, graph.param_names, repeated)
     return sharding
+
+
+def with_options(sp: ShardingProblem, spec: ProblemSpec) -> ShardingProblem:
+    """`sp` with `spec`'s recompute and reshard options: the problem `build_problem` makes of the
+    same graph, in a fraction of the time (the memory fit builds each option). The options change
+    only what runs twice, so only the prices of those nodes change (their compute, and the
+    redistributions into them, doubled or halved: exact in floating point); every other node
+    keeps its list of choices and every other edge its matrix, shared with `sp`."""
+    graph, repeated = sp.graph, sp.repeated if sp.repeated is not None else find_repeated_blocks(sp.graph)
+    recompute_blocks, reshard_blocks, recomputed = (), (), frozenset()
+    if spec.recompute:
+        recompute_blocks, recomputed = _recomputed(graph, repeated)
+    elif spec.reshard:
+        reshard_blocks, recomputed = _resharded(graph, repeated)
+    factor = {name: 2.0 for name in recomputed - sp.recomputed}
+    factor.update({name: 0.5 for name in sp.recomputed - recomputed})
+    compute_s = dict(sp.compute_s)
+    for name in factor.keys() & compute_s.keys():
+        compute_s[name] = [factor[name] * c for c in compute_s[name]]
+    problem, scaled = solver.Problem(), {}  # (id of sp's choice list or matrix, factor) -> its scaled copy
+    for node in sp.problem.nodes:
+        choices, times = node.choices, factor.get(node.name)
+        if times is not None and node.name in compute_s:
+            key = (id(choices), times)
+            if key not in scaled:
+                costs, step = compute_s[node.name], sp.optimizer_s.get(node.name)
+                if step is not None:  # as `_fill_solver_problem` adds them
+                    costs = [c + o for c, o in zip(costs, step)]
+                scaled[key] = [solver.Choice(c.label, cost, c.memory, c.tags) for c, cost in zip(choices, costs)]
+            choices = scaled[key]
+        problem.nodes.append(solver.Node(node.name, choices))
+    for edge in sp.problem.edges:  # matrices of floats already: shared as they are
+        matrix, times = edge.cost, factor.get(edge.dst)
+        if times is not None:
+            key = (id(matrix), times)
+            if key not in scaled:
+                scaled[key] = [[times * c for c in row] for row in matrix]
+            matrix = scaled[key]
+        problem.edges.append(solver.Edge(edge.src, edge.dst, matrix))
+    problem.constraints, problem.regions = list(sp.problem.constraints), list(sp.problem.regions)
+    return dataclasses.replace(sp, compute_s=compute_s, problem=problem, recompute_blocks=recompute_blocks,
+                               recomputed=recomputed, reshard_blocks=reshard_blocks, repeated=repeated)
 
 
 @dataclass
