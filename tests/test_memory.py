@@ -428,10 +428,14 @@ def test_an_option_is_first_solved_without_its_budget(monkeypatch):
     kept.unbudgeted, kept.budget, kept.ahead = None, 60, lambda: fits
     assert fitting._solve_option(kept, None, steps, None).plan is fits and calls == [] and kept.ahead is None
     # ... and when it does not fit, the budgeted solve started ahead is the answer without a cutoff
-    kept.unbudgeted, kept.budget, kept.ahead, kept.started = None, 40, lambda: fits, lambda: budgeted
+    kept.unbudgeted, kept.budget, kept.ahead, kept.started = None, 40, lambda: fits, (40, lambda: budgeted)
     assert fitting._solve_option(kept, None, steps, None).plan is budgeted and calls == [] and kept.started is None
-    # ... but not under a cutoff (solved again with it), nor an infeasible one without the budget
-    kept.unbudgeted, kept.ahead, kept.started = None, lambda: fits, lambda: budgeted
+    # ... but not under another budget or a cutoff (solved again), nor an infeasible one without the budget
+    kept.unbudgeted, kept.ahead, kept.started = None, lambda: fits, (50, lambda: budgeted)
+    answers[:] = [fits]
+    assert fitting._solve_option(kept, None, steps, None).plan is fits and calls == [(("budgeted", 40), None)]
+    calls.clear()
+    kept.unbudgeted, kept.ahead, kept.started = None, lambda: fits, (40, lambda: budgeted)
     answers[:] = [solver.NoBetterError("lp", 8.0)]
     assert fitting._solve_option(kept, 7.5, steps, None) == fitting._Solved(40, None, 8.0)
     assert calls == [(("budgeted", 40), 7.5)]

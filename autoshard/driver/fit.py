@@ -162,7 +162,7 @@ def fit_memory(plan: Plan, sharding: ShardingProblem, planner: Planner, spec: Pr
     extra = max(0.0, result.peak_bytes - linear) if result is not None else 0.0
     first = _Option(asked, sharding, table, limit - extra, unbudgeted=_Unbudgeted(plan.solution))
     # its budgeted solve runs while the others are derived and start solving without the budget
-    first.started = steps.start(with_peak_budget(sharding, table, first.budget), None)
+    first.started = (first.budget, steps.start(with_peak_budget(sharding, table, first.budget), None))
     options = [first]
     for mode in MODES[MODES.index(asked) + 1:]:  # what the user did not ask for, the budget may choose
         sp = with_options(sharding, dataclasses.replace(spec, recompute=mode == "recompute", reshard=mode == "reshard"))
@@ -228,7 +228,7 @@ class _Option:
     """One way to fit the limit (`mode`: keep, reshard or recompute), its problem and peak table,
     its budget and dry-run misses (budget, peak), and its solves: the last budgeted one, the
     one without the budget, and solves started before the first round (`ahead`: without the
-    budget; `started`: under `budget`, without a cutoff)."""
+    budget; `started`: under the budget it names, without a cutoff)."""
 
     mode: str
     sharding: ShardingProblem
@@ -238,7 +238,7 @@ class _Option:
     solved: _Solved | None = None
     unbudgeted: _Unbudgeted | None = None
     ahead: Callable[[], solver.Solution] | None = None
-    started: Callable[[], solver.Solution] | None = None
+    started: tuple[float, Callable[[], solver.Solution]] | None = None
 
 
 def _best_budgeted(options: list[_Option], steps: FitSteps, planner: Planner) -> tuple[Plan, _Option] | None:
@@ -279,10 +279,10 @@ def _solve_option(option: _Option, cutoff: float | None, steps: FitSteps, planne
         if free.solution is not None and modeled_bytes(option.table, free.solution.choice) <= budget:
             return _Solved(budget, decode(sp, free.solution, planner))
     started, option.started = option.started, None
-    if started is None or cutoff is not None:  # the one started ahead was for this budget, without a cutoff
-        started = steps.start(with_peak_budget(sp, option.table, budget), cutoff)
+    if started is None or started[0] != budget or cutoff is not None:  # it answers this budget without a cutoff
+        started = (budget, steps.start(with_peak_budget(sp, option.table, budget), cutoff))
     try:
-        return _Solved(budget, decode(sp, started(), planner))
+        return _Solved(budget, decode(sp, started[1](), planner))
     except solver.InfeasibleError:
         return _Solved(budget, None)
     except solver.NoBetterError as err:
