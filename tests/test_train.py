@@ -86,19 +86,20 @@ def test_torchrun_trains_like_single_device_and_resumes(tmp_path):
 @pytest.mark.slow
 @pytest.mark.ranks
 def test_torchrun_under_a_memory_limit_recomputes_and_trains_like_single_device(tmp_path):
-    """llama3-debug on 4 gloo ranks (2,2) under 60 MB per rank: the plan as solved does not fit
-    (~85 MiB); the ranks fit it together (rank 0 solving and dry-running for all) into one plan
+    """llama3-debug on 4 gloo ranks (2,2) under 56 MB per rank: the plan as solved does not fit
+    (~150 MiB); the ranks fit it together (rank 0 solving and dry-running for all) into one plan
     that recomputes the blocks, every rank's measured peak (MemTracker, step 2) stays under the
-    limit, and the losses are the single-device run's, as the unconstrained plan's are."""
+    limit, and the losses are the single-device run's, as the unconstrained plan's are. (Under
+    60 MB the same fit spends ~50 s in one budgeted MIP, proving a 0.4% gap closed.)"""
     run = tmp_path / "run"
     torchrun("--model", "llama3-debug", "--batch", "8", "--seq", "128", "--mesh", "2x2", "--steps", "3",
-             "--memory-limit", "60MB", "--memory-step", "2", "--out", str(run))
+             "--memory-limit", "56MB", "--memory-step", "2", "--out", str(run))
     report = json.loads((run / "plan.json").read_text())
     fit = report["memory_fit"]
     assert fit["constrained"] and fit["recompute"] and report["recompute"]["blocks"] == ["layers"]
-    assert fit["tried"][0]["peak_bytes"] > 60e6 >= report["memory"]["peak_bytes"]
+    assert fit["tried"][0]["peak_bytes"] > 56e6 >= report["memory"]["peak_bytes"]
     rows = metrics(run)
-    assert max(rows[1]["tracked_peak_bytes_per_rank"]) <= 60e6
+    assert max(rows[1]["tracked_peak_bytes_per_rank"]) <= 56e6
     want = train_single(TrainSettings(model="llama3-debug", steps=3, batch=8, seq=128)).losses
     for row, loss in zip(rows, want, strict=True):
         assert abs(row["loss"] - loss) <= 1e-5 * loss, (row, loss)
