@@ -241,7 +241,7 @@ def build_problem(graph: JointGraph, mesh_shape: tuple[int, ...], planner: Plann
 
 def with_options(sp: ShardingProblem, spec: ProblemSpec) -> ShardingProblem:
     """`sp` with `spec`'s recompute and reshard options: the problem `build_problem` makes of the
-    same graph, in a fraction of the time (the memory fit builds each option). The options change
+    same graph, in a fraction of the time (the memory fit derives each option). The options change
     only what runs twice, so only the prices of those nodes change (their compute, and the
     redistributions into them, doubled or halved: exact in floating point); every other node
     keeps its list of choices and every other edge its matrix, shared with `sp`."""
