@@ -32,6 +32,7 @@ import solver
 from autoshard import _torch_compat as tc
 from autoshard.capture.calls import run_step, step_inputs
 from autoshard.capture.precision import cast_floating
+from autoshard.capture.regions import find_repeated_blocks
 from autoshard.capture.repeat import trace_step
 from autoshard.capture.trace import mark_outputs
 from autoshard.driver.config import ROLES, PlanConfig, role_of
@@ -250,14 +251,16 @@ class AutoShard:
                 graph = trace_step(self.model, self._step, inputs, stack, unroll=self.config.unroll,
                                    precision=self.precision)
             spec = self.spec
+            repeated = None  # the graph's repeated blocks: found once when two problems are built
             replicate = self.config.replicate_dim
             if replicate is not None:
                 with self._stage("replicas"):
+                    repeated = find_repeated_blocks(graph)
                     spec = dataclasses.replace(spec, fixed_dim=fix_replicate_dim(
                         graph, self.mesh_shape, replicate, self.network, self.device, spec,
-                        self._solve_step(planning)))
+                        self._solve_step(planning), repeated=repeated))
             with self._stage("build"):
-                sharding = build_problem(graph, self.mesh_shape, planner, self.device, spec)
+                sharding = build_problem(graph, self.mesh_shape, planner, self.device, spec, repeated=repeated)
             with self._stage("solve"):
                 if planning is not None:
                     with tc.no_dispatch_modes():  # leave the tracer's fake mode: ranks communicate

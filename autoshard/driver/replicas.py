@@ -16,6 +16,8 @@ import fnmatch
 from collections.abc import Callable
 from dataclasses import replace
 
+from torch import fx
+
 import solver
 
 from autoshard.capture.trace import JointGraph
@@ -29,11 +31,12 @@ Solve = Callable[[solver.Problem], solver.Solution]
 
 
 def fix_replicate_dim(graph: JointGraph, mesh_shape: tuple[int, ...], mesh_dim: int, network: NetworkProfile,
-                      device: DeviceProfile, spec: ProblemSpec, solve: Solve) -> FixedMeshDim:
+                      device: DeviceProfile, spec: ProblemSpec, solve: Solve, *,
+                      repeated: list[list[list[fx.Node]]] | None = None) -> FixedMeshDim:
     """The data-parallel placements of every node on `mesh_dim` (a `dp_replicate` dim), from a
     1D problem on that dim alone priced with that dim's links: inputs split along dim 0 (the
     batch), parameters Replicate, unless the user constrained them (their placement on that dim
-    counts)."""
+    counts). `repeated`: the graph's repeated blocks, when the caller has them (found otherwise)."""
     one = lambda layout: Layout((layout.placements[mesh_dim],))  # noqa: E731
     pins = {}
     for fqn in graph.params:
@@ -46,7 +49,8 @@ def fix_replicate_dim(graph: JointGraph, mesh_shape: tuple[int, ...], mesh_dim: 
                       output_layouts={i: one(lay) for i, lay in spec.output_layouts.items()},
                       pins=pins, param_memory_bytes=float("inf"), fixed_dim=None)
     size = (mesh_shape[mesh_dim],)
-    sharding = build_problem(graph, size, Planner(size, network.restricted_to(mesh_dim)), device, spec_1d)
+    sharding = build_problem(graph, size, Planner(size, network.restricted_to(mesh_dim)), device, spec_1d,
+                             repeated=repeated)
     solution = solve(sharding.problem)
     return FixedMeshDim(mesh_dim, {name: dim_placements(sharding.strategies[name][index])
                                    for name, index in solution.choice.items()})
