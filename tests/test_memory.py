@@ -103,8 +103,7 @@ def test_another_option_derived_from_a_problem_is_the_problem_built_with_it():
         kept, planner, device, spec = auto.sharding, auto.planner, auto.device, auto.spec
     options = {mode: dataclasses.replace(spec, recompute=mode == "recompute", reshard=mode == "reshard")
                for mode in ("keep", "reshard", "recompute")}
-    built = {mode: build_problem(kept.graph, kept.mesh_shape, planner, device, o, catalog=kept.catalog,
-                                 pricer=kept.pricer, repeated=kept.repeated) for mode, o in options.items()}
+    built = {mode: build_problem(kept.graph, kept.mesh_shape, planner, device, o) for mode, o in options.items()}
     assert built["keep"].fingerprint() == kept.fingerprint() and built["recompute"].recomputed
     assert built["reshard"].recomputed and built["reshard"].fingerprint() != kept.fingerprint()
     for base in (kept, built["recompute"]):

@@ -145,10 +145,8 @@ class ShardingProblem:
     recompute_blocks: tuple[str, ...] = ()
     recomputed: frozenset[str] = frozenset()
     reshard_blocks: tuple[str, ...] = ()
-    # what priced it, kept so that a rebuild with other options (the memory fit's) reuses their caches
-    catalog: StrategyCatalog | None = field(default=None, repr=False, compare=False)
-    pricer: ComputePricer | None = field(default=None, repr=False, compare=False)
-    repeated: list[list[list[fx.Node]]] | None = field(default=None, repr=False, compare=False)  # the graph's repeated blocks
+    # the graph's repeated blocks, kept for `with_options` (the memory fit's other options)
+    repeated: list[list[list[fx.Node]]] | None = field(default=None, repr=False, compare=False)
 
     def fingerprint(self) -> str:
         """Hash of the whole ILP (nodes, choice labels and costs, edges, constraints): equal
@@ -200,22 +198,18 @@ def _local_bytes(layout: Layout, val, mesh_shape) -> float:
 
 def build_problem(graph: JointGraph, mesh_shape: tuple[int, ...], planner: Planner, device: DeviceProfile,
                   spec: ProblemSpec, *, catalog: StrategyCatalog | None = None,
-                  pricer: ComputePricer | None = None,
                   repeated: list[list[list[fx.Node]]] | None = None) -> ShardingProblem:
     """Price every choice and edge; the returned problem is ready for `solver.solve`.
 
-    `catalog` (strategies on this mesh), `pricer` (compute on `device`) and `repeated` (the
-    graph's repeated blocks) are made here unless given: pass a catalog to reuse its strategies
-    across builds, e.g. for another device profile, and all three to rebuild the same graph with
-    other options (the memory fit's)."""
+    `catalog` (strategies on this mesh) and `repeated` (the graph's repeated blocks) are made here
+    unless given: pass a catalog to reuse its strategies across builds, e.g. for another device
+    profile, and the repeated blocks when they are already found (a 3D plan builds twice). Other
+    recompute or reshard options of a built problem: `with_options`, in a fraction of the time."""
     mesh_shape = tuple(mesh_shape)
     catalog = catalog if catalog is not None else StrategyCatalog(mesh_shape)
-    pricer = pricer if pricer is not None else ComputePricer(device, mesh_shape)
-    if catalog.mesh_shape != mesh_shape or pricer.mesh_shape != mesh_shape:
-        raise ValueError(f"catalog (mesh {catalog.mesh_shape}) and pricer (mesh {pricer.mesh_shape}) "
-                         f"must be for the problem's mesh {mesh_shape}")
-    if pricer.device != device:
-        raise ValueError(f"pricer prices on {pricer.device}, the problem on {device}")
+    if catalog.mesh_shape != mesh_shape:
+        raise ValueError(f"catalog (mesh {catalog.mesh_shape}) must be for the problem's mesh {mesh_shape}")
+    pricer = ComputePricer(device, mesh_shape)
     choices = _Choices()
     _collect_choices(choices, graph, catalog, pricer, spec, mesh_shape)
     _add_sinks(choices, graph, mesh_shape)
@@ -233,7 +227,7 @@ def build_problem(graph: JointGraph, mesh_shape: tuple[int, ...], planner: Plann
                                problem=solver.Problem(), optimizer_s=_optimizer_s(graph, choices.strategies, device,
                                                                                   mesh_shape),
                                bucket_shares=_bucket_shares(graph, choices.inputs), recompute_blocks=recompute_blocks,
-                               recomputed=recomputed, reshard_blocks=reshard_blocks, catalog=catalog, pricer=pricer,
+                               recomputed=recomputed, reshard_blocks=reshard_blocks,
                                repeated=repeated)
     _fill_solver_problem(sharding, planner, spec, graph.param_names, repeated)
     return sharding

@@ -47,7 +47,7 @@ class StrategyCatalog:
         self.layouts = LayoutCache(self.mesh_shape)
         self.registry = DTensorRegistry(self.mesh_shape, self.layouts)
         self._by_signature: dict[tuple, tuple[Strategy, ...]] = {}
-        self._by_node: dict[fx.Node, tuple[Strategy, ...]] = {}  # a rebuild (the memory fit's) skips signatures
+        self._by_node: dict[fx.Node, tuple[Strategy, ...]] = {}  # a rebuild of the same graph skips signatures
         self._by_shape: dict[tuple[int, ...], tuple[Strategy, ...]] = {}
         self._warned: set[Any] = set()  # ops already warned about (one warning per op)
 
