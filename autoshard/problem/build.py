@@ -214,11 +214,7 @@ def build_problem(graph: JointGraph, mesh_shape: tuple[int, ...], planner: Plann
     _collect_choices(choices, graph, catalog, pricer, spec, mesh_shape)
     _add_sinks(choices, graph, mesh_shape)
     repeated = find_repeated_blocks(graph) if repeated is None else repeated
-    recompute_blocks, reshard_blocks, recomputed = (), (), frozenset()
-    if spec.recompute:
-        recompute_blocks, recomputed = _recomputed(graph, repeated)
-    elif spec.reshard:
-        reshard_blocks, recomputed = _resharded(graph, repeated)
+    recompute_blocks, reshard_blocks, recomputed = _runs_twice(graph, repeated, spec)
     compute_s = choices.compute_s
     for name in recomputed & compute_s.keys():
         compute_s[name] = [2 * cost for cost in compute_s[name]]
@@ -240,11 +236,7 @@ def with_options(sp: ShardingProblem, spec: ProblemSpec) -> ShardingProblem:
     redistributions into them, doubled or halved: exact in floating point); every other node
     keeps its list of choices and every other edge its matrix, shared with `sp`."""
     graph, repeated = sp.graph, sp.repeated if sp.repeated is not None else find_repeated_blocks(sp.graph)
-    recompute_blocks, reshard_blocks, recomputed = (), (), frozenset()
-    if spec.recompute:
-        recompute_blocks, recomputed = _recomputed(graph, repeated)
-    elif spec.reshard:
-        reshard_blocks, recomputed = _resharded(graph, repeated)
+    recompute_blocks, reshard_blocks, recomputed = _runs_twice(graph, repeated, spec)
     factor = {name: 2.0 for name in recomputed - sp.recomputed}
     factor.update({name: 0.5 for name in sp.recomputed - recomputed})
     compute_s = dict(sp.compute_s)
@@ -256,9 +248,7 @@ def with_options(sp: ShardingProblem, spec: ProblemSpec) -> ShardingProblem:
         if times is not None and node.name in compute_s:
             key = (id(choices), times)
             if key not in scaled:
-                costs, step = compute_s[node.name], sp.optimizer_s.get(node.name)
-                if step is not None:  # as `_fill_solver_problem` adds them
-                    costs = [c + o for c, o in zip(costs, step)]
+                costs = _choice_costs(compute_s[node.name], sp.optimizer_s.get(node.name))
                 scaled[key] = [solver.Choice(c.label, cost, c.memory, c.tags) for c, cost in zip(choices, costs)]
             choices = scaled[key]
         problem.nodes.append(solver.Node(node.name, choices))
@@ -273,6 +263,24 @@ def with_options(sp: ShardingProblem, spec: ProblemSpec) -> ShardingProblem:
     problem.constraints, problem.regions = list(sp.problem.constraints), list(sp.problem.regions)
     return dataclasses.replace(sp, compute_s=compute_s, problem=problem, recompute_blocks=recompute_blocks,
                                recomputed=recomputed, reshard_blocks=reshard_blocks, repeated=repeated)
+
+
+def _runs_twice(graph: JointGraph, repeated: list[list[list[fx.Node]]], spec: ProblemSpec
+                ) -> tuple[tuple[str, ...], tuple[str, ...], frozenset[str]]:
+    """What `spec`'s options run twice: the recomputed and the resharded block-list prefixes, and
+    the ILP nodes (their compute and the redistributions into them are priced twice)."""
+    if spec.recompute:
+        blocks, nodes = _recomputed(graph, repeated)
+        return blocks, (), nodes
+    if spec.reshard:
+        blocks, nodes = _resharded(graph, repeated)
+        return (), blocks, nodes
+    return (), (), frozenset()
+
+
+def _choice_costs(compute: list[float], step: list[float] | None) -> list[float]:
+    """A node's cost per choice in the ILP: its compute, plus a parameter's optimizer step."""
+    return compute if step is None else [c + o for c, o in zip(compute, step)]
 
 
 @dataclass
@@ -411,9 +419,7 @@ def _fill_solver_problem(sp: ShardingProblem, planner: Planner, spec: ProblemSpe
         memory = [0.0] * len(choices)
         if node in param_fqn and name == node.name:
             memory = [_local_bytes(s.outputs[0], node.meta["val"], mesh_shape) for s in choices]
-        costs = sp.compute_s[name]
-        if name in sp.optimizer_s:
-            costs = [c + o for c, o in zip(costs, sp.optimizer_s[name])]
+        costs = _choice_costs(sp.compute_s[name], sp.optimizer_s.get(name))
         key = (tuple(map(id, choices)), tuple(costs), tuple(memory))
         if key not in choice_lists:
             choice_lists[key] = [solver.Choice(label=s.label, cost=c, memory=m) for s, c, m in zip(choices, costs, memory)]
