@@ -131,3 +131,21 @@ def test_quick_accuracy_section(quick):
     assert recipe["layers.0.attention.wq.weight"] == "S(0)S(0)[1,0]" and recipe["norm.weight"] == "S(0)R"
     assert figures["profile"]["network"]["groups"][0]["mesh_dims"] == [0, 1]
     assert "| profiles | plan | modeled ms" in quick[1]
+
+
+def test_gpu_rates_summary_and_no_gpu():
+    """benchmarks/gpu_rates.py (run on GPUs only): its summary is the medians a preset carries, and
+    without CUDA it says so in one `error:` line."""
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.gpu_rates import Row, summary
+
+    rows = [Row("matmul", "bfloat16 fwd a", 1.0, 2.0, 600e12, 0.0), Row("matmul", "bfloat16 fwd b", 1.0, 1.0, 700e12, 0.0),
+            Row("matmul", "bfloat16 fwd c", 2.0, 1.0, 1300e12, 0.0), Row("matmul", "float32 fwd a", 1.0, 1.0, 45e12, 0.0),
+            Row("memory", "add", 1e-3, 1e-3, 0.0, 2.4e9), Row("optimizer", "adamw", 1.0, 0.5, 0.0, 1e9)]
+    got = summary(rows)
+    assert got["bf16_flops"] == 650e12 and got["fp32_flops"] == 45e12 and got["memory_bytes_s"] == pytest.approx(2.4e12)
+    assert got["modeled_over_measured"] == 1.0  # of 2, 1, 0.5, 1, 1, 0.5
+    if not __import__("torch").cuda.is_available():
+        done = subprocess.run([sys.executable, "benchmarks/gpu_rates.py"], cwd=ROOT, capture_output=True, text=True)
+        assert done.returncode == 2 and done.stdout == ""
+        assert done.stderr == "error: no CUDA device: this benchmark times one GPU\n"

@@ -23,11 +23,14 @@ ADAMW_STEP_BYTES = 28  # per fp32 parameter element: read value, gradient, two s
 # name -> (16-bit peak flops/s, fp32 peak flops/s, memory bandwidth bytes/s, memory capacity bytes
 # (None = this machine's RAM), per-op overhead s)
 _PRESETS = {
-    # H100 SXM: 989 TFLOP/s dense bf16, 67 TFLOP/s FP32, 3.35 TB/s HBM3, 79.2 GiB as torch.cuda
-    # reports it; ~2 us per kernel launch that the GPU cannot hide behind the next one.
-    "h100": (989e12, 67e12, 3.35e12, 85.0e9, 2e-6),
-    # H200 SXM: same compute as H100, 4.8 TB/s HBM3e, 139.8 GiB as torch.cuda reports it.
-    "h200": (989e12, 67e12, 4.8e12, 150.1e9, 2e-6),
+    # H100 SXM and H200: what one GPU sustains on the op shapes of llama3-8b and -70b plans (seq
+    # 8192, TP 8), measured on each (torch 2.11, CUDA 13, 2026-11-27): bf16 matmuls 640 TFLOP/s
+    # (median of 27 shapes; 430-790), fp32 matmuls without TF32 46 TFLOP/s, elementwise ops on
+    # activations 2.4 TB/s (H100, HBM3) and 2.85 TB/s (H200, HBM3e): 65-70% of the datasheets'
+    # 989 / 67 TFLOP/s and 3.35 / 4.8 TB/s. Fused AdamW streams at the same rate. 79.2 / 139.8 GiB
+    # as torch.cuda reports them; ~2 us per kernel launch that the GPU cannot hide behind the next.
+    "h100": (640e12, 46e12, 2.4e12, 85.0e9, 2e-6),
+    "h200": (640e12, 46e12, 2.85e12, 150.1e9, 2e-6),
     # A small CPU share (the 2-core CI machine class): ~100 GFLOP/s fp32, ~20 GB/s DRAM. bf16 is
     # anywhere from much slower to 4x faster by the CPU's ISA: the same rate here; calibrate measures it.
     # ~10 us per op: the lowered program's Python call and torch's dispatch of a small tensor.
