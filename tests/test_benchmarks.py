@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 from torchrun import one_launch_at_a_time
 
+from benchmarks.gpu_rates import Row, summary
+
 ROOT = Path(__file__).resolve().parents[1]
 # The fixture runs the whole quick benchmark (~7 minutes on 2 idle cores, more beside other tests on
 # a slow machine) and waits for the launch lock in between; the suite's 600 s per test would cut it.
@@ -136,9 +138,6 @@ def test_quick_accuracy_section(quick):
 def test_gpu_rates_summary_and_no_gpu():
     """benchmarks/gpu_rates.py (run on GPUs only): its summary is the medians a preset carries, and
     without CUDA it says so in one `error:` line."""
-    sys.path.insert(0, str(ROOT))
-    from benchmarks.gpu_rates import Row, summary
-
     rows = [Row("matmul", "bfloat16 fwd a", 1.0, 2.0, 600e12, 0.0), Row("matmul", "bfloat16 fwd b", 1.0, 1.0, 700e12, 0.0),
             Row("matmul", "bfloat16 fwd c", 2.0, 1.0, 1300e12, 0.0), Row("matmul", "float32 fwd a", 1.0, 1.0, 45e12, 0.0),
             Row("memory", "add", 1e-3, 1e-3, 0.0, 2.4e9), Row("optimizer", "adamw", 1.0, 0.5, 0.0, 1e9)]
