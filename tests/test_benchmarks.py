@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 from torchrun import one_launch_at_a_time
 
+from benchmarks.accuracy import _median_case, markdown as accuracy_markdown
 from benchmarks.gpu_rates import Row, summary
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -148,3 +149,27 @@ def test_gpu_rates_summary_and_no_gpu():
         done = subprocess.run([sys.executable, "benchmarks/gpu_rates.py"], cwd=ROOT, capture_output=True, text=True)
         assert done.returncode == 2 and done.stdout == ""
         assert done.stderr == "error: no CUDA device: this benchmark times one GPU\n"
+
+
+def test_accuracy_rounds_take_the_median_round():
+    """benchmarks/accuracy.py over rounds: each plan's row is its median round by modeled / measured,
+    every round's ratio beside it; the rankings order the plans by their median steps, not by one
+    round's."""
+    def plan(modeled, measured):
+        return {"modeled_s": modeled, "compute_s": modeled, "optimizer_s": 0.0, "comm_s": 0.0, "measured_s": measured,
+                "ratio": modeled / measured}
+
+    steps = [((1.0, 1.5), (1.2, 1.9)), ((1.0, 1.0), (1.2, 2.0)), ((1.1, 1.2), (1.3, 1.15))]  # (ours, theirs) per round
+    rounds = [{"case": {"model": "m", "batch": 8, "seq": 64, "steps": 12, "warmup": 2, "mesh": "1x2"}, "calibrate_s": i,
+               "profile": {"round": i}, "sets": {"calibrated": {"plans": {"ours": plan(*ours), "theirs": plan(*theirs)}}}}
+              for i, (ours, theirs) in enumerate(steps)]
+    case = _median_case(rounds)
+    ours, theirs = case["sets"]["calibrated"]["plans"]["ours"], case["sets"]["calibrated"]["plans"]["theirs"]
+    assert ours["measured_s"] == 1.2 and ours["round_ratios"] == [1.0 / 1.5, 1.0, 1.1 / 1.2]
+    assert theirs["measured_s"] == 1.9 and theirs["ratio"] == 1.2 / 1.9  # of 0.63, 0.6 and 1.13
+    # medians: modeled 1.0 < 1.2 and measured 1.2 < 1.9; round 3 alone measured theirs first (1.15 < 1.2)
+    assert case["sets"]["calibrated"]["measured_ranking"] == ["ours", "theirs"]
+    assert case["sets"]["calibrated"]["same_ranking"] and not case["sets"]["calibrated"]["within_goal"]
+    assert case["rounds"] == 3 and case["calibrate_s"] == [0, 1, 2] and case["profile"] == {"round": 2}
+    assert "| calibrated | ours | 1100.0 (1100.0 + 0.0 + 0.0) | 1200.0 | 0.92 | 0.67 / 1.00 / 0.92 |" in \
+        accuracy_markdown(case | {"cases": [case]})
