@@ -15,8 +15,8 @@ import pytest
 
 from autoshard.__main__ import main as autoshard_main
 from autoshard.train.metrics import step_time_line
-from autoshard.pricing.fit import (CollectiveSample, fit_network, fit_rate, fit_step_parts, fit_step_rates,
-                                   nnls)
+from autoshard.pricing.fit import (BetweenCompute, CollectiveSample, between_compute_s, fit_network, fit_rate,
+                                   fit_step_parts, fit_step_rates, nnls)
 from autoshard.pricing.planner import Planner
 from autoshard.pricing.ring import linear_cost, step_cost
 from autoshard.profiles.calibrate import CalibrationSettings, planner_groups
@@ -109,6 +109,22 @@ def test_fit_rate_and_nnls():
     b = np.array([2.0, -1.0, 1.0])
     assert np.linalg.lstsq(a, b, rcond=None)[0][1] < 0
     assert nnls(a, b) == pytest.approx([1.5, 0.0])
+
+
+def test_collectives_between_compute_add_what_they_cost_a_step_to_the_launch():
+    """The smallest all-reduce timed after matmuls: the time it adds to them, less the back-to-back
+    fit's price of it, is what each collective costs a step beyond that price; the median over the
+    groups, never below 0."""
+    fit = fit_network(synthetic(TRUE), (2, 2), mem_bw=10e9)
+
+    def timed(dims, extra):
+        price = step_cost(TRUE, "all_reduce", dims, 2 ** len(dims), 4096)
+        return BetweenCompute("all_reduce", dims, 2 ** len(dims), 4096, 3e-3, 3e-3 + price + extra)
+
+    groups = planner_groups((2, 2))
+    assert between_compute_s(fit, [timed(g, e) for g, e in zip(groups, (1.5e-3, 2e-3, 6e-3))]) == pytest.approx(2e-3)
+    assert between_compute_s(fit, [timed(g, -1e-4) for g in groups]) == 0.0  # faster than back to back: no credit
+    assert between_compute_s(fit, []) == 0.0
 
 
 def test_fit_recovers_the_per_op_overhead_and_the_optimizer_rate():
@@ -374,7 +390,13 @@ def test_torchrun_calibrate_writes_a_profile_the_planner_uses(tmp_path):
     assert {(r["kind"], tuple(r["mesh_dims"])) for r in rows} == {(k, g) for k in KINDS for g in planner_groups((2, 2))}
     assert all(r["seconds"] > 0 and r["model_s"] > 0 for r in rows)
     assert [g["mesh_dims"] for g in data.details["network_fit"]["groups"]] == [[0], [1], [0, 1]]
-    assert all(r["model_s"] == pytest.approx(data.network.launch_s + _kind_cost(data.network, r)) for r in rows)
+    between = data.details["between_compute"]  # the profile's launch: back to back plus between compute
+    assert data.network.launch_s == pytest.approx(between["launch_back_to_back_s"] + between["extra_s"])
+    assert between["extra_s"] >= 0 and [t["mesh_dims"] for t in between["timings"]] == [[0], [1], [0, 1]]
+    assert all(t["both_s"] > t["work_s"] > 0 and t["in_bytes"] == 4096 for t in between["timings"])
+    assert "between compute); fit error" in out.stdout
+    assert all(r["model_s"] == pytest.approx(between["launch_back_to_back_s"] + _kind_cost(data.network, r))
+               for r in rows)
 
     from autoshard.driver.api import AutoShard
     from models import build_model, cross_entropy_loss, get_config

@@ -4,8 +4,8 @@
     python -m autoshard calibrate --out device.json          # one process: the device part only
 
 Under torchrun every rank times all_gather, reduce_scatter, all_reduce and all_to_all on each mesh
-dim and on each flattened group of mesh dims the planner uses (`profiles.calibrate`), then
-matmuls and an elementwise add per dtype, and the ops of a small llama's training step each
+dim and on each flattened group of mesh dims the planner uses (`profiles.calibrate`), back to back
+and (the smallest all-reduce) between matmuls, as a step issues them, then matmuls and an elementwise add per dtype, and the ops of a small llama's training step each
 clocked inside it (`time_reference_step`), all ranks at once; rank 0 fits the planner's
 parameters (`pricing.fit`) and writes the file, which `plan` and `train` take as `--network FILE`
 and `--device FILE` (and the API as `AutoShard(network=FILE, device=FILE)`). Calibrate once per
@@ -15,6 +15,7 @@ cluster and mesh shape; the file records how it was measured and how well the mo
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import math
 import os
@@ -70,7 +71,7 @@ def _settings(a: argparse.Namespace):
     if a.quick:
         return CalibrationSettings(sizes=tuple(sizes), warmup=1, repeats=2, big_repeats=2, matmul_sizes=(32, 64, 128),
                                    memory_sizes=(16 * KIB, 64 * KIB, 256 * KIB), optimizer_sizes=(2**14, 2**17, 2**20),
-                                   min_seconds=0.02)
+                                   min_seconds=0.02, between_matmul=64, between_calls=5, between_rounds=1)
     return CalibrationSettings(sizes=tuple(sizes), repeats=a.repeats, big_repeats=min(3, a.repeats))
 
 
@@ -241,8 +242,9 @@ def calibrate(a: argparse.Namespace) -> int:
     import torch.distributed as dist
     from torch import __version__ as torch_version
 
-    from autoshard.pricing.fit import CollectiveSample, fit_network
-    from autoshard.profiles.calibrate import time_collectives, time_device, time_step_parts
+    from autoshard.pricing.fit import BetweenCompute, CollectiveSample, between_compute_s, fit_network
+    from autoshard.profiles.calibrate import (time_collectives, time_collectives_between_compute, time_device,
+                                              time_step_parts)
     from autoshard.profiles.files import ProfileFile
 
     settings = _settings(a)
@@ -257,6 +259,7 @@ def calibrate(a: argparse.Namespace) -> int:
     say(f"{world} rank(s) on {device.type}, mesh {'x'.join(map(str, mesh_shape))} ({','.join(names)}), "
         f"torch {torch_version}")
     samples = time_collectives(mesh, settings, say) if mesh is not None else []
+    between = time_collectives_between_compute(mesh, settings, say) if mesh is not None else []
     parts = time_step_parts(device, settings, say)
     parts["reference"] = time_reference_step(device, settings, say)
     mine = {"device": time_device(device, settings, say), "step": {"step": parts}}
@@ -273,8 +276,10 @@ def calibrate(a: argparse.Namespace) -> int:
         fit = fit_network([CollectiveSample(s["kind"], tuple(s["mesh_dims"]), s["group_size"], s["in_bytes"],
                                             s["seconds"]) for s in samples], mesh_shape, device_prof.mem_bw,
                           name=f"calibrated {'x'.join(map(str, mesh_shape))} ({host})")
-        network = fit.profile
-        for s in samples:
+        extra = between_compute_s(fit, [BetweenCompute(b["kind"], tuple(b["mesh_dims"]), b["group_size"],
+                                                       b["in_bytes"], b["work_s"], b["both_s"]) for b in between])
+        network = dataclasses.replace(fit.profile, launch_s=fit.profile.launch_s + extra)
+        for s in samples:  # the back-to-back fit's price: what the fit error is measured on
             s["model_s"] = fit.model_s(CollectiveSample(s["kind"], tuple(s["mesh_dims"]), s["group_size"],
                                                         s["in_bytes"], s["seconds"]))
     details = {
@@ -292,6 +297,8 @@ def calibrate(a: argparse.Namespace) -> int:
              "rel_rms": g.rel_rms, "max_rel_err": g.max_rel_err, "samples": g.samples,
              "rel_rms_by_kind": g.rel_rms_by_kind, "one_link_rel_rms": g.group_rel_rms} for g in fit.groups]}
         details["collectives"] = samples
+        details["between_compute"] = {"launch_back_to_back_s": fit.profile.launch_s, "extra_s": extra,
+                                      "timings": between}
     try:
         path = ProfileFile(network, device_prof, tuple(mesh_shape) if network is not None else None, details).save(a.out)
     except OSError as err:
@@ -306,7 +313,8 @@ def calibrate(a: argparse.Namespace) -> int:
 def summary_lines(network, fit, by_dtype: dict, step: dict) -> list[str]:
     lines = []
     if network is not None and fit is not None:
-        lines.append(f"network: launch {network.launch_s * 1e6:.1f} us per collective; "
+        lines.append(f"network: launch {network.launch_s * 1e6:.1f} us per collective ({fit.profile.launch_s * 1e6:.1f} "
+                     f"back to back, +{(network.launch_s - fit.profile.launch_s) * 1e6:.1f} between compute); "
                      f"fit error {fit.rel_rms:.1%} rms over all samples")
         for g in fit.groups:
             lines.append(f"  mesh dims {list(g.mesh_dims)} ({g.group_size} ranks): alpha {g.alpha * 1e6:.1f} us, "

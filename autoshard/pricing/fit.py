@@ -14,6 +14,10 @@ several times slower than its all-reduce), which one link per group cannot expre
 link stays the price of kinds that were not timed (permute).
 Rows are weighted by 1/seconds: the fit minimises relative error, so a 4 KiB call counts as much as
 a 32 MiB one (otherwise the large sizes would decide everything and the latencies would be noise).
+A step issues its collectives between ops, and each costs it more than back to back (its peers
+are met again after computing; ranks sharing cores may be descheduled then): `between_compute_s`
+reads that difference off the smallest all-reduce timed after matmuls, and `calibrate` adds it to
+the profile's `launch_s`, which every collective (each bucket once) pays.
 Device rates (flop/s, bytes/s) are the same fit with one work column: t = overhead + work / rate;
 so are the two costs of a step besides its ops' work (`fit_step_parts`): a chain of n tiny ops
 takes n times the per-op dispatch overhead (the slope), and the optimizer step over N parameter
@@ -174,6 +178,29 @@ def fit_network(samples: Sequence[CollectiveSample], mesh_shape: Sequence[int], 
     profile = NetworkProfile(alpha, beta, launch_s, mem_bw, name, kinds=kinds,
                              groups=tuple((f.mesh_dims, f.alpha, f.beta) for f in fits if len(f.mesh_dims) > 1))
     return NetworkFit(profile, tuple(fits), _rms(errors))
+
+
+@dataclass(frozen=True)
+class BetweenCompute:
+    """A collective timed between compute (`profiles.calibrate.time_collectives_between_compute`):
+    seconds per call of the work alone and of the work then the collective."""
+
+    kind: str
+    mesh_dims: tuple[int, ...]
+    group_size: int
+    in_bytes: float
+    work_s: float
+    both_s: float
+
+
+def between_compute_s(fit: NetworkFit, timings: Sequence[BetweenCompute]) -> float:
+    """What a collective costs a step beyond the fitted back-to-back model of it: per group, the
+    time the collective added to the work less `fit`'s price of it; the median over groups, at
+    least 0 (0 without timings)."""
+    extra = [t.both_s - t.work_s - fit.model_s(CollectiveSample(t.kind, t.mesh_dims, t.group_size, t.in_bytes,
+                                                                 t.both_s - t.work_s))
+             for t in timings]
+    return max(0.0, float(np.median(extra))) if extra else 0.0
 
 
 def _fit_kinds(samples: Sequence[CollectiveSample], rows: np.ndarray, column: dict[tuple[int, ...], int],

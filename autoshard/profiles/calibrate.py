@@ -51,10 +51,14 @@ class CalibrationSettings:
     memory_sizes: tuple[int, ...] = tuple(64 * KIB * 4**i for i in range(5))  # bytes per operand
     optimizer_sizes: tuple[int, ...] = (2**16, 2**18, 2**20, 2**22)  # fp32 parameter elements of one AdamW step
     op_chains: tuple[int, ...] = (1, 8, 64)  # tiny ops called back to back: the slope is one op's dispatch
+    between_matmul: int = 256  # n of the matmuls (4 per call) a collective is issued between
+    between_calls: int = 40  # calls per timed window of work alone and of work then a collective
+    between_rounds: int = 3  # windows of each, alternated
     min_seconds: float = 0.2  # a device timing repeats until this much time (and `repeats` calls)
 
     def __post_init__(self) -> None:
-        if not self.sizes or min(self.sizes) < 1 or self.warmup < 0 or self.repeats < 1 or self.big_repeats < 1:
+        if (not self.sizes or min(self.sizes) < 1 or self.warmup < 0 or self.repeats < 1 or self.big_repeats < 1
+                or self.between_calls < 1 or self.between_rounds < 1):
             raise ValueError(f"bad calibration settings: {self}")
         unknown = set(self.kinds) - set(KINDS) | set(self.dtypes) - set(DTYPES)
         if unknown:
@@ -133,6 +137,63 @@ def time_collectives(mesh: Any, settings: CalibrationSettings,
     return [{"kind": kind, "mesh_dims": list(dims), "group_size": n, "in_bytes": nbytes,
              "seconds": statistics.median(rank[i] for rank in everyone)}
             for i, (kind, dims, n, nbytes) in enumerate(keys)]
+
+
+def time_collectives_between_compute(mesh: Any, settings: CalibrationSettings,
+                                     progress: Callable[[str], None] = lambda line: None) -> list[dict]:
+    """Every rank calls this at once. A step issues its collectives between ops, not back to back
+    as `time_collectives` times them: each one has to meet its peers again after computing, and
+    where ranks share cores a peer may be descheduled then. Per planner group, windows of a few
+    milliseconds of matmuls (`work`) alone and of `work` then the smallest all-reduce, alternated;
+    returns one row per group (kind, mesh_dims, group_size, in_bytes, work_s, both_s: mean seconds
+    per call, median over windows, then over ranks) on every rank; `pricing.fit` turns the
+    difference into what a collective costs a step beyond its back-to-back time."""
+    device = torch.device(mesh.device_type, torch.cuda.current_device()) if mesh.device_type == "cuda" \
+        else torch.device(mesh.device_type)
+    shape = tuple(mesh.shape)
+    n = settings.between_matmul
+    a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
+    c = torch.empty(n, n, device=device)
+
+    def work() -> None:
+        for _ in range(4):
+            torch.mm(a, b, out=c)
+
+    def window(fn: Callable[[], Any]) -> float:
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(settings.between_calls):
+            fn()
+            _sync(device)
+        return (time.perf_counter() - t0) / settings.between_calls
+
+    start = time.perf_counter()
+    mine, keys = [], []
+    for dims in planner_groups(shape):
+        size = math.prod(shape[m] for m in dims)
+        x = torch.ones(max(size, settings.sizes[0] // 4 // size * size), dtype=torch.float32, device=device)
+        collective = _collective("all_reduce", _group(mesh, dims))
+
+        def both() -> None:
+            work()
+            collective(x)
+
+        for _ in range(max(1, settings.warmup)):
+            both()
+        alone, paired = [], []
+        for _ in range(settings.between_rounds):
+            alone.append(window(work))
+            paired.append(window(both))
+        mine.append((statistics.median(alone), statistics.median(paired)))
+        keys.append((dims, size, x.numel() * 4))
+    everyone: list[list[tuple[float, float]] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    progress(f"collectives between compute: the smallest all_reduce after {n}x{n} matmuls on "
+             f"{len(keys)} group(s) in {time.perf_counter() - start:.1f} s")
+    return [{"kind": "all_reduce", "mesh_dims": list(dims), "group_size": size, "in_bytes": nbytes,
+             "work_s": statistics.median(rank[i][0] for rank in everyone),
+             "both_s": statistics.median(rank[i][1] for rank in everyone)}
+            for i, (dims, size, nbytes) in enumerate(keys)]
 
 
 def _timed(fn: Callable[[], Any], device: torch.device, settings: CalibrationSettings) -> float:
