@@ -26,7 +26,7 @@ OTHER_TOOLS = {
     "--standalone", "--nproc_per_node", "--nnodes", "--max-restarts", "--signal",  # torchrun, SLURM
     "--rdzv-backend", "--rdzv-endpoint", "--rdzv-id", "--nodes", "--ntasks-per-node", "--gpus-per-node",
     "--quick", "--only", "--json", "--wide", "--repeats", "--kills", "--stall-only", "--no-stall",  # benchmarks
-    "--gap-only", "--two-ranks", "--ddp",
+    "--gap-only", "--two-ranks", "--ddp", "--rounds",
 }
 
 
