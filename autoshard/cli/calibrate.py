@@ -5,8 +5,9 @@
 
 Under torchrun every rank times all_gather, reduce_scatter, all_reduce and all_to_all on each mesh
 dim and on each flattened group of mesh dims the planner uses (`profiles.calibrate`), back to back
-and (the smallest all-reduce) between matmuls, as a step issues them, then matmuls and an elementwise add per dtype, and the ops of a small llama's training step each
-clocked inside it (`time_reference_step`), all ranks at once; rank 0 fits the planner's
+and (the smallest all-reduce) between matmuls, as a step issues them; then matmuls and an
+elementwise add per dtype, and the ops of a small llama's training step each clocked inside it
+(`time_reference_step`), all ranks at once; rank 0 fits the planner's
 parameters (`pricing.fit`) and writes the file, which `plan` and `train` take as `--network FILE`
 and `--device FILE` (and the API as `AutoShard(network=FILE, device=FILE)`). Calibrate once per
 cluster and mesh shape; the file records how it was measured and how well the model fits.
