@@ -93,12 +93,22 @@ def _group(mesh: Any, dims: tuple[int, ...]) -> Any:
     return (mesh, dims[0]) if len(dims) == 1 else tc.flattened_mesh(mesh, dims)
 
 
+def _mesh_device(mesh: Any) -> torch.device:
+    """The device this rank's part of `mesh` lives on."""
+    return torch.device(mesh.device_type, torch.cuda.current_device()) if mesh.device_type == "cuda" \
+        else torch.device(mesh.device_type)
+
+
+def _buffer(nbytes: int, group_size: int, device: torch.device) -> torch.Tensor:
+    """A collective's fp32 input of about `nbytes`, its length divisible by the group size."""
+    return torch.ones(max(group_size, nbytes // 4 // group_size * group_size), dtype=torch.float32, device=device)
+
+
 def time_collectives(mesh: Any, settings: CalibrationSettings,
                      progress: Callable[[str], None] = lambda line: None) -> list[dict]:
     """Every rank calls this at once. Returns one row per (kind, group, size) — kind, mesh_dims,
     group_size, in_bytes, seconds (median over calls, then over ranks) — on every rank."""
-    device = torch.device(mesh.device_type, torch.cuda.current_device()) if mesh.device_type == "cuda" \
-        else torch.device(mesh.device_type)
+    device = _mesh_device(mesh)
     shape = tuple(mesh.shape)
     groups = planner_groups(shape)
     for dims in groups:  # every flattened group is made now, in one order, on every rank
@@ -112,8 +122,7 @@ def time_collectives(mesh: Any, settings: CalibrationSettings,
         for kind in settings.kinds:
             run = _collective(kind, group)
             for size in settings.sizes:
-                numel = max(n, size // 4 // n * n)  # fp32, divisible by the group size
-                x = torch.ones(numel, dtype=torch.float32, device=device)
+                x = _buffer(size, n, device)
                 calls = settings.big_repeats if size > settings.big else settings.repeats
                 for _ in range(settings.warmup):
                     run(x)
@@ -128,7 +137,7 @@ def time_collectives(mesh: Any, settings: CalibrationSettings,
                     times.append(t1 - t0)
                     t0 = t1
                 mine.append(statistics.median(times))
-                keys.append((kind, dims, n, numel * 4))
+                keys.append((kind, dims, n, x.numel() * 4))
         progress(f"collectives on mesh dims {list(dims)} ({n} ranks): {', '.join(settings.kinds)} x "
                  f"{len(settings.sizes)} sizes {_size(settings.sizes[0])}..{_size(settings.sizes[-1])} in "
                  f"{time.perf_counter() - start:.1f} s")
@@ -148,8 +157,7 @@ def time_collectives_between_compute(mesh: Any, settings: CalibrationSettings,
     returns one row per group (kind, mesh_dims, group_size, in_bytes, work_s, both_s: mean seconds
     per call, median over windows, then over ranks) on every rank; `pricing.fit` turns the
     difference into what a collective costs a step beyond its back-to-back time."""
-    device = torch.device(mesh.device_type, torch.cuda.current_device()) if mesh.device_type == "cuda" \
-        else torch.device(mesh.device_type)
+    device = _mesh_device(mesh)
     shape = tuple(mesh.shape)
     n = settings.between_matmul
     a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
@@ -171,7 +179,7 @@ def time_collectives_between_compute(mesh: Any, settings: CalibrationSettings,
     mine, keys = [], []
     for dims in planner_groups(shape):
         size = math.prod(shape[m] for m in dims)
-        x = torch.ones(max(size, settings.sizes[0] // 4 // size * size), dtype=torch.float32, device=device)
+        x = _buffer(settings.sizes[0], size, device)
         collective = _collective("all_reduce", _group(mesh, dims))
 
         def both() -> None:
