@@ -72,7 +72,8 @@ def torchrun(args: list[str], out: Path, *, kill_steps: list[int] = (), max_rest
              seed: int = 0, timeout: float = 900) -> FaultRun:
     """torchrun 4 workers of `python <args> --out OUT`; SIGKILL a random worker once the run
     reaches each of `kill_steps` (ascending)."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    path = os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), str(ROOT)]))  # a caller's path kept
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=path)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4",
            f"--max-restarts={max_restarts}", "--monitor-interval=0.2", *args, "--out", str(out)]
     pick = random.Random(seed)

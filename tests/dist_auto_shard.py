@@ -1,7 +1,7 @@
 """Run under `torchrun --standalone --nproc_per_node=4`: `auto_shard()` and `AutoShard.optimize()` in a
 real process group plan once, on rank 0, for every rank (driver.ranks).
 
-1. `auto_shard(model, ...)` on a (2,2) mesh: how many times each rank ran the solver, the plan's
+1. `auto_shard(model, ...)` on a (2,2) mesh, sharding forced (tests/plan_audit.py): how many times each rank ran the solver, the plan's
    problem fingerprint and solution, and the first step's loss beside the single-device loss.
 2. The same step under a memory limit below the plan's dry-run peak: the fit's solves and dry runs
    run on rank 0 only, and every rank ends with the same fitted plan.
@@ -23,6 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import solver  # noqa: E402
 from autoshard import AutoShard, PlanConfig, auto_shard  # noqa: E402
 from autoshard.driver.ranks import solution_hash  # noqa: E402
+from plan_audit import batch_on_dp, budget_bytes  # noqa: E402
 from torchrun import report_ranks  # noqa: E402
 from models import MarkovTokens, build_model, cross_entropy_loss, get_config  # noqa: E402
 
@@ -43,7 +44,9 @@ def main() -> None:
 
     solver.solve = counting_solve
     example = lambda: (torch.empty(BATCH, SEQ, dtype=torch.int64, device="meta"),) * 2  # noqa: E731
-    pmodel = auto_shard(build_model(TINY, seed=0), example, mesh, loss_fn=cross_entropy_loss, config=CONFIG)
+    model = build_model(TINY, seed=0)
+    pmodel = auto_shard(model, example, mesh, loss_fn=cross_entropy_loss, config=CONFIG,
+                        memory_budget=budget_bytes(model, (2, 2)), input_layouts=(batch_on_dp(2),) * 2)
     batch = MarkovTokens(TINY.vocab_size, seed=0).batch(0, BATCH, SEQ)
     loss = pmodel(*pmodel.shard_inputs(batch.inputs, batch.targets)).item()
     want = cross_entropy_loss(build_model(TINY, seed=0)(batch.inputs), batch.targets).item()

@@ -21,6 +21,7 @@ from autoshard.workloads import hf  # noqa: E402
 from autoshard.workloads.base import full_state  # noqa: E402
 from models import MarkovTokens, cross_entropy_loss  # noqa: E402
 from models.train_single import TrainSettings, make_optimizer  # noqa: E402
+from plan_audit import batch_on_dp, budget_bytes  # noqa: E402
 from torchrun import report_ranks  # noqa: E402
 
 BATCH, SEQ, VOCAB, STEPS = 4, 16, 128, 3
@@ -52,7 +53,9 @@ def single_device(cfg) -> list[float]:
 
 def train(mesh, cfg, rank: int) -> tuple[list[float], dict[str, list]]:
     example = lambda: (torch.empty(BATCH, SEQ, dtype=torch.int64, device="meta"),) * 2  # noqa: E731
-    pmodel = auto_shard(hf.build(cfg, "meta"), example, mesh, loss_fn=loss_fn, seed=5)
+    meta = hf.build(cfg, "meta")
+    pmodel = auto_shard(meta, example, mesh, loss_fn=loss_fn, seed=5, memory_budget=budget_bytes(meta, (2, 2)),
+                        input_layouts=(batch_on_dp(2),) * 2)
     pmodel.load_full(full_state(hf.build(cfg, "cpu", seed=0)))
     optim = make_optimizer(pmodel.parameters(), TrainSettings())
     torch.manual_seed(1000 + rank)  # every rank's own generator state

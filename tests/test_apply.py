@@ -19,6 +19,7 @@ from autoshard.program.lower import Bucket
 from autoshard.capture.regions import block_of
 from models import MarkovTokens, build_model, cross_entropy_loss, get_config
 from models.train_single import TrainSettings, make_optimizer
+from plan_audit import assert_shards, batch_on_dp, budget_bytes, sharded_plan
 from ranks import coords
 from simulation import simulated_mesh
 
@@ -30,14 +31,13 @@ def plan_llama(mesh_shape, inputs=None, pins=None):
     meta = build_model(TINY, device="meta")
     example = lambda: (torch.empty(BATCH, SEQ, dtype=torch.int64, device="meta"),) * 2  # noqa: E731
     with AutoShard(meta, example, mesh_shape, loss_fn=cross_entropy_loss) as auto:
-        # every parameter fully sharded: gathers and scatters to check (on H100s llama3-tiny is
-        # cheapest replicated, with no collective at all)
-        auto.memory_budget(sum(4 * p.numel() for p in meta.parameters()) / math.prod(mesh_shape))
+        # every parameter fully sharded and the batch split: gathers, scatters and gradient
+        # reductions to check (free, llama3-tiny plans replicated, with no collective at all)
         if inputs:
             auto.constrain_inputs(*inputs)
         if pins:
             auto.pin(pins)
-        return auto.optimize()
+        return sharded_plan(auto, budget=1.0)
 
 
 def single_device(steps: int):
@@ -170,7 +170,9 @@ def test_mlp_on_2x2x2_matches_single_device():
     ref_loss = mse(model(x), y)
     ref_loss.backward()
     with simulated_mesh((2, 2, 2)) as (mesh, mode):
-        pmodel = auto_shard(model, lambda: (x, y), mesh, loss_fn=mse)  # plan + apply in one call
+        pmodel = auto_shard(model, lambda: (x, y), mesh, loss_fn=mse, memory_budget=budget_bytes(model, (2, 2, 2)),
+                            input_layouts=(batch_on_dp(3),) * 2)  # plan + apply in one call
+        assert_shards(pmodel.plan)
         loss = pmodel(*pmodel.shard_inputs(x, y))
         loss.backward()
         for got in every_rank(mode, loss):
@@ -224,7 +226,7 @@ def small_mlp_plan():
     x, y = torch.randn(2, 4, 16), torch.randn(2, 4, 16)
     with AutoShard(model, lambda: (x, y), (2, 2), loss_fn=mse) as auto:
         auto.constrain_inputs("S(0)R", "S(0)R")
-        return auto.optimize(), model, x, y
+        return sharded_plan(auto), model, x, y
 
 
 def test_wrong_local_input_shape_names_the_expected_one(small_mlp_plan):

@@ -23,6 +23,7 @@ from autoshard.profiles.calibrate import CalibrationSettings, planner_groups
 from autoshard.profiles.device import DeviceProfile
 from autoshard.profiles.files import ProfileFile, device_profile, network_profile, read_profile
 from autoshard.profiles.network import NetworkProfile
+from torchrun import child_env
 
 ROOT = Path(__file__).resolve().parents[1]
 KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
@@ -345,7 +346,7 @@ def test_calibration_settings_validate():
 
 
 def _run(cmd: list[str], timeout: int = 300) -> subprocess.CompletedProcess:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    env = child_env()
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
     assert out.returncode == 0, f"{cmd} failed:\n{out.stdout[-3000:]}\n{out.stderr[-5000:]}"
     return out

@@ -23,6 +23,7 @@ from autoshard.layout import Layout, P, R, S
 from autoshard.pricing.planner import Planner
 from ranks import coords
 from simulation import simulated_mesh
+from torchrun import child_env
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -252,7 +253,7 @@ def test_executor_rejects_bad_inputs():
 def test_torchrun_gloo_2x2():
     """Real processes: torchrun, 4 gloo ranks on a (2,2) mesh, a handful of plans incl. an order
     change (permute) and one-shot steps, checked numerically inside the script."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    env = child_env()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4", str(ROOT / "tests" / "dist_redistribute.py")]
     start = time.time()
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)

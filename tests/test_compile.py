@@ -11,19 +11,22 @@ import torch
 
 from autoshard.cli.train import main
 from autoshard.runtime.module import INDUCTOR_OPTIONS
+from plan_audit import assert_shards
 from torchrun import run_ranks
 
 
 @pytest.mark.slow
 @pytest.mark.ranks
-def test_torchrun_compiled_program_trains_like_the_uncompiled_one():
+def test_torchrun_compiled_program_trains_like_the_uncompiled_one(executed_plans):
     """4 gloo ranks on (2,2): every redistribution kind traces fullgraph; a collective waited late
     stays waited late once compiled (inductor alone would wait at once); llama3-tiny, one plan,
     uncompiled vs compile=True through 4 AdamW steps (steps 2-4 compiled): losses, the last
     gradients and the parameters agree within fp32 tolerance on every rank; each half of the
     program compiled to one graph with no break."""
     ranks = run_ranks("dist_compile.py", timeout=500)
-    assert len(ranks) == 4
+    assert len(ranks) == 4 and executed_plans()
+    for facts in executed_plans():  # FSDP over TP, the batch split over dp
+        assert_shards(facts)
     for r in ranks:
         kinds = {k for case in r["redistributions"] for k in case["kinds"]}
         assert kinds == {"permute", "all_gather", "reduce_scatter", "all_reduce", "all_to_all", "chunk", "to_partial"}
@@ -39,6 +42,7 @@ def test_torchrun_compiled_program_trains_like_the_uncompiled_one():
         assert r["grads"] <= 1 and r["params"] <= 1, (r["grads"], r["params"])
 
 
+@pytest.mark.replicated_plan  # a world of one: what it checks is which halves compile, and when
 def test_train_compile_flag_compiles_both_halves_from_the_first_unmetered_step(tmp_path, capsys, monkeypatch):
     """`train --compile` (a world of 1): torch.compile gets the program's forward and backward
     once each, with fixed shapes; step 1 runs checked and uncompiled, step 2 is metered

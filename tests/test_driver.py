@@ -11,6 +11,7 @@ import torch
 from autoshard import PlanConfig
 from autoshard.cli.args import ArgumentParser, add_dataclass_arguments
 from autoshard.options import from_values, parse_limit
+from plan_audit import assert_shards
 from torchrun import run_ranks
 
 
@@ -70,12 +71,14 @@ def test_every_config_field_with_a_flag_is_an_option_of_plan_and_train():
 
 @pytest.mark.slow
 @pytest.mark.ranks
-def test_auto_shard_under_torchrun_solves_on_rank_0_only():
+def test_auto_shard_under_torchrun_solves_on_rank_0_only(executed_plans):
     """4 gloo ranks, mesh (2,2): auto_shard() runs the solver once, on rank 0, and every rank holds
     its plan and computes the single-device loss; a memory limit below the plan's dry-run peak is
     fitted by rank 0's solves alone, every rank ending with the same fitted plan; rank 0's solver
     failing is an error on every rank, not a hang of the other three."""
     ranks = run_ranks("dist_auto_shard.py", timeout=400)
+    (facts,) = executed_plans()
+    assert_shards(facts)
     assert [r["solves"] for r in ranks] == [1, 0, 0, 0]
     assert len({r["plan"] for r in ranks}) == 1
     for r in ranks:

@@ -18,6 +18,9 @@ from autoshard.workloads import get_workload
 from models import cross_entropy_loss
 
 TINY = ["--model", "llama3-tiny", "--batch", "8", "--seq", "16", "--mesh", "1"]
+# Export's own checks (file layout, names, dtypes, errors) on a one-process run; exporting a sharded
+# checkpoint is the 2x2 test's
+ONE_PROCESS = pytest.mark.replicated_plan
 
 
 def checkpoint_tensors(path: Path) -> dict[str, torch.Tensor]:
@@ -37,6 +40,7 @@ def batch_loss(model, workload, step: int) -> float:
     return cross_entropy_loss(getattr(out, "logits", out), targets).item()
 
 
+@ONE_PROCESS
 def test_our_llama_exports_as_llama_for_causal_lm_with_the_same_logits(tmp_path, capsys):
     run, out = tmp_path / "run", tmp_path / "hf"
     assert train_main([*TINY, "--steps", "3", "--checkpoint-every", "3", "--out", str(run)]) == 0
@@ -75,6 +79,7 @@ def one_step_run(tmp_path_factory) -> Path:
     (["{run}", "--hf", "{run}"], "exists and is not an empty directory"),
     (["{run}", "--hf", "/proc/autoshard-export"], "cannot write /proc/autoshard-export"),
 ])
+@ONE_PROCESS
 def test_bad_export_input_is_one_error_line_and_writes_nothing(tmp_path, capsys, one_step_run, args, message):
     run = tmp_path / "run"
     shutil.copytree(one_step_run, run)
@@ -87,11 +92,13 @@ def test_bad_export_input_is_one_error_line_and_writes_nothing(tmp_path, capsys,
 
 @pytest.mark.slow
 @pytest.mark.ranks
-def test_an_hf_model_trained_on_2x2_exports_back_to_transformers(tmp_path):
-    """`train --model hf:DIR` (a tiny Qwen3, tied embeddings) on 4 gloo ranks (2,2), a checkpoint
-    at step 2; `export --hf`: from_pretrained finds no missing or unexpected key and every tensor
-    equals the checkpoint's; the exported model's loss on step 3's batch is the loss `--resume`
-    computes at step 3, and `--init-from` the export starts from those weights."""
+@ONE_PROCESS  # the `--init-from` check at the end; the (2,2) runs are asserted to shard
+def test_an_hf_model_trained_on_2x2_exports_back_to_transformers(tmp_path, executed_plans):
+    """`train --model hf:DIR` (a tiny Qwen3, tied embeddings) on 4 gloo ranks (2,2), parameters
+    sharded, a checkpoint at step 2; `export --hf`: from_pretrained finds no missing or unexpected
+    key and every tensor equals the checkpoint's; the exported model's loss on step 3's batch is the
+    loss `--resume` computes at step 3, and `--init-from` the export starts from those weights."""
+    from plan_audit import assert_shards, budget_bytes
     from test_train import metrics, torchrun
 
     model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(
@@ -100,8 +107,12 @@ def test_an_hf_model_trained_on_2x2_exports_back_to_transformers(tmp_path):
     model.save_pretrained(tmp_path / "m")
     (tmp_path / "m" / "generation_config.json").write_text(json.dumps({"max_new_tokens": 7}))
     args = ["--model", f"hf:{tmp_path / 'm'}", "--mesh", "2x2", "--batch", "8", "--seq", "16"]
+    sharded = ["--memory-budget", str(budget_bytes(model, (4,)))]
     run = tmp_path / "run"
-    torchrun(*args, "--init-from", str(tmp_path / "m"), "--steps", "2", "--checkpoint-every", "2", "--out", str(run))
+    torchrun(*args, *sharded, "--init-from", str(tmp_path / "m"), "--steps", "2", "--checkpoint-every", "2",
+             "--out", str(run))
+    (facts,) = executed_plans()
+    assert_shards(facts, batch_split=False)
     out = tmp_path / "hf"
     assert autoshard_main(["export", str(run), "--hf", str(out)]) == 0
     assert json.loads((out / "generation_config.json").read_text()) == {"max_new_tokens": 7}
@@ -112,7 +123,8 @@ def test_an_hf_model_trained_on_2x2_exports_back_to_transformers(tmp_path):
     assert set(saved) <= set(state)
     for name, value in saved.items():
         assert torch.equal(state[name], value), name
-    torchrun(*args, "--steps", "3", "--resume", "--out", str(run))
+    torchrun(*args, *sharded, "--steps", "3", "--resume", "--out", str(run))
+    assert executed_plans()[1] == facts
     resumed = metrics(run)[2]["loss"]
     workload = get_workload(f"hf:{tmp_path / 'm'}", 16)
     assert abs(batch_loss(exported, workload, 2) - resumed) <= 1e-5 * resumed

@@ -14,9 +14,15 @@ import pytest
 
 from autoshard.cli.train import main
 from benchmarks.fault import survive
+from test_train import SHARDED_ON_4
+from torchrun import child_env
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--model", "llama3-tiny", "--batch", "8", "--seq", "16", "--mesh", "1"]
+# What these check is the process's behaviour (signals, retention, damaged files, non-finite
+# values), in one process; resuming sharded checkpoints exactly is the torchrun tests' (the last
+# one here, tests/test_train.py and tests/test_precision.py), on sharded plans.
+ONE_PROCESS = pytest.mark.replicated_plan
 
 
 def losses(run: Path) -> dict[int, float]:
@@ -28,7 +34,7 @@ def losses(run: Path) -> dict[int, float]:
 
 def train(*args: str) -> subprocess.CompletedProcess:
     """`python -m autoshard train` as its own process, one thread (same numerics in every run)."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    env = child_env()
     return subprocess.run([sys.executable, "-m", "autoshard", "train", *TINY, *args], env=env, cwd=ROOT,
                           capture_output=True, text=True, timeout=300)
 
@@ -37,6 +43,7 @@ def kept(run: Path) -> list[str]:
     return sorted(p.name for p in (run / "checkpoints").iterdir())
 
 
+@ONE_PROCESS
 def test_sigterm_finishes_the_step_checkpoints_and_the_same_command_resumes_exactly(tmp_path):
     """SIGTERM mid-run: the step finishes, its checkpoint is written, the exit code is 128 + 15 with
     one line naming it; the same command again resumes there and every step's loss equals an
@@ -45,7 +52,7 @@ def test_sigterm_finishes_the_step_checkpoints_and_the_same_command_resumes_exac
     clean = train(*args, "--out", str(tmp_path / "clean"))
     assert clean.returncode == 0, clean.stderr[-3000:]
     out = tmp_path / "stopped"
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    env = child_env()
     proc = subprocess.Popen([sys.executable, "-m", "autoshard", "train", *TINY, *args, "--out", str(out)], env=env,
                             cwd=ROOT, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
     lines = []
@@ -66,6 +73,7 @@ def test_sigterm_finishes_the_step_checkpoints_and_the_same_command_resumes_exac
     assert losses(out) == losses(tmp_path / "clean")
 
 
+@ONE_PROCESS
 def test_retention_keeps_the_newest_k_and_a_rerun_resumes_by_itself(tmp_path, capsys):
     out = tmp_path / "run"
     assert main([*TINY, "--steps", "9", "--checkpoint-every", "2", "--keep-checkpoints", "2", "--checkpoint-writes",
@@ -80,6 +88,7 @@ def test_retention_keeps_the_newest_k_and_a_rerun_resumes_by_itself(tmp_path, ca
     assert list(again) == list(range(1, 12)) and all(again[s] == first[s] for s in range(1, 9))
 
 
+@ONE_PROCESS
 def test_a_damaged_newest_checkpoint_is_skipped_with_one_warning(tmp_path, capsys):
     """The newest checkpoint's data truncated: one warning line naming it, the one before is loaded,
     and the steps after it repeat the first run's losses exactly."""
@@ -97,6 +106,7 @@ def test_a_damaged_newest_checkpoint_is_skipped_with_one_warning(tmp_path, capsy
     assert losses(out) == first
 
 
+@ONE_PROCESS
 def test_a_non_finite_loss_stops_with_one_error_line_and_saves_nothing_of_it(tmp_path, capsys):
     out = tmp_path / "run"
     code = main([*TINY, "--steps", "8", "--lr", "1e30", "--checkpoint-every", "1", "--out", str(out)])
@@ -108,6 +118,7 @@ def test_a_non_finite_loss_stops_with_one_error_line_and_saves_nothing_of_it(tmp
     assert kept(out) == ["step-000001"] and list(losses(out)) == [1]
 
 
+@ONE_PROCESS
 def test_non_finite_parameters_are_never_checkpointed(tmp_path, capsys, monkeypatch):
     """An optimizer that breaks a parameter at step 3 (the loss of step 3 is still finite): the
     checkpoint of step 3 is refused with one error line and step 2's stays the newest."""
@@ -138,6 +149,7 @@ def test_non_finite_parameters_are_never_checkpointed(tmp_path, capsys, monkeypa
     assert kept(out)[-1] == "step-000002"
 
 
+@ONE_PROCESS
 def test_resume_no_refuses_an_earlier_runs_checkpoints(tmp_path, capsys):
     out = tmp_path / "run"
     assert main([*TINY, "--steps", "2", "--checkpoint-every", "2", "--out", str(out)]) == 0
@@ -151,10 +163,11 @@ def test_resume_no_refuses_an_earlier_runs_checkpoints(tmp_path, capsys):
 @pytest.mark.slow
 @pytest.mark.ranks
 def test_torchrun_restarts_after_sigkills_continue_with_the_same_losses():
-    """4 gloo ranks (2,2), 20 steps, checkpoints every 4 written in the background: a random rank
+    """4 gloo ranks (2,2), parameters sharded, 20 steps, checkpoints every 4 written in the background: a random rank
     SIGKILLed at two steps (maybe mid-write) under --max-restarts 2; torchrun exits 0 and every
     step's loss equals the uninterrupted run's."""
-    figures = survive(steps=20, checkpoint_every=4, kills=2, seed=1, extra=("--checkpoint-writes", "async"))
+    figures = survive(steps=20, checkpoint_every=4, kills=2, seed=1,
+                      extra=("--checkpoint-writes", "async", *SHARDED_ON_4))
     assert figures["clean_returncode"] == 0 and figures["returncode"] == 0, figures["stderr_tail"]
     assert len(figures["killed_at"]) == 2 and figures["rows"] == 20
     assert figures["differing_steps"] == []

@@ -17,6 +17,7 @@ from autoshard.workloads.base import full_state
 from autoshard.runtime.module import parallelize
 from models import MarkovTokens, cross_entropy_loss
 from models.train_single import TrainSettings, make_optimizer
+from plan_audit import assert_shards, budget_bytes, sharded_plan
 from simulation import simulated_mesh
 
 BATCH, SEQ, VOCAB, STEPS = 4, 8, 128, 3
@@ -74,7 +75,7 @@ def test_hf_causal_lm_trains_like_single_device(kind, mesh_shape, keywords, capl
         example = lambda: (torch.empty(BATCH, SEQ, dtype=torch.int64, device="meta"),) * 2  # noqa: E731
         loss_fn = logits_loss
     with caplog.at_level(logging.INFO, logger="autoshard"):
-        plan = AutoShard(meta, example, mesh_shape, loss_fn=loss_fn).optimize()
+        plan = sharded_plan(AutoShard(meta, example, mesh_shape, loss_fn=loss_fn))
     assert "traced by dynamo graph capture" in caplog.text
     assert "will run replicated" not in caplog.text  # no op without a strategy
     names = [n for n, _ in meta.named_parameters()]
@@ -152,7 +153,7 @@ def test_a_padding_mask_is_kept_and_numerics_stay_exact():
                        "attention_mask": torch.empty(BATCH, SEQ, dtype=torch.int64, device="meta"),
                        "labels": torch.empty(BATCH, SEQ, dtype=torch.int64, device="meta")}
     meta = hf.build(hf.training_config(config), "meta")
-    plan = AutoShard(meta, example, (2, 2)).optimize()
+    plan = sharded_plan(AutoShard(meta, example, (2, 2)))
     assert all(call.get("attn_mask") is not None for call in sdpa_calls(plan.graph))  # the mask is traced
     with simulated_mesh((2, 2)) as (mesh, mode):
         pmodel = parallelize(plan, mesh, meta)
@@ -248,16 +249,20 @@ def test_bad_hf_input_is_one_error_line(tmp_path, capsys, case, message, command
 
 @pytest.mark.slow
 @pytest.mark.ranks
-def test_torchrun_trains_an_hf_model_from_its_safetensors_like_single_device(tmp_path):
+def test_torchrun_trains_an_hf_model_from_its_safetensors_like_single_device(tmp_path, executed_plans):
     """4 gloo ranks on (2,2), `--model hf:DIR --init-from DIR` (a tiny Llama saved by
-    save_pretrained): the 5 losses equal the single-device run from the same weights."""
+    save_pretrained), parameters sharded by a budget: the 5 losses equal the single-device run
+    from the same weights."""
     from test_train import metrics, torchrun
 
     from autoshard.workloads import get_workload
 
     model, directory = save_tiny(tmp_path / "m", seed=5, tie_word_embeddings=True)
     torchrun("--model", f"hf:{directory}", "--init-from", str(directory), "--mesh", "2x2", "--batch", "8",
-             "--seq", "16", "--steps", "5", "--out", str(tmp_path / "run"))
+             "--seq", "16", "--steps", "5", "--memory-budget", str(budget_bytes(model, (2, 2))),
+             "--out", str(tmp_path / "run"))
+    (facts,) = executed_plans()
+    assert_shards(facts, batch_split=False)
     data = get_workload(f"hf:{directory}", seq=16).data(0)
     optim = make_optimizer(model.parameters(), TrainSettings())
     want = []

@@ -17,19 +17,26 @@ from autoshard.profiles.network import NetworkProfile
 from autoshard.strategies import Strategy
 from models import build_model, cross_entropy_loss
 from models.train_single import TrainSettings, train_single
+from plan_audit import assert_shards, force_sharding
 from simulation import simulated_mesh
 from test_apply import BATCH, SEQ, TINY, single_device, trains_like_single_device
-from test_train import metrics, torchrun
+from test_train import SHARDED_ON_4, metrics, torchrun
 
 ROLES3 = ("dp_replicate", "dp_shard", "tp")
 
 
 def plan_3d(**config):
+    """The (2,2,2) plan with roles, parameters sharded over dp_shard x tp by a budget (the roles
+    split the batch over both dp dims)."""
     meta = build_model(TINY, device="meta")
     example = lambda: (torch.empty(BATCH, SEQ, dtype=torch.int64, device="meta"),) * 2  # noqa: E731
     with AutoShard(meta, example, config=PlanConfig(mesh=(2, 2, 2), mesh_names=ROLES3, **config),
                    loss_fn=cross_entropy_loss) as auto:
-        return auto.optimize(), auto
+        force_sharding(auto, budget=None, split_batch=False)
+        auto.memory_budget(float(SHARDED_ON_4[1]))  # replicated over dp_replicate: 4 ranks share them
+        plan = auto.optimize()
+        assert_shards(plan)
+        return plan, auto
 
 
 def plan_2d():
@@ -74,12 +81,14 @@ def test_network_presets_put_the_tp_dims_inside_a_node():
 
 @pytest.mark.slow
 @pytest.mark.ranks
-def test_eight_gloo_ranks_train_hsdp_like_single_device(tmp_path):
-    """`train` on 8 real gloo processes, mesh (2,2,2) with roles: 2 steps with the single-device
-    losses; the log and plan.json name each dim's role."""
+def test_eight_gloo_ranks_train_hsdp_like_single_device(tmp_path, executed_plans):
+    """`train` on 8 real gloo processes, mesh (2,2,2) with roles, parameters sharded over dp_shard x
+    tp: 2 steps with the single-device losses; the log and plan.json name each dim's role."""
     out = tmp_path / "run"
     torchrun("--model", "llama3-tiny", "--batch", "8", "--seq", "16", "--mesh", "2x2x2", "--mesh-names",
-             ",".join(ROLES3), "--steps", "2", "--out", str(out), nproc=8, timeout=600)
+             ",".join(ROLES3), *SHARDED_ON_4, "--steps", "2", "--out", str(out), nproc=8, timeout=600)
+    (facts,) = executed_plans()
+    assert_shards(facts)
     want = train_single(TrainSettings(model="llama3-tiny", steps=2, batch=8, seq=16)).losses
     rows = metrics(out)
     assert [r["step"] for r in rows] == [1, 2]

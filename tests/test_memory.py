@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 
 import pytest
 import torch
@@ -17,6 +16,7 @@ from autoshard.runtime.dryrun import dry_run
 from autoshard.runtime.module import parallelize
 from models import MarkovTokens, build_model, cross_entropy_loss, get_config
 from models.train_single import TrainSettings, make_optimizer, train_single
+from plan_audit import sharded_plan
 from simulation import simulated_mesh
 
 TINY = get_config("llama3-tiny")
@@ -24,13 +24,12 @@ BATCH, SEQ = 8, 16
 
 
 def plan_tiny(mesh_shape, **options):
-    """llama3-tiny with every parameter fully sharded (on H100s it is cheapest replicated, with no
-    gathers to recompute)."""
+    """llama3-tiny with every parameter fully sharded and the batch split (on H100s it is cheapest
+    replicated, with no gathers to recompute)."""
     example = lambda: (torch.empty(BATCH, SEQ, dtype=torch.int64, device="meta"),) * 2  # noqa: E731
-    model = build_model(TINY, device="meta")
-    with AutoShard(model, example, mesh_shape, loss_fn=cross_entropy_loss, **options) as auto:
-        auto.memory_budget(sum(4 * p.numel() for p in model.parameters()) / math.prod(mesh_shape))
-        return auto.optimize()
+    with AutoShard(build_model(TINY, device="meta"), example, mesh_shape, loss_fn=cross_entropy_loss,
+                   **options) as auto:
+        return sharded_plan(auto, budget=1.0)
 
 
 def train(plan, mesh_shape, steps=3, cfg=TINY, batch_size=BATCH, seq=SEQ):

@@ -24,8 +24,9 @@ from autoshard.runtime.module import parallelize
 from autoshard.runtime.wire import WireMeter
 from models import MarkovTokens, build_model, cross_entropy_loss, get_config
 from models.train_single import TrainSettings, make_optimizer, step_loss, train_single
+from plan_audit import assert_shards, sharded_plan
 from simulation import simulated_mesh
-from test_train import ROOT, TINY, metrics, torchrun
+from test_train import ROOT, SHARDED_ON_4, TINY, metrics, torchrun
 
 BF16_FP32 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 BF16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16)  # reduce in bf16, FSDP2's default
@@ -38,7 +39,8 @@ FSDP_TP = {"layers.*.attention.w[qkv].weight": "S(0)S(0)[1,0]", "layers.*.attent
 
 
 def plan(name: str, mesh_shape, policy: MixedPrecisionPolicy | None, pins=None, device="h100", inputs=None,
-         network=None):
+         network=None, shard=False):
+    """The plan for `name` under `policy`; `shard`: sharding forced and checked (plan_audit)."""
     meta = build_model(get_config(name), device="meta")
     example = lambda: (torch.empty(BATCH, SEQ, dtype=torch.int64, device="meta"),) * 2  # noqa: E731
     with AutoShard(meta, example, mesh_shape, loss_fn=cross_entropy_loss, mp_policy=policy, device=device,
@@ -47,7 +49,7 @@ def plan(name: str, mesh_shape, policy: MixedPrecisionPolicy | None, pins=None, 
             auto.pin(pins)
         if inputs:
             auto.constrain_inputs(*inputs)
-        return auto.optimize()
+        return sharded_plan(auto) if shard else auto.optimize()
 
 
 def reference(name: str, policy: MixedPrecisionPolicy | None, steps: int = STEPS):
@@ -78,7 +80,7 @@ def test_bf16_training_follows_the_single_device_policy(name, mesh_shape):
     ref_losses, ref_grads = reference(name, BF16_FP32)
     fp32_losses, _ = reference(name, None)
     assert max(abs(a - b) / b for a, b in zip(ref_losses, fp32_losses)) < 0.03
-    p = plan(name, mesh_shape, BF16_FP32)
+    p = plan(name, mesh_shape, BF16_FP32, shard=True)
     cfg = get_config(name)
     data = MarkovTokens(cfg.vocab_size, seed=0)
     with simulated_mesh(mesh_shape) as (mesh, mode):
@@ -232,13 +234,15 @@ def test_plan_cli_bad_dtype_is_one_line(tmp_path, flag, value):
 
 @pytest.mark.slow
 @pytest.mark.ranks
-def test_torchrun_bf16_trains_checkpoints_and_resumes(tmp_path):
+def test_torchrun_bf16_trains_checkpoints_and_resumes(tmp_path, executed_plans):
     """4 gloo ranks, --param-dtype bf16 --reduce-dtype fp32: the losses follow the single-device run
     with the same policy; resuming from the step-2 checkpoint (fp32 master weights and AdamW states)
     reproduces steps 3-4 exactly (reusing the saved bf16 plan)."""
-    args = [*TINY, "--mesh", "2x2", "--param-dtype", "bf16", "--reduce-dtype", "fp32"]
+    args = [*TINY, *SHARDED_ON_4, "--mesh", "2x2", "--param-dtype", "bf16", "--reduce-dtype", "fp32"]
     first = tmp_path / "first"
     torchrun(*args, "--steps", "4", "--checkpoint-every", "2", "--out", str(first))
+    (facts,) = executed_plans()
+    assert_shards(facts, batch_split=False)
     rows = metrics(first)
     want = train_single(TrainSettings(model="llama3-tiny", steps=4, batch=8, seq=16, param_dtype=torch.bfloat16,
                                       reduce_dtype=torch.float32)).losses

@@ -12,6 +12,7 @@ from torch import nn
 from autoshard.driver.api import AutoShard
 from autoshard.layout import Layout
 from autoshard.program.random import RandomStream, SeededOp, draws, is_random, shard_key
+from plan_audit import assert_shards, sharded_plan
 from simulation import simulated_mesh
 from torchrun import run_ranks
 
@@ -66,7 +67,7 @@ def test_lowering_seeds_every_random_op_from_the_run_seed():
     """The lowered program calls dropout through a SeededOp reading the parallel module's stream:
     the seed given to apply, the step counted by forward calls."""
     model = Dropped()
-    plan = AutoShard(model, lambda: (torch.randn(8, 8),), (4,)).optimize()
+    plan = sharded_plan(AutoShard(model, lambda: (torch.randn(8, 8),), (4,)))
     with simulated_mesh((4,)) as (mesh, _):
         pmodel = AutoShard(model, lambda: (torch.randn(8, 8),), mesh).apply(plan, seed=7)
         seeded = [n.target for gm in (pmodel.program.forward, pmodel.program.backward) for n in gm.graph.nodes
@@ -80,11 +81,13 @@ def test_lowering_seeds_every_random_op_from_the_run_seed():
 
 @pytest.mark.slow
 @pytest.mark.ranks
-def test_torchrun_dropout_with_per_rank_seeds_stays_consistent():
-    """4 gloo ranks (2,2), HF GPT-2 with dropout 0.1, each rank's generator seeded 1000 + rank:
-    every rank reports the same loss and every replica of a parameter shard is identical after 3
-    AdamW steps; with dropout 0 the losses are the single device's."""
+def test_torchrun_dropout_with_per_rank_seeds_stays_consistent(executed_plans):
+    """4 gloo ranks (2,2), HF GPT-2 with dropout 0.1 on a sharded plan, each rank's generator seeded
+    1000 + rank: every rank reports the same loss and every replica of a parameter shard is
+    identical after 3 AdamW steps; with dropout 0 the losses are the single device's."""
     ranks = run_ranks("dist_random.py", timeout=500)
+    for facts in executed_plans():
+        assert_shards(facts)
     assert len({tuple(r["losses"]) for r in ranks}) == 1, [r["losses"] for r in ranks]
     digests = collections.defaultdict(set)
     for r in ranks:

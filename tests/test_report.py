@@ -19,6 +19,7 @@ from autoshard.report.build import plan_report
 from autoshard.report.files import write_report
 from autoshard.report.text import format_log, human_bytes, human_time, memory_line, summary_lines
 from models import build_model, cross_entropy_loss, get_config
+from plan_audit import sharded_plan
 from simulation import simulated_mesh
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -30,8 +31,7 @@ def tiny():
     model = build_model(get_config("llama3-tiny"), device="meta")
     inputs = lambda: (torch.empty(4, 16, dtype=torch.int64, device="meta"),) * 2  # noqa: E731
     with AutoShard(model, inputs, (2, 2), loss_fn=cross_entropy_loss) as auto:
-        auto.memory_budget(sum(p.numel() * p.element_size() for p in model.parameters()) / 4)  # sharded: gathers
-        plan = auto.optimize()
+        plan = sharded_plan(auto, budget=1.0)  # every parameter sharded (gathers), the batch split
     return plan, plan_report(plan, timings=auto.timings, extra={"fingerprint": "abc"}), auto.timings
 
 

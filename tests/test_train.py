@@ -14,14 +14,19 @@ from pathlib import Path
 import pytest
 
 from autoshard.cli.train import main
+from models import build_model, get_config
 from models.train_single import TrainSettings, train_single
+from plan_audit import assert_shards, budget_bytes
+from torchrun import child_env
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--model", "llama3-tiny", "--batch", "8", "--seq", "16"]
+# llama3-tiny on 4 ranks plans replicated unless its parameters must shard
+SHARDED_ON_4 = ["--memory-budget", str(budget_bytes(build_model(get_config("llama3-tiny"), device="meta"), (4,)))]
 
 
 def torchrun(*args: str, timeout: int = 400, nproc: int = 4) -> subprocess.CompletedProcess:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    env = child_env()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            "-m", "autoshard", "train", *args]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
@@ -35,13 +40,15 @@ def metrics(run: Path) -> list[dict]:
 
 @pytest.mark.slow
 @pytest.mark.ranks
-def test_torchrun_trains_like_single_device_and_resumes(tmp_path):
-    """4 gloo ranks on (2,2): 10 steps equal the single-device losses; the log and plan.json list
-    every parameter; a run resumed from the step-3 checkpoint (later ones gone, as if killed after
-    step 3) reproduces steps 4-6, reusing the saved plan."""
+def test_torchrun_trains_like_single_device_and_resumes(tmp_path, executed_plans):
+    """4 gloo ranks on (2,2), parameters sharded: 10 steps equal the single-device losses; the log
+    and plan.json list every parameter; a run resumed from the step-3 checkpoint (later ones gone,
+    as if killed after step 3) reproduces steps 4-6, reusing the saved plan."""
     first = tmp_path / "first"
-    out = torchrun(*TINY, "--mesh", "2x2", "--steps", "10", "--checkpoint-every", "3", "--memory-step", "2",
-                   "--out", str(first))
+    out = torchrun(*TINY, *SHARDED_ON_4, "--mesh", "2x2", "--steps", "10", "--checkpoint-every", "3",
+                   "--memory-step", "2", "--out", str(first))
+    (facts,) = executed_plans()
+    assert_shards(facts, batch_split=False)
     rows = metrics(first)
     # modeled vs measured step time, per row and in the log (median of steps 3-10)
     modeled = json.loads((first / "plan.json").read_text())["totals"]["step_time_s"]
@@ -59,8 +66,6 @@ def test_torchrun_trains_like_single_device_and_resumes(tmp_path):
         assert row["tokens_per_s"] > 0 and len(row["peak_rss_mb_per_rank"]) == 4
     report = json.loads((first / "plan.json").read_text())
     assert report["memory"]["peak_bytes"] == estimated and report["memory"]["device"] == "cpu"
-    from models import build_model, get_config
-
     names = [n for n, _ in build_model(get_config("llama3-tiny"), device="meta").named_parameters()]
     assert [p["fqn"] for p in report["parameters"]] == names
     assert all(p["layout"] for p in report["parameters"])
@@ -74,8 +79,8 @@ def test_torchrun_trains_like_single_device_and_resumes(tmp_path):
     shutil.copytree(first, second)
     for late in ("step-000006", "step-000009"):
         shutil.rmtree(second / "checkpoints" / late)
-    out = torchrun(*TINY, "--mesh", "2x2", "--steps", "6", "--resume", "--plan-file", str(first / "plan.json"),
-                   "--out", str(second))
+    out = torchrun(*TINY, *SHARDED_ON_4, "--mesh", "2x2", "--steps", "6", "--resume", "--plan-file",
+                   str(first / "plan.json"), "--out", str(second))
     assert "reusing the solution" in out.stdout + out.stderr
     resumed = metrics(second)
     assert [r["step"] for r in resumed] == [1, 2, 3, 4, 5, 6]
@@ -85,7 +90,7 @@ def test_torchrun_trains_like_single_device_and_resumes(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.ranks
-def test_torchrun_under_a_memory_limit_recomputes_and_trains_like_single_device(tmp_path):
+def test_torchrun_under_a_memory_limit_recomputes_and_trains_like_single_device(tmp_path, executed_plans):
     """llama3-debug on 4 gloo ranks (2,2) under 56 MB per rank: the plan as solved does not fit
     (~150 MiB); the ranks fit it together (rank 0 solving and dry-running for all) into one plan
     that recomputes the blocks, every rank's measured peak (MemTracker, step 2) stays under the
@@ -94,6 +99,8 @@ def test_torchrun_under_a_memory_limit_recomputes_and_trains_like_single_device(
     run = tmp_path / "run"
     torchrun("--model", "llama3-debug", "--batch", "8", "--seq", "128", "--mesh", "2x2", "--steps", "3",
              "--memory-limit", "56MB", "--memory-step", "2", "--out", str(run))
+    (facts,) = executed_plans()
+    assert_shards(facts, batch_split=False)  # the limit alone shards parameters
     report = json.loads((run / "plan.json").read_text())
     fit = report["memory_fit"]
     assert fit["constrained"] and fit["recompute"] and report["recompute"]["blocks"] == ["layers"]
@@ -136,6 +143,7 @@ def test_bad_input_is_one_line(tmp_path, capsys, args, message):
     assert "Traceback" not in err
 
 
+@pytest.mark.replicated_plan  # what it checks is the memory fit of `train`, in one process
 def test_memory_limit_in_train(tmp_path, capsys):
     """One process (mesh 1): by default the plan is checked against the cpu profile's capacity less
     the reserve; `none` checks nothing; under 3 MiB (the plan as solved peaks at ~3.7 MiB) the
@@ -177,12 +185,13 @@ def test_plan_file_for_another_problem_is_refused(tmp_path, capsys):
 
 def test_cli_entry_point_exits_nonzero_without_traceback():
     out = subprocess.run([sys.executable, "-m", "autoshard", "train", "--model", "nope"], capture_output=True,
-                         text=True, cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)), timeout=120)
+                         text=True, cwd=ROOT, env=child_env(), timeout=120)
     assert out.returncode == 2
     assert out.stderr.strip().splitlines()[-1].startswith("error: unknown model")
     assert "Traceback" not in out.stderr
 
 
+@pytest.mark.replicated_plan  # a world of one: what it checks is the error line
 def test_a_program_that_cannot_run_is_one_error_line_before_training(tmp_path, capsys, monkeypatch):
     """Rank 0's dry run fails: every rank (here the only one) stops with one error line, exit 2,
     before any step runs."""

@@ -26,14 +26,20 @@ def one_launch_at_a_time():
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
+def child_env(**extra: str) -> dict[str, str]:
+    """The environment of a process a test starts (torchrun, the CLI): one thread, the repository
+    importable, and the plan audit's hook (tests/audit_site) first on the path."""
+    path = os.pathsep.join([str(ROOT / "tests" / "audit_site"), str(ROOT)])
+    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=path, **extra)
+
+
 def run_ranks(script: str, timeout: int, nproc: int = 4) -> list[dict]:
     """torchrun `tests/<script>` on `nproc` ranks (one thread each); every rank's result dict, in
     rank order. Fails the test with the tail of both streams when torchrun does."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            str(ROOT / "tests" / script)]
     start = time.time()
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    out = subprocess.run(cmd, env=child_env(), capture_output=True, text=True, timeout=timeout)
     assert out.returncode == 0, f"torchrun failed after {time.time() - start:.0f}s:\n{out.stdout[-3000:]}\n{out.stderr[-5000:]}"
     (line,) = [x for x in out.stdout.splitlines() if x.startswith(PREFIX)]
     return json.loads(line[len(PREFIX):])
