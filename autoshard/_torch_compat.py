@@ -1,11 +1,14 @@
-"""The one place autoshard touches private torch APIs (torch 2.13 and 2.14).
+"""The one place autoshard touches private torch APIs (torch 2.11 through 2.14).
 
 Everything here may move between torch releases; keeping it in one file means one file to fix.
+The code reads as for torch 2.13 and 2.14; what 2.11 and 2.12 lack or do differently is made up
+for in the last section (and by the `*_single` collectives' fallback).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import threading
 from collections.abc import Iterator, Sequence
@@ -20,7 +23,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._op_schema import OpSchema, OpSpec, OpStrategy, TupleStrategy
 from torch.distributed.tensor._ops import utils as _ops_utils
-from torch.distributed.tensor._ops.single_dim_strategy import _PreparedSingleDimStrategy
+from torch.distributed.tensor._ops import single_dim_strategy as _sds
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.distributed._local_tensor import (
     LocalTensor,
@@ -142,6 +145,12 @@ def all_reduce_now(x: torch.Tensor, op: str, name: str) -> torch.Tensor:
 
 def all_to_all_now(x: torch.Tensor, out_splits: list[int], in_splits: list[int], name: str) -> torch.Tensor:
     return _F.wait_tensor(_F.all_to_all_single(x, out_splits, in_splits, name))
+
+
+# funcol's one-tensor gather and reduce-scatter (async until `wait`): `*_single` since torch 2.13,
+# where the older `*_tensor` names still work but warn; 2.11 and 2.12 have only those.
+all_gather_single = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
+reduce_scatter_single = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
 
 
 def all_reduce_owned(t: torch.Tensor, op: str, name: str) -> torch.Tensor:
@@ -353,7 +362,9 @@ def single_dim_rules(info: Any, schema: OpSchema, out_meta: Any) -> list[list[An
     """torch's own per-mesh-dim rule list ([outputs..., inputs...] placements, placeholders
     filled, the all-Replicate rule inserted) for one op call. Placeholders are filled from the
     input placements in `schema`, so give at least one input a `Shard` placement."""
-    return _PreparedSingleDimStrategy(info, schema, out_meta).expanded_strategies
+    if not hasattr(_sds, "_PreparedSingleDimStrategy"):  # torch 2.11
+        return _single_dim_rules_2_11(info, schema, out_meta)
+    return _sds._PreparedSingleDimStrategy(info, schema, out_meta).expanded_strategies
 
 
 # DTensor's redistribute price, switched off per thread while autoshard enumerates strategies.
@@ -516,3 +527,81 @@ def inductor_unavailable(device_type: str) -> str | None:
     except exc.InvalidCxxCompiler as err:
         return f"inductor needs a C++ compiler for CPU kernels: {err} (install g++ or set CXX)"
     return None
+
+
+# ---------------------------------------------------------------- torch 2.11 and 2.12 (drop with their support)
+_TORCH = tuple(int(v) for v in torch.__version__.split(".")[:2])
+
+
+def _single_dim_rules_2_11(info: Any, schema: OpSchema, out_meta: Any) -> list[list[Any]]:
+    """torch 2.11 has no _PreparedSingleDimStrategy: the steps its own expanded strategy function
+    takes (2.11 asserts that a rule list has no all-Replicate rule yet; 2.13 keeps the one there)."""
+    rules = info.func(schema.op, schema.args_meta, schema.kwargs_meta)
+    if not any(all(isinstance(p, Replicate) for p in rule) for rule in rules):
+        n_out = 0 if out_meta is None else 1 if isinstance(out_meta, TensorMeta) else len(out_meta)
+        rules = _sds._insert_single_dim_replication_strategy(rules, n_out, _sds._get_num_tensor_inputs(schema))
+    return _sds._fill_single_dim_strategy_placeholders(_sds._get_unique_placements(schema), rules)
+
+
+def _reductions_per_candidate() -> None:
+    """2.11's and 2.12's reduction rule lets one input candidate that must be replicated (pending
+    another reduction, uneven) replicate every later candidate too; 2.13 judges each alone. DTensor
+    passes one candidate, autoshard many: hand them to the rule one at a time."""
+    from torch.distributed.tensor._ops import _math_ops
+
+    reduce = _math_ops.common_reduction_strategy
+
+    def each(input_strategy: OpStrategy, *args: Any, **kwargs: Any) -> OpStrategy:
+        return OpStrategy([out for spec in input_strategy.strategies
+                           for out in reduce(OpStrategy([spec]), *args, **kwargs).strategies])
+
+    _math_ops.common_reduction_strategy = functools.wraps(reduce)(each)
+
+
+def _teach_dynamo_mesh_shape() -> None:
+    """2.11's dynamo models a DeviceMesh by a fixed list of attributes without `shape`, which the
+    executor reads inside compiled programs (from 2.12 on, dynamo traces a DeviceMesh as an object)."""
+    from torch._dynamo.variables import ConstantVariable
+    from torch._dynamo.variables.distributed import DeviceMeshVariable
+
+    var_getattr = DeviceMeshVariable.var_getattr
+
+    def with_shape(self: Any, tx: Any, name: str) -> Any:
+        return ConstantVariable.create(tuple(self.value.shape)) if name == "shape" else var_getattr(self, tx, name)
+
+    DeviceMeshVariable.var_getattr = with_shape
+
+
+def _mem_tracker_2_12() -> Any:
+    """2.11's and 2.12's MemTracker also counts the global-size fake tensors of DTensor's sharding
+    propagation (an optimizer's first step seems to allocate whole parameters); 2.13's skips ops
+    under a fake mode other than the one at its entry: the same skip."""
+    from torch._guards import active_fake_mode
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    class Tracker(MemTracker):
+        def __enter__(self) -> Any:
+            self._fake_mode_on_entry = active_fake_mode()
+            return super().__enter__()
+
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            if active_fake_mode() is not self._fake_mode_on_entry and not any(t is DTensor for t in types):
+                return func(*args, **(kwargs or {}))
+            return super().__torch_dispatch__(func, types, args, kwargs)
+
+    return Tracker()
+
+
+def _dense_input(collective: Any) -> Any:
+    """2.11's gather, reduce-scatter and all-to-all kernels refuse a non-contiguous input (2.13's
+    take it)."""
+    return functools.wraps(collective)(lambda x, *args: collective(x.contiguous(), *args))
+
+
+if _TORCH < (2, 13):
+    _reductions_per_candidate()
+    mem_tracker = _mem_tracker_2_12
+if _TORCH < (2, 12):
+    _teach_dynamo_mesh_shape()
+    all_gather_now, reduce_scatter_now, all_to_all_now = map(
+        _dense_input, (all_gather_now, reduce_scatter_now, all_to_all_now))

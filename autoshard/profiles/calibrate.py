@@ -80,8 +80,8 @@ def _sync(device: torch.device) -> None:
 def _collective(kind: str, group: Any) -> Callable[[torch.Tensor], torch.Tensor]:
     f = tc.funcol
     ops = {
-        "all_gather": lambda x: f.all_gather_single(x, 0, group),
-        "reduce_scatter": lambda x: f.reduce_scatter_single(x, "sum", 0, group),
+        "all_gather": lambda x: tc.all_gather_single(x, 0, group),
+        "reduce_scatter": lambda x: tc.reduce_scatter_single(x, "sum", 0, group),
         "all_reduce": lambda x: f.all_reduce(x, "sum", group),
         "all_to_all": lambda x: f.all_to_all_single(x, None, None, group),
     }

@@ -92,11 +92,11 @@ def launch_bucket(plans: Sequence[RedistributePlan], local_tensors: Sequence[tor
                   for f, x in zip(firsts, local_tensors)]
         parts = [tuple(c.shape[1:]) for c in chunks]
         flat = torch.cat([c.reshape(n, -1) for c in chunks], dim=1).reshape(-1)
-        result = tc.funcol.reduce_scatter_single(flat, "sum", 0, _group(mesh, phys))
+        result = tc.reduce_scatter_single(flat, "sum", 0, _group(mesh, phys))
     else:
         parts = [tuple(x.shape) for x in local_tensors]
         flat = torch.cat([x.reshape(-1) for x in local_tensors])
-        result = (tc.funcol.all_gather_single(flat, 0, _group(mesh, phys)) if kind == "all_gather"
+        result = (tc.all_gather_single(flat, 0, _group(mesh, phys)) if kind == "all_gather"
                   else tc.all_reduce_owned(flat, "sum", names[0][0]))  # `flat` is ours: reduced in place
     orders = list(dim_orders) if dim_orders is not None else [None] * len(plans)
     return PendingBucket(list(plans), result, parts, mesh, orders, names)

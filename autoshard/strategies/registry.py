@@ -82,6 +82,8 @@ def _convert_spec(call: OpCall, spec: Any) -> Found | None:
         ins_t = [next(it, None) if t is not None else None for t in call.in_vals]
     if len(outs_t) != call.n_out:
         return None
+    if any(s is not None and len(s.placements) != len(call.mesh_shape) for s in list(outs_t) + ins_t):
+        return None  # torch 2.11's constant_pad_nd rule gives one placement whatever the mesh
     layouts = []
     for s, t in zip(list(outs_t) + ins_t, call.out_vals + call.in_vals):
         lay = None if s is None or t is None else layout_from_torch(s.placements, t.dim())
