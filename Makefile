@@ -1,8 +1,9 @@
 # Two commands do all set-up on a fresh machine with only Python:
 #   make train   plan and train llama3-debug on a 2x2 CPU mesh under torchrun (writes runs/debug)
 #   make test    run the whole test suite
-# (make test-torch-next runs a representative part of the suite on the newest torch we support,
-# in its own venv .venv-next; .ci/run runs both)
+# (make test-torch-next and make test-torch-2.11 run a representative part of the suite on the
+# newest and the oldest torch we support, each in its own venv, .venv-next and .venv-2.11; .ci/run
+# runs all three)
 # (make bench runs every benchmark, ~15 min, and rewrites benchmarks/results.json)
 # Both create .venv if missing and install torch==2.13.0 (the CPU wheel) before the project, so pip
 # never resolves torch from a loose range (which would pull gigabytes of CUDA packages).
@@ -21,7 +22,22 @@ STAMP_NEXT := $(VENV_NEXT)/.autoshard-installed
 NEXT_TESTS := tests/test_layers.py tests/test_trace.py tests/test_apply.py tests/test_hf.py tests/test_dryrun.py \
 	tests/test_precision.py tests/test_compile.py tests/test_random.py tests/test_strategies.py
 
-.PHONY: test test-torch-next train bench install browser clean
+# The oldest supported torch (also a CUDA wheel that runs on CPU; the GPU machines' own release), in
+# a third venv, tested on the same subset.
+TORCH_OLD ?= 2.11.0
+VENV_OLD ?= .venv-2.11
+STAMP_OLD := $(VENV_OLD)/.autoshard-installed
+
+# $(call torch_venv,VENV,TORCH): a venv with torch==TORCH, then the project without touching torch.
+define torch_venv
+	test -x $(1)/bin/python || $(PYTHON) -m venv $(1)
+	$(1)/bin/python -m pip install --quiet torch==$(2)
+	$(1)/bin/python -m pip install --quiet -e '.[test,fast,hf]'
+	$(1)/bin/python -c "import torch; assert torch.__version__.startswith('$(2)'), torch.__version__"
+	touch $(1)/.autoshard-installed
+endef
+
+.PHONY: test test-torch-next test-torch-2.11 train bench install browser clean
 
 install: $(STAMP)
 
@@ -42,14 +58,16 @@ test: $(STAMP) browser
 	$(PY) -m pytest
 
 $(STAMP_NEXT): pyproject.toml
-	test -x $(PY_NEXT) || $(PYTHON) -m venv $(VENV_NEXT)
-	$(PY_NEXT) -m pip install --quiet torch==$(TORCH_NEXT)
-	$(PY_NEXT) -m pip install --quiet -e '.[test,fast,hf]'
-	$(PY_NEXT) -c "import torch; assert torch.__version__.startswith('$(TORCH_NEXT)'), torch.__version__"
-	touch $(STAMP_NEXT)
+	$(call torch_venv,$(VENV_NEXT),$(TORCH_NEXT))
 
 test-torch-next: $(STAMP_NEXT)
 	$(PY_NEXT) -m pytest $(NEXT_TESTS)
+
+$(STAMP_OLD): pyproject.toml
+	$(call torch_venv,$(VENV_OLD),$(TORCH_OLD))
+
+test-torch-2.11: $(STAMP_OLD)
+	$(VENV_OLD)/bin/python -m pytest $(NEXT_TESTS)
 
 train: $(STAMP)
 	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc_per_node=4 -m autoshard train \
@@ -60,4 +78,4 @@ bench: $(STAMP)
 	$(PY) -m benchmarks.run
 
 clean:
-	rm -rf $(VENV) $(VENV_NEXT) *.egg-info
+	rm -rf $(VENV) $(VENV_NEXT) $(VENV_OLD) *.egg-info
