@@ -20,7 +20,10 @@ from benchmarks.gpu_rates import Row, summary
 ROOT = Path(__file__).resolve().parents[1]
 # The fixture runs the whole quick benchmark (~7 minutes on 2 idle cores, more beside other tests on
 # a slow machine) and waits for the launch lock in between; the suite's 600 s per test would cut it.
-pytestmark = pytest.mark.timeout(2400)
+pytestmark = [pytest.mark.timeout(2400),
+              # the benchmark measures autoshard's default plan, replicated on these tiny models, as
+              # users get it; the sharded numerics are the other tests' (tests/plan_audit.py)
+              pytest.mark.replicated_plan]
 
 
 PLANNING = "speed,command,quality,memory,planner"  # one process each, no torchrun
