@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import re
 from dataclasses import dataclass
 from typing import Any, Iterator
@@ -144,3 +145,12 @@ def redefault(cls: type, name: str, default: Any) -> Any:
     """Field `name` of dataclass `cls`, option and all, with another default (for a subclass)."""
     f = next(f for f in dataclasses.fields(cls) if f.name == name)
     return dataclasses.field(default=default, metadata=f.metadata)
+
+
+def run_name(model: str, mesh: tuple[int, ...]) -> str:
+    """`<model>-<mesh>` as one safe folder name: a `hf:PATH` model by its folder's name, and
+    anything but letters, digits, `.`, `_` and `-` made `_` (`hf:/home/u/Llama-3-8B` on 2x8:
+    `Llama-3-8B-2x8`)."""
+    name = os.path.basename(os.path.normpath(model[3:])) if model.startswith("hf:") else model
+    name = re.sub(r"[^A-Za-z0-9._-]", "_", name).strip(".") or "model"
+    return f"{name}-{'x'.join(map(str, mesh))}"

@@ -37,12 +37,12 @@ def _gap_case(model: str, layers: int | None, mesh: tuple, batch: int, seq: int,
               time_limit: float = EXACT_TIME_LIMIT) -> dict:
     import torch
 
-    import solver
+    import autoshard_solver as solver
     from autoshard import PlanConfig
     from autoshard.driver.api import AutoShard
     from autoshard.layout import R, S
     from autoshard.problem.build import FixedMeshDim, build_problem, grad_sink
-    from models import build_model, cross_entropy_loss, get_config
+    from autoshard_models import build_model, cross_entropy_loss, get_config
 
     cfg = get_config(model)
     if layers:
@@ -81,7 +81,7 @@ def _plan_case(model: str, mesh: tuple, names: tuple | None, batch: int, seq: in
 
     from autoshard import PlanConfig
     from autoshard.driver.api import AutoShard
-    from models import build_model, cross_entropy_loss, get_config
+    from autoshard_models import build_model, cross_entropy_loss, get_config
 
     start = time.perf_counter()
     net = build_model(get_config(model), device="meta")

@@ -18,6 +18,7 @@ Goal: autoshard fits with a modeled step at or below the recipe's.
 
 from __future__ import annotations
 
+import math
 import argparse
 import json
 import os
@@ -60,7 +61,7 @@ def _plan(case: Case, recipe: bool) -> dict:
     from autoshard.driver.config import mp_policy
     from autoshard.problem.recipes import param_bytes_per_rank, recipe_layouts, recipe_pins
     from autoshard.driver.fit import MemoryLimitError
-    from models import build_model, cross_entropy_loss, get_config
+    from autoshard_models import build_model, cross_entropy_loss, get_config
 
     net = build_model(get_config(case.model), device="meta")
     start = time.perf_counter()
@@ -74,7 +75,7 @@ def _plan(case: Case, recipe: bool) -> dict:
                 return dict(runs=False, reason=str(err))
             auto.pin(recipe_pins(RECIPE))
             auto.memory_budget(budget)
-            auto.memory_limit(None)
+            auto.memory_limit(math.inf)
         elif case.limit is not None:
             auto.memory_limit(case.limit)
         limit = auto.resolved_memory_limit

@@ -15,6 +15,7 @@ plan with its parameters' device orders forced to the default, and the analytic 
 
 from __future__ import annotations
 
+import math
 import argparse
 import json
 import multiprocessing as mp
@@ -42,7 +43,7 @@ def _plan_case(model: str, mesh: tuple, batch: int, seq: int, layers: int | None
 
     from autoshard.driver.api import AutoShard
     from autoshard.problem.recipes import param_bytes_per_rank, recipe_layouts, recipe_pins
-    from models import build_model, cross_entropy_loss, get_config
+    from autoshard_models import build_model, cross_entropy_loss, get_config
 
     cfg = get_config(model)
     if layers:
@@ -51,7 +52,7 @@ def _plan_case(model: str, mesh: tuple, batch: int, seq: int, layers: int | None
     net = build_model(cfg, device="meta")
     with AutoShard(net, lambda: (torch.empty(batch, seq, dtype=torch.int64),) * 2, mesh,
                    loss_fn=cross_entropy_loss, mp_policy=mp_policy(*precision) if precision else None) as auto:
-        auto.memory_limit(None)  # planning speed and modeled quality as they were measured: no fitting
+        auto.memory_limit(math.inf)  # planning speed and modeled quality as they were measured: no fitting
         if pins:
             auto.pin(recipe_pins(pins) if isinstance(pins, str) else pins)
         if budget_from_recipe:
@@ -91,7 +92,7 @@ def analytic_gb(cfg, mesh, batch, seq, itemsize=4, reduce_itemsize=None) -> dict
     pure FSDP over every rank; gathers and activations in `itemsize` bytes, gradient reductions in
     `reduce_itemsize` (default the same)."""
     dp, tp = mesh
-    params = sum(p.numel() for p in __import__("models").build_model(cfg, device="meta").parameters())
+    params = sum(p.numel() for p in __import__("autoshard_models").build_model(cfg, device="meta").parameters())
     per_element = 2 * itemsize + (reduce_itemsize or itemsize)  # gather fwd, gather bwd, reduce-scatter
     fsdp = per_element * (dp - 1) / dp * params / tp
     tp_bytes = cfg.n_layers * 8 * (tp - 1) / tp * (batch // dp) * seq * cfg.dim * itemsize
@@ -166,7 +167,7 @@ def quality(quick: bool = False) -> list[dict]:
     """Modeled step time and comm bytes per rank of autoshard's plan and the hand-written ones:
     fp32 at b=1 and b=8, then bf16 compute with fp32 gradient reduction at b=1."""
     from autoshard.layout import Layout
-    from models import get_config
+    from autoshard_models import get_config
 
     model, mesh, seq = "llama3-8b", (8, 8), 8192
     layers = 2 if quick else None

@@ -46,8 +46,8 @@ from torch.distributed.tensor.parallel import (  # noqa: E402
 
 from autoshard.driver.config import mp_policy  # noqa: E402
 from autoshard.runtime.wire import WireMeter, wire_row  # noqa: E402
-from models import MarkovTokens, build_model, cross_entropy_loss, get_config  # noqa: E402
-from models.train_single import TrainSettings, make_optimizer  # noqa: E402
+from autoshard_models import MarkovTokens, build_model, cross_entropy_loss, get_config  # noqa: E402
+from autoshard_models.train_single import TrainSettings, make_optimizer  # noqa: E402
 
 
 def apply_tp(model, tp_mesh) -> None:

@@ -25,7 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from solver import Choice, Problem, available_backends, solve  # noqa: E402
+from autoshard_solver import Choice, Problem, available_backends, solve  # noqa: E402
 
 MESH = (8, 8)
 ALPHA = (2e-5, 5e-6)          # latency per collective, dp and tp dims (s)

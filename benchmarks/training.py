@@ -210,7 +210,7 @@ def run(quick: bool = False, out_dir: str | os.PathLike = ROOT / "runs" / "bench
     when a parallel loss curve leaves the reference. `wide` / `two_ranks`: the WIDE / TWO_RANKS
     workload instead."""
     from autoshard.capture.precision import parse_dtype
-    from models.train_single import TrainSettings, train_single
+    from autoshard_models.train_single import TrainSettings, train_single
 
     work = WIDE if wide else TWO_RANKS if two_ranks else QUICK if quick else FULL
     repeats = repeats or (1 if quick else 3)

@@ -1,6 +1,6 @@
 """Single-device AdamW training: the numerical reference the parallel runs are compared against.
 
-    python -m models.train_single --model llama3-tiny --steps 50
+    python -m autoshard_models.train_single --model llama3-tiny --steps 50
 """
 
 from __future__ import annotations

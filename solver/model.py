@@ -10,6 +10,8 @@ Triangles of the class graph can be tightened on demand (`Model.add_triangle`).
 
 from __future__ import annotations
 
+import os
+import sys
 import time
 import warnings
 
@@ -165,10 +167,29 @@ def run(model: Model, backend: str, time_limit, msg: bool, rel_gap: float, mip: 
     return status
 
 
-def _run_highs(model: Model, time_limit, msg: bool, rel_gap: float, mip: bool, cutoff: float | None):
+def _new_highs(msg: bool):
+    """A HiGHS instance. Its C++ constructor prints HiGHS's banner (version, copyright) to the
+    process's stdout, once per process: a solver log (`msg`) may show it, a user's console not,
+    so without `msg` file descriptor 1 points at /dev/null while the instance is made."""
     import highspy  # optional: `available_backends` says whether it is installed
 
-    h = highspy.Highs()
+    if msg:
+        return highspy.Highs()
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 1)
+            return highspy.Highs()
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
+def _run_highs(model: Model, time_limit, msg: bool, rel_gap: float, mip: bool, cutoff: float | None):
+    import highspy
+
+    h = _new_highs(msg)
     h.setOptionValue("output_flag", bool(msg))
     h.setOptionValue("mip_rel_gap", rel_gap)
     # HiGHS 1.15's presolve can loop forever (ignoring time_limit) in its doubleton-equation

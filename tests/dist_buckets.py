@@ -18,8 +18,8 @@ from autoshard.capture.precision import gradient_tail  # noqa: E402
 from autoshard.driver.api import AutoShard  # noqa: E402
 from autoshard.problem.build import grad_sink  # noqa: E402
 from autoshard.program.modules import AwaitBucket, Bucket  # noqa: E402
-from models import MarkovTokens, build_model, cross_entropy_loss, get_config  # noqa: E402
-from models.train_single import TrainSettings, make_optimizer  # noqa: E402
+from autoshard_models import MarkovTokens, build_model, cross_entropy_loss, get_config  # noqa: E402
+from autoshard_models.train_single import TrainSettings, make_optimizer  # noqa: E402
 from torchrun import report_ranks  # noqa: E402
 
 CFG = get_config("llama3-tiny")

@@ -19,8 +19,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from autoshard import auto_shard  # noqa: E402
 from autoshard.workloads import hf  # noqa: E402
 from autoshard.workloads.base import full_state  # noqa: E402
-from models import MarkovTokens, cross_entropy_loss  # noqa: E402
-from models.train_single import TrainSettings, make_optimizer  # noqa: E402
+from autoshard_models import MarkovTokens, cross_entropy_loss  # noqa: E402
+from autoshard_models.train_single import TrainSettings, make_optimizer  # noqa: E402
 from plan_audit import batch_on_dp, budget_bytes  # noqa: E402
 from torchrun import report_ranks  # noqa: E402
 

@@ -17,8 +17,8 @@ from autoshard.runtime.module import parallelize
 from autoshard.layout import Layout
 from autoshard.program.lower import Bucket
 from autoshard.capture.regions import block_of
-from models import MarkovTokens, build_model, cross_entropy_loss, get_config
-from models.train_single import TrainSettings, make_optimizer
+from autoshard_models import MarkovTokens, build_model, cross_entropy_loss, get_config
+from autoshard_models.train_single import TrainSettings, make_optimizer
 from plan_audit import assert_shards, batch_on_dp, budget_bytes, sharded_plan
 from ranks import coords
 from simulation import simulated_mesh
@@ -169,8 +169,9 @@ def test_mlp_on_2x2x2_matches_single_device():
     x, y = torch.randn(8, 16), torch.randn(8, 16)
     ref_loss = mse(model(x), y)
     ref_loss.backward()
-    with simulated_mesh((2, 2, 2)) as (mesh, mode):
-        pmodel = auto_shard(model, lambda: (x, y), mesh, loss_fn=mse, memory_budget=budget_bytes(model, (2, 2, 2)),
+    with simulated_mesh((2, 2, 2)) as (mesh, mode):  # unnamed: dp_replicate, dp_shard, tp
+        # parameters replicated over dp_replicate: a budget over the other two dims' 4 ranks
+        pmodel = auto_shard(model, lambda: (x, y), mesh, loss_fn=mse, memory_budget=budget_bytes(model, (2, 2)),
                             input_layouts=(batch_on_dp(3),) * 2)  # plan + apply in one call
         assert_shards(pmodel.plan)
         loss = pmodel(*pmodel.shard_inputs(x, y))

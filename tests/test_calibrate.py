@@ -300,7 +300,7 @@ def bad_files(tmp_path: Path) -> dict[str, tuple[Path, str]]:
 
 def test_bad_profile_files_are_one_clear_error(tmp_path):
     from autoshard.driver.api import AutoShard
-    from models import build_model, get_config
+    from autoshard_models import build_model, get_config
 
     model = build_model(get_config("llama3-tiny"), device="meta")
     for what, (path, message) in bad_files(tmp_path).items():
@@ -400,7 +400,7 @@ def test_torchrun_calibrate_writes_a_profile_the_planner_uses(tmp_path):
                for r in rows)
 
     from autoshard.driver.api import AutoShard
-    from models import build_model, cross_entropy_loss, get_config
+    from autoshard_models import build_model, cross_entropy_loss, get_config
     from autoshard.workloads import get_workload
 
     work = get_workload("llama3-tiny", 16)

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from autoshard import PlanConfig
+from autoshard import AutoShard, PlanConfig
 from autoshard.cli.args import ArgumentParser, add_dataclass_arguments
 from autoshard.options import from_values, parse_limit
 from plan_audit import assert_shards
@@ -48,6 +48,11 @@ def test_the_config_resolves_profiles_precision_and_the_memory_limit():
     assert config.memory_limit_bytes(h100) == pytest.approx(h100.memory_bytes * 0.9)
     assert config.replace(memory_limit=parse_limit("none")).memory_limit_bytes(h100) is None
     assert config.replace(memory_limit=5e9).memory_limit_bytes(h100) == 5e9
+    # AutoShard.memory_limit means what the config's field means: None the default, inf none
+    auto = AutoShard(torch.nn.Linear(4, 4), lambda: torch.zeros(2, 4), (2, 2), device="h100")
+    for value, want in ((5e9, 5e9), (math.inf, None), (None, h100.memory_bytes * 0.9)):
+        auto.memory_limit(value)
+        assert auto.resolved_memory_limit == pytest.approx(want) if want else auto.resolved_memory_limit is None
 
 
 def test_every_config_field_with_a_flag_is_an_option_of_plan_and_train():
@@ -65,7 +70,7 @@ def test_every_config_field_with_a_flag_is_an_option_of_plan_and_train():
                                           "--backend", "cbc", "--reshard-after-forward"])
     assert from_values(PlanConfig, vars(plan_args)) == PlanConfig(mesh=(2, 2), backend="cbc",
                                                                   reshard_after_forward=True)
-    train = _parse(["--backend", "cbc", "--time-limit", "5", "--mesh-names", "dp_shard,tp"])
+    train = _parse(["--backend", "cbc", "--time-limit", "5", "--mesh", "2x2", "--mesh-names", "dp_shard,tp"])
     assert (train.backend, train.time_limit, train.mesh_names) == ("cbc", 5.0, ("dp_shard", "tp"))
 
 
@@ -98,16 +103,23 @@ def test_mesh_roles_are_checked_with_one_error_line(capsys):
     from autoshard.__main__ import main
 
     with pytest.raises(ValueError, match=r"unknown role 'dp_replicte'; each mesh dim is one of dp_replicate, "
-                                         r"dp_shard, tp, cp, pp \(dp means dp_shard\)"):
+                                         r"dp_shard, tp, cp \(dp means dp_shard\)"):
         PlanConfig(mesh=(2, 2, 2), mesh_names=("dp_replicte", "dp_shard", "tp"))
     with pytest.raises(ValueError, match="role dp_shard is given twice"):
         PlanConfig(mesh=(2, 2), mesh_names=("dp", "dp_shard"))
-    with pytest.raises(ValueError, match=r"mesh 2x2x2x2x2 has 5 dims: name them with --mesh-names"):
-        PlanConfig(mesh=(2,) * 5)
+    with pytest.raises(ValueError, match=r"mesh 2x2x2x2 has 4 dims: name them with --mesh-names"):
+        PlanConfig(mesh=(2,) * 4)
+    # no role is invented: unnamed meshes get what the docs' examples use, and pipeline
+    # parallelism, which nothing implements, is refused rather than planned as a free dim
+    assert [PlanConfig(mesh=(2,) * n).mesh_names for n in (1, 2, 3)] == [
+        ("dp",), ("dp", "tp"), ("dp_replicate", "dp_shard", "tp")]
+    with pytest.raises(ValueError, match=r"role pp \(pipeline parallelism\) is not implemented"):
+        PlanConfig(mesh=(2, 2, 2), mesh_names=("dp", "tp", "pp"))
     base = ["--model", "llama3-tiny", "--batch", "8", "--seq", "16"]
     for argv, message in (
             (["plan", *base, "--mesh", "2x2x2", "--mesh-names", "dp_replicate,fsdp,tp"], "unknown role 'fsdp'"),
             (["plan", *base, "--mesh", "2x2x2", "--mesh-names", "dp,tp,dp_shard"], "role dp_shard is given twice"),
+            (["plan", *base, "--mesh", "2x2x2", "--mesh-names", "dp,tp,pp"], "role pp (pipeline parallelism) is not"),
             (["train", *base, "--mesh", "2x2x2", "--mesh-names", "dp_replicate,dp_shard,tp"],
              "has 8 devices but the world size is 1")):
         try:
@@ -125,7 +137,7 @@ def test_planning_pauses_the_cyclic_garbage_collector_and_restores_it(monkeypatc
     import gc
 
     import autoshard.driver.api as api
-    from models import build_model, cross_entropy_loss, get_config
+    from autoshard_models import build_model, cross_entropy_loss, get_config
 
     seen = []
     build = api.build_problem

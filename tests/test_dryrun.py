@@ -15,8 +15,8 @@ from autoshard.driver.api import AutoShard
 from autoshard.runtime.module import parallelize
 from autoshard.runtime.dryrun import DryRunError, MemoryEstimate, dry_run, estimate, ranks_to_check
 from autoshard.program.lower import LOCAL_SHAPE, lower
-from models import MarkovTokens, build_model, cross_entropy_loss, get_config
-from models.train_single import TrainSettings, make_optimizer
+from autoshard_models import MarkovTokens, build_model, cross_entropy_loss, get_config
+from autoshard_models.train_single import TrainSettings, make_optimizer
 
 GIB = 2**30
 
@@ -32,7 +32,7 @@ def make_plan(name: str, mesh_shape, batch: int, seq: int, sharded: bool = False
     with tc.fake_process_group(math.prod(mesh_shape)):
         with AutoShard(model, inputs, mesh_shape, loss_fn=cross_entropy_loss, network="h100-node",
                        device="h100") as auto:
-            auto.memory_limit(None)  # the unconstrained plans: fp32 70B needs more than an H100 has
+            auto.memory_limit(math.inf)  # the unconstrained plans: fp32 70B needs more than an H100 has
             if sharded:
                 auto.memory_budget(param_bytes(model) / math.prod(mesh_shape))
             return auto.optimize(), model

@@ -4,12 +4,12 @@ the parameter pinned, checked against planning from scratch with `AutoShard.pin`
 import pytest
 import torch
 
-import solver
+import autoshard_solver as solver
 from autoshard.driver.api import AutoShard
 from autoshard.problem.explain import ExplainError, match_params, redistribution_changes
 from autoshard.report.build import plan_report
 from autoshard.report.text import explain_lines, format_log
-from models import build_model, cross_entropy_loss, get_config
+from autoshard_models import build_model, cross_entropy_loss, get_config
 
 WQ = "layers.0.attention.wq.weight"
 

@@ -15,7 +15,7 @@ from autoshard.__main__ import main as autoshard_main
 from autoshard.cli.train import main as train_main
 from autoshard.train.export import export_hf
 from autoshard.workloads import get_workload
-from models import cross_entropy_loss
+from autoshard_models import cross_entropy_loss
 
 TINY = ["--model", "llama3-tiny", "--batch", "8", "--seq", "16", "--mesh", "1"]
 # Export's own checks (file layout, names, dtypes, errors) on a one-process run; exporting a sharded

@@ -122,7 +122,7 @@ def test_a_non_finite_loss_stops_with_one_error_line_and_saves_nothing_of_it(tmp
 def test_non_finite_parameters_are_never_checkpointed(tmp_path, capsys, monkeypatch):
     """An optimizer that breaks a parameter at step 3 (the loss of step 3 is still finite): the
     checkpoint of step 3 is refused with one error line and step 2's stays the newest."""
-    import models.train_single as single
+    import autoshard_models.train_single as single
 
     make = single.make_optimizer
 

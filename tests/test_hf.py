@@ -15,8 +15,8 @@ from autoshard.driver.api import AutoShard
 from autoshard.workloads import hf
 from autoshard.workloads.base import full_state
 from autoshard.runtime.module import parallelize
-from models import MarkovTokens, cross_entropy_loss
-from models.train_single import TrainSettings, make_optimizer
+from autoshard_models import MarkovTokens, cross_entropy_loss
+from autoshard_models.train_single import TrainSettings, make_optimizer
 from plan_audit import assert_shards, budget_bytes, sharded_plan
 from simulation import simulated_mesh
 

@@ -15,8 +15,8 @@ from autoshard.layout import Layout, R, S
 from autoshard.problem.build import FixedMeshDim, dim_placements
 from autoshard.profiles.network import NetworkProfile
 from autoshard.strategies import Strategy
-from models import build_model, cross_entropy_loss
-from models.train_single import TrainSettings, train_single
+from autoshard_models import build_model, cross_entropy_loss
+from autoshard_models.train_single import TrainSettings, train_single
 from plan_audit import assert_shards, force_sharding
 from simulation import simulated_mesh
 from test_apply import BATCH, SEQ, TINY, single_device, trains_like_single_device

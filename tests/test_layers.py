@@ -35,15 +35,19 @@ ALLOWED: dict[str, set[str]] = {
     "__init__": {"driver", "layout", "problem", "runtime"},
 }
 SIBLINGS = ("solver", "models")
+# the import name of each top-level folder: the siblings are installed under names no other project
+# uses (pyproject's package-dir), so a user's own `models` or `solver` package cannot shadow them
+IMPORT_NAMES = {"autoshard": "autoshard", "solver": "autoshard_solver", "models": "autoshard_models"}
+FOLDER_OF = {name: folder for folder, name in IMPORT_NAMES.items()}
 
 
 def package_of(module: str) -> str | None:
     """'autoshard.problem.build' -> 'problem'; 'autoshard' (the package itself) -> '__init__';
-    'solver.io' -> 'solver'; None for anything else (torch, the standard library...)."""
+    'autoshard_solver.io' -> 'solver'; None for anything else (torch, the standard library...)."""
     parts = module.split(".")
     if parts[0] == "autoshard":
         return parts[1] if len(parts) > 1 else "__init__"
-    return parts[0] if parts[0] in SIBLINGS else None
+    return FOLDER_OF.get(parts[0]) if FOLDER_OF.get(parts[0]) in SIBLINGS else None
 
 
 def imported_modules(source: str, module: str, known: set[str] = frozenset()) -> list[tuple[int, str]]:
@@ -109,11 +113,12 @@ def circles(imports: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
-def _modules(*packages: str):
-    for package in packages:
-        for path in sorted((ROOT / package).rglob("*.py")):
+def _modules(*folders: str):
+    """(import name, source) of every module under the top-level `folders`."""
+    for folder in folders:
+        for path in sorted((ROOT / folder).rglob("*.py")):
             rel = path.relative_to(ROOT).with_suffix("")
-            name = ".".join(rel.parts)
+            name = ".".join((IMPORT_NAMES[folder], *rel.parts[1:]))
             yield name.removesuffix(".__init__"), path.read_text(encoding="utf-8")
 
 
@@ -135,7 +140,8 @@ def module_imports(sources: dict[str, str]) -> dict[str, set[str]]:
 
 
 def _is_package(module: str) -> bool:
-    return (ROOT / module.replace(".", "/") / "__init__.py").exists()
+    top, *rest = module.split(".")
+    return (ROOT / FOLDER_OF.get(top, top) / "/".join(rest) / "__init__.py").exists()
 
 
 KNOWN = frozenset(name for name, _ in _modules("autoshard", "solver", "models"))
@@ -160,8 +166,8 @@ def test_the_checks_catch_a_forbidden_arrow_and_a_circle():
     src = "import torch\nfrom autoshard.layout import Layout\ndef f():\n    from ..program.lower import lower\n"
     assert forbidden_arrows(src, "autoshard.problem.plan") == [
         "autoshard.problem.plan:4 imports autoshard.program.lower (problem -> program is not allowed)"]
-    assert forbidden_arrows("import solver", "autoshard.runtime.module") == [
-        "autoshard.runtime.module:1 imports solver (runtime -> solver is not allowed)"]
+    assert forbidden_arrows("import autoshard_solver", "autoshard.runtime.module") == [
+        "autoshard.runtime.module:1 imports autoshard_solver (runtime -> solver is not allowed)"]
     assert forbidden_arrows("from autoshard import AutoShard", "autoshard.runtime.module")  # the root is a driver
     assert forbidden_arrows("from autoshard import _torch_compat as tc", "autoshard.layout") == []
     assert forbidden_arrows("from autoshard.problem.plan import Plan", "autoshard.program.lower") == []
@@ -172,7 +178,8 @@ def test_the_checks_catch_a_forbidden_arrow_and_a_circle():
 
 
 def test_solver_imports_no_torch_and_models_no_autoshard():
-    for package, banned in (("solver", ("torch", "autoshard", "models")), ("models", ("autoshard",))):
+    for package, banned in (("solver", ("torch", "autoshard", "autoshard_models")),
+                            ("models", ("autoshard", "autoshard_solver"))):
         for module, src in _modules(package):
             bad = [t for _, t in imported_modules(src, module) if t.split(".")[0] in banned]
             assert bad == [], f"{module} imports {bad}"
@@ -192,3 +199,17 @@ def test_private_torch_apis_only_in_torch_compat():
     uses = {module: private_torch_uses(src) for module, src in _modules("autoshard")
             if module != "autoshard._torch_compat"}
     assert {m: u for m, u in uses.items() if u} == {}
+
+
+def test_every_package_folder_is_installed_under_its_import_name():
+    import tomllib
+
+    tool = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    folders = sorted(".".join(p.parent.relative_to(ROOT).parts) for folder in IMPORT_NAMES
+                     for p in (ROOT / folder).rglob("__init__.py"))
+    want = sorted(".".join((IMPORT_NAMES[f.split(".")[0]], *f.split(".")[1:])) for f in folders)
+    assert sorted(tool["packages"]) == want
+    assert tool["package-dir"] == {name: folder for folder, name in IMPORT_NAMES.items() if name != folder}
+    # every directory of Python modules is a package (a namespace folder would be left out of a wheel)
+    assert {p.parent for folder in IMPORT_NAMES for p in (ROOT / folder).rglob("*.py")} == {
+        ROOT.joinpath(*f.split(".")) for f in folders}

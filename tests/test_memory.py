@@ -4,6 +4,7 @@ what the plan priced."""
 
 from __future__ import annotations
 
+import math
 import dataclasses
 import logging
 
@@ -14,8 +15,8 @@ from autoshard import _torch_compat as tc
 from autoshard.driver.api import AutoShard
 from autoshard.runtime.dryrun import dry_run
 from autoshard.runtime.module import parallelize
-from models import MarkovTokens, build_model, cross_entropy_loss, get_config
-from models.train_single import TrainSettings, make_optimizer, train_single
+from autoshard_models import MarkovTokens, build_model, cross_entropy_loss, get_config
+from autoshard_models.train_single import TrainSettings, make_optimizer, train_single
 from plan_audit import sharded_plan
 from simulation import simulated_mesh
 
@@ -136,7 +137,7 @@ def plan_debug(limit, **options):
 
 @pytest.fixture(scope="module")
 def unconstrained():
-    return plan_debug(None)
+    return plan_debug(math.inf)
 
 
 @pytest.mark.slow
@@ -196,7 +197,7 @@ def test_resharding_8b_frees_the_gathered_parameters_of_every_block():
     example = lambda: (torch.empty(8, 8192, dtype=torch.int64, device="meta"),) * 2  # noqa: E731
     with AutoShard(build_model(cfg, device="meta"), example, (8, 8), loss_fn=cross_entropy_loss, network="h100-node",
                    device="h100", mp_policy=mp_policy("bf16", "fp32"), reshard_after_forward=True) as auto:
-        auto.memory_limit(None)
+        auto.memory_limit(math.inf)
         plan = auto.optimize()
     assert plan.reshard_blocks == ("layers",)
     kept = dataclasses.replace(plan, reshard_blocks=(), recomputed=frozenset())
@@ -228,7 +229,7 @@ def test_the_linear_model_of_the_peak_is_within_10_percent_of_the_dry_run(name, 
     example = lambda: (torch.empty(batch, 8192, dtype=torch.int64, device="meta"),) * 2  # noqa: E731
     with AutoShard(build_model(get_config(name), device="meta"), example, mesh_shape, loss_fn=cross_entropy_loss,
                    network="h100-node", device="h100", mp_policy=mp_policy("bf16", "fp32")) as auto:
-        auto.memory_limit(None)
+        auto.memory_limit(math.inf)
         plan = auto.optimize()
         table = peak_memory_table(auto.sharding)
     modeled = modeled_bytes(table, plan.solution.choice)
@@ -249,7 +250,7 @@ def test_a_budgeted_plan_cannot_hide_copies_in_redistributed_views():
     the budgeted plan's modeled handed-over part stays within 2% of what its dry run holds.
     Counted at the view's (sharded) base instead, the budget chose such copies: modeled 8.8 GiB
     handed over, 14.6 GiB held (dry-run peak 17.0 GiB)."""
-    import solver
+    import autoshard_solver as solver
     from autoshard.driver.config import mp_policy
     from autoshard.problem.memory import modeled_bytes, peak_memory_table, with_peak_budget
     from autoshard.problem.plan import decode
@@ -257,7 +258,7 @@ def test_a_budgeted_plan_cannot_hide_copies_in_redistributed_views():
     example = lambda: (torch.empty(8, 8192, dtype=torch.int64, device="meta"),) * 2  # noqa: E731
     with AutoShard(build_model(get_config("llama3-8b"), device="meta"), example, (8, 8), loss_fn=cross_entropy_loss,
                    network="h100-node", device="h100", mp_policy=mp_policy("bf16", "fp32")) as auto:
-        auto.memory_limit(None)
+        auto.memory_limit(math.inf)
         free = auto.optimize()
     table = peak_memory_table(auto.sharding)
     assert table.edges  # redistributions into handed-over views exist in this problem
@@ -296,7 +297,7 @@ def record_fit_solves(monkeypatch) -> list[list]:
     """[(problem id, budget), outcome] of every solve, in order: budgeted ones keyed by their
     option's ShardingProblem and budget, others by (problem id, None); outcome 'ok',
     'infeasible' or 'cut' (nothing beats the cutoff)."""
-    import solver
+    import autoshard_solver as solver
     from autoshard.driver import fit as fitting
 
     solves, budget_of, real_budget, real_solve = [], {}, fitting.with_peak_budget, solver.solve
@@ -371,7 +372,7 @@ def test_an_option_is_first_solved_without_its_budget(monkeypatch):
     one without the budget, and the budgeted one (without a cutoff) when the budget is the same."""
     from types import SimpleNamespace
 
-    import solver
+    import autoshard_solver as solver
     from autoshard.driver import fit as fitting
 
     monkeypatch.setattr(fitting, "decode", lambda sp, solution, planner: solution)

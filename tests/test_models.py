@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from models import CONFIGS, MarkovTokens, build_model, cross_entropy_loss, get_config
-from models.train_single import TrainSettings, main, train_single
+from autoshard_models import CONFIGS, MarkovTokens, build_model, cross_entropy_loss, get_config
+from autoshard_models.train_single import TrainSettings, main, train_single
 
 
 def count_params(model: torch.nn.Module) -> int:

@@ -18,7 +18,7 @@ from autoshard.problem.build import grad_sink
 from autoshard.program.lower import AWAIT, Bucket, lower
 from autoshard.runtime.dryrun import dry_run
 from autoshard.runtime.module import parallelize
-from models import MarkovTokens, build_model, cross_entropy_loss, get_config
+from autoshard_models import MarkovTokens, build_model, cross_entropy_loss, get_config
 from simulation import simulated_mesh
 from torchrun import run_ranks
 

@@ -22,8 +22,8 @@ from autoshard.problem.build import grad_sink
 from autoshard.profiles.device import DeviceProfile
 from autoshard.runtime.module import parallelize
 from autoshard.runtime.wire import WireMeter
-from models import MarkovTokens, build_model, cross_entropy_loss, get_config
-from models.train_single import TrainSettings, make_optimizer, step_loss, train_single
+from autoshard_models import MarkovTokens, build_model, cross_entropy_loss, get_config
+from autoshard_models.train_single import TrainSettings, make_optimizer, step_loss, train_single
 from plan_audit import assert_shards, sharded_plan
 from simulation import simulated_mesh
 from test_train import ROOT, SHARDED_ON_4, TINY, metrics, torchrun

@@ -10,7 +10,7 @@ from autoshard.driver.api import AutoShard
 from autoshard.layout import Layout
 from autoshard.problem.build import grad_sink
 from autoshard.problem.recipes import param_bytes_per_rank, recipe_layouts, recipe_pins
-from models import build_model, cross_entropy_loss, get_config
+from autoshard_models import build_model, cross_entropy_loss, get_config
 
 
 def tokens(batch, seq):

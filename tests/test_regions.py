@@ -7,7 +7,7 @@ import torch
 
 from autoshard.capture.regions import block_of, find_repeated_blocks
 from autoshard.capture.trace import trace_joint
-from models import build_model, cross_entropy_loss, get_config
+from autoshard_models import build_model, cross_entropy_loss, get_config
 
 
 def traced(n_layers):

@@ -10,7 +10,7 @@ from torch import fx, nn
 from autoshard.driver.api import AutoShard
 from autoshard.capture.repeat import repeated_block_list, trace_step
 from autoshard.capture.trace import trace_joint
-from models import build_model, cross_entropy_loss, get_config
+from autoshard_models import build_model, cross_entropy_loss, get_config
 
 LOG = "autoshard"
 

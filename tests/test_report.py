@@ -18,7 +18,7 @@ from autoshard.profiles.device import DeviceProfile
 from autoshard.report.build import plan_report
 from autoshard.report.files import write_report
 from autoshard.report.text import format_log, human_bytes, human_time, memory_line, summary_lines
-from models import build_model, cross_entropy_loss, get_config
+from autoshard_models import build_model, cross_entropy_loss, get_config
 from plan_audit import sharded_plan
 from simulation import simulated_mesh
 

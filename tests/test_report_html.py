@@ -21,7 +21,7 @@ from autoshard.profiles.device import DeviceProfile
 from autoshard.report.build import plan_report
 from autoshard.report.files import load_metrics, write_report_files
 from autoshard.report.html import MESH_COLORS, layout_svg, render_html, step_by_block
-from models import build_model, cross_entropy_loss, get_config
+from autoshard_models import build_model, cross_entropy_loss, get_config
 
 VOID = {"area", "base", "br", "col", "embed", "hr", "img", "input", "link", "meta", "source", "track", "wbr"}
 METRICS = [{"step": s, "loss": 5.5 - 0.1 * s, "step_s": 0.5, "tokens_per_s": 1000.0 + 10 * s} for s in range(1, 21)]

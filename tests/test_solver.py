@@ -7,7 +7,7 @@ import random
 import numpy as np
 import pytest
 
-from solver import (Allowed, Choice, Fixed, InfeasibleError, MemoryBudget, NoBetterError, Problem, SameChoice,
+from autoshard_solver import (Allowed, Choice, Fixed, InfeasibleError, MemoryBudget, NoBetterError, Problem, SameChoice,
                     available_backends, solve)
 
 INF = math.inf
@@ -197,3 +197,21 @@ def test_backends_agree():
 def test_unknown_backend_is_rejected():
     with pytest.raises(ValueError, match="backend"):
         solve(random_problem(0), backend="gurobi")
+
+
+@pytest.mark.skipif("highs" not in available_backends(), reason="HiGHS not installed")
+def test_highs_prints_nothing_without_msg():
+    """HiGHS's banner (printed by its constructor, once per process, to fd 1) stays out of the
+    user's console; msg=True shows the solver's output, banner included."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    child = ("from test_solver import random_problem; from autoshard_solver import solve; "
+             "solve(random_problem(3), backend='highs', presolve=False, msg={msg})")
+    tests = Path(__file__).parent
+    out = {msg: subprocess.run([sys.executable, "-c", child.format(msg=msg)], capture_output=True, text=True,
+                               cwd=tests, env={"PYTHONPATH": f"{tests}:{tests.parent}", "PATH": "/usr/bin:/bin"},
+                               timeout=120) for msg in (False, True)}
+    assert out[False].returncode == 0 and out[False].stdout == "", out[False].stdout + out[False].stderr
+    assert "HiGHS" in out[True].stdout

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from solver import Choice, InfeasibleError, Problem, Solution, solve
+from autoshard_solver import Choice, InfeasibleError, Problem, Solution, solve
 
 INF = math.inf
 
@@ -101,7 +101,7 @@ def test_a_budget_with_its_own_memory_table():
     """A budget may carry its own figures per choice (a peak-memory budget weighs a parameter more
     than the parameter-bytes budget does): those count, not `Choice.memory`; both budgets hold at
     once; the table survives JSON; a table of the wrong length is refused."""
-    from solver.problem import problem_from_json, problem_to_json
+    from autoshard_solver.problem import problem_from_json, problem_to_json
 
     p = tiny()
     free = solve(p)
@@ -122,7 +122,7 @@ def test_a_budget_counts_memory_on_edges():
     """Bytes that exist only for some pairs of choices (a copy the edge's redistribution makes)
     count when that pair is chosen: the cheapest pair is ruled out by them alone, pairs that
     hold nothing stay open, and the terms survive JSON; a matrix of the wrong shape is refused."""
-    from solver.problem import problem_from_json, problem_to_json
+    from autoshard_solver.problem import problem_from_json, problem_to_json
 
     p = tiny()
     free = solve(p)

@@ -5,11 +5,11 @@ import random
 
 import pytest
 
-from solver import InfeasibleError, Problem, solve
-from solver import search
-from solver.model import Model, choices, run
-from solver.presolve import Reduction
-from solver.search import core_cost
+from autoshard_solver import InfeasibleError, Problem, solve
+from autoshard_solver import search
+from autoshard_solver.model import Model, choices, run
+from autoshard_solver.presolve import Reduction
+from autoshard_solver.search import core_cost
 
 
 def frustrated(seed: int, n: int = 14, k: int = 4) -> Problem:

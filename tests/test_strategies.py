@@ -18,7 +18,7 @@ from autoshard.layout import Layout
 from autoshard.pricing.compute import ComputePricer
 from autoshard.strategies import Strategy, StrategyCatalog, input_slots, layouts_for, node_strategies, order_variants
 from autoshard.capture.trace import trace_joint
-from models import build_model, cross_entropy_loss, get_config
+from autoshard_models import build_model, cross_entropy_loss, get_config
 
 aten = torch.ops.aten
 CPU = DeviceProfile.preset("cpu")

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from autoshard.capture.trace import trace_joint
-from models import build_model, cross_entropy_loss, get_config
+from autoshard_models import build_model, cross_entropy_loss, get_config
 
 
 def llama_step(model, tokens, targets):

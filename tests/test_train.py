@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from autoshard.cli.train import main
-from models import build_model, get_config
-from models.train_single import TrainSettings, train_single
+from autoshard_models import build_model, get_config
+from autoshard_models.train_single import TrainSettings, train_single
 from plan_audit import assert_shards, budget_bytes
 from torchrun import child_env
 

@@ -10,7 +10,7 @@ import torch
 from autoshard.driver.config import mesh_names
 from autoshard.cli.train import Settings, _parse
 from autoshard.workloads import get_workload
-from models import MarkovTokens, get_config
+from autoshard_models import MarkovTokens, get_config
 
 
 def test_llama_workload_builds_inputs_loss_and_data():
@@ -54,3 +54,18 @@ def test_every_setting_is_an_option():
     assert _parse(["--device-profile", "h200"]).device_profile == "h200"
     assert {f.name for f in dataclasses.fields(Settings)} == set(vars(_parse([])).keys())
     assert _parse([]) == Settings()
+
+
+def test_defaults_name_the_run_by_model_and_mesh_and_fit_the_world(monkeypatch):
+    """Without --mesh, one data-parallel dim over the world torchrun launched (1 without it);
+    without --out, runs/<model>-<mesh>, an hf: path by its folder's name, one safe name."""
+    from autoshard.options import run_name
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    alone = _parse(["--model", "llama3-tiny"])
+    assert (alone.mesh, alone.mesh_names, alone.out) == ((1,), ("dp",), "runs/llama3-tiny-1")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    assert (_parse([]).mesh, _parse([]).out) == ((4,), "runs/llama3-debug-4")
+    assert _parse(["--mesh", "2x2"]).out == "runs/llama3-debug-2x2"
+    assert run_name("hf:/home/u/Llama-3-8B", (2, 8)) == "Llama-3-8B-2x8"
+    assert run_name("hf:/home/u/my model:v2/", (4,)) == "my_model_v2-4"

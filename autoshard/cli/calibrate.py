@@ -40,7 +40,7 @@ def calibrate_parser(prog: str = "python -m autoshard calibrate") -> argparse.Ar
                    help="mesh shape to calibrate, e.g. 2x2 (default: all ranks in one dim; its product must be the "
                         "world size)")
     p.add_argument("--mesh-names", type=arg_type(name_list), default=None,
-                   help="mesh dim roles, e.g. dp,tp (default: dp,tp,pp,cp as many as needed)")
+                   help="mesh dim roles, e.g. dp,tp (default: dp; dp,tp; dp_replicate,dp_shard,tp for 1, 2, 3 dims)")
     add_option(p, OUT, default="profile.json", help="profile file to write (default profile.json)")
     p.add_argument("--min-size", type=arg_type(parse_bytes), default=4 * KIB, metavar="BYTES",
                    help="smallest collective, local input bytes (default 4KiB)")
@@ -127,7 +127,7 @@ def time_reference_step(device, settings, progress=lambda line: None) -> list[di
     from autoshard.capture.trace import trace_joint
     from autoshard.pricing.compute import graph_work, op_class
     from autoshard.profiles.calibrate import _timed
-    from models import build_model, cross_entropy_loss, get_config
+    from autoshard_models import build_model, cross_entropy_loss, get_config
 
     if device.type != "cpu":
         return []

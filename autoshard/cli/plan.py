@@ -19,7 +19,7 @@ from typing import Sequence
 from autoshard import options
 from autoshard.cli.args import ArgumentParser, add_dataclass_arguments, add_option, fail
 from autoshard.driver.config import PlanConfig
-from autoshard.options import from_values
+from autoshard.options import from_values, run_name
 
 log = logging.getLogger("autoshard")
 
@@ -188,7 +188,7 @@ def run_plan(args: argparse.Namespace) -> int:
 
     workload, config = _check(args)
     _setup_logging()
-    out = args.out if args.out is not None else Path("plans") / f"{args.model}-{'x'.join(map(str, config.mesh))}"
+    out = args.out if args.out is not None else Path("plans") / run_name(args.model, config.mesh)
     run = {"model": args.model, "mesh": list(config.mesh), "mesh_names": list(config.mesh_names), "batch": args.batch,
            "seq": args.seq, "network": args.network or config.network.name,
            "device": args.device_profile or config.device_profile.name, "backend": config.backend,

@@ -1,9 +1,9 @@
 """The user-facing entry point: describe the training step and the mesh, get a sharding plan.
 
-    with AutoShard(model, input_fn, mesh, loss_fn=cross_entropy_loss) as auto:
-        auto.pin({"layers.*.attention.wq.weight": "S(0)S(0)[1,0]"})
-        plan = auto.optimize()
-        pmodel = auto.apply(plan)            # needs a DeviceMesh (with dim names)
+    auto = AutoShard(model, input_fn, mesh, loss_fn=cross_entropy_loss)
+    auto.pin({"layers.*.attention.wq.weight": "S(0)S(0)[1,0]"})
+    plan = auto.optimize()
+    pmodel = auto.apply(plan)                # needs a DeviceMesh (with dim names)
 
 or in one call: `pmodel = auto_shard(model, input_fn, mesh, loss_fn=cross_entropy_loss)`. How to plan
 is a `PlanConfig` (`config=`); the keyword arguments are sugar for its fields. Inside a process
@@ -21,13 +21,14 @@ import gc
 import logging
 import math
 import time
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence, Union
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-import solver
+import autoshard_solver as solver
 
 from autoshard import _torch_compat as tc
 from autoshard.capture.calls import run_step, step_inputs
@@ -35,7 +36,7 @@ from autoshard.capture.precision import cast_floating
 from autoshard.capture.regions import find_repeated_blocks
 from autoshard.capture.repeat import trace_step
 from autoshard.capture.trace import mark_outputs
-from autoshard.driver.config import ROLES, PlanConfig, role_of
+from autoshard.driver.config import ROLES, UNIMPLEMENTED_ROLES, PlanConfig, role_of
 from autoshard.driver.fit import FitSteps, fit_memory, solving_here
 from autoshard.driver.ranks import RankZeroPlanning, in_process_group
 from autoshard.driver.replicas import fix_replicate_dim
@@ -55,15 +56,24 @@ from autoshard.runtime.module import ParallelModule, parallelize
 log = logging.getLogger("autoshard")
 
 
-def _with_mesh(config: PlanConfig, mesh: Any) -> PlanConfig:
+Mesh = Union[DeviceMesh, Sequence[int]]  # a DeviceMesh to run on, or only a shape to plan for
+
+
+def device_mesh(mesh: Mesh | None) -> DeviceMesh | None:
+    """`mesh` when it is a DeviceMesh (applying and running need one), None for a shape."""
+    return mesh if isinstance(mesh, DeviceMesh) else None
+
+
+def _with_mesh(config: PlanConfig, mesh: Mesh | None) -> PlanConfig:
     """`config` with the shape (and names) of `mesh` (a DeviceMesh or a shape; None: the config's
     own); ValueError when neither gives one, when they disagree, or the world size differs."""
     if mesh is not None:
-        shape = tuple(int(s) for s in (mesh.shape if hasattr(mesh, "shape") else mesh))
+        shape = tuple(int(s) for s in (mesh.shape if isinstance(mesh, DeviceMesh) else mesh))
         if config.mesh is not None and config.mesh != shape:
             raise ValueError(f"the mesh {shape} differs from the config's {config.mesh}")
         names = getattr(mesh, "mesh_dim_names", None)
-        if not names or not all(role_of(name) in ROLES for name in names):  # a DeviceMesh's own labels
+        if not names or not all(role_of(name) in ROLES or name in UNIMPLEMENTED_ROLES for name in names):
+            # a DeviceMesh's own labels, not roles (a role nothing implements is refused below)
             names = config.mesh_names
         config = config.replace(mesh=shape, mesh_names=names if names and len(names) == len(shape) else None)
     if config.mesh is None:
@@ -121,7 +131,7 @@ class AutoShard:
         self,
         model: nn.Module,
         input_fn: Callable[[], Any],
-        mesh: Any = None,
+        mesh: Mesh | None = None,
         *,
         config: PlanConfig | None = None,
         loss_fn: Callable[..., torch.Tensor] | None = None,
@@ -162,10 +172,12 @@ class AutoShard:
         self.sharding: ShardingProblem | None = None
         self.planner: Planner | None = None
 
+    # AutoShard holds nothing to close (its fake modes live inside each call): `with AutoShard(...)
+    # as auto:` is accepted for code written that way and does nothing more than `auto = ...`.
     def __enter__(self) -> "AutoShard":
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         return None
 
     # ------------------------------------------------------------------ constraints
@@ -186,9 +198,10 @@ class AutoShard:
         self.spec.param_memory_bytes = param_bytes_per_rank
 
     def memory_limit(self, bytes_per_rank: float | None) -> None:
-        """Peak memory per rank a plan must fit in (None: no limit). Default: the device profile's
-        capacity less `MEMORY_RESERVE` (allocator slack, communication buffers, the CUDA context)."""
-        self.config = self.config.replace(memory_limit=math.inf if bytes_per_rank is None else bytes_per_rank)
+        """Peak memory per rank a plan must fit in, as `PlanConfig.memory_limit` means it: `math.inf`
+        for no limit, None for the default, the device profile's capacity less `MEMORY_RESERVE`
+        (allocator slack, communication buffers, the CUDA context)."""
+        self.config = self.config.replace(memory_limit=bytes_per_rank)
 
     @property
     def resolved_memory_limit(self) -> float | None:
@@ -237,10 +250,10 @@ class AutoShard:
         `dry_run=False`: the fit runs no program, holding the modeled (linear) part of the peak
         under the limit."""
         if planning is None and in_process_group():
-            if not hasattr(self.mesh, "get_coordinate"):
+            if device_mesh(self.mesh) is None:
                 raise TypeError(f"planning in a process group of {torch.distributed.get_world_size()} ranks needs "
                                 f"the DeviceMesh, got mesh shape {self.mesh_shape}")
-            planning = RankZeroPlanning(self.mesh, backend=self.config.backend, time_limit=self.config.time_limit)
+            planning = RankZeroPlanning(device_mesh(self.mesh), backend=self.config.backend, time_limit=self.config.time_limit)
         inputs, self._input_names = step_inputs(self.input_fn())
         self._check_input_layouts(inputs)
         planner = Planner(self.mesh_shape, self.network)
@@ -341,11 +354,12 @@ class AutoShard:
         plan = plan if plan is not None else self.plan
         if plan is None:
             raise ValueError("nothing to apply: call optimize() first or pass a plan")
-        if not hasattr(self.mesh, "get_coordinate"):
+        mesh = device_mesh(self.mesh)
+        if mesh is None:
             raise TypeError(f"applying a plan needs a DeviceMesh, got mesh shape {self.mesh_shape}; "
                             "planning alone works with a shape")
         with self._stage("apply"):
-            return parallelize(plan, self.mesh, self.model, prefetch=prefetch, bucket_bytes=bucket_bytes,
+            return parallelize(plan, mesh, self.model, prefetch=prefetch, bucket_bytes=bucket_bytes,
                                compile=self.compile, seed=seed)
 
     def dry_run(self, plan: Plan | None = None) -> DryRunResult:
@@ -356,7 +370,7 @@ class AutoShard:
         plan = plan if plan is not None else self.plan
         if plan is None:
             raise ValueError("nothing to dry-run: call optimize() first or pass a plan")
-        mesh = self.mesh if hasattr(self.mesh, "get_coordinate") else None  # a DeviceMesh: run on it
+        mesh = device_mesh(self.mesh)  # a DeviceMesh: run on it
         if mesh is None and self.fit_dry_run is not None and plan is self.plan:
             self.timings["dry_run"] = 0.0  # fitting the memory limit ran this very dry run
             return self.fit_dry_run
@@ -375,7 +389,7 @@ class AutoShard:
 def auto_shard(
     model: nn.Module,
     input_fn: Callable[[], Any],
-    mesh: Any = None,
+    mesh: Mesh | None = None,
     *,
     loss_fn: Callable[..., torch.Tensor] | None = None,
     input_layouts: Sequence[Layout | str | None] = (),
@@ -388,11 +402,11 @@ def auto_shard(
     `options` go to `AutoShard` (config, n_model_inputs, network, device, unroll, mp_policy, recompute,
     reshard_after_forward, compile). Under torchrun, rank 0 solves for every rank. Random ops
     (dropout) draw from `seed`, the same values on every rank holding a value."""
-    with AutoShard(model, input_fn, mesh, loss_fn=loss_fn, **options) as auto:
-        if input_layouts:
-            auto.constrain_inputs(*input_layouts)
-        if pins:
-            auto.pin(pins)
-        auto.memory_budget(memory_budget)
-        auto.optimize()
-        return auto.apply(seed=seed)
+    auto = AutoShard(model, input_fn, mesh, loss_fn=loss_fn, **options)
+    if input_layouts:
+        auto.constrain_inputs(*input_layouts)
+    if pins:
+        auto.pin(pins)
+    auto.memory_budget(memory_budget)
+    auto.optimize()
+    return auto.apply(seed=seed)

@@ -6,7 +6,8 @@
 Every field that is also a command-line flag is declared here once (`autoshard.options.setting`):
 `plan` and `train` generate their flags from this class, so a new planning knob is one field.
 The mesh is a shape with one name per dim, and the name is the dim's role (`dp_replicate`,
-`dp_shard`, `tp`, `cp`, `pp`, or `dp` for `dp_shard`); unnamed meshes get dp, tp, pp, cp. The data
+`dp_shard`, `tp`, `cp`, or `dp` for `dp_shard`); unnamed meshes of 1 to 3 dims get `dp`, `dp,tp` or
+`dp_replicate,dp_shard,tp` (HSDP x TP), and no role is ever invented beyond those. The data
 splits over the data-parallel dims (`check_batch`). A bad value raises ValueError when the config
 is made.
 """
@@ -27,9 +28,12 @@ from autoshard.options import name_list, parse_bytes, parse_limit, parse_mesh, p
 from autoshard.profiles.device import DeviceProfile
 from autoshard.profiles.network import NetworkProfile
 
-ROLES = ("dp_replicate", "dp_shard", "tp", "cp", "pp")  # what a mesh dim is for
+ROLES = ("dp_replicate", "dp_shard", "tp", "cp")  # what a mesh dim is for
 ROLE_OF_NAME = {"dp": "dp_shard"}  # names that are not roles themselves but mean one
-DEFAULT_MESH_NAMES = ("dp", "tp", "pp", "cp")  # an unnamed mesh's dims, in order
+# roles users may expect that nothing here implements: named, they are refused
+UNIMPLEMENTED_ROLES = {"pp": "pipeline parallelism"}
+# an unnamed mesh's dims, by how many it has: what the docs' examples use
+DEFAULT_MESH_NAMES = {1: ("dp",), 2: ("dp", "tp"), 3: ("dp_replicate", "dp_shard", "tp")}
 BACKENDS = ("auto", "highs", "cbc")
 MEMORY_RESERVE = 0.10  # of a device's capacity kept free: allocator slack, collective buffers, context
 # profiles when none is named: planning for GPUs (the API, `plan`) or for where `train` runs
@@ -37,15 +41,15 @@ DEFAULT_PROFILES = {"cuda": ("h100-node", "h100"), "cpu": ("cpu-gloo", "cpu")}
 
 
 def mesh_names(names: str | Sequence[str] | None, mesh: Sequence[int]) -> tuple[str, ...]:
-    """The mesh dims' names: `names` ('dp,tp' or a sequence), or by default dp, tp, pp, cp as many
-    as the mesh has dims. Each name is a role (`ROLES`, or `dp` for dp_shard), each role once:
-    ValueError otherwise, since a mistyped role would silently plan something else."""
+    """The mesh dims' names: `names` ('dp,tp' or a sequence), or by default `DEFAULT_MESH_NAMES`
+    for the mesh's number of dims. Each name is a role (`ROLES`, or `dp` for dp_shard), each role
+    once: ValueError otherwise, since a mistyped role would silently plan something else."""
     mesh_text = "x".join(map(str, mesh))
-    if names is None and len(mesh) > len(DEFAULT_MESH_NAMES):
+    if names is None and len(mesh) not in DEFAULT_MESH_NAMES:
         raise ValueError(f"mesh {mesh_text} has {len(mesh)} dims: name them with --mesh-names "
-                         f"(the default names only {len(DEFAULT_MESH_NAMES)}: {','.join(DEFAULT_MESH_NAMES)})")
+                         f"(unnamed meshes have at most {max(DEFAULT_MESH_NAMES)})")
     if names is None:
-        found = DEFAULT_MESH_NAMES[: len(mesh)]
+        found = DEFAULT_MESH_NAMES[len(mesh)]
     else:
         found = name_list(names) if isinstance(names, str) else tuple(str(n).strip() for n in names)
     text = ",".join(found)
@@ -53,6 +57,9 @@ def mesh_names(names: str | Sequence[str] | None, mesh: Sequence[int]) -> tuple[
         raise ValueError(f"--mesh-names {text!r} must give {len(mesh)} distinct names, one per dim of mesh {mesh_text}")
     roles = [ROLE_OF_NAME.get(name, name) for name in found]
     for name, role in zip(found, roles):
+        if role in UNIMPLEMENTED_ROLES:
+            raise ValueError(f"--mesh-names {text!r}: role {role} ({UNIMPLEMENTED_ROLES[role]}) is not implemented; "
+                             f"each mesh dim is one of {', '.join(ROLES)} (dp means dp_shard)")
         if role not in ROLES:
             raise ValueError(f"--mesh-names {text!r}: unknown role {name!r}; each mesh dim is one of "
                              f"{', '.join(ROLES)} (dp means dp_shard)")
@@ -99,9 +106,9 @@ class PlanConfig:
     mesh: tuple[int, ...] | None = setting(None, "--mesh", type=parse_mesh, help="mesh shape, e.g. 8x8, 2x2 or 4")
     mesh_names: tuple[str, ...] | None = setting(
         None, "--mesh-names", type=name_list,
-        help="mesh dim roles, one per dim: dp_replicate, dp_shard (or dp), tp, cp, pp, each at most once "
-             "(default: dp,tp,pp,cp as many as the mesh has dims); parameters are replicated over dp_replicate "
-             "and the batch splits over both dp dims")
+        help="mesh dim roles, one per dim: dp_replicate, dp_shard (or dp), tp, cp, each at most once "
+             "(default: dp; dp,tp; dp_replicate,dp_shard,tp for 1, 2, 3 dims); parameters are replicated "
+             "over dp_replicate and the batch splits over both dp dims")
     network: NetworkProfile | str | None = setting(
         None, "--network", help="network profile for planning: a preset (h100-node, cpu-gloo) or a profile file "
                                 "from `autoshard calibrate` (default: h100-node; train: cpu-gloo on CPU)")

@@ -44,7 +44,7 @@ import threading
 from dataclasses import dataclass
 from typing import Callable, TypeVar
 
-import solver
+import autoshard_solver as solver
 
 from autoshard.pricing.planner import Planner
 from autoshard.problem.build import ProblemSpec, ShardingProblem, with_options

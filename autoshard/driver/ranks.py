@@ -24,7 +24,7 @@ from typing import Any, Callable, TypeVar
 
 import torch.distributed as dist
 
-import solver
+import autoshard_solver as solver
 
 from autoshard.driver.fit import AT_ONCE, FitSteps, in_background
 from autoshard.options import UsageError

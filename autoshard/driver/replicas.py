@@ -18,7 +18,7 @@ from dataclasses import replace
 
 from torch import fx
 
-import solver
+import autoshard_solver as solver
 
 from autoshard.capture.trace import JointGraph
 from autoshard.layout import Layout, R, S

@@ -26,8 +26,8 @@ from typing import Sequence
 import torch
 from torch import fx
 
-import solver
-from solver.problem import problem_to_json
+import autoshard_solver as solver
+from autoshard_solver.problem import problem_to_json
 
 from autoshard.profiles.device import DeviceProfile
 from autoshard.layout import Layout, Placement

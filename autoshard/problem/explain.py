@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Iterable
 
-import solver
+import autoshard_solver as solver
 
 from autoshard.layout import Layout
 from autoshard.pricing.planner import Planner, RedistributePlan

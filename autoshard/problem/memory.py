@@ -20,7 +20,7 @@ import math
 import operator
 from dataclasses import dataclass
 
-import solver
+import autoshard_solver as solver
 from torch import fx
 
 from autoshard import _torch_compat as tc

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
-import solver
+import autoshard_solver as solver
 
 from autoshard.pricing.ring import COLLECTIVE_KINDS
 from autoshard.layout import Layout

@@ -217,7 +217,7 @@ def _resume_check(settings: Settings, out: Path) -> bool:
 def train(settings: Settings) -> list[float]:
     """Plan, apply and train; returns this run's per-step losses. Raises `Preempted` when a
     scheduler's signal stopped it (after a checkpoint)."""
-    from models.train_single import TrainSettings, make_optimizer
+    from autoshard_models.train_single import TrainSettings, make_optimizer
 
     workload = _workload(settings)
     initial = _initial_values(settings, workload)  # every rank: a bad checkpoint fails them together

@@ -3,10 +3,11 @@ is a command-line option of `train` (`autoshard.options.setting`): a new setting
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from autoshard.driver.config import PlanConfig
-from autoshard.options import BATCH, INIT_FROM, MODEL, OUT, SEQ, redefault, setting
+from autoshard.options import BATCH, INIT_FROM, MODEL, OUT, SEQ, redefault, run_name, setting
 
 
 RESUME_MODES = ("auto", "yes", "no")
@@ -16,9 +17,11 @@ CHECKPOINT_WRITES = ("auto", "async", "sync")
 @dataclass(frozen=True)
 class Settings(PlanConfig):
     """`PlanConfig` (mesh, profiles, precision, memory...) plus the run. A bad value raises
-    ValueError naming the flag when the settings are made."""
+    ValueError naming the flag when the settings are made. Without `mesh`, one data-parallel dim
+    over the world torchrun launched (a world of 1 without torchrun); without `out`,
+    `runs/<model>-<mesh>` (`run_name`)."""
 
-    mesh: tuple[int, ...] = redefault(PlanConfig, "mesh", (2, 2))
+    mesh: tuple[int, ...] | None = redefault(PlanConfig, "mesh", None)
     model: str = setting("llama3-debug", MODEL)
     batch: int = setting(8, BATCH)
     seq: int = setting(64, SEQ)
@@ -59,10 +62,14 @@ class Settings(PlanConfig):
     memory_step: int = setting(0, type=int, help="measure step K's live tensor memory on every rank with torch's "
                                                  "MemTracker into its metrics row, beside the dry run's estimate "
                                                  "(K >= 2: AdamW states exist; slows that step; 0: never)")
-    out: str = setting("runs/debug", OUT, help="run directory")
+    out: str | None = setting(None, OUT, help="run directory (default: runs/<model>-<mesh>)")
 
     def __post_init__(self) -> None:
+        if self.mesh is None:  # a data-parallel dim over every rank torchrun started
+            object.__setattr__(self, "mesh", (int(os.environ.get("WORLD_SIZE", "1")),))
         super().__post_init__()
+        if self.out is None:
+            object.__setattr__(self, "out", os.path.join("runs", run_name(self.model, self.mesh)))
         if self.steps < 1:
             raise ValueError(f"--steps must be >= 1, got {self.steps}")
         self.check_batch(self.batch)
@@ -73,3 +80,4 @@ class Settings(PlanConfig):
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
         if not self.bucket_cap_mb > 0:
             raise ValueError(f"--bucket-cap-mb must be positive, got {self.bucket_cap_mb}")
+

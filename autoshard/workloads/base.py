@@ -71,7 +71,7 @@ class _TokenBatches:
     """`models.MarkovTokens` as a DataSource: (tokens, targets)."""
 
     def __init__(self, vocab_size: int, seed: int):
-        from models import MarkovTokens
+        from autoshard_models import MarkovTokens
 
         self.tokens = MarkovTokens(vocab_size, seed=seed)
 

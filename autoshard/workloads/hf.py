@@ -146,7 +146,7 @@ def build(config: Any, device: str | torch.device = "meta", seed: int | None = N
 
 def logits_loss(outputs: Any, targets: torch.Tensor) -> torch.Tensor:
     """Cross-entropy of a `ModelOutput`'s logits (AutoShard hands the loss the logits already)."""
-    from models import cross_entropy_loss
+    from autoshard_models import cross_entropy_loss
 
     return cross_entropy_loss(getattr(outputs, "logits", outputs), targets)
 

@@ -18,7 +18,7 @@ ORDER = 0  # asked first: plain model names
 
 
 def names() -> list[str]:
-    from models import CONFIGS
+    from autoshard_models import CONFIGS
 
     return list(CONFIGS)
 
@@ -26,7 +26,7 @@ def names() -> list[str]:
 def resolve(name: str, seq: int) -> Workload | None:
     """The workload of model config `name`, its rope tables long enough for `seq`; None when
     `name` is not one of ours."""
-    from models import CONFIGS, build_model, cross_entropy_loss
+    from autoshard_models import CONFIGS, build_model, cross_entropy_loss
 
     cfg = CONFIGS.get(name)
     if cfg is None:
