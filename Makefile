@@ -4,7 +4,8 @@
 # (make test-torch-next and make test-torch-2.11 run a representative part of the suite on the
 # newest and the oldest torch we support, each in its own venv, .venv-next and .venv-2.11; .ci/run
 # runs all three)
-# (make bench runs every benchmark, ~15 min, and rewrites benchmarks/results.json)
+# (make bench runs every benchmark, ~35 min, and rewrites benchmarks/results.json)
+# (make lint: ruff's lint and format check on everything, mypy on solver/ and autoshard/driver/)
 # Both create .venv if missing and install torch==2.13.0 (the CPU wheel) before the project, so pip
 # never resolves torch from a loose range (which would pull gigabytes of CUDA packages).
 
@@ -37,14 +38,14 @@ define torch_venv
 	touch $(1)/.autoshard-installed
 endef
 
-.PHONY: test test-torch-next test-torch-2.11 train bench install browser clean
+.PHONY: test test-torch-next test-torch-2.11 train bench install browser clean lint
 
 install: $(STAMP)
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[test,fast,hf]'
+	$(PY) -m pip install --quiet -e '.[test,fast,hf,lint]'
 	touch $(STAMP)
 
 # Headless chromium for tests/test_report_html.py (renders report.html in a real browser; the test
@@ -73,6 +74,11 @@ train: $(STAMP)
 	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc_per_node=4 -m autoshard train \
 		--model llama3-debug --mesh 2x2 --batch 8 --seq 64 --steps 30 --out runs/debug
 	@echo "sharding log: runs/debug/sharding.log   report: runs/debug/report.html   plan: runs/debug/plan.json   metrics: runs/debug/metrics.jsonl"
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
 
 bench: $(STAMP)
 	$(PY) -m benchmarks.run

@@ -1,6 +1,6 @@
 """Every benchmark from one entry point, each beside its baseline, and the README's tables.
 
-    python -m benchmarks.run            # full run (~15 min on 2 cores); writes benchmarks/results.json
+    python -m benchmarks.run            # full run (~35 min on 2 cores); writes benchmarks/results.json
     python -m benchmarks.run --quick    # smoke check: small cases, writes nothing unless --json
     python -m benchmarks.run --only speed,quality --json /tmp/r.json
 
