@@ -1,10 +1,10 @@
 """`python -m autoshard <command> ...`: dispatch to the subcommand's own main.
 
-  plan   plan a model's sharding, write the sharding log and plan JSON (autoshard.cli.plan)
-  train  distributed training (autoshard.cli.train)
-  calibrate  measure the network and device into a profile file (autoshard.cli.calibrate)
-  report rebuild RUN_DIR/report.html from its plan.json and metrics.jsonl (autoshard.cli.report)
-  export a training run's checkpoint as a Hugging Face model directory (autoshard.cli.export)
+plan   plan a model's sharding, write the sharding log and plan JSON (autoshard.cli.plan)
+train  distributed training (autoshard.cli.train)
+calibrate  measure the network and device into a profile file (autoshard.cli.calibrate)
+report rebuild RUN_DIR/report.html from its plan.json and metrics.jsonl (autoshard.cli.report)
+export a training run's checkpoint as a Hugging Face model directory (autoshard.cli.export)
 """
 
 from __future__ import annotations
@@ -47,25 +47,37 @@ def main(argv: Sequence[str] | None = None) -> int:
     if argv and argv[0] == "calibrate":
         return _calibrate(argv[1:])
     parser = ArgumentParser(prog="python -m autoshard", description="autoshard: automatic FSDP+TP planning")
-    commands = parser.add_subparsers(dest="command", required=True, metavar="{plan,train,calibrate,report,export}",
-                                     parser_class=ArgumentParser)
-    plan = commands.add_parser("plan", help="plan a model's sharding; write sharding.log, plan.json, report.html",
-                               description="Plan a model's sharding and write the sharding log, plan JSON and "
-                                           "report.html.")
+    commands = parser.add_subparsers(
+        dest="command", required=True, metavar="{plan,train,calibrate,report,export}", parser_class=ArgumentParser
+    )
+    plan = commands.add_parser(
+        "plan",
+        help="plan a model's sharding; write sharding.log, plan.json, report.html",
+        description="Plan a model's sharding and write the sharding log, plan JSON and report.html.",
+    )
     add_plan_arguments(plan)
     plan.set_defaults(run=run_plan)
-    commands.add_parser("train", help="distributed training (see python -m autoshard train --help)",
-                        add_help=False)
-    commands.add_parser("calibrate", help="measure network and device into a profile file for --network/--device "
-                                          "(see python -m autoshard calibrate --help)", add_help=False)
-    report = commands.add_parser("report", help="rebuild RUN_DIR/report.html from plan.json (+ metrics.jsonl)",
-                                 description="Rebuild RUN_DIR/report.html from RUN_DIR/plan.json, with the "
-                                             "training curves of RUN_DIR/metrics.jsonl when present.")
+    commands.add_parser("train", help="distributed training (see python -m autoshard train --help)", add_help=False)
+    commands.add_parser(
+        "calibrate",
+        help="measure network and device into a profile file for --network/--device "
+        "(see python -m autoshard calibrate --help)",
+        add_help=False,
+    )
+    report = commands.add_parser(
+        "report",
+        help="rebuild RUN_DIR/report.html from plan.json (+ metrics.jsonl)",
+        description="Rebuild RUN_DIR/report.html from RUN_DIR/plan.json, with the "
+        "training curves of RUN_DIR/metrics.jsonl when present.",
+    )
     add_report_arguments(report)
     report.set_defaults(run=run_report)
-    export = commands.add_parser("export", help="a training run's checkpoint as a Hugging Face model directory",
-                                 description="Write a training run's checkpoint (the newest, or --step N) as a "
-                                             "Hugging Face model directory: safetensors weights and config.json.")
+    export = commands.add_parser(
+        "export",
+        help="a training run's checkpoint as a Hugging Face model directory",
+        description="Write a training run's checkpoint (the newest, or --step N) as a "
+        "Hugging Face model directory: safetensors weights and config.json.",
+    )
     add_export_arguments(export)
     export.set_defaults(run=run_export)
     args = parser.parse_args(argv)

@@ -62,9 +62,7 @@ def strided_placements(
 ) -> tuple[Placement, ...]:
     """Physical `_StridedShard` encoding of a shard order, computed by torch itself."""
     shard_order = tuple(ShardOrderEntry(td, tuple(mds)) for td, mds in order)
-    return DTensorSpec._convert_shard_order_to_StridedShard(
-        shard_order, tuple(placements), _MeshSizes(mesh_shape)
-    )
+    return DTensorSpec._convert_shard_order_to_StridedShard(shard_order, tuple(placements), _MeshSizes(mesh_shape))
 
 
 def spec_to_order(spec: DTensorSpec) -> tuple[tuple[Placement, ...], tuple[tuple[int, tuple[int, ...]], ...]]:
@@ -194,7 +192,9 @@ def rank_values(t: torch.Tensor) -> dict[int, torch.Tensor]:
     return dict(t._local_tensors)
 
 
-def torch_redistribute_steps(src: DTensorSpec, dst: DTensorSpec, use_graph: bool) -> list[tuple[tuple[int, ...], Placement, Placement]]:
+def torch_redistribute_steps(
+    src: DTensorSpec, dst: DTensorSpec, use_graph: bool
+) -> list[tuple[tuple[int, ...], Placement, Placement]]:
     """(mesh dims, from, to) of each step torch's own redistribute would run: its greedy or graph
     planner, then its pass merging consecutive collectives onto existing flattened meshes."""
     from torch.distributed.tensor import _redistribute as rd
@@ -209,8 +209,9 @@ def new_fake_mode(*, allow_non_fake_inputs: bool = False) -> FakeTensorMode:
     return FakeTensorMode(allow_non_fake_inputs=allow_non_fake_inputs)
 
 
-def lazy_graph_module(root: torch.nn.Module | dict[str, Any], graph: torch.fx.Graph,
-                      class_name: str = "GraphModule") -> torch.fx.GraphModule:
+def lazy_graph_module(
+    root: torch.nn.Module | dict[str, Any], graph: torch.fx.Graph, class_name: str = "GraphModule"
+) -> torch.fx.GraphModule:
     """A GraphModule that writes its Python code on first use: planning and dry runs only walk
     the graph, and generating code for llama3-8b's 7,400 nodes costs ~0.4 s (70B's program
     ~1.5 s per dry run)."""
@@ -308,8 +309,9 @@ from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten  # noq
 def non_persistent_buffer_names(module: torch.nn.Module) -> set[str]:
     """FQNs of the buffers `module` (or a submodule) registered with persistent=False: only the
     private per-module set records it."""
-    return {f"{prefix}.{b}" if prefix else b for prefix, m in module.named_modules()
-            for b in m._non_persistent_buffers_set}
+    return {
+        f"{prefix}.{b}" if prefix else b for prefix, m in module.named_modules() for b in m._non_persistent_buffers_set
+    }
 
 
 @contextlib.contextmanager
@@ -414,16 +416,18 @@ def no_redistribute_costs() -> Iterator[None]:
 
 
 # ---------------------------------------------------------------- parallel module (runtime/module.py)
-def dtensor_from_local(local: torch.Tensor, mesh: DeviceMesh, placements: Sequence[Placement],
-                       global_shape: Sequence[int]) -> DTensor:
+def dtensor_from_local(
+    local: torch.Tensor, mesh: DeviceMesh, placements: Sequence[Placement], global_shape: Sequence[int]
+) -> DTensor:
     """Wrap this rank's shard as a DTensor without communication. The global shape and stride are
     given: torch cannot infer them for `_StridedShard` placements."""
     stride, acc = [], 1
     for size in reversed(global_shape):
         stride.append(acc)
         acc *= size
-    return DTensor.from_local(local, mesh, tuple(placements), run_check=False,
-                              shape=torch.Size(global_shape), stride=tuple(reversed(stride)))
+    return DTensor.from_local(
+        local, mesh, tuple(placements), run_check=False, shape=torch.Size(global_shape), stride=tuple(reversed(stride))
+    )
 
 
 def local_of(t: torch.Tensor) -> torch.Tensor:
@@ -458,9 +462,11 @@ def fake_mode_of(t: torch.Tensor) -> FakeTensorMode | None:
     return t.fake_mode if isinstance(t, FakeTensor) else None
 
 
-def make_fake_tensors(mode: FakeTensorMode, new_storages: Sequence[tuple[int, torch.dtype]],
-                      views: Sequence[tuple[Any, tuple[int, ...], tuple[int, ...], int, torch.dtype, Any]]
-                      ) -> list[torch.Tensor]:
+def make_fake_tensors(
+    mode: FakeTensorMode,
+    new_storages: Sequence[tuple[int, torch.dtype]],
+    views: Sequence[tuple[Any, tuple[int, ...], tuple[int, ...], int, torch.dtype, Any]],
+) -> list[torch.Tensor]:
     """Fake tensors of `mode` made directly, as its dispatch cache makes a hit's outputs, without
     dispatching an op (a dispatch costs ~0.25 ms on a CPU core): `new_storages` (elements, dtype)
     are made here; each view (storage, shape, stride, offset, dtype, device) looks at an existing
@@ -552,8 +558,13 @@ def _reductions_per_candidate() -> None:
     reduce = _math_ops.common_reduction_strategy
 
     def each(input_strategy: OpStrategy, *args: Any, **kwargs: Any) -> OpStrategy:
-        return OpStrategy([out for spec in input_strategy.strategies
-                           for out in reduce(OpStrategy([spec]), *args, **kwargs).strategies])
+        return OpStrategy(
+            [
+                out
+                for spec in input_strategy.strategies
+                for out in reduce(OpStrategy([spec]), *args, **kwargs).strategies
+            ]
+        )
 
     _math_ops.common_reduction_strategy = functools.wraps(reduce)(each)
 
@@ -604,4 +615,5 @@ if _TORCH < (2, 13):
 if _TORCH < (2, 12):
     _teach_dynamo_mesh_shape()
     all_gather_now, reduce_scatter_now, all_to_all_now = map(
-        _dense_input, (all_gather_now, reduce_scatter_now, all_to_all_now))
+        _dense_input, (all_gather_now, reduce_scatter_now, all_to_all_now)
+    )

@@ -38,8 +38,22 @@ def parse_mesh(text: str) -> tuple[int, ...]:
     return shape
 
 
-_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9, "t": 1e12, "tb": 1e12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1e3,
+    "kb": 1e3,
+    "m": 1e6,
+    "mb": 1e6,
+    "g": 1e9,
+    "gb": 1e9,
+    "t": 1e12,
+    "tb": 1e12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
 
 
 def parse_bytes(text: str) -> float:
@@ -131,14 +145,20 @@ def from_values(cls: type, values: dict[str, Any], **changes: Any) -> Any:
 
 
 # The options several commands share: same flag, same meaning.
-MODEL = option("--model", help="model name, e.g. llama3-tiny, llama3-debug, llama3-8b (autoshard.workloads), or "
-                                "hf:PATH, a local Hugging Face config.json or model directory")
-INIT_FROM = option("--init-from", metavar="PATH", help="start from the weights of a safetensors file or directory "
-                                                       "(e.g. an HF model directory) instead of a seeded init")
+MODEL = option(
+    "--model",
+    help="model name, e.g. llama3-tiny, llama3-debug, llama3-8b (autoshard.workloads), or "
+    "hf:PATH, a local Hugging Face config.json or model directory",
+)
+INIT_FROM = option(
+    "--init-from",
+    metavar="PATH",
+    help="start from the weights of a safetensors file or directory "
+    "(e.g. an HF model directory) instead of a seeded init",
+)
 BATCH = option("--batch", type=positive_int, help="global batch size")
 SEQ = option("--seq", type=positive_int, help="sequence length")
 OUT = option("--out", help="output directory")
-
 
 
 def redefault(cls: type, name: str, default: Any) -> Any:

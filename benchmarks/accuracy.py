@@ -64,8 +64,11 @@ TWO_RANKS = [Case("llama3-debug", batch=8, seq=64, steps=12, mesh=mesh) for mesh
 
 
 def _run(cmd: list[str], log: Path) -> None:
-    env = dict(os.environ, OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+    )
     print(f"  $ {' '.join(cmd)}", flush=True)
     with log.open("w") as console:
         done = subprocess.run(cmd, env=env, cwd=ROOT, stdout=console, stderr=subprocess.STDOUT, timeout=1800)
@@ -80,37 +83,92 @@ def _world(case: Case) -> int:
 def calibrate(out: Path, quick: bool, case: Case) -> tuple[Path, float, dict]:
     path = out / f"profile-{case.mesh}.json"
     start = time.perf_counter()
-    _run([*_torchrun(), "--standalone", f"--nproc_per_node={_world(case)}", "-m", "autoshard", "calibrate", "--mesh",
-          case.mesh, "--out", str(path), *(["--quick"] if quick else [])], out / f"calibrate-{case.mesh}.txt")
+    _run(
+        [
+            *_torchrun(),
+            "--standalone",
+            f"--nproc_per_node={_world(case)}",
+            "-m",
+            "autoshard",
+            "calibrate",
+            "--mesh",
+            case.mesh,
+            "--out",
+            str(path),
+            *(["--quick"] if quick else []),
+        ],
+        out / f"calibrate-{case.mesh}.txt",
+    )
     wall = time.perf_counter() - start
     data = json.loads(path.read_text())
-    print("\n".join(line for line in (out / f"calibrate-{case.mesh}.txt").read_text().splitlines()
-                    if line.startswith("[calibrate")), flush=True)
+    print(
+        "\n".join(
+            line
+            for line in (out / f"calibrate-{case.mesh}.txt").read_text().splitlines()
+            if line.startswith("[calibrate")
+        ),
+        flush=True,
+    )
     return path, wall, data
 
 
 def train(case: Case, recipe: str | None, network: str, device: str, out: Path) -> dict:
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
-    _run([*_torchrun(), "--standalone", f"--nproc_per_node={_world(case)}", "-m", "autoshard", "train", "--model", case.model,
-          "--mesh", case.mesh, "--batch", str(case.batch), "--seq", str(case.seq), "--steps", str(case.steps),
-          "--network", network, "--device", device, *(["--recipe", recipe] if recipe else []), "--out", str(out)],
-         out / "console.txt")
+    _run(
+        [
+            *_torchrun(),
+            "--standalone",
+            f"--nproc_per_node={_world(case)}",
+            "-m",
+            "autoshard",
+            "train",
+            "--model",
+            case.model,
+            "--mesh",
+            case.mesh,
+            "--batch",
+            str(case.batch),
+            "--seq",
+            str(case.seq),
+            "--steps",
+            str(case.steps),
+            "--network",
+            network,
+            "--device",
+            device,
+            *(["--recipe", recipe] if recipe else []),
+            "--out",
+            str(out),
+        ],
+        out / "console.txt",
+    )
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
     timed = [r["step_s"] for r in rows if r["step"] > case.warmup]
     report = json.loads((out / "plan.json").read_text())
     totals = report["totals"]
     measured = statistics.median(timed)
     modeled = rows[0]["modeled_step_s"]
-    return {"modeled_s": modeled, "compute_s": totals["compute_s"], "comm_s": totals["comm_s"],
-            "optimizer_s": totals.get("optimizer_s", 0.0), "overlapped_s": rows[0].get("modeled_overlapped_step_s"),
-            "measured_s": measured, "measured_steps_s": timed, "ratio": modeled / measured,
-            "collectives": totals.get("count_by_collective"),
-            "layouts": {p["fqn"]: p["layout"] for p in report["parameters"] if p["fqn"] in SHOWN}}
+    return {
+        "modeled_s": modeled,
+        "compute_s": totals["compute_s"],
+        "comm_s": totals["comm_s"],
+        "optimizer_s": totals.get("optimizer_s", 0.0),
+        "overlapped_s": rows[0].get("modeled_overlapped_step_s"),
+        "measured_s": measured,
+        "measured_steps_s": timed,
+        "ratio": modeled / measured,
+        "collectives": totals.get("count_by_collective"),
+        "layouts": {p["fqn"]: p["layout"] for p in report["parameters"] if p["fqn"] in SHOWN},
+    }
 
 
-def run(quick: bool = False, out_dir: str | os.PathLike = ROOT / "runs" / "bench-accuracy",
-        two_ranks: bool = False, rounds: int | None = None) -> dict:
+def run(
+    quick: bool = False,
+    out_dir: str | os.PathLike = ROOT / "runs" / "bench-accuracy",
+    two_ranks: bool = False,
+    rounds: int | None = None,
+) -> dict:
     """Calibrate, then train each plan with each profile set, for every case (2x2; or 1x2 and 2x1
     with `two_ranks`, autoshard's plan alone), `rounds` times round by round (default 3, quick 1);
     print and return the figures: one entry per case under "cases", the first case's also at the
@@ -138,20 +196,34 @@ def _run_case(case: Case, quick: bool, out: Path, plans: dict[str, str | None]) 
     sets = {"calibrated": (str(profile), str(profile))}
     if not quick:
         sets["presets (cpu-gloo, cpu)"] = PRESETS
-    figures: dict = {"case": asdict(case), "calibrate_s": calibrate_s, "profile": {
-        "network": data["network"], "device": data["device"], "fit_rel_rms": data["details"]["network_fit"]["rel_rms"],
-        "device_by_dtype": {k: {f: v for f, v in d.items() if f != "timings"}
-                            for k, d in data["details"]["device"].items()},
-        "step": {k: v for k, v in data["details"].get("step", {}).items() if k != "timings"}}, "sets": {}}
+    figures: dict = {
+        "case": asdict(case),
+        "calibrate_s": calibrate_s,
+        "profile": {
+            "network": data["network"],
+            "device": data["device"],
+            "fit_rel_rms": data["details"]["network_fit"]["rel_rms"],
+            "device_by_dtype": {
+                k: {f: v for f, v in d.items() if f != "timings"} for k, d in data["details"]["device"].items()
+            },
+            "step": {k: v for k, v in data["details"].get("step", {}).items() if k != "timings"},
+        },
+        "sets": {},
+    }
     for label, (network, device) in sets.items():
         rows = {}
         for name, recipe in plans.items():
             print(f"[accuracy] {case.mesh} {label}: {name}", flush=True)
-            rows[name] = train(case, recipe, network, device, out / f"{case.mesh}-{label.split()[0]}-{recipe or 'autoshard'}")
+            rows[name] = train(
+                case, recipe, network, device, out / f"{case.mesh}-{label.split()[0]}-{recipe or 'autoshard'}"
+            )
             r = rows[name]
-            print(f"[accuracy]   modeled {r['modeled_s'] * 1e3:.1f} ms (compute {r['compute_s'] * 1e3:.1f}, optimizer "
-                  f"{r['optimizer_s'] * 1e3:.1f}, comm {r['comm_s'] * 1e3:.1f}), measured {r['measured_s'] * 1e3:.1f} "
-                  f"ms: ratio {r['ratio']:.2f}", flush=True)
+            print(
+                f"[accuracy]   modeled {r['modeled_s'] * 1e3:.1f} ms (compute {r['compute_s'] * 1e3:.1f}, optimizer "
+                f"{r['optimizer_s'] * 1e3:.1f}, comm {r['comm_s'] * 1e3:.1f}), measured {r['measured_s'] * 1e3:.1f} "
+                f"ms: ratio {r['ratio']:.2f}",
+                flush=True,
+            )
         figures["sets"][label] = {"plans": rows}
     return figures
 
@@ -160,8 +232,14 @@ def _median_case(rounds: list[dict]) -> dict:
     """A case over its rounds: each plan's row is its median round by modeled / measured (the lower
     middle one for an even count), with every round's ratio beside it; the rankings order the plans
     by their median modeled and median measured steps; each round's profile is kept."""
-    figures = {"case": rounds[0]["case"], "rounds": len(rounds), "calibrate_s": [r["calibrate_s"] for r in rounds],
-               "profile": rounds[-1]["profile"], "profiles": [r["profile"] for r in rounds], "sets": {}}
+    figures = {
+        "case": rounds[0]["case"],
+        "rounds": len(rounds),
+        "calibrate_s": [r["calibrate_s"] for r in rounds],
+        "profile": rounds[-1]["profile"],
+        "profiles": [r["profile"] for r in rounds],
+        "sets": {},
+    }
     for label in rounds[0]["sets"]:
         runs = {name: [r["sets"][label]["plans"][name] for r in rounds] for name in rounds[0]["sets"][label]["plans"]}
         rows = {}
@@ -171,7 +249,9 @@ def _median_case(rounds: list[dict]) -> dict:
         modeled_rank = sorted(runs, key=lambda n: statistics.median(r["modeled_s"] for r in runs[n]))
         measured_rank = sorted(runs, key=lambda n: statistics.median(r["measured_s"] for r in runs[n]))
         figures["sets"][label] = {
-            "plans": rows, "modeled_ranking": modeled_rank, "measured_ranking": measured_rank,
+            "plans": rows,
+            "modeled_ranking": modeled_rank,
+            "measured_ranking": measured_rank,
             "within_goal": all(abs(r["ratio"] - 1) <= GOAL for r in rows.values()),
             "same_ranking": modeled_rank == measured_rank,
         }
@@ -184,23 +264,31 @@ def markdown(figures: dict) -> str:
         c = case["case"]
         world = math.prod(int(size) for size in c["mesh"].split("x"))
         rounds = case.get("rounds", 1)
-        rows += [f"{c['model']}, mesh {c['mesh']}, gloo, {world} processes, global batch {c['batch']}, seq {c['seq']}, "
-                 f"median of steps {c['warmup'] + 1}-{c['steps']}; the median of {rounds} round(s), each calibrating "
-                 "again:", "",
-                 "| profiles | plan | modeled ms (compute + optimizer + comm) | measured ms | modeled / measured | "
-                 "every round |",
-                 "|---|---|---|---|---|---|"]
+        rows += [
+            f"{c['model']}, mesh {c['mesh']}, gloo, {world} processes, global batch {c['batch']}, seq {c['seq']}, "
+            f"median of steps {c['warmup'] + 1}-{c['steps']}; the median of {rounds} round(s), each calibrating "
+            "again:",
+            "",
+            "| profiles | plan | modeled ms (compute + optimizer + comm) | measured ms | modeled / measured | "
+            "every round |",
+            "|---|---|---|---|---|---|",
+        ]
         for label, s in case["sets"].items():
             for name, r in s["plans"].items():
-                rows.append(f"| {label} | {name} | {r['modeled_s'] * 1e3:.1f} ({r['compute_s'] * 1e3:.1f} + "
-                            f"{r.get('optimizer_s', 0.0) * 1e3:.1f} + {r['comm_s'] * 1e3:.1f}) | "
-                            f"{r['measured_s'] * 1e3:.1f} | {r['ratio']:.2f} | "
-                            f"{' / '.join(f'{x:.2f}' for x in r.get('round_ratios', [r['ratio']]))} |")
+                rows.append(
+                    f"| {label} | {name} | {r['modeled_s'] * 1e3:.1f} ({r['compute_s'] * 1e3:.1f} + "
+                    f"{r.get('optimizer_s', 0.0) * 1e3:.1f} + {r['comm_s'] * 1e3:.1f}) | "
+                    f"{r['measured_s'] * 1e3:.1f} | {r['ratio']:.2f} | "
+                    f"{' / '.join(f'{x:.2f}' for x in r.get('round_ratios', [r['ratio']]))} |"
+                )
         rows.append("")
         for label, s in case["sets"].items():
-            ranking = (f"; ranking modeled {' < '.join(s['modeled_ranking'])}, measured "
-                       f"{' < '.join(s['measured_ranking'])}: {'same' if s['same_ranking'] else 'different'}"
-                       if len(s["plans"]) > 1 else "")
+            ranking = (
+                f"; ranking modeled {' < '.join(s['modeled_ranking'])}, measured "
+                f"{' < '.join(s['measured_ranking'])}: {'same' if s['same_ranking'] else 'different'}"
+                if len(s["plans"]) > 1
+                else ""
+            )
             rows.append(f"- {label}: within {GOAL:.0%} for every plan: {'yes' if s['within_goal'] else 'no'}{ranking}")
         rows.append("")
     return "\n".join(rows).rstrip()

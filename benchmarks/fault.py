@@ -43,8 +43,24 @@ class FaultRun:
 
 
 def train_args(model: str, steps: int, checkpoint_every: int, seq: int = 64, extra: tuple[str, ...] = ()) -> list[str]:
-    return ["-m", "autoshard", "train", "--model", model, "--mesh", "2x2", "--batch", "8", "--seq", str(seq),
-            "--steps", str(steps), "--checkpoint-every", str(checkpoint_every), *extra]
+    return [
+        "-m",
+        "autoshard",
+        "train",
+        "--model",
+        model,
+        "--mesh",
+        "2x2",
+        "--batch",
+        "8",
+        "--seq",
+        str(seq),
+        "--steps",
+        str(steps),
+        "--checkpoint-every",
+        str(checkpoint_every),
+        *extra,
+    ]
 
 
 def _rows(out: Path) -> list[dict]:
@@ -68,14 +84,31 @@ def _workers(parent: int) -> list[int]:
     return found
 
 
-def torchrun(args: list[str], out: Path, *, kill_steps: list[int] = (), max_restarts: int = 0,
-             seed: int = 0, timeout: float = 900) -> FaultRun:
+def torchrun(
+    args: list[str],
+    out: Path,
+    *,
+    kill_steps: list[int] = (),
+    max_restarts: int = 0,
+    seed: int = 0,
+    timeout: float = 900,
+) -> FaultRun:
     """torchrun 4 workers of `python <args> --out OUT`; SIGKILL a random worker once the run
     reaches each of `kill_steps` (ascending)."""
     path = os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), str(ROOT)]))  # a caller's path kept
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=path)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4",
-           f"--max-restarts={max_restarts}", "--monitor-interval=0.2", *args, "--out", str(out)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=4",
+        f"--max-restarts={max_restarts}",
+        "--monitor-interval=0.2",
+        *args,
+        "--out",
+        str(out),
+    ]
     pick = random.Random(seed)
     start = time.time()
     with tempfile.TemporaryFile("w+") as err:
@@ -109,8 +142,15 @@ def torchrun(args: list[str], out: Path, *, kill_steps: list[int] = (), max_rest
     return FaultRun(proc.returncode, losses, killed, time.time() - start, stderr)
 
 
-def survive(steps: int = 200, checkpoint_every: int = 10, kills: int = 3, model: str = "llama3-tiny",
-            seed: int = 0, work: Path | None = None, extra: tuple[str, ...] = ()) -> dict:
+def survive(
+    steps: int = 200,
+    checkpoint_every: int = 10,
+    kills: int = 3,
+    model: str = "llama3-tiny",
+    seed: int = 0,
+    work: Path | None = None,
+    extra: tuple[str, ...] = (),
+) -> dict:
     """An uninterrupted run and one with `kills` SIGKILLs at random steps under --max-restarts
     `kills` (`extra`: more train flags for both): their losses, step by step."""
     rng = random.Random(seed)
@@ -120,14 +160,30 @@ def survive(steps: int = 200, checkpoint_every: int = 10, kills: int = 3, model:
     clean = torchrun(args, work / "clean")
     hit = torchrun(args, work / "killed", kill_steps=kill_steps, max_restarts=kills, seed=seed)
     differing = [s for s in range(1, steps + 1) if clean.losses.get(s) != hit.losses.get(s)]
-    return {"model": model, "steps": steps, "checkpoint_every": checkpoint_every, "kill_steps": kill_steps,
-            "killed_at": hit.killed_at, "returncode": hit.returncode, "clean_returncode": clean.returncode,
-            "rows": len(hit.losses), "differing_steps": differing, "clean_wall_s": clean.wall_s,
-            "killed_wall_s": hit.wall_s, "stderr_tail": hit.stderr[-3000:] if hit.returncode else ""}
+    return {
+        "model": model,
+        "steps": steps,
+        "checkpoint_every": checkpoint_every,
+        "kill_steps": kill_steps,
+        "killed_at": hit.killed_at,
+        "returncode": hit.returncode,
+        "clean_returncode": clean.returncode,
+        "rows": len(hit.losses),
+        "differing_steps": differing,
+        "clean_wall_s": clean.wall_s,
+        "killed_wall_s": hit.wall_s,
+        "stderr_tail": hit.stderr[-3000:] if hit.returncode else "",
+    }
 
 
-def stall(model: str = "llama3-debug", steps: int = 30, checkpoint_every: int = 5, seq: int = 256,
-          work: Path | None = None, rounds: int = 3) -> dict:
+def stall(
+    model: str = "llama3-debug",
+    steps: int = 30,
+    checkpoint_every: int = 5,
+    seq: int = 256,
+    work: Path | None = None,
+    rounds: int = 3,
+) -> dict:
     """What checkpointing costs the step loop, `--checkpoint-writes sync` vs `async`,
     interleaved `rounds` times: the time a checkpoint step waits for the save (`checkpoint_s`), and
     how much slower the step after it runs (async writing competes with it) than the others."""
@@ -168,22 +224,28 @@ def main(argv: list[str] | None = None) -> int:
     figures: dict = {}
     if not a.stall_only:
         figures["survive"] = s = survive(a.steps, a.checkpoint_every, a.kills, seed=a.seed)
-        print(f"killed a random rank at steps {s['killed_at']} (aimed at {s['kill_steps']}); exit code "
-              f"{s['returncode']}; {s['rows']} of {s['steps']} steps in metrics.jsonl; steps whose loss differs "
-              f"from the uninterrupted run: {s['differing_steps'] or 'none'}; wall {s['killed_wall_s']:.0f} s "
-              f"vs {s['clean_wall_s']:.0f} s uninterrupted")
+        print(
+            f"killed a random rank at steps {s['killed_at']} (aimed at {s['kill_steps']}); exit code "
+            f"{s['returncode']}; {s['rows']} of {s['steps']} steps in metrics.jsonl; steps whose loss differs "
+            f"from the uninterrupted run: {s['differing_steps'] or 'none'}; wall {s['killed_wall_s']:.0f} s "
+            f"vs {s['clean_wall_s']:.0f} s uninterrupted"
+        )
     if not a.no_stall:
         figures["stall"] = st = stall()
         for mode in ("sync", "async"):
             f = st[mode]
-            print(f"{mode:>5} checkpoints: the loop waits {f['wait']:.1f} ms per checkpoint, the next step takes "
-                  f"{f['next_step']:.1f} ms vs {f['other_step']:.1f} ms: stall {f['stall_ms']:.1f} ms per checkpoint "
-                  f"(medians over {st['rounds']} runs)")
+            print(
+                f"{mode:>5} checkpoints: the loop waits {f['wait']:.1f} ms per checkpoint, the next step takes "
+                f"{f['next_step']:.1f} ms vs {f['other_step']:.1f} ms: stall {f['stall_ms']:.1f} ms per checkpoint "
+                f"(medians over {st['rounds']} runs)"
+            )
     if a.json:
         Path(a.json).write_text(json.dumps(figures, indent=1) + "\n")
-    ok = "survive" not in figures or (figures["survive"]["returncode"] == 0
-                                      and not figures["survive"]["differing_steps"]
-                                      and len(figures["survive"]["killed_at"]) == a.kills)
+    ok = "survive" not in figures or (
+        figures["survive"]["returncode"] == 0
+        and not figures["survive"]["differing_steps"]
+        and len(figures["survive"]["killed_at"]) == a.kills
+    )
     return 0 if ok else 1
 
 

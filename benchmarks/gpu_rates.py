@@ -27,9 +27,17 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 TOKENS = 8192
 # (label, in features, out features): the local matmuls of one block and the LM head, TP 8
-MATMULS = (("8b q", 4096, 512), ("8b o", 512, 4096), ("8b w1", 4096, 1792), ("8b w2", 1792, 4096),
-           ("8b lm head", 4096, 16032), ("70b q", 8192, 1024), ("70b w1", 8192, 3584), ("70b w2", 3584, 8192),
-           ("square", 8192, 8192))
+MATMULS = (
+    ("8b q", 4096, 512),
+    ("8b o", 512, 4096),
+    ("8b w1", 4096, 1792),
+    ("8b w2", 1792, 4096),
+    ("8b lm head", 4096, 16032),
+    ("70b q", 8192, 1024),
+    ("70b w1", 8192, 3584),
+    ("70b w2", 3584, 8192),
+    ("square", 8192, 8192),
+)
 HEAD_DIM = 128
 
 
@@ -44,8 +52,11 @@ class Row:
 
     @property
     def rate(self) -> str:
-        return f"{self.flops / self.seconds / 1e12:6.1f} TFLOP/s" if self.flops else \
-            f"{self.nbytes / self.seconds / 1e9:6.0f} GB/s"
+        return (
+            f"{self.flops / self.seconds / 1e12:6.1f} TFLOP/s"
+            if self.flops
+            else f"{self.nbytes / self.seconds / 1e9:6.0f} GB/s"
+        )
 
 
 def _timed(fn, reps: int = 20, warm: int = 5) -> float:
@@ -77,8 +88,11 @@ def measure(profile, adamw_step_bytes: int) -> list[Row]:
             modeled = profile.op_overhead_s + profile.roofline_s(flops, nbytes, dtype)
         rows.append(Row(kind, label, seconds, modeled, flops, nbytes))
         r = rows[-1]
-        print(f"{kind:9s} {label:40s} {seconds * 1e6:9.1f} us  modeled {modeled * 1e6:9.1f} us  "
-              f"modeled/measured {modeled / seconds:5.2f}  {r.rate}", flush=True)
+        print(
+            f"{kind:9s} {label:40s} {seconds * 1e6:9.1f} us  modeled {modeled * 1e6:9.1f} us  "
+            f"modeled/measured {modeled / seconds:5.2f}  {r.rate}",
+            flush=True,
+        )
 
     for dtype, shapes in ((torch.bfloat16, MATMULS), (torch.float32, MATMULS[:2])):
         name = str(dtype).removeprefix("torch.")
@@ -90,8 +104,10 @@ def measure(profile, adamw_step_bytes: int) -> list[Row]:
             for what, fn in (("fwd", lambda: x @ w.t()), ("dgrad", lambda: g @ w), ("wgrad", lambda: g.t() @ x)):
                 row("matmul", f"{name} {what} {label} ({k}->{n})", _timed(fn), flops, nbytes, dtype)
     for label, heads in (("8b, 4 heads", 4), ("70b, 8 heads", 8)):
-        q, k, v = (torch.randn(1, heads, TOKENS, HEAD_DIM, device=dev, dtype=torch.bfloat16, requires_grad=True)
-                   for _ in range(3))
+        q, k, v = (
+            torch.randn(1, heads, TOKENS, HEAD_DIM, device=dev, dtype=torch.bfloat16, requires_grad=True)
+            for _ in range(3)
+        )
         flops = 4 * heads * TOKENS * TOKENS * HEAD_DIM  # torch's flop counter: whole attention, forward
         nbytes = 4 * q.numel() * q.element_size()
         grad = torch.randn_like(q)
@@ -100,43 +116,60 @@ def measure(profile, adamw_step_bytes: int) -> list[Row]:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
             torch.autograd.grad(out, (q, k, v), grad)
 
-        row("attention", f"fwd causal {label}",
-            _timed(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True)), flops, nbytes)
+        row(
+            "attention",
+            f"fwd causal {label}",
+            _timed(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True)),
+            flops,
+            nbytes,
+        )
         row("attention", f"fwd+bwd causal {label}", _timed(both), 3.5 * flops, 3 * nbytes)
     x = torch.randn(TOKENS, 4096, device=dev, dtype=torch.bfloat16)
     y, w = torch.randn_like(x), torch.randn(4096, device=dev, dtype=torch.bfloat16)
     size = x.numel() * x.element_size()
-    for label, fn, nbytes in (("add bf16 8192x4096", lambda: x + y, 3 * size),
-                              ("mul bf16 8192x4096", lambda: x * y, 3 * size),
-                              ("silu bf16 8192x4096", lambda: F.silu(x), 2 * size),
-                              ("to fp32 8192x4096", lambda: x.float(), 3 * size),
-                              ("rms_norm bf16 8192x4096", lambda: F.rms_norm(x, (4096,), w), 2 * size)):
+    for label, fn, nbytes in (
+        ("add bf16 8192x4096", lambda: x + y, 3 * size),
+        ("mul bf16 8192x4096", lambda: x * y, 3 * size),
+        ("silu bf16 8192x4096", lambda: F.silu(x), 2 * size),
+        ("to fp32 8192x4096", lambda: x.float(), 3 * size),
+        ("rms_norm bf16 8192x4096", lambda: F.rms_norm(x, (4096,), w), 2 * size),
+    ):
         row("memory", label, _timed(fn), 0.0, nbytes)
     elements = 100_000_000
     p = torch.randn(elements, device=dev, requires_grad=True)
     p.grad = torch.randn_like(p)
     opt = torch.optim.AdamW([p], lr=1e-4, fused=True)
-    row("optimizer", "fused AdamW, 100M fp32 elements", _timed(opt.step, reps=10, warm=3), 0.0,
-        adamw_step_bytes * elements, modeled=profile.optimizer_s(elements))
+    row(
+        "optimizer",
+        "fused AdamW, 100M fp32 elements",
+        _timed(opt.step, reps=10, warm=3),
+        0.0,
+        adamw_step_bytes * elements,
+        modeled=profile.optimizer_s(elements),
+    )
     return rows
 
 
 def summary(rows: list[Row]) -> dict[str, float]:
     """The medians a preset should carry: bf16 and fp32 matmul flop/s, elementwise bytes/s."""
+
     def median_rate(pick, by_flops):
         return statistics.median((r.flops if by_flops else r.nbytes) / r.seconds for r in rows if pick(r))
 
-    return {"bf16_flops": median_rate(lambda r: r.kind == "matmul" and r.label.startswith("bfloat16"), True),
-            "fp32_flops": median_rate(lambda r: r.kind == "matmul" and r.label.startswith("float32"), True),
-            "memory_bytes_s": median_rate(lambda r: r.kind == "memory", False),
-            "modeled_over_measured": statistics.median(r.modeled / r.seconds for r in rows)}
+    return {
+        "bf16_flops": median_rate(lambda r: r.kind == "matmul" and r.label.startswith("bfloat16"), True),
+        "fp32_flops": median_rate(lambda r: r.kind == "matmul" and r.label.startswith("float32"), True),
+        "memory_bytes_s": median_rate(lambda r: r.kind == "memory", False),
+        "modeled_over_measured": statistics.median(r.modeled / r.seconds for r in rows),
+    }
 
 
 def device_profiles():
     """`autoshard.profiles.device` loaded alone (it needs only torch): importing the package pulls in
     the planner, which needs a supported torch, and this runs with whatever torch a GPU machine has."""
-    spec = importlib.util.spec_from_file_location("autoshard_device_profiles",
-                                                  os.path.join(ROOT, "autoshard", "profiles", "device.py"))
+    spec = importlib.util.spec_from_file_location(
+        "autoshard_device_profiles", os.path.join(ROOT, "autoshard", "profiles", "device.py")
+    )
     module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -164,14 +197,25 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{name}, torch {torch.__version__}, against the {preset} preset", flush=True)
     rows = measure(profile, profiles.ADAMW_STEP_BYTES)
     result = summary(rows)
-    print(f"medians: bf16 matmuls {result['bf16_flops'] / 1e12:.0f} TFLOP/s (preset {profile.peak_flops / 1e12:.0f}), "
-          f"fp32 matmuls {result['fp32_flops'] / 1e12:.1f} TFLOP/s (preset {profile.peak_for(torch.float32) / 1e12:.0f}), "
-          f"elementwise {result['memory_bytes_s'] / 1e12:.2f} TB/s (preset {profile.mem_bw / 1e12:.2f}); "
-          f"modeled / measured {result['modeled_over_measured']:.2f}")
+    print(
+        f"medians: bf16 matmuls {result['bf16_flops'] / 1e12:.0f} TFLOP/s (preset {profile.peak_flops / 1e12:.0f}), "
+        f"fp32 matmuls {result['fp32_flops'] / 1e12:.1f} TFLOP/s (preset {profile.peak_for(torch.float32) / 1e12:.0f}), "
+        f"elementwise {result['memory_bytes_s'] / 1e12:.2f} TB/s (preset {profile.mem_bw / 1e12:.2f}); "
+        f"modeled / measured {result['modeled_over_measured']:.2f}"
+    )
     if a.out:
         with open(a.out, "w") as f:
-            json.dump({"device": name, "torch": torch.__version__, "preset": preset, "summary": result,
-                       "rows": [asdict(r) for r in rows]}, f, indent=1)
+            json.dump(
+                {
+                    "device": name,
+                    "torch": torch.__version__,
+                    "preset": preset,
+                    "summary": result,
+                    "rows": [asdict(r) for r in rows],
+                },
+                f,
+                indent=1,
+            )
     return 0
 
 

@@ -28,13 +28,17 @@ from benchmarks.plan import in_fresh_process  # noqa: E402
 
 ROLES3 = ("dp_replicate", "dp_shard", "tp")
 # (model, layers, mesh, batch, seq): the exact ILP finishes on the first two on a CPU core, not on the third
-GAP_CASES = [("llama3-tiny", None, (2, 2, 2), 8, 16), ("llama3-debug", 1, (2, 2, 2), 8, 32),
-             ("llama3-8b", 1, (2, 2, 2), 8, 1024)]
+GAP_CASES = [
+    ("llama3-tiny", None, (2, 2, 2), 8, 16),
+    ("llama3-debug", 1, (2, 2, 2), 8, 32),
+    ("llama3-8b", 1, (2, 2, 2), 8, 1024),
+]
 EXACT_TIME_LIMIT = 1800.0  # the exact llama3-debug case took 18 minutes on a slow core
 
 
-def _gap_case(model: str, layers: int | None, mesh: tuple, batch: int, seq: int,
-              time_limit: float = EXACT_TIME_LIMIT) -> dict:
+def _gap_case(
+    model: str, layers: int | None, mesh: tuple, batch: int, seq: int, time_limit: float = EXACT_TIME_LIMIT
+) -> dict:
     import torch
 
     import autoshard_solver as solver
@@ -49,8 +53,9 @@ def _gap_case(model: str, layers: int | None, mesh: tuple, batch: int, seq: int,
         cfg = cfg.with_(n_layers=layers)
     net = build_model(cfg, device="meta")
     config = PlanConfig(mesh=mesh, mesh_names=ROLES3, memory_limit=float("inf"))
-    with AutoShard(net, lambda: (torch.empty(batch, seq, dtype=torch.int64),) * 2, config=config,
-                   loss_fn=cross_entropy_loss) as auto:
+    with AutoShard(
+        net, lambda: (torch.empty(batch, seq, dtype=torch.int64),) * 2, config=config, loss_fn=cross_entropy_loss
+    ) as auto:
         start = time.perf_counter()
         plan = auto.optimize()
         decomposed_s = time.perf_counter() - start
@@ -69,11 +74,17 @@ def _gap_case(model: str, layers: int | None, mesh: tuple, batch: int, seq: int,
         except solver.SolveError:  # no solution within the time limit
             solution = None
         exact_s = time.perf_counter() - start
-    return dict(case=f"{model}{'/' + str(layers) + 'L' if layers else ''} {mesh} b{batch} s{seq}",
-                decomposed_ms=plan.solution.objective * 1e3, exact_ms=solution and solution.objective * 1e3,
-                exact_status=solution.status if solution else "none", decomposed_vars=plan.solution.stats.variables,
-                exact_vars=solution.stats.variables if solution else 0, decomposed_s=decomposed_s, exact_build_s=build_s,
-                exact_s=exact_s)
+    return dict(
+        case=f"{model}{'/' + str(layers) + 'L' if layers else ''} {mesh} b{batch} s{seq}",
+        decomposed_ms=plan.solution.objective * 1e3,
+        exact_ms=solution and solution.objective * 1e3,
+        exact_status=solution.status if solution else "none",
+        decomposed_vars=plan.solution.stats.variables,
+        exact_vars=solution.stats.variables if solution else 0,
+        decomposed_s=decomposed_s,
+        exact_build_s=build_s,
+        exact_s=exact_s,
+    )
 
 
 def _plan_case(model: str, mesh: tuple, names: tuple | None, batch: int, seq: int) -> dict:
@@ -86,15 +97,21 @@ def _plan_case(model: str, mesh: tuple, names: tuple | None, batch: int, seq: in
     start = time.perf_counter()
     net = build_model(get_config(model), device="meta")
     config = PlanConfig(mesh=mesh, mesh_names=names, param_dtype="bf16", reduce_dtype="fp32")
-    with AutoShard(net, lambda: (torch.empty(batch, seq, dtype=torch.int64),) * 2, config=config,
-                   loss_fn=cross_entropy_loss) as auto:
+    with AutoShard(
+        net, lambda: (torch.empty(batch, seq, dtype=torch.int64),) * 2, config=config, loss_fn=cross_entropy_loss
+    ) as auto:
         plan = auto.optimize()
         memory = auto.fit_dry_run or auto.dry_run(plan)
-    return dict(case=f"{model} {mesh} {','.join(names or ())} b{batch} s{seq} bf16",
-                total_s=time.perf_counter() - start, timings=auto.timings,
-                rss_gib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
-                step_ms=plan.step_time_s * 1e3, comm_ms=plan.comm_s * 1e3, peak_gib=memory.peak_bytes / 2**30,
-                fit=auto.fit.mode if auto.fit else "-")
+    return dict(
+        case=f"{model} {mesh} {','.join(names or ())} b{batch} s{seq} bf16",
+        total_s=time.perf_counter() - start,
+        timings=auto.timings,
+        rss_gib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+        step_ms=plan.step_time_s * 1e3,
+        comm_ms=plan.comm_s * 1e3,
+        peak_gib=memory.peak_bytes / 2**30,
+        fit=auto.fit.mode if auto.fit else "-",
+    )
 
 
 def main() -> None:
@@ -102,8 +119,10 @@ def main() -> None:
     parser.add_argument("--gap-only", action="store_true")
     args = parser.parse_args()
     print("optimality gap: decomposed (dp_replicate planned first) vs the exact ILP under the same roles")
-    print(f"{'case':42s} {'decomposed ms':>13s} {'exact ms':>10s} {'gap':>8s} {'vars (dec/exact)':>20s} "
-          f"{'time s (dec/exact)':>19s}")
+    print(
+        f"{'case':42s} {'decomposed ms':>13s} {'exact ms':>10s} {'gap':>8s} {'vars (dec/exact)':>20s} "
+        f"{'time s (dec/exact)':>19s}"
+    )
     for case in GAP_CASES:
         r = in_fresh_process(_gap_case, *case)
         if r["exact_ms"] is None:
@@ -111,18 +130,26 @@ def main() -> None:
         else:
             exact = f"{r['exact_ms']:.4f}" + ("" if r["exact_status"] == "optimal" else "*")
             gap = f"{(r['decomposed_ms'] - r['exact_ms']) / r['exact_ms']:.3%}"
-        print(f"{r['case']:42s} {r['decomposed_ms']:13.4f} {exact:>10s} {gap:>8s} "
-              f"{r['decomposed_vars']:>9,d}/{r['exact_vars']:<10,d} {r['decomposed_s']:8.1f}/{r['exact_s']:<8.1f}",
-              flush=True)
+        print(
+            f"{r['case']:42s} {r['decomposed_ms']:13.4f} {exact:>10s} {gap:>8s} "
+            f"{r['decomposed_vars']:>9,d}/{r['exact_vars']:<10,d} {r['decomposed_s']:8.1f}/{r['exact_s']:<8.1f}",
+            flush=True,
+        )
     if args.gap_only:
         return
     print("\nplanning whole (trace to fitted, dry-run plan), h100-node network, h100 device")
     print(f"{'case':58s} {'total s':>7s} {'RSS GiB':>7s} {'step ms':>8s} {'comm ms':>8s} {'peak GiB':>8s} fit")
-    for model, mesh, names, batch in (("llama3-8b", (4, 2, 8), ROLES3, 8), ("llama3-70b", (8, 8, 8), ROLES3, 64),
-                                      ("llama3-70b", (64, 8), None, 64)):
+    for model, mesh, names, batch in (
+        ("llama3-8b", (4, 2, 8), ROLES3, 8),
+        ("llama3-70b", (8, 8, 8), ROLES3, 64),
+        ("llama3-70b", (64, 8), None, 64),
+    ):
         r = in_fresh_process(_plan_case, model, mesh, names, batch, 8192)
-        print(f"{r['case']:58s} {r['total_s']:7.1f} {r['rss_gib']:7.2f} {r['step_ms']:8.1f} {r['comm_ms']:8.1f} "
-              f"{r['peak_gib']:8.1f} {r['fit']}", flush=True)
+        print(
+            f"{r['case']:58s} {r['total_s']:7.1f} {r['rss_gib']:7.2f} {r['step_ms']:8.1f} {r['comm_ms']:8.1f} "
+            f"{r['peak_gib']:8.1f} {r['fit']}",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -65,9 +65,16 @@ def _plan(case: Case, recipe: bool) -> dict:
 
     net = build_model(get_config(case.model), device="meta")
     start = time.perf_counter()
-    with AutoShard(net, lambda: (torch.empty(case.batch, case.seq, dtype=torch.int64),) * 2, case.mesh,
-                   loss_fn=cross_entropy_loss, network=case.network, device=case.device,
-                   mp_policy=mp_policy(*PRECISION), recompute=recipe) as auto:
+    with AutoShard(
+        net,
+        lambda: (torch.empty(case.batch, case.seq, dtype=torch.int64),) * 2,
+        case.mesh,
+        loss_fn=cross_entropy_loss,
+        network=case.network,
+        device=case.device,
+        mp_policy=mp_policy(*PRECISION),
+        recompute=recipe,
+    ) as auto:
         if recipe:
             try:  # the recipe's layouts must split every parameter evenly on this mesh
                 budget = param_bytes_per_rank(net, recipe_layouts(net, RECIPE), case.mesh)
@@ -89,22 +96,42 @@ def _plan(case: Case, recipe: bool) -> dict:
     if recipe:
         how = "every block recomputed"
     elif fit is None or not fit.constrained:
-        how = "fits as planned" + (", blocks recomputed" if plan.recompute_blocks else
-                                   ", blocks reshard after forward" if plan.reshard_blocks else "")
+        how = "fits as planned" + (
+            ", blocks recomputed"
+            if plan.recompute_blocks
+            else ", blocks reshard after forward"
+            if plan.reshard_blocks
+            else ""
+        )
     else:  # the plan as solved was dry-run first (fit.tried[0]) and did not fit
-        how = (f"{'every block recomputed' if fit.recompute else 'blocks reshard after forward' if fit.reshard else 'budgeted layouts, no checkpointing'}; "
-               f"as solved {_size(fit.tried[0][1])}")
-    return dict(runs=True, limit_bytes=limit, peak_bytes=memory.peak_bytes, peak_phase=memory.ranks[0].phase,
-                step_ms=plan.step_time_s * 1e3, compute_ms=plan.compute_s * 1e3, comm_ms=plan.comm_s * 1e3,
-                recompute=bool(plan.recompute_blocks), reshard=bool(plan.reshard_blocks), constrained=bool(fit and fit.constrained), how=how,
-                solved_peak_bytes=fit.tried[0][1] if fit and fit.tried else None,
-                plan_s=plan_s, fit=fit.summary() if fit else None)
+        how = (
+            f"{'every block recomputed' if fit.recompute else 'blocks reshard after forward' if fit.reshard else 'budgeted layouts, no checkpointing'}; "
+            f"as solved {_size(fit.tried[0][1])}"
+        )
+    return dict(
+        runs=True,
+        limit_bytes=limit,
+        peak_bytes=memory.peak_bytes,
+        peak_phase=memory.ranks[0].phase,
+        step_ms=plan.step_time_s * 1e3,
+        compute_ms=plan.compute_s * 1e3,
+        comm_ms=plan.comm_s * 1e3,
+        recompute=bool(plan.recompute_blocks),
+        reshard=bool(plan.reshard_blocks),
+        constrained=bool(fit and fit.constrained),
+        how=how,
+        solved_peak_bytes=fit.tried[0][1] if fit and fit.tried else None,
+        plan_s=plan_s,
+        fit=fit.summary() if fit else None,
+    )
 
 
 def run(quick: bool = False) -> dict:
     """Each case's autoshard plan and recipe plan, and whether autoshard meets the goal."""
-    print(f"Memory: autoshard under the memory limit vs the {RECIPE} recipe with full activation checkpointing "
-          f"(param {PRECISION[0]}, reduce {PRECISION[1]}; dry-run peak per rank, modeled step)")
+    print(
+        f"Memory: autoshard under the memory limit vs the {RECIPE} recipe with full activation checkpointing "
+        f"(param {PRECISION[0]}, reduce {PRECISION[1]}; dry-run peak per rank, modeled step)"
+    )
     print(f"{'case':<34}{'autoshard peak':>15}{'step ms':>10}  {'how':<56}{'recipe+AC peak':>15}{'step ms':>10}")
     rows = []
     for case in QUICK if quick else FULL:
@@ -115,10 +142,16 @@ def run(quick: bool = False) -> dict:
         row = dict(**asdict(case), autoshard=ours, recipe=theirs, fits=fits, goal=fits and faster)
         rows.append(row)
         name = f"{case.model} {case.mesh}, batch {case.batch}"
-        mine = (f"{_size(ours['peak_bytes']):>15}{ours['step_ms']:>10.1f}  {ours['how']:<56}" if ours["runs"]
-                else f"  cannot fit: {ours['reason']}\n{'':<34}")
-        other = (f"{_size(theirs['peak_bytes']):>15}{theirs['step_ms']:>10.1f}" if theirs["runs"]
-                 else f"  cannot run: {theirs['reason']}")
+        mine = (
+            f"{_size(ours['peak_bytes']):>15}{ours['step_ms']:>10.1f}  {ours['how']:<56}"
+            if ours["runs"]
+            else f"  cannot fit: {ours['reason']}\n{'':<34}"
+        )
+        other = (
+            f"{_size(theirs['peak_bytes']):>15}{theirs['step_ms']:>10.1f}"
+            if theirs["runs"]
+            else f"  cannot run: {theirs['reason']}"
+        )
         print(f"{name:<34}{mine}{other}   goal: {'yes' if row['goal'] else 'NO'}", flush=True)
     return dict(precision=list(PRECISION), recipe=RECIPE, cases=rows, goal=all(r["goal"] for r in rows))
 
@@ -139,14 +172,19 @@ def markdown(figures: dict) -> str:
     """The README's memory table."""
     limits = sorted({_size(r["autoshard"]["limit_bytes"]) for r in figures["cases"] if r["autoshard"]["runs"]})
     dtypes = "/".join(figures["precision"])
-    rows = [f"| case (seq, device, {dtypes}) | autoshard under {', '.join(limits) or 'the limit'}: peak, modeled step | "
-            f"recipe + full AC: peak, modeled step | goal |", "|---|---|---|---|"]
+    rows = [
+        f"| case (seq, device, {dtypes}) | autoshard under {', '.join(limits) or 'the limit'}: peak, modeled step | "
+        f"recipe + full AC: peak, modeled step | goal |",
+        "|---|---|---|---|",
+    ]
     for r in figures["cases"]:
         ours, theirs = r["autoshard"], r["recipe"]
         mine = f"{_cell(ours)} ({ours['how']})" if ours["runs"] else f"does not fit: {ours['reason']}"
         other = _cell(theirs) if theirs["runs"] else f"cannot run: {theirs['reason']}"
-        rows.append(f"| {r['model']} {tuple(r['mesh'])}, batch {r['batch']} (seq {r['seq']}, {r['device']}) | "
-                    f"{mine} | {other} | {'yes' if r['goal'] else 'no'} |")
+        rows.append(
+            f"| {r['model']} {tuple(r['mesh'])}, batch {r['batch']} (seq {r['seq']}, {r['device']}) | "
+            f"{mine} | {other} | {'yes' if r['goal'] else 'no'} |"
+        )
     rows += ["", f"Goal (autoshard fits, modeled step <= the recipe's): **{'met' if figures['goal'] else 'not met'}**."]
     return "\n".join(rows)
 

@@ -35,8 +35,17 @@ PEER = {
 }
 
 
-def _plan_case(model: str, mesh: tuple, batch: int, seq: int, layers: int | None, pins: str | dict | None,
-               budget_from_recipe: bool, dry: bool, precision: tuple[str, str] | None = None) -> dict:
+def _plan_case(
+    model: str,
+    mesh: tuple,
+    batch: int,
+    seq: int,
+    layers: int | None,
+    pins: str | dict | None,
+    budget_from_recipe: bool,
+    dry: bool,
+    precision: tuple[str, str] | None = None,
+) -> dict:
     import torch
 
     from autoshard.driver.config import mp_policy
@@ -50,8 +59,13 @@ def _plan_case(model: str, mesh: tuple, batch: int, seq: int, layers: int | None
         cfg = cfg.with_(n_layers=layers)
     start = time.perf_counter()
     net = build_model(cfg, device="meta")
-    with AutoShard(net, lambda: (torch.empty(batch, seq, dtype=torch.int64),) * 2, mesh,
-                   loss_fn=cross_entropy_loss, mp_policy=mp_policy(*precision) if precision else None) as auto:
+    with AutoShard(
+        net,
+        lambda: (torch.empty(batch, seq, dtype=torch.int64),) * 2,
+        mesh,
+        loss_fn=cross_entropy_loss,
+        mp_policy=mp_policy(*precision) if precision else None,
+    ) as auto:
         auto.memory_limit(math.inf)  # planning speed and modeled quality as they were measured: no fitting
         if pins:
             auto.pin(recipe_pins(pins) if isinstance(pins, str) else pins)
@@ -61,21 +75,37 @@ def _plan_case(model: str, mesh: tuple, batch: int, seq: int, layers: int | None
         total = time.perf_counter() - start  # planning: the dry run is timed on its own
         memory = auto.dry_run(plan) if dry else None
     stats = plan.solution.stats
-    dry_figures = {} if memory is None else dict(
-        dry_s=memory.seconds, peak_gib=memory.peak_bytes / 2**30, peak_phase=memory.ranks[0].phase,
-        activations_gib=memory.ranks[0].activations / 2**30)
-    return dict(**dry_figures,
-        timings=auto.timings, total=total,
+    dry_figures = (
+        {}
+        if memory is None
+        else dict(
+            dry_s=memory.seconds,
+            peak_gib=memory.peak_bytes / 2**30,
+            peak_phase=memory.ranks[0].phase,
+            activations_gib=memory.ranks[0].activations / 2**30,
+        )
+    )
+    return dict(
+        **dry_figures,
+        timings=auto.timings,
+        total=total,
         rss_gib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
-        variables=stats.variables, constraints=stats.constraints, nodes=stats.nodes,
-        step_ms=plan.step_time_s * 1e3, compute_ms=plan.compute_s * 1e3, comm_ms=plan.comm_s * 1e3,
-        comm_gb=plan.comm_bytes / 1e9, non_default_order=len(plan.non_default_order_params()),
-        params=len(plan.param_layouts), layouts={fqn: str(lay) for fqn, lay in plan.param_layouts.items()},
+        variables=stats.variables,
+        constraints=stats.constraints,
+        nodes=stats.nodes,
+        step_ms=plan.step_time_s * 1e3,
+        compute_ms=plan.compute_s * 1e3,
+        comm_ms=plan.comm_s * 1e3,
+        comm_gb=plan.comm_bytes / 1e9,
+        non_default_order=len(plan.non_default_order_params()),
+        params=len(plan.param_layouts),
+        layouts={fqn: str(lay) for fqn, lay in plan.param_layouts.items()},
     )
 
 
-def run_case(model, mesh, batch=8, seq=8192, layers=None, pins=None, budget_from_recipe=False, dry=False,
-             precision=None) -> dict:
+def run_case(
+    model, mesh, batch=8, seq=8192, layers=None, pins=None, budget_from_recipe=False, dry=False, precision=None
+) -> dict:
     """`precision`: (param dtype, reduce dtype) names for mixed precision, e.g. ("bf16", "fp32")."""
     return in_fresh_process(_plan_case, model, mesh, batch, seq, layers, pins, budget_from_recipe, dry, precision)
 
@@ -109,12 +139,21 @@ def speed(quick: bool = False) -> list[dict]:
     """Seconds per stage, total, peak RSS and ILP size of each case, then the dry run of rank 0's
     program (seconds, peak memory per rank, fp32), with the peer's figures. 8B at global batch 8 (the
     peer's case); 70B at one sequence per data-parallel rank."""
-    cases = [("llama3-8b", (8, 8), 2, 8)] if quick else [
-        ("llama3-8b", (8, 8), None, 8), ("llama3-8b", (32, 8), None, 8), ("llama3-70b", (32, 8), None, 32),
-        ("llama3-70b", (64, 8), None, 64)]
+    cases = (
+        [("llama3-8b", (8, 8), 2, 8)]
+        if quick
+        else [
+            ("llama3-8b", (8, 8), None, 8),
+            ("llama3-8b", (32, 8), None, 8),
+            ("llama3-70b", (32, 8), None, 32),
+            ("llama3-70b", (64, 8), None, 64),
+        ]
+    )
     print("Planning speed (one process each, fake tensors, no process group; seq 8192), then the dry run")
-    print(f"{'case':<26}{'batch':>6}{'trace':>7}{'build':>7}{'solve':>7}{'total':>8}{'RSS GiB':>9}{'ILP vars':>10}"
-          f"{'dry s':>7}{'peak GiB':>10}   | peer: total, RSS")
+    print(
+        f"{'case':<26}{'batch':>6}{'trace':>7}{'build':>7}{'solve':>7}{'total':>8}{'RSS GiB':>9}{'ILP vars':>10}"
+        f"{'dry s':>7}{'peak GiB':>10}   | peer: total, RSS"
+    )
     rows = []
     for model, mesh, layers, batch in cases:
         r = run_case(model, mesh, batch=batch, layers=layers, dry=True)
@@ -122,9 +161,12 @@ def speed(quick: bool = False) -> list[dict]:
         t = r["timings"]
         peer = PEER.get((model, mesh)) if not layers else None
         peer_text = f"{peer['total']:.1f} s, {peer['rss_gib']:.1f} GiB" if peer else "-"
-        print(f"{case_name(model, layers) + ' ' + str(mesh):<26}{batch:>6}{t['trace']:>7.1f}{t['build']:>7.1f}"
-              f"{t['solve']:>7.1f}{r['total']:>8.1f}{r['rss_gib']:>9.2f}{r['variables']:>10}{r['dry_s']:>7.1f}"
-              f"{r['peak_gib']:>10.1f}   | {peer_text}", flush=True)
+        print(
+            f"{case_name(model, layers) + ' ' + str(mesh):<26}{batch:>6}{t['trace']:>7.1f}{t['build']:>7.1f}"
+            f"{t['solve']:>7.1f}{r['total']:>8.1f}{r['rss_gib']:>9.2f}{r['variables']:>10}{r['dry_s']:>7.1f}"
+            f"{r['peak_gib']:>10.1f}   | {peer_text}",
+            flush=True,
+        )
         rows.append(dict(model=model, mesh=mesh, layers=layers, batch=batch, **r, peer=peer))
     return rows
 
@@ -137,8 +179,11 @@ def command_wall(quick: bool = False, repeats: int = 3) -> list[dict]:
     import tempfile
 
     root = os.path.dirname(_HERE)
-    cases = [("llama3-tiny", (2, 2), 8, 64)] if quick else [("llama3-8b", (8, 8), 8, 8192),
-                                                              ("llama3-70b", (64, 8), 64, 8192)]
+    cases = (
+        [("llama3-tiny", (2, 2), 8, 64)]
+        if quick
+        else [("llama3-8b", (8, 8), 8, 8192), ("llama3-70b", (64, 8), 64, 8192)]
+    )
     print("\nThe plan command, process start to exit (median of %d)" % repeats)
     print(f"{'case':<26}{'--no-dry-run s':>15}{'with dry run s':>16}")
     rows = []
@@ -149,17 +194,32 @@ def command_wall(quick: bool = False, repeats: int = 3) -> list[dict]:
             for _ in range(repeats):
                 with tempfile.TemporaryDirectory() as out:
                     # planning alone: no memory limit (70B fp32 does not fit 80 GB)
-                    cmd = [sys.executable, "-m", "autoshard", "plan", "--model", model, "--mesh",
-                           "x".join(map(str, mesh)), "--batch", str(batch), "--seq", str(seq), "--out", out,
-                           "--memory-limit", "none"]
+                    cmd = [
+                        sys.executable,
+                        "-m",
+                        "autoshard",
+                        "plan",
+                        "--model",
+                        model,
+                        "--mesh",
+                        "x".join(map(str, mesh)),
+                        "--batch",
+                        str(batch),
+                        "--seq",
+                        str(seq),
+                        "--out",
+                        out,
+                        "--memory-limit",
+                        "none",
+                    ]
                     start = time.perf_counter()
-                    subprocess.run(cmd + ([] if dry else ["--no-dry-run"]), cwd=root, check=True,
-                                   capture_output=True)
+                    subprocess.run(cmd + ([] if dry else ["--no-dry-run"]), cwd=root, check=True, capture_output=True)
                     times.append(time.perf_counter() - start)
             walls[dry] = statistics.median(times)
         print(f"{model + ' ' + str(mesh):<26}{walls[False]:>15.1f}{walls[True]:>16.1f}", flush=True)
-        rows.append(dict(model=model, mesh=mesh, batch=batch, seq=seq, no_dry_run_s=walls[False],
-                         dry_run_s=walls[True]))
+        rows.append(
+            dict(model=model, mesh=mesh, batch=batch, seq=seq, no_dry_run_s=walls[False], dry_run_s=walls[True])
+        )
     return rows
 
 
@@ -177,25 +237,34 @@ def quality(quick: bool = False) -> list[dict]:
     for b, precision in cases:
         batch = b * mesh[0]
         what = "fp32" if precision is None else f"param {precision[0]}, reduce {precision[1]}"
-        print(f"\nPlan quality: {case_name(model, layers)} on {mesh}, b={b} (global batch {batch}), seq {seq}, "
-              f"h100-node network, h100 device (modeled per step, per rank, {what})")
+        print(
+            f"\nPlan quality: {case_name(model, layers)} on {mesh}, b={b} (global batch {batch}), seq {seq}, "
+            f"h100-node network, h100 device (modeled per step, per rank, {what})"
+        )
         print(f"{'plan':<48}{'step ms':>9}{'comm ms':>9}{'comm GB':>9}{'non-default order':>19}")
         rows = []
 
         def show(label: str, r: dict) -> dict:
             row = dict(plan=label, **{k: v for k, v in r.items() if k != "layouts"})
-            print(f"{label:<48}{r['step_ms']:>9.2f}{r['comm_ms']:>9.2f}{r['comm_gb']:>9.2f}"
-                  f"{r['non_default_order']:>12}/{r['params']}", flush=True)
+            print(
+                f"{label:<48}{r['step_ms']:>9.2f}{r['comm_ms']:>9.2f}{r['comm_gb']:>9.2f}"
+                f"{r['non_default_order']:>12}/{r['params']}",
+                flush=True,
+            )
             rows.append(row)
             return r
 
         case = dict(batch=batch, seq=seq, layers=layers, precision=precision)
         free = show("autoshard (budget = recipe's)", run_case(model, mesh, budget_from_recipe=True, **case))
-        show("FSDP+TP recipe, params pinned (acts free)", run_case(model, mesh, pins="fsdp-tp",
-                                                                   budget_from_recipe=True, **case))
+        show(
+            "FSDP+TP recipe, params pinned (acts free)",
+            run_case(model, mesh, pins="fsdp-tp", budget_from_recipe=True, **case),
+        )
         default = {fqn: str(Layout(Layout.parse(text).placements)) for fqn, text in free["layouts"].items()}
-        show("autoshard, param orders forced to default", run_case(model, mesh, pins=default,
-                                                                   budget_from_recipe=True, **case))
+        show(
+            "autoshard, param orders forced to default",
+            run_case(model, mesh, pins=default, budget_from_recipe=True, **case),
+        )
         show("autoshard (budget = total / world)", run_case(model, mesh, **case))
         show("FSDP, params pinned (acts free)", run_case(model, mesh, pins="fsdp", **case))
         est = analytic_gb(cfg, mesh, batch, seq) if precision is None else analytic_gb(cfg, mesh, batch, seq, 2, 4)
@@ -209,8 +278,9 @@ def quality(quick: bool = False) -> list[dict]:
             <= by["FSDP, params pinned (acts free)"]["step_ms"] * (1 + 1e-9),
         }
         print("  " + ", ".join(f"{k}: {'yes' if v else 'NO'}" for k, v in checks.items()))
-        results.append(dict(b=b, batch=batch, seq=seq, layers=layers, precision=what, plans=rows, analytic_gb=est,
-                            checks=checks))
+        results.append(
+            dict(b=b, batch=batch, seq=seq, layers=layers, precision=what, plans=rows, analytic_gb=est, checks=checks)
+        )
     return results
 
 

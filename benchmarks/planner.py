@@ -64,9 +64,12 @@ def torch_cost(planner: Planner, mesh, src: Layout, dst: Layout, use_graph: bool
 
 
 _KIND = {
-    ("Shard", "Replicate"): "all_gather", ("Partial", "Replicate"): "all_reduce",
-    ("Partial", "Shard"): "reduce_scatter", ("Shard", "Shard"): "all_to_all",
-    ("Replicate", "Shard"): "chunk", ("Replicate", "Partial"): "to_partial",
+    ("Shard", "Replicate"): "all_gather",
+    ("Partial", "Replicate"): "all_reduce",
+    ("Partial", "Shard"): "reduce_scatter",
+    ("Shard", "Shard"): "all_to_all",
+    ("Replicate", "Shard"): "chunk",
+    ("Replicate", "Partial"): "to_partial",
 }
 
 
@@ -96,8 +99,13 @@ def compare(mesh_shape, pairs, profile: str) -> dict:
                 print(f"  LOSS vs {name}: {a} -> {b}: ours {mine * 1e6:.1f} us, torch {theirs * 1e6:.1f} us")
             else:
                 ties += 1
-        row[name] = {"wins": wins, "ties": ties, "losses": losses, "torch_errors": errors,
-                     "total_cost_ratio": ours_sum / theirs_sum if theirs_sum else None}
+        row[name] = {
+            "wins": wins,
+            "ties": ties,
+            "losses": losses,
+            "torch_errors": errors,
+            "total_cost_ratio": ours_sum / theirs_sum if theirs_sum else None,
+        }
     return row
 
 
@@ -116,8 +124,12 @@ def latency(mesh_shape, profile: str, n: int) -> dict:
         t = time.perf_counter()
         planner.plan(src, dst, (SHAPE[0] + 64 * (i + 1), SHAPE[1]), DTYPE)
         uncached.append(time.perf_counter() - t)
-    return {"mesh": list(mesh_shape), "cached_us": statistics.median(cached) * 1e6,
-            "uncached_ms": statistics.median(uncached) * 1e3, "cold_first_plan_ms": cold * 1e3}
+    return {
+        "mesh": list(mesh_shape),
+        "cached_us": statistics.median(cached) * 1e6,
+        "uncached_ms": statistics.median(uncached) * 1e3,
+        "cold_first_plan_ms": cold * 1e3,
+    }
 
 
 def run(quick: bool = False, profile: str = "h100-node") -> dict:
@@ -127,13 +139,17 @@ def run(quick: bool = False, profile: str = "h100-node") -> dict:
     with tc.fake_process_group(64):
         every2 = all_layouts(2, 2)
         every3 = all_layouts(3, 2)
-        cases = [((8, 8), list(itertools.product(every2, every2))),
-                 ((4, 4, 4), [(rnd.choice(every3), rnd.choice(every3)) for _ in range(60 if quick else 400)])]
+        cases = [
+            ((8, 8), list(itertools.product(every2, every2))),
+            ((4, 4, 4), [(rnd.choice(every3), rnd.choice(every3)) for _ in range(60 if quick else 400)]),
+        ]
         rows = [compare(mesh_shape, pairs, profile) for mesh_shape, pairs in cases]
         lat = [latency(mesh_shape, profile, 20 if quick else 100) for mesh_shape, _ in cases]
     print(f"\n4096x4096 bf16, profile {profile}: our plan cost vs torch's (W/T/L = ours cheaper/equal/dearer;")
     print("n/a = pairs torch cannot redistribute; cost ratio = sum of ours / sum of torch's over the others)")
-    print(f"{'mesh':<10}{'pairs':>6}  {'vs greedy W/T/L':>18} {'cost ratio':>10}  {'vs graph W/T/L':>18} {'cost ratio':>10}")
+    print(
+        f"{'mesh':<10}{'pairs':>6}  {'vs greedy W/T/L':>18} {'cost ratio':>10}  {'vs graph W/T/L':>18} {'cost ratio':>10}"
+    )
     for r in rows:
         cells = []
         for name in ("greedy", "graph"):
@@ -143,7 +159,9 @@ def run(quick: bool = False, profile: str = "h100-node") -> dict:
         print(f"{str(tuple(r['mesh'])):<10}{r['pairs']:>6}  " + "  ".join(cells))
     print(f"\n{'mesh':<10}{'cached lookup':>15}{'uncached plan':>15}{'cold first plan':>17}")
     for r in lat:
-        print(f"{str(tuple(r['mesh'])):<10}{r['cached_us']:>12.2f} us{r['uncached_ms']:>12.3f} ms{r['cold_first_plan_ms']:>14.2f} ms")
+        print(
+            f"{str(tuple(r['mesh'])):<10}{r['cached_us']:>12.2f} us{r['uncached_ms']:>12.3f} ms{r['cold_first_plan_ms']:>14.2f} ms"
+        )
     return {"profile": profile, "shape": SHAPE, "dtype": str(DTYPE), "costs": rows, "latency": lat}
 
 

@@ -53,27 +53,36 @@ from autoshard_models.train_single import TrainSettings, make_optimizer  # noqa:
 def apply_tp(model, tp_mesh) -> None:
     """torchtitan's llama3 TP plan. The residual stream between blocks is sequence-sharded
     (local [b, s/tp, d] tensors); the logits stay a DTensor sharded on the vocab for loss parallel."""
-    parallelize_module(model, tp_mesh, {
-        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
-        "norm": SequenceParallel(),
-        "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False),
-    })
+    parallelize_module(
+        model,
+        tp_mesh,
+        {
+            "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+            "norm": SequenceParallel(),
+            "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False),
+        },
+    )
     for block in model.layers:
-        parallelize_module(block, tp_mesh, {
-            "attention_norm": SequenceParallel(),
-            # Attention.forward(x, cos, sin): only x changes layout; the rope tables stay plain.
-            "attention": PrepareModuleInput(input_layouts=(Shard(1), None, None),
-                                            desired_input_layouts=(Replicate(), None, None)),
-            "attention.wq": ColwiseParallel(),
-            "attention.wk": ColwiseParallel(),
-            "attention.wv": ColwiseParallel(),
-            "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
-            "ffn_norm": SequenceParallel(),
-            "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-            "feed_forward.w1": ColwiseParallel(),
-            "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
-            "feed_forward.w3": ColwiseParallel(),
-        })
+        parallelize_module(
+            block,
+            tp_mesh,
+            {
+                "attention_norm": SequenceParallel(),
+                # Attention.forward(x, cos, sin): only x changes layout; the rope tables stay plain.
+                "attention": PrepareModuleInput(
+                    input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None)
+                ),
+                "attention.wq": ColwiseParallel(),
+                "attention.wk": ColwiseParallel(),
+                "attention.wv": ColwiseParallel(),
+                "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+                "ffn_norm": SequenceParallel(),
+                "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+                "feed_forward.w1": ColwiseParallel(),
+                "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+                "feed_forward.w3": ColwiseParallel(),
+            },
+        )
 
 
 def apply_fsdp(model, dp_mesh, mp_policy: MixedPrecisionPolicy | None = None) -> None:
@@ -88,8 +97,9 @@ def layouts(model) -> dict[str, str]:
     """Parameter FQN -> its placements on (dp, tp), for the log (DDP: replicated everywhere)."""
     if isinstance(model, DistributedDataParallel):
         return {n: "RR (DDP)" for n, _ in model.module.named_parameters()}
-    return {n: "".join(map(repr, p.placements)) if isinstance(p, DTensor) else "plain"
-            for n, p in model.named_parameters()}
+    return {
+        n: "".join(map(repr, p.placements)) if isinstance(p, DTensor) else "plain" for n, p in model.named_parameters()
+    }
 
 
 def _peak_rss_mb() -> float:
@@ -133,11 +143,10 @@ def train(args) -> None:
     for step in range(1, args.steps + 1):
         t0 = time.perf_counter()
         batch = data.batch(step - 1, args.batch, args.seq)
-        inputs = batch.inputs[dp_rank * local:(dp_rank + 1) * local]
-        targets = batch.targets[dp_rank * local:(dp_rank + 1) * local]
+        inputs = batch.inputs[dp_rank * local : (dp_rank + 1) * local]
+        targets = batch.targets[dp_rank * local : (dp_rank + 1) * local]
         meter = WireMeter() if step == args.wire_step else None
-        with contextlib.nullcontext() if meter is None else meter, \
-                loss_parallel() if tp else contextlib.nullcontext():
+        with contextlib.nullcontext() if meter is None else meter, loss_parallel() if tp else contextlib.nullcontext():
             loss = cross_entropy_loss(model(inputs), targets)  # mean over this dp rank's rows
             loss.backward()
             optim.step()
@@ -149,15 +158,23 @@ def train(args) -> None:
         elapsed = time.perf_counter() - t0
         peaks = [None] * world
         dist.all_gather_object(peaks, round(_peak_rss_mb(), 1))
-        row = {"step": step, "loss": value, "step_s": elapsed, "tokens_per_s": tokens / elapsed,
-               "peak_rss_mb_per_rank": peaks}
+        row = {
+            "step": step,
+            "loss": value,
+            "step_s": elapsed,
+            "tokens_per_s": tokens / elapsed,
+            "peak_rss_mb_per_rank": peaks,
+        }
         if meter is not None:
             row |= wire_row(meter.stats)
         if rank == 0:
             with metrics_path.open("a") as f:
                 f.write(json.dumps(row) + "\n")
-            print(f"step {step:4d}/{args.steps}  loss {value:.4f}  {tokens / elapsed:8.0f} tok/s  "
-                  f"peak rss {max(peaks):.0f} MiB", flush=True)
+            print(
+                f"step {step:4d}/{args.steps}  loss {value:.4f}  {tokens / elapsed:8.0f} tok/s  "
+                f"peak rss {max(peaks):.0f} MiB",
+                flush=True,
+            )
     dist.barrier()
 
 

@@ -60,9 +60,16 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    results: dict = {"meta": {
-        "date": datetime.datetime.now().isoformat(timespec="seconds"), "quick": a.quick, "sections": only,
-        "torch": torch.__version__, "python": platform.python_version(), "cpus": os.cpu_count()}}
+    results: dict = {
+        "meta": {
+            "date": datetime.datetime.now().isoformat(timespec="seconds"),
+            "quick": a.quick,
+            "sections": only,
+            "torch": torch.__version__,
+            "python": platform.python_version(),
+            "cpus": os.cpu_count(),
+        }
+    }
     failures: list[str] = []
     start = time.perf_counter()
     for section in only:
@@ -74,12 +81,16 @@ def main(argv: list[str] | None = None) -> int:
             results["command"] = plan_bench.command_wall(a.quick, repeats=1 if a.quick else 3)
         elif section == "quality":
             results["quality"] = plan_bench.quality(a.quick)
-            failures += [f"quality b={q['b']}: {name}" for q in results["quality"]
-                         for name, ok in q["checks"].items() if not ok]
+            failures += [
+                f"quality b={q['b']}: {name}" for q in results["quality"] for name, ok in q["checks"].items() if not ok
+            ]
         elif section == "memory":
             results["memory"] = memory_bench.run(a.quick)
-            failures += [f"memory {r['model']} {tuple(r['mesh'])}: goal not met" for r in results["memory"]["cases"]
-                         if not r["goal"]]
+            failures += [
+                f"memory {r['model']} {tuple(r['mesh'])}: goal not met"
+                for r in results["memory"]["cases"]
+                if not r["goal"]
+            ]
         elif section == "planner":
             results["planner"] = planner_bench.run(a.quick)
         elif section == "training":
@@ -124,48 +135,68 @@ def markdown(results: dict) -> str:
         parts.append(memory_bench.markdown(results["memory"]))
     if "planner" in results:
         parts.append(_planner_table(results["planner"]))
-    parts += [_training_table(results[key]) for key in ("training", "training_two_ranks", "training_bf16",
-                                                         "training_wide") if key in results]
+    parts += [
+        _training_table(results[key])
+        for key in ("training", "training_two_ranks", "training_bf16", "training_wide")
+        if key in results
+    ]
     if "accuracy" in results:
         parts.append(accuracy_bench.markdown(results["accuracy"]))
     return "\n\n".join(parts)
 
 
 def _speed_table(speed: list[dict]) -> str:
-    rows = ["| case | batch | trace s | build s | solve s | total s | peak RSS | ILP vars | dry run s | "
-            "peak memory/rank (fp32) | nearest peer |",
-            "|---|---|---|---|---|---|---|---|---|---|---|"]
+    rows = [
+        "| case | batch | trace s | build s | solve s | total s | peak RSS | ILP vars | dry run s | "
+        "peak memory/rank (fp32) | nearest peer |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in speed:
         t, peer = r["timings"], r.get("peer")
         name = f"{plan_bench.case_name(r['model'], r.get('layers'))} {tuple(r['mesh'])}"
         peer_text = f"{peer['total']:.1f} s, {peer['rss_gib']:.1f} GiB" if peer else "-"
-        rows.append(f"| {name} | {r.get('batch', 8)} | {t['trace']:.1f} | {t['build']:.1f} | {t['solve']:.1f} | "
-                    f"{r['total']:.1f} | {r['rss_gib']:.2f} GiB | {r['variables']:,} | {r['dry_s']:.1f} | "
-                    f"{r['peak_gib']:.1f} GiB | {peer_text} |")
+        rows.append(
+            f"| {name} | {r.get('batch', 8)} | {t['trace']:.1f} | {t['build']:.1f} | {t['solve']:.1f} | "
+            f"{r['total']:.1f} | {r['rss_gib']:.2f} GiB | {r['variables']:,} | {r['dry_s']:.1f} | "
+            f"{r['peak_gib']:.1f} GiB | {peer_text} |"
+        )
     return "\n".join(rows)
 
 
 def _command_table(command: list[dict]) -> str:
     rows = ["| case | `plan --no-dry-run` s | `plan` (with dry run) s |", "|---|---|---|"]
-    rows += [f"| {r['model']} {tuple(r['mesh'])}, batch {r['batch']} | {r['no_dry_run_s']:.1f} | "
-             f"{r['dry_run_s']:.1f} |" for r in command]
+    rows += [
+        f"| {r['model']} {tuple(r['mesh'])}, batch {r['batch']} | {r['no_dry_run_s']:.1f} | {r['dry_run_s']:.1f} |"
+        for r in command
+    ]
     return "\n".join(rows)
 
 
 def _quality_table(q: dict) -> str:
-    rows = [f"b={q['b']} (global batch {q['batch']}), seq {q['seq']}, {q.get('precision', 'fp32')}:", "",
-            "| plan | step ms | comm ms | comm GB/rank | non-default order params |", "|---|---|---|---|---|"]
-    rows += [f"| {r['plan']} | {r['step_ms']:.1f} | {r['comm_ms']:.1f} | {r['comm_gb']:.2f} | "
-             f"{r['non_default_order']}/{r['params']} |" for r in q["plans"]]
+    rows = [
+        f"b={q['b']} (global batch {q['batch']}), seq {q['seq']}, {q.get('precision', 'fp32')}:",
+        "",
+        "| plan | step ms | comm ms | comm GB/rank | non-default order params |",
+        "|---|---|---|---|---|",
+    ]
+    rows += [
+        f"| {r['plan']} | {r['step_ms']:.1f} | {r['comm_ms']:.1f} | {r['comm_gb']:.2f} | "
+        f"{r['non_default_order']}/{r['params']} |"
+        for r in q["plans"]
+    ]
     est = q["analytic_gb"]
-    rows += [f"| analytic estimate, FSDP+TP | | | {est['fsdp_tp']:.2f} | |",
-             f"| analytic estimate, pure FSDP | | | {est['fsdp']:.2f} | |"]
+    rows += [
+        f"| analytic estimate, FSDP+TP | | | {est['fsdp_tp']:.2f} | |",
+        f"| analytic estimate, pure FSDP | | | {est['fsdp']:.2f} | |",
+    ]
     return "\n".join(rows)
 
 
 def _planner_table(planner: dict) -> str:
-    rows = ["| mesh | pairs | vs torch greedy W/T/L | cost ratio | vs torch graph W/T/L | cost ratio |",
-            "|---|---|---|---|---|---|"]
+    rows = [
+        "| mesh | pairs | vs torch greedy W/T/L | cost ratio | vs torch graph W/T/L | cost ratio |",
+        "|---|---|---|---|---|---|",
+    ]
     for r in planner["costs"]:
         cells = []
         for g in (r["greedy"], r["graph"]):
@@ -175,34 +206,45 @@ def _planner_table(planner: dict) -> str:
     return "\n".join(rows)
 
 
-TRAINERS = {"recipe": "recipe (fully_shard + parallelize_module)",
-            "fsdp2": "pure FSDP2 (fully_shard per block and root, all ranks)",
-            "ddp": "torch DistributedDataParallel (all ranks)"}
+TRAINERS = {
+    "recipe": "recipe (fully_shard + parallelize_module)",
+    "fsdp2": "pure FSDP2 (fully_shard per block and root, all ranks)",
+    "ddp": "torch DistributedDataParallel (all ranks)",
+}
 
 
 def _training_table(t: dict) -> str:
     w, a = t["workload"], t["autoshard"]
-    mib = 2 ** 20
+    mib = 2**20
     dtypes = f"param {w['param_dtype']}, reduce {w['reduce_dtype']}" if w.get("param_dtype") else "fp32"
     repeats = f", median of {t['repeats']} runs each" if t.get("repeats", 1) > 1 else ""
     world = math.prod(int(size) for size in w["mesh"].split("x"))
-    rows = [f"{w['model']}, mesh {w['mesh']}, {dtypes}, gloo, {world} processes, global batch {w['batch']}, "
-            f"seq {w['seq']}, {w['steps']} steps{repeats}:", "",
-            "| | tokens/s | peak RSS/rank | wire MiB/rank/step | max rel. loss dev vs 1 device |",
-            "|---|---|---|---|---|"]
+    rows = [
+        f"{w['model']}, mesh {w['mesh']}, {dtypes}, gloo, {world} processes, global batch {w['batch']}, "
+        f"seq {w['seq']}, {w['steps']} steps{repeats}:",
+        "",
+        "| | tokens/s | peak RSS/rank | wire MiB/rank/step | max rel. loss dev vs 1 device |",
+        "|---|---|---|---|---|",
+    ]
     named = [("autoshard", a), *((TRAINERS[name], t[name]) for name in TRAINERS if name in t)]
     if "autoshard_sync" in t:
         named.append(("autoshard `--prefetch 0` (no overlap)", t["autoshard_sync"]))
     for name, f in named:
         runs = f.get("runs_tokens_per_s", [])
         each = f" ({' / '.join(f'{x:,.0f}' for x in runs)})" if len(runs) > 1 else ""
-        rows.append(f"| {name} | {f['tokens_per_s']:,.0f}{each} | {f['peak_rss_mb']:,.0f} MiB | "
-                    f"{f['wire_bytes'] / mib:.2f} | {f['max_rel_loss_dev']:.1e} |")
+        rows.append(
+            f"| {name} | {f['tokens_per_s']:,.0f}{each} | {f['peak_rss_mb']:,.0f} MiB | "
+            f"{f['wire_bytes'] / mib:.2f} | {f['max_rel_loss_dev']:.1e} |"
+        )
     recipe = f"autoshard / recipe: **{t['throughput_ratio']:.2f}**; " if "throughput_ratio" in t else ""
-    rows += ["", f"Throughput ratio {recipe}autoshard / best baseline ({t['best_baseline']}): "
-             f"**{t['best_baseline_ratio']:.2f}** (target >= 1.0); autoshard planning {a['planning_s']:.1f} s "
-             f"(not in tokens/s)."]
+    rows += [
+        "",
+        f"Throughput ratio {recipe}autoshard / best baseline ({t['best_baseline']}): "
+        f"**{t['best_baseline_ratio']:.2f}** (target >= 1.0); autoshard planning {a['planning_s']:.1f} s "
+        f"(not in tokens/s).",
+    ]
     return "\n".join(rows)
+
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from autoshard_solver import Choice, Problem, available_backends, solve  # noqa: E402
 
 MESH = (8, 8)
-ALPHA = (2e-5, 5e-6)          # latency per collective, dp and tp dims (s)
+ALPHA = (2e-5, 5e-6)  # latency per collective, dp and tp dims (s)
 BETA = (1 / 25e9, 1 / 200e9)  # seconds per byte
 FLOPS = 100e12
 PLACEMENTS = ("S0", "S1", "P", "R")
@@ -37,7 +37,7 @@ INDEX = {lay: i for i, lay in enumerate(LAYOUTS)}
 # matmul Y = X @ W, per mesh dim: Y S0 <- X S0; Y S1 <- W S1; Y P <- X S1, W S0; Y R <- all R
 MATMUL_X = {"S0": "S0", "S1": "R", "P": "S1", "R": "R"}
 MATMUL_W = {"S0": "R", "S1": "S1", "P": "S0", "R": "R"}
-SUM_DIM0 = {"S0": "P", "S1": "S1", "P": "P", "R": "R"}   # a reduction over tensor dim 0
+SUM_DIM0 = {"S0": "P", "S1": "S1", "P": "P", "R": "R"}  # a reduction over tensor dim 0
 
 
 def shards(layout, kinds=("S0", "S1")) -> int:
@@ -49,16 +49,16 @@ def redistribute(src, dst):
     alpha = beta = 0.0
     for d, (a, b) in enumerate(zip(src, dst)):
         n = MESH[d]
-        if a == b or a == "R":        # replicate -> shard is a local slice
+        if a == b or a == "R":  # replicate -> shard is a local slice
             continue
-        if b == "P":                  # nothing turns into a pending sum
+        if b == "P":  # nothing turns into a pending sum
             return math.inf, math.inf
         alpha += ALPHA[d]
-        if a == "P":                  # all-reduce or reduce-scatter
+        if a == "P":  # all-reduce or reduce-scatter
             beta += (n - 1) / n * BETA[d] * (2 if b == "R" else 1)
-        elif b == "R":                # all-gather
+        elif b == "R":  # all-gather
             beta += (n - 1) * BETA[d]
-        else:                         # shard dim change: all-to-all
+        else:  # shard dim change: all-to-all
             beta += (n - 1) / n * BETA[d]
     return alpha, beta / shards(src)
 
@@ -84,8 +84,9 @@ class Builder:
         for lay in LAYOUTS:
             work = shards(lay, ("S0", "S1", "P") if len(needs) > 1 else ("S0", "S1"))
             ok = linear or "P" not in lay
-            choices.append(Choice("".join(lay), flops / FLOPS / work + 1e-6 if ok else math.inf,
-                                  memory=nbytes / shards(lay)))
+            choices.append(
+                Choice("".join(lay), flops / FLOPS / work + 1e-6 if ok else math.inf, memory=nbytes / shards(lay))
+            )
         self.p.add_node(name, choices)
         return template
 
@@ -94,12 +95,10 @@ class Builder:
         nbytes = 2 ** rng.uniform(20, 28)
         kind = rng.choices(("pointwise", "linear", "matmul", "sum"), (45, 20, 25, 10))[0]
         if kind == "matmul":
-            needs = [[INDEX[tuple(m[p] for p in lay)] for lay in LAYOUTS]
-                     for m in (MATMUL_X, MATMUL_W)]
+            needs = [[INDEX[tuple(m[p] for p in lay)] for lay in LAYOUTS] for m in (MATMUL_X, MATMUL_W)]
             return nbytes, nbytes * 4096, needs, True, kind
         if kind == "sum":
-            needs = [[INDEX[tuple(SUM_DIM0[p] if p != "P" else "P" for p in lay)]
-                      for lay in LAYOUTS]]
+            needs = [[INDEX[tuple(SUM_DIM0[p] if p != "P" else "P" for p in lay)] for lay in LAYOUTS]]
             return nbytes, nbytes, needs, True, kind
         return nbytes, nbytes, [list(range(16))], kind == "linear", kind
 
@@ -108,8 +107,7 @@ class Builder:
         needs, slot = self.info[dst][2], self.info[dst][3]
         need = needs[min(slot, len(needs) - 1)]
         self.info[dst][3] += 1
-        self.p.add_edge(src, dst, [[COMM[o][n][0] + nbytes * COMM[o][n][1] for n in need]
-                                   for o in range(16)])
+        self.p.add_edge(src, dst, [[COMM[o][n][0] + nbytes * COMM[o][n][1] for n in need] for o in range(16)])
 
     def dag(self, names: list[str], skip: float = 0.2) -> None:
         """Chain `names`, plus residual-like skip edges back 2..8 nodes with probability `skip`."""
@@ -161,9 +159,9 @@ def layered(layers: int = 32, per_layer: int = 275, seed: int = 0, regions: bool
         copies.append(names)
     b.edge("embed", copies[0][0])
     for prev, nxt in zip(copies, copies[1:]):
-        b.edge(prev[half - 1], nxt[0])          # forward: layer c -> c+1
-        b.edge(prev[half - 1], nxt[half - 2])   # residual stream
-        b.edge(nxt[-1], prev[half])             # backward: layer c+1 -> c
+        b.edge(prev[half - 1], nxt[0])  # forward: layer c -> c+1
+        b.edge(prev[half - 1], nxt[half - 2])  # residual stream
+        b.edge(nxt[-1], prev[half])  # backward: layer c+1 -> c
     b.node("head")
     b.edge(copies[-1][half - 1], "head")
     b.edge("head", copies[-1][half])
@@ -178,10 +176,22 @@ def run(name: str, problem: Problem, backend: str, time_limit: float) -> dict:
     total = time.perf_counter() - t0
     s = sol.stats
     gap = (sol.objective - s.bound) / sol.objective if sol.objective else 0.0
-    return {"problem": name, "backend": backend, "nodes": s.nodes, "classes": s.classes,
-            "core": s.core, "variables": s.variables, "triangles": s.triangles,
-            "presolve_s": s.presolve_s, "build_s": s.build_s, "solve_s": s.solve_s,
-            "total_s": total, "objective": sol.objective, "gap": gap, "status": sol.status}
+    return {
+        "problem": name,
+        "backend": backend,
+        "nodes": s.nodes,
+        "classes": s.classes,
+        "core": s.core,
+        "variables": s.variables,
+        "triangles": s.triangles,
+        "presolve_s": s.presolve_s,
+        "build_s": s.build_s,
+        "solve_s": s.solve_s,
+        "total_s": total,
+        "objective": sol.objective,
+        "gap": gap,
+        "status": sol.status,
+    }
 
 
 def main() -> None:
@@ -194,10 +204,26 @@ def main() -> None:
     layers = 2 if args.quick else 32
     cases = [(f"chain N={n}", lambda n=n: chain(n)) for n in sizes]
     cases += [(f"dag N={n}", lambda n=n: dag(n)) for n in sizes]
-    cases += [(f"{layers}-layer shared", lambda: layered(layers)),
-              (f"{layers}-layer unshared", lambda: layered(layers, regions=False))]
-    cols = ("problem", "backend", "nodes", "classes", "core", "variables", "triangles",
-            "presolve_s", "build_s", "solve_s", "total_s", "objective", "gap", "status")
+    cases += [
+        (f"{layers}-layer shared", lambda: layered(layers)),
+        (f"{layers}-layer unshared", lambda: layered(layers, regions=False)),
+    ]
+    cols = (
+        "problem",
+        "backend",
+        "nodes",
+        "classes",
+        "core",
+        "variables",
+        "triangles",
+        "presolve_s",
+        "build_s",
+        "solve_s",
+        "total_s",
+        "objective",
+        "gap",
+        "status",
+    )
     widths = [18, 7, 6, 7, 5, 9, 9, 10, 8, 8, 8, 10, 8, 8]
     print(" ".join(f"{c:>{w}}" for c, w in zip(cols, widths)))
     rows = []
@@ -206,8 +232,12 @@ def main() -> None:
         for backend in available_backends():
             row = run(name, problem, backend, args.time_limit)
             rows.append(row)
-            print(" ".join(f"{row[c]:>{w}.3g}" if isinstance(row[c], float) else f"{row[c]:>{w}}"
-                           for c, w in zip(cols, widths)), flush=True)
+            print(
+                " ".join(
+                    f"{row[c]:>{w}.3g}" if isinstance(row[c], float) else f"{row[c]:>{w}}" for c, w in zip(cols, widths)
+                ),
+                flush=True,
+            )
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
 

@@ -49,9 +49,16 @@ sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
 ROOT = Path(_HERE).parent
 LOSS_RTOL = 1e-4  # |loss - reference| / |reference|, every step; fp32 runs land near 1e-6
 # Parameters shown side by side: one of each role in the TP recipe.
-SHOWN = ("tok_embeddings.weight", "layers.0.attention_norm.weight", "layers.0.attention.wq.weight",
-         "layers.0.attention.wo.weight", "layers.0.feed_forward.w1.weight", "layers.0.feed_forward.w2.weight",
-         "norm.weight", "output.weight")
+SHOWN = (
+    "tok_embeddings.weight",
+    "layers.0.attention_norm.weight",
+    "layers.0.attention.wq.weight",
+    "layers.0.attention.wo.weight",
+    "layers.0.feed_forward.w1.weight",
+    "layers.0.feed_forward.w2.weight",
+    "norm.weight",
+    "output.weight",
+)
 
 
 @dataclass(frozen=True)
@@ -71,11 +78,28 @@ class Workload:
 
     def args(self) -> list[str]:
         """Command-line flags both trainers share."""
-        return ["--model", self.model, "--mesh", self.mesh, "--batch", str(self.batch), "--seq", str(self.seq),
-                "--steps", str(self.steps), "--lr", str(self.lr), "--seed", str(self.seed),
-                "--data-seed", str(self.data_seed), "--wire-step", str(self.wire_step),
-                *(["--param-dtype", self.param_dtype] if self.param_dtype else []),
-                *(["--reduce-dtype", self.reduce_dtype] if self.reduce_dtype else [])]
+        return [
+            "--model",
+            self.model,
+            "--mesh",
+            self.mesh,
+            "--batch",
+            str(self.batch),
+            "--seq",
+            str(self.seq),
+            "--steps",
+            str(self.steps),
+            "--lr",
+            str(self.lr),
+            "--seed",
+            str(self.seed),
+            "--data-seed",
+            str(self.data_seed),
+            "--wire-step",
+            str(self.wire_step),
+            *(["--param-dtype", self.param_dtype] if self.param_dtype else []),
+            *(["--reduce-dtype", self.reduce_dtype] if self.reduce_dtype else []),
+        ]
 
     @property
     def loss_rtol(self) -> float:
@@ -142,8 +166,11 @@ def _launch(name: str, target: list[str], work: Workload, out: Path) -> float:
     for size in work.mesh.split("x"):
         world *= int(size)
     cmd = [*_torchrun(), "--standalone", f"--nproc_per_node={world}", *target, *work.args(), "--out", str(out)]
-    env = dict(os.environ, OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+    )
     print(f"[{name}] {' '.join(cmd)}", flush=True)
     start = time.perf_counter()
     with (out / "console.txt").open("w") as console:
@@ -159,15 +186,21 @@ def _figures(name: str, out: Path, work: Workload, wall: float) -> RunFigures:
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
     if [r["step"] for r in rows] != list(range(1, work.steps + 1)):
         raise RuntimeError(f"{name}: {out / 'metrics.jsonl'} has steps {[r['step'] for r in rows]}")
-    timed = rows[work.warmup:]
+    timed = rows[work.warmup :]
     metered = next(r for r in rows if r["step"] == work.wire_step)
     return RunFigures(
-        name=name, tokens_per_s=statistics.mean(r["tokens_per_s"] for r in timed),
+        name=name,
+        tokens_per_s=statistics.mean(r["tokens_per_s"] for r in timed),
         median_tokens_per_s=statistics.median(r["tokens_per_s"] for r in timed),
-        step_s=statistics.mean(r["step_s"] for r in timed), peak_rss_mb_per_rank=rows[-1]["peak_rss_mb_per_rank"],
-        wire_bytes_per_rank=metered["wire_bytes_per_rank"], wire_bytes_by_kind=metered["wire_bytes_by_kind"],
-        wire_count_by_kind=metered["wire_count_by_kind"], losses=[r["loss"] for r in rows], wall_s=wall,
-        run_dir=str(out))
+        step_s=statistics.mean(r["step_s"] for r in timed),
+        peak_rss_mb_per_rank=rows[-1]["peak_rss_mb_per_rank"],
+        wire_bytes_per_rank=metered["wire_bytes_per_rank"],
+        wire_bytes_by_kind=metered["wire_bytes_by_kind"],
+        wire_count_by_kind=metered["wire_count_by_kind"],
+        losses=[r["loss"] for r in rows],
+        wall_s=wall,
+        run_dir=str(out),
+    )
 
 
 def _compare(run: RunFigures, reference: list[float]) -> None:
@@ -193,17 +226,27 @@ def _trainers(work: Workload, quick: bool) -> list[tuple[str, list[str], Workloa
     tp = int(work.mesh.split("x")[1]) if "x" in work.mesh else 1
     recipe = [str(Path(_HERE) / "recipe_train.py")]
     every_rank = replace(work, mesh=f"{world}x1")  # no TP: data parallel over every rank
-    return [("autoshard", ["-m", "autoshard", "train"], work),
-            *([("recipe", recipe, work)] if tp > 1 else []),
-            ("fsdp2", recipe, every_rank),
-            *([("ddp", [*recipe, "--ddp"], every_rank)] if not work.param_dtype else []),
-            *([("autoshard_sync", ["-m", "autoshard", "train", "--prefetch", "0"], work)]
-              if not quick and tp > 1 and work.model == FULL.model else [])]
+    return [
+        ("autoshard", ["-m", "autoshard", "train"], work),
+        *([("recipe", recipe, work)] if tp > 1 else []),
+        ("fsdp2", recipe, every_rank),
+        *([("ddp", [*recipe, "--ddp"], every_rank)] if not work.param_dtype else []),
+        *(
+            [("autoshard_sync", ["-m", "autoshard", "train", "--prefetch", "0"], work)]
+            if not quick and tp > 1 and work.model == FULL.model
+            else []
+        ),
+    ]
 
 
-def run(quick: bool = False, out_dir: str | os.PathLike = ROOT / "runs" / "bench-training",
-        precision: tuple[str, str] | None = None, repeats: int | None = None, wide: bool = False,
-        two_ranks: bool = False) -> dict:
+def run(
+    quick: bool = False,
+    out_dir: str | os.PathLike = ROOT / "runs" / "bench-training",
+    precision: tuple[str, str] | None = None,
+    repeats: int | None = None,
+    wide: bool = False,
+    two_ranks: bool = False,
+) -> dict:
     """Train the parallel versions `repeats` times each (default 3, 1 with `quick`) and the
     reference once; print and return the comparison. `precision`: (param dtype, reduce dtype) for
     every trainer and the reference, e.g. ("bf16", "fp32"). Raises `LossMismatch` (after printing)
@@ -229,8 +272,9 @@ def run(quick: bool = False, out_dir: str | os.PathLike = ROOT / "runs" / "bench
                 report = json.loads((run_dir / "plan.json").read_text())
                 figures.layouts = {p["fqn"]: p["layout"] for p in report["parameters"] if p["fqn"] in SHOWN}
             else:
-                figures.layouts = {k: v for k, v in json.loads((run_dir / "layouts.json").read_text()).items()
-                                   if k in SHOWN}
+                figures.layouts = {
+                    k: v for k, v in json.loads((run_dir / "layouts.json").read_text()).items() if k in SHOWN
+                }
             runs[name].append(figures)
     chosen = {name: _median_run(r) for name, r in runs.items()}
     auto = chosen["autoshard"]
@@ -238,10 +282,19 @@ def run(quick: bool = False, out_dir: str | os.PathLike = ROOT / "runs" / "bench
     planning_s = sum(s for stage, s in report["timings"].items() if stage != "dry_run")  # the dry run is not planning
 
     start = time.perf_counter()
-    single = train_single(TrainSettings(model=work.model, steps=work.steps, batch=work.batch, seq=work.seq,
-                                        lr=work.lr, seed=work.seed, data_seed=work.data_seed,
-                                        param_dtype=parse_dtype(work.param_dtype) if work.param_dtype else None,
-                                        reduce_dtype=parse_dtype(work.reduce_dtype) if work.reduce_dtype else None))
+    single = train_single(
+        TrainSettings(
+            model=work.model,
+            steps=work.steps,
+            batch=work.batch,
+            seq=work.seq,
+            lr=work.lr,
+            seed=work.seed,
+            data_seed=work.data_seed,
+            param_dtype=parse_dtype(work.param_dtype) if work.param_dtype else None,
+            reduce_dtype=parse_dtype(work.reduce_dtype) if work.reduce_dtype else None,
+        )
+    )
     reference_s = time.perf_counter() - start
     for r in (f for every in runs.values() for f in every):
         _compare(r, single.losses)
@@ -256,11 +309,15 @@ def run(quick: bool = False, out_dir: str | os.PathLike = ROOT / "runs" / "bench
     figures = {
         "workload": asdict(work),
         "repeats": repeats,
-        "autoshard": entry(auto) | {"planning_s": planning_s, "planning_stages_s": report["timings"],
-                                    "plan_summary": summary_lines(report),
-                                    "modeled_step_s": report["totals"]["step_time_s"],
-                                    "modeled_comm_bytes": report["totals"]["comm_bytes"],
-                                    "modeled_overlapped_step_s": report["totals"].get("overlapped_step_s")},
+        "autoshard": entry(auto)
+        | {
+            "planning_s": planning_s,
+            "planning_stages_s": report["timings"],
+            "plan_summary": summary_lines(report),
+            "modeled_step_s": report["totals"]["step_time_s"],
+            "modeled_comm_bytes": report["totals"]["comm_bytes"],
+            "modeled_overlapped_step_s": report["totals"].get("overlapped_step_s"),
+        },
         **{r.name: entry(r) for r in baselines},
         "baselines": [r.name for r in baselines],
         "best_baseline": best.name,
@@ -278,25 +335,35 @@ def run(quick: bool = False, out_dir: str | os.PathLike = ROOT / "runs" / "bench
     _print(figures, [chosen[name] for name, _, _ in trainers])
     bad = sorted({r.name for every in runs.values() for r in every if not r.max_rel_loss_dev <= work.loss_rtol})
     if bad:
-        raise LossMismatch(f"loss curve of {', '.join(bad)} differs from the single-device reference by more "
-                           f"than {work.loss_rtol:g} relative (see the table)", figures)
+        raise LossMismatch(
+            f"loss curve of {', '.join(bad)} differs from the single-device reference by more "
+            f"than {work.loss_rtol:g} relative (see the table)",
+            figures,
+        )
     return figures
 
 
 # ---------------------------------------------------------------------------------- printing
-TITLES = {"autoshard": "autoshard", "recipe": "recipe (FSDP2+TP)", "fsdp2": "pure FSDP2", "ddp": "torch DDP",
-          "autoshard_sync": "autoshard, prefetch 0"}
+TITLES = {
+    "autoshard": "autoshard",
+    "recipe": "recipe (FSDP2+TP)",
+    "fsdp2": "pure FSDP2",
+    "ddp": "torch DDP",
+    "autoshard_sync": "autoshard, prefetch 0",
+}
 
 
 def _print(figures: dict, runs: list[RunFigures]) -> None:
     w = figures["workload"]
-    mib = 2 ** 20
+    mib = 2**20
     dtypes = f"param {w['param_dtype']}, reduce {w['reduce_dtype']}" if w.get("param_dtype") else "fp32"
     world = math.prod(int(size) for size in w["mesh"].split("x"))
-    print(f"\n{w['model']} on mesh {w['mesh']} ({dtypes}; gloo, {world} processes, OMP_NUM_THREADS=1): global batch {w['batch']}, "
-          f"seq {w['seq']}, {w['steps']} steps; throughput = mean of steps {w['warmup'] + 1}-{w['steps']}; "
-          f"wire = ring-model bytes per rank during step {w['wire_step']}; the median of {figures['repeats']} "
-          f"run(s) per trainer")
+    print(
+        f"\n{w['model']} on mesh {w['mesh']} ({dtypes}; gloo, {world} processes, OMP_NUM_THREADS=1): global batch {w['batch']}, "
+        f"seq {w['seq']}, {w['steps']} steps; throughput = mean of steps {w['warmup'] + 1}-{w['steps']}; "
+        f"wire = ring-model bytes per rank during step {w['wire_step']}; the median of {figures['repeats']} "
+        f"run(s) per trainer"
+    )
     auto = runs[0]
     kinds = sorted(set().union(*(r.wire_bytes_by_kind for r in runs)))
     rows = [
@@ -318,12 +385,18 @@ def _print(figures: dict, runs: list[RunFigures]) -> None:
     for label, *cells in rows:
         print(f"{label:<{width}}" + "".join(f"{c:>22}" for c in cells))
     wire = f"{figures['wire_ratio']:.2f}" if figures["wire_ratio"] is not None else "-"
-    print((f"throughput ratio autoshard / recipe: {figures['throughput_ratio']:.2f}; " if "throughput_ratio" in figures
-           else "") + f"autoshard / best baseline ({figures['best_baseline']}): {figures['best_baseline_ratio']:.2f} "
-          f"(target >= 1.0); "
-          + (f"autoshard / its prefetch 0: {figures['overlap_ratio']:.2f}; " if "overlap_ratio" in figures else "")
-          + f"wire ratio vs {figures['best_baseline']}: {wire}; single-device loss {auto.losses[0]:.4f} -> "
-          f"{figures['reference']['losses'][-1]:.4f}; total wall {figures['wall_s']:.0f} s")
+    print(
+        (
+            f"throughput ratio autoshard / recipe: {figures['throughput_ratio']:.2f}; "
+            if "throughput_ratio" in figures
+            else ""
+        )
+        + f"autoshard / best baseline ({figures['best_baseline']}): {figures['best_baseline_ratio']:.2f} "
+        f"(target >= 1.0); "
+        + (f"autoshard / its prefetch 0: {figures['overlap_ratio']:.2f}; " if "overlap_ratio" in figures else "")
+        + f"wire ratio vs {figures['best_baseline']}: {wire}; single-device loss {auto.losses[0]:.4f} -> "
+        f"{figures['reference']['losses'][-1]:.4f}; total wall {figures['wall_s']:.0f} s"
+    )
     other = runs[1]
     print("\nparameter layouts [dp, tp]:")
     print(f"{'parameter':<34}{'autoshard':>22}   {other.name} (torch placements)")
@@ -333,7 +406,7 @@ def _print(figures: dict, runs: list[RunFigures]) -> None:
 
 
 def _kind(run: RunFigures, kind: str) -> str:
-    return f"{run.wire_bytes_by_kind.get(kind, 0) / 2 ** 20:.2f} ({run.wire_count_by_kind.get(kind, 0)})"
+    return f"{run.wire_bytes_by_kind.get(kind, 0) / 2**20:.2f} ({run.wire_count_by_kind.get(kind, 0)})"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -344,15 +417,28 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--param-dtype", default=None, help="mixed precision for both trainers, e.g. bf16")
     p.add_argument("--reduce-dtype", default="fp32", help="with --param-dtype (default fp32)")
     p.add_argument("--repeats", type=int, default=None, help="runs per trainer (default 3; 1 with --quick)")
-    p.add_argument("--wide", action="store_true", help=f"the case where TP should win on paper: {WIDE.model}, "
-                                                        f"batch {WIDE.batch}, seq {WIDE.seq}, {WIDE.steps} steps")
-    p.add_argument("--two-ranks", action="store_true", help=f"{TWO_RANKS.model} on 2 ranks (mesh {TWO_RANKS.mesh}) "
-                                                             "against DDP and FSDP2 on 2 ranks")
+    p.add_argument(
+        "--wide",
+        action="store_true",
+        help=f"the case where TP should win on paper: {WIDE.model}, "
+        f"batch {WIDE.batch}, seq {WIDE.seq}, {WIDE.steps} steps",
+    )
+    p.add_argument(
+        "--two-ranks",
+        action="store_true",
+        help=f"{TWO_RANKS.model} on 2 ranks (mesh {TWO_RANKS.mesh}) against DDP and FSDP2 on 2 ranks",
+    )
     a = p.parse_args(argv)
     code = 0
     try:
-        figures = run(quick=a.quick, out_dir=a.out, repeats=a.repeats, wide=a.wide, two_ranks=a.two_ranks,
-                      precision=(a.param_dtype, a.reduce_dtype) if a.param_dtype else None)
+        figures = run(
+            quick=a.quick,
+            out_dir=a.out,
+            repeats=a.repeats,
+            wide=a.wide,
+            two_ranks=a.two_ranks,
+            precision=(a.param_dtype, a.reduce_dtype) if a.param_dtype else None,
+        )
     except LossMismatch as e:
         print(f"FAIL: {e}", file=sys.stderr)
         figures, code = e.figures, 1

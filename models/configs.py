@@ -24,9 +24,7 @@ class LlamaConfig:
         if self.dim % self.n_heads:
             raise ValueError(f"{self.name}: dim {self.dim} is not divisible by n_heads {self.n_heads}")
         if self.n_heads % self.n_kv_heads:
-            raise ValueError(
-                f"{self.name}: n_heads {self.n_heads} is not divisible by n_kv_heads {self.n_kv_heads}"
-            )
+            raise ValueError(f"{self.name}: n_heads {self.n_heads} is not divisible by n_kv_heads {self.n_kv_heads}")
         if self.head_dim % 2:
             raise ValueError(f"{self.name}: head_dim {self.head_dim} must be even for rotary embeddings")
 
@@ -42,17 +40,32 @@ class LlamaConfig:
 CONFIGS: dict[str, LlamaConfig] = {
     c.name: c
     for c in (
-        LlamaConfig("llama3-tiny", dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=256,
-                    ffn_hidden=192, max_seq_len=256),
-        LlamaConfig("llama3-debug", dim=256, n_layers=6, n_heads=16, n_kv_heads=16, vocab_size=2048,
-                    ffn_hidden=768, max_seq_len=2048),
+        LlamaConfig(
+            "llama3-tiny", dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=256, ffn_hidden=192, max_seq_len=256
+        ),
+        LlamaConfig(
+            "llama3-debug",
+            dim=256,
+            n_layers=6,
+            n_heads=16,
+            n_kv_heads=16,
+            vocab_size=2048,
+            ffn_hidden=768,
+            max_seq_len=2048,
+        ),
         # few wide layers: with a small batch of long sequences, tensor parallelism should win on paper
-        LlamaConfig("llama3-wide", dim=1024, n_layers=2, n_heads=16, n_kv_heads=16, vocab_size=2048,
-                    ffn_hidden=3072, max_seq_len=2048),
-        LlamaConfig("llama3-8b", dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=128256,
-                    ffn_hidden=14336),
-        LlamaConfig("llama3-70b", dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, vocab_size=128256,
-                    ffn_hidden=28672),
+        LlamaConfig(
+            "llama3-wide",
+            dim=1024,
+            n_layers=2,
+            n_heads=16,
+            n_kv_heads=16,
+            vocab_size=2048,
+            ffn_hidden=3072,
+            max_seq_len=2048,
+        ),
+        LlamaConfig("llama3-8b", dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=128256, ffn_hidden=14336),
+        LlamaConfig("llama3-70b", dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, vocab_size=128256, ffn_hidden=28672),
     )
 }
 

@@ -35,7 +35,7 @@ class MarkovTokens:
         self.successors = torch.stack(
             [torch.randperm(vocab_size, generator=gen)[:branching] for _ in range(vocab_size)]
         )
-        weights = torch.tensor([2.0 ** -i for i in range(branching)])
+        weights = torch.tensor([2.0**-i for i in range(branching)])
         self.probs = weights / weights.sum()
 
     @property

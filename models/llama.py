@@ -76,9 +76,7 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         n_rep = self.n_heads // self.n_kv_heads
         k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
-        )
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
 
 
@@ -150,7 +148,7 @@ class Transformer(nn.Module):
                 if name == "tok_embeddings.weight":
                     std = 1.0
                 elif name == "output.weight":
-                    std = self.cfg.dim ** -0.5
+                    std = self.cfg.dim**-0.5
                 elif name.endswith(("wo.weight", "w2.weight")):
                     std = residual_std
                 else:

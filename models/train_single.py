@@ -1,6 +1,6 @@
 """Single-device AdamW training: the numerical reference the parallel runs are compared against.
 
-    python -m autoshard_models.train_single --model llama3-tiny --steps 50
+python -m autoshard_models.train_single --model llama3-tiny --steps 50
 """
 
 from __future__ import annotations
@@ -45,8 +45,13 @@ def make_optimizer(params, settings: TrainSettings) -> torch.optim.AdamW:
     return torch.optim.AdamW(params, lr=settings.lr, weight_decay=settings.weight_decay, fused=True)
 
 
-def step_loss(model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor,
-              param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None) -> torch.Tensor:
+def step_loss(
+    model: torch.nn.Module,
+    inputs: torch.Tensor,
+    targets: torch.Tensor,
+    param_dtype: torch.dtype | None = None,
+    reduce_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
     """Forward and backward of one step; `.grad` of every parameter filled in its own dtype.
 
     With `param_dtype`, FSDP2-style mixed precision on one device: the forward and backward run on
@@ -99,16 +104,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--lr", type=float, default=defaults.lr)
     parser.add_argument("--seed", type=int, default=defaults.seed)
     args = parser.parse_args(argv)
-    settings = TrainSettings(model=args.model, steps=args.steps, batch=args.batch, seq=args.seq,
-                             lr=args.lr, seed=args.seed)
+    settings = TrainSettings(
+        model=args.model, steps=args.steps, batch=args.batch, seq=args.seq, lr=args.lr, seed=args.seed
+    )
     try:
         get_config(settings.model)
     except ValueError as err:
         parser.exit(2, f"error: {err}\n")
     result = train_single(settings, log=print)
     first, last = result.losses[0], result.losses[-1]
-    print(f"done: loss {first:.4f} -> {last:.4f} ({100 * (1 - last / first):.1f}% lower), "
-          f"{result.tokens_per_s:,.0f} tokens/s on one device")
+    print(
+        f"done: loss {first:.4f} -> {last:.4f} ({100 * (1 - last / first):.1f}% lower), "
+        f"{result.tokens_per_s:,.0f} tokens/s on one device"
+    )
 
 
 if __name__ == "__main__":

@@ -36,19 +36,24 @@ def explain(problem: Problem, backend: str) -> InfeasibleError:
         return _structural(base)
     if base is True:
         if check(items) is True:
-            return InfeasibleError("the ILP solver reported infeasible but every constraint "
-                                   "can be met; numerically unstable costs?")
+            return InfeasibleError(
+                "the ILP solver reported infeasible but every constraint can be met; numerically unstable costs?"
+            )
         found = _quickxplain(items, lambda s: check(s) is True)
         detail = check(found)
         where = ""
         if isinstance(detail, Conflict) and detail.node is not None:
             where = f" (node {detail.node!r} is left without a choice)"
         names = "; ".join(c.describe() for c in found)
-        return InfeasibleError(f"infeasible: these constraints conflict{where}: {names}. "
-                               "(Irreducible: without any one of them the rest is satisfiable.)",
-                               found)
-    return InfeasibleError("infeasible: the inf entries of the edge matrices admit no assignment "
-                           "even without constraints (a cycle of incompatible edges)")
+        return InfeasibleError(
+            f"infeasible: these constraints conflict{where}: {names}. "
+            "(Irreducible: without any one of them the rest is satisfiable.)",
+            found,
+        )
+    return InfeasibleError(
+        "infeasible: the inf entries of the edge matrices admit no assignment "
+        "even without constraints (a cycle of incompatible edges)"
+    )
 
 
 def _structural(conflict: Conflict) -> InfeasibleError:
@@ -57,7 +62,9 @@ def _structural(conflict: Conflict) -> InfeasibleError:
         return InfeasibleError(
             f"infeasible: node {conflict.node!r} has no allowed choice left: edge "
             f"{cause.src!r}->{cause.dst!r} is inf for every remaining combination",
-            node=conflict.node, edge=cause)
+            node=conflict.node,
+            edge=cause,
+        )
     return InfeasibleError(f"infeasible: node {conflict.node!r}: {cause}", node=conflict.node)
 
 

@@ -47,17 +47,17 @@ class Model:
 
     def __init__(self, red: Reduction, objective: bool = True):
         start = time.perf_counter()
-        self.cost: list[float] = []   # per column, scaled
+        self.cost: list[float] = []  # per column, scaled
         self.binary: list[bool] = []  # per column: an x (binary in the MIP) or a y/z (continuous)
         self.rows: list[tuple[np.ndarray, np.ndarray, float, float]] = []  # (columns, coefficients, lower, upper)
-        self.value: np.ndarray | None = None    # after `run`: each column's value
+        self.value: np.ndarray | None = None  # after `run`: each column's value
         self.reduced: np.ndarray | None = None  # after an LP: each column's reduced cost
-        self.objective: float | None = None     # after `run`: the objective of `value` (scaled)
+        self.objective: float | None = None  # after `run`: the objective of `value` (scaled)
         self.x: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # class -> (choice indices, columns)
         # edge (a, b) -> (row group of each a choice, column group of each b choice, {(g, h): y column})
         self.pairs: dict[tuple[int, int], tuple[np.ndarray, np.ndarray, dict]] = {}
         blocks = {}
-        for (a, b) in red.mat:
+        for a, b in red.mat:
             ia, ib = np.flatnonzero(red.alive[a]), np.flatnonzero(red.alive[b])
             blocks[(a, b)] = red.mat[(a, b)][np.ix_(ia, ib)]
         self.scale = _scale([red.cost[c][red.alive[c]] for c in red.core] + list(blocks.values()))
@@ -69,8 +69,11 @@ class Model:
         budget_terms: list[list] = [[] for _ in red.budgets]  # per budget: (y columns, bytes) of its edges
         for (a, b), block in blocks.items():
             (ia, xa), (ib, xb) = self.x[a], self.x[b]
-            counted = [(i, m[np.ix_(ia, ib)]) for i, budget in enumerate(red.budgets)
-                       if (m := budget.edges.get((a, b))) is not None]
+            counted = [
+                (i, m[np.ix_(ia, ib)])
+                for i, budget in enumerate(red.budgets)
+                if (m := budget.edges.get((a, b))) is not None
+            ]
             # entries [k, l, 0] cost, [k, l, 1 + i] the i-th counting budget's bytes: choices with
             # equal rows in all of them share their y
             stack = np.stack([block] + [m for _, m in counted], axis=2)
@@ -88,8 +91,9 @@ class Model:
             for group, of, own in ((gs, row_of, xa), (hs, col_of, xb)):
                 for g in range(int(of.max()) + 1):
                     mine, paired = ys[group == g], own[of == g]
-                    self._equal(np.concatenate([mine, paired]),
-                                np.concatenate([np.ones(len(mine)), -np.ones(len(paired))]), 0.0)
+                    self._equal(
+                        np.concatenate([mine, paired]), np.concatenate([np.ones(len(mine)), -np.ones(len(paired))]), 0.0
+                    )
             self.pairs[(a, b)] = (row_of, col_of, dict(zip(zip(gs.tolist(), hs.tolist()), ys.tolist())))
         for budget, pairs in zip(red.budgets, budget_terms):
             terms = [(self.x[c][1], row[self.x[c][0]]) for c, row in budget.memory.items()] + pairs
@@ -151,8 +155,9 @@ def _scale(arrays) -> float:
     return 1.0 / top if top > 0 else 1.0
 
 
-def run(model: Model, backend: str, time_limit, msg: bool, rel_gap: float, mip: bool = True,
-        cutoff: float | None = None) -> str:
+def run(
+    model: Model, backend: str, time_limit, msg: bool, rel_gap: float, mip: bool = True, cutoff: float | None = None
+) -> str:
     """Solve (mip=False: the LP relaxation, leaving reduced costs in `model.reduced`). `cutoff`
     (an objective value some solution is known to reach) lets HiGHS prune; CBC ignores it.
 
@@ -160,7 +165,8 @@ def run(model: Model, backend: str, time_limit, msg: bool, rel_gap: float, mip: 
     """
     model.value = model.reduced = model.objective = None
     status, value, reduced = (_run_highs if backend == "highs" else _run_cbc)(
-        model, time_limit, msg, rel_gap, mip, cutoff)
+        model, time_limit, msg, rel_gap, mip, cutoff
+    )
     if value is not None:
         model.value, model.reduced = value, reduced
         model.objective = float(np.dot(model.cost, value))
@@ -209,12 +215,14 @@ def _run_highs(model: Model, time_limit, msg: bool, rel_gap: float, mip: bool, c
     lengths = np.array([len(r[0]) for r in model.rows], np.int32)
     lp.a_matrix_.format_ = highspy.MatrixFormat.kRowwise
     lp.a_matrix_.start_ = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
-    lp.a_matrix_.index_ = np.concatenate([r[0] for r in model.rows]).astype(np.int32) if model.rows \
-        else np.zeros(0, np.int32)
+    lp.a_matrix_.index_ = (
+        np.concatenate([r[0] for r in model.rows]).astype(np.int32) if model.rows else np.zeros(0, np.int32)
+    )
     lp.a_matrix_.value_ = np.concatenate([r[1] for r in model.rows]).astype(float) if model.rows else np.zeros(0)
     if mip:
-        lp.integrality_ = [highspy.HighsVarType.kInteger if b else highspy.HighsVarType.kContinuous
-                           for b in model.binary]
+        lp.integrality_ = [
+            highspy.HighsVarType.kInteger if b else highspy.HighsVarType.kContinuous for b in model.binary
+        ]
     h.passModel(lp)
     h.run()
     status = h.getModelStatus()
@@ -242,8 +250,10 @@ class _LpProblem(pulp.LpProblem):
 
 def _run_cbc(model: Model, time_limit, msg: bool, rel_gap: float, mip: bool, cutoff: float | None):
     lp = _LpProblem("autoshard", pulp.LpMinimize)
-    cols = lp.columns = [lp.add_variable(f"v{i}", 0, 1 if b else None, pulp.LpBinary if b and mip else pulp.LpContinuous)
-                         for i, b in enumerate(model.binary)]
+    cols = lp.columns = [
+        lp.add_variable(f"v{i}", 0, 1 if b else None, pulp.LpBinary if b and mip else pulp.LpContinuous)
+        for i, b in enumerate(model.binary)
+    ]
     lp.setObjective(pulp.LpAffineExpression([(v, w) for v, w in zip(cols, model.cost) if w]))
     for i, (columns, coefficients, lower, upper) in enumerate(model.rows):
         expression = pulp.LpAffineExpression([(cols[j], float(w)) for j, w in zip(columns.tolist(), coefficients)])

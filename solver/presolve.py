@@ -40,12 +40,12 @@ class Conflict(Exception):
 
 @dataclass
 class Counts:
-    classes: int = 0           # variable groups after sharing (SameChoice + regions)
-    removed_inf: int = 0       # choices removed because an edge forbids all their partners
+    classes: int = 0  # variable groups after sharing (SameChoice + regions)
+    removed_inf: int = 0  # choices removed because an edge forbids all their partners
     removed_dominated: int = 0
-    fixed: int = 0             # classes left with a single choice
-    eliminated: int = 0        # classes removed by dynamic programming (degree <= 2)
-    folded_edges: int = 0      # separable edges folded into node costs
+    fixed: int = 0  # classes left with a single choice
+    eliminated: int = 0  # classes removed by dynamic programming (degree <= 2)
+    folded_edges: int = 0  # separable edges folded into node costs
 
 
 @dataclass
@@ -54,9 +54,9 @@ class Arrays:
     modified in place). costs=False keeps only what is forbidden (inf): every finite cost
     becomes 0, which presolves a feasibility question down to almost nothing."""
 
-    cost: list[np.ndarray]     # per node, per choice
+    cost: list[np.ndarray]  # per node, per choice
     memory: list[np.ndarray]
-    edges: list[np.ndarray]    # per edge, [src choice, dst choice]
+    edges: list[np.ndarray]  # per edge, [src choice, dst choice]
 
     @classmethod
     def of(cls, problem: Problem, costs: bool = True) -> "Arrays":
@@ -75,13 +75,14 @@ class Arrays:
         def node_arrays(choices: list) -> tuple[np.ndarray, np.ndarray]:
             got = per_list.get(id(choices))
             if got is None:
-                got = per_list[id(choices)] = (keep(np.array([c.cost for c in choices], float)),
-                                               np.array([c.memory for c in choices], float))
+                got = per_list[id(choices)] = (
+                    keep(np.array([c.cost for c in choices], float)),
+                    np.array([c.memory for c in choices], float),
+                )
             return got
 
         nodes = [node_arrays(n.choices) for n in problem.nodes]
-        return cls([cost for cost, _ in nodes], [memory for _, memory in nodes],
-                   [edge_array(e) for e in problem.edges])
+        return cls([cost for cost, _ in nodes], [memory for _, memory in nodes], [edge_array(e) for e in problem.edges])
 
 
 @dataclass
@@ -120,8 +121,7 @@ class Budget:
 class Reduction:
     """Class-space view of a Problem under a given subset of constraints and regions."""
 
-    def __init__(self, problem: Problem, constraints, regions, *, reduce: bool = True,
-                 arrays: Arrays | None = None):
+    def __init__(self, problem: Problem, constraints, regions, *, reduce: bool = True, arrays: Arrays | None = None):
         """reduce=False only shares variables and applies pins (to test the ILP on its own)."""
         arrays = arrays or Arrays.of(problem)
         self.counts = Counts()
@@ -309,7 +309,8 @@ class Reduction:
             dirty.update(touched)
         for budget in self.budgets:
             least = sum(m[self.alive[c]].min() for c, m in budget.memory.items()) + sum(
-                m[np.ix_(self.alive[a], self.alive[b])].min() for (a, b), m in budget.edges.items())
+                m[np.ix_(self.alive[a], self.alive[b])].min() for (a, b), m in budget.edges.items()
+            )
             if least > budget.limit * (1 + 1e-12) + 1e-9:
                 raise Conflict(None, budget.constraint)
 
@@ -408,9 +409,9 @@ class Reduction:
             self._restrict(a, np.isfinite(best), origin)
         else:
             a, b = nbrs
-            left = self.oriented(a, c)[:, idx] + cost[None, :]   # [a, c]
-            right = self.oriented(c, b)[idx]                     # [c, b]
-            table = left[:, :, None] + right[None, :, :]         # [a, c, b]
+            left = self.oriented(a, c)[:, idx] + cost[None, :]  # [a, c]
+            right = self.oriented(c, b)[idx]  # [c, b]
+            table = left[:, :, None] + right[None, :, :]  # [a, c, b]
             self.elim.append((c, (a, b), idx[table.argmin(axis=1)]))
             self._add_edge(a, b, table.min(axis=1), self.origin[(min(a, c), max(a, c))])
         self._drop_class(c)
@@ -418,8 +419,9 @@ class Reduction:
     def _fold_separable(self, c: int, nb: int) -> bool:
         """Fold an edge whose live block is a[k] + b[l] (incl. constant) into node costs (not one
         whose budget memory does not split so: its variables are the budget's too)."""
-        if any(budget.oriented(c, nb) is not None and not self._fold_budget_edge(budget, c, nb)
-               for budget in self.budgets):
+        if any(
+            budget.oriented(c, nb) is not None and not self._fold_budget_edge(budget, c, nb) for budget in self.budgets
+        ):
             return False
         ic, inb = np.flatnonzero(self.alive[c]), np.flatnonzero(self.alive[nb])
         block = self.oriented(c, nb)[np.ix_(ic, inb)]

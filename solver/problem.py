@@ -163,9 +163,14 @@ class Problem:
     def same_choice(self, nodes: Sequence[str], name: str = "") -> SameChoice:
         return self._add(SameChoice(list(nodes), name))
 
-    def memory_budget(self, nodes: Sequence[str], limit: float, name: str = "",
-                      memory: Mapping[str, Sequence[float]] | None = None,
-                      edges: Mapping[tuple[str, str], Sequence[Sequence[float]]] | None = None) -> MemoryBudget:
+    def memory_budget(
+        self,
+        nodes: Sequence[str],
+        limit: float,
+        name: str = "",
+        memory: Mapping[str, Sequence[float]] | None = None,
+        edges: Mapping[tuple[str, str], Sequence[Sequence[float]]] | None = None,
+    ) -> MemoryBudget:
         """`edges`: (src, dst) -> bytes per choice pair, counted beside the nodes' (`EdgeMemory`)."""
         table = None if memory is None else {n: [float(m) for m in memory[n]] for n in nodes}
         pairs = [EdgeMemory(src, dst, self._floats(m)) for (src, dst), m in (edges or {}).items()]
@@ -222,11 +227,14 @@ class Problem:
             if name not in index:
                 raise ValueError(f"restricted: unknown node {name!r}")
             if not 0 <= k < len(self.nodes[index[name]].choices):
-                raise ValueError(f"restricted: choice {k} of node {name!r} is out of range "
-                                 f"0..{len(self.nodes[index[name]].choices) - 1}")
+                raise ValueError(
+                    f"restricted: choice {k} of node {name!r} is out of range "
+                    f"0..{len(self.nodes[index[name]].choices) - 1}"
+                )
             pins.append(Fixed(name, int(k)))
-        return Problem(list(self.nodes), list(self.edges), [*self.constraints, *pins],
-                       list(self.regions), self._converted)
+        return Problem(
+            list(self.nodes), list(self.edges), [*self.constraints, *pins], list(self.regions), self._converted
+        )
 
     # ---- validation -------------------------------------------------------------------------
     def validate(self) -> None:
@@ -247,8 +255,9 @@ class Problem:
             for c in node.choices:
                 if not (c.cost >= 0 and 0 <= c.memory < math.inf):  # False for NaN too
                     _check_cost(c.cost, f"node {node.name!r} choice {c.label!r} cost")
-                    raise ValueError(f"node {node.name!r} choice {c.label!r}: memory must be "
-                                     f"finite and >= 0, got {c.memory!r}")
+                    raise ValueError(
+                        f"node {node.name!r} choice {c.label!r}: memory must be finite and >= 0, got {c.memory!r}"
+                    )
 
         def known(name, what):
             if name not in count:
@@ -268,8 +277,9 @@ class Problem:
                 except KeyError as missing:
                     known(missing.args[0], what)  # raises, naming it
                 if len(sizes) > 1:
-                    raise ValueError(f"{what}: position {pos} ({names[0]!r}...) has different "
-                                     f"numbers of choices {sizes}")
+                    raise ValueError(
+                        f"{what}: position {pos} ({names[0]!r}...) has different numbers of choices {sizes}"
+                    )
 
     def _validate_edges(self, known) -> None:
         """Cost matrices sized by their nodes' choices, every entry >= 0 (`known(name, what)`: a
@@ -300,7 +310,6 @@ class Problem:
         return problem_from_json(text)
 
 
-
 def _validate_constraint(con, known) -> None:
     """A constraint's nodes exist and its choice indices, sizes and memory figures fit them."""
     what = con.describe()
@@ -317,15 +326,16 @@ def _validate_constraint(con, known) -> None:
         for n in con.nodes:
             k = known(n, what)
             row = con.memory.get(n) if con.memory is not None else None
-            if con.memory is not None and (row is None or len(row) != k
-                                           or not all(0 <= m < math.inf for m in row)):
+            if con.memory is not None and (row is None or len(row) != k or not all(0 <= m < math.inf for m in row)):
                 raise ValueError(f"{what}: node {n!r} needs {k} finite memory figures >= 0")
         for pair in con.edges:
             rows, cols = known(pair.src, what), known(pair.dst, what)
             m = np.asarray(pair.memory, dtype=float)
             if m.shape != (rows, cols) or not (np.isfinite(m) & (m >= 0)).all():
-                raise ValueError(f"{what}: edge {pair.src!r}->{pair.dst!r} needs a {rows}x{cols} matrix of "
-                                 f"finite memory figures >= 0")
+                raise ValueError(
+                    f"{what}: edge {pair.src!r}->{pair.dst!r} needs a {rows}x{cols} matrix of "
+                    f"finite memory figures >= 0"
+                )
         if math.isnan(con.limit):
             raise ValueError(f"{what}: limit is NaN")
     else:
@@ -383,12 +393,20 @@ def problem_to_json(problem: Problem, **kwargs) -> str:
     kind_of = {cls: kind for kind, cls in _KINDS.items()}
     data = {
         "format": FORMAT,
-        "nodes": [{"name": n.name,
-                   "choices": [{"label": c.label, "cost": encode_float(c.cost), "memory": c.memory,
-                                "tags": list(c.tags)} for c in n.choices]}
-                  for n in problem.nodes],
-        "edges": [{"src": e.src, "dst": e.dst, "cost": [[encode_float(v) for v in row] for row in e.cost]}
-                  for e in problem.edges],
+        "nodes": [
+            {
+                "name": n.name,
+                "choices": [
+                    {"label": c.label, "cost": encode_float(c.cost), "memory": c.memory, "tags": list(c.tags)}
+                    for c in n.choices
+                ],
+            }
+            for n in problem.nodes
+        ],
+        "edges": [
+            {"src": e.src, "dst": e.dst, "cost": [[encode_float(v) for v in row] for row in e.cost]}
+            for e in problem.edges
+        ],
         "constraints": [_constraint(kind_of[type(c)], asdict(c)) for c in problem.constraints],
         "regions": [r.copies for r in problem.regions],
     }
@@ -409,11 +427,14 @@ def problem_from_json(text: str) -> Problem:
     data = json.loads(text)
     if data.get("format") != FORMAT:
         raise ValueError(f"unsupported problem format {data.get('format')!r}")
-    nodes = [Node(n["name"], [Choice(c["label"], decode_float(c["cost"]), float(c["memory"]),
-                                     tuple(c["tags"])) for c in n["choices"]])
-             for n in data["nodes"]]
-    edges = [Edge(e["src"], e["dst"], [[decode_float(v) for v in row] for row in e["cost"]])
-             for e in data["edges"]]
+    nodes = [
+        Node(
+            n["name"],
+            [Choice(c["label"], decode_float(c["cost"]), float(c["memory"]), tuple(c["tags"])) for c in n["choices"]],
+        )
+        for n in data["nodes"]
+    ]
+    edges = [Edge(e["src"], e["dst"], [[decode_float(v) for v in row] for row in e["cost"]]) for e in data["edges"]]
     constraints = []
     for c in data["constraints"]:
         c = dict(c)

@@ -24,16 +24,17 @@ from .presolve import Conflict, Reduction
 
 @dataclass
 class CoreResult:
-    status: str                    # 'optimal', 'feasible', 'infeasible' or 'none'
-    choice: dict[int, int]         # class -> choice index
+    status: str  # 'optimal', 'feasible', 'infeasible' or 'none'
+    choice: dict[int, int]  # class -> choice index
     model: Model
-    lower: float = -np.inf         # proven lower bound on core_cost (unscaled)
-    triangles: int = 0             # triangles added to tighten the LP
-    lp_fixed: int = 0              # columns ruled out by reduced cost
+    lower: float = -np.inf  # proven lower bound on core_cost (unscaled)
+    triangles: int = 0  # triangles added to tighten the LP
+    lp_fixed: int = 0  # columns ruled out by reduced cost
 
 
-def solve_core(red: Reduction, backend: str, deadline: float | None, msg: bool,
-               rel_gap: float, stop_at: float | None = None) -> CoreResult:
+def solve_core(
+    red: Reduction, backend: str, deadline: float | None, msg: bool, rel_gap: float, stop_at: float | None = None
+) -> CoreResult:
     """Solve the core; `deadline` is a time.perf_counter() value or None. With `stop_at` (a core
     cost), stop with status 'cutoff' once the LP proves that no solution costs less."""
 
@@ -98,14 +99,20 @@ def _ruled_out(red: Reduction, model: Model, threshold: float):
                 groups[g, h] = True
                 count += 1
         mask = np.zeros(red.mat[(a, b)].shape, bool)
-        mask[np.ix_(np.flatnonzero(red.alive[a]), np.flatnonzero(red.alive[b]))] = \
-            groups[np.ix_(row_of, col_of)]
+        mask[np.ix_(np.flatnonzero(red.alive[a]), np.flatnonzero(red.alive[b]))] = groups[np.ix_(row_of, col_of)]
         forbid[(a, b)] = mask
     return keep, forbid, count
 
 
-def _solve_narrowed(red: Reduction, sub: Reduction, backend: str, time_limit, msg: bool,
-                    rel_gap: float, incumbent: dict[int, int] | None = None):
+def _solve_narrowed(
+    red: Reduction,
+    sub: Reduction,
+    backend: str,
+    time_limit,
+    msg: bool,
+    rel_gap: float,
+    incumbent: dict[int, int] | None = None,
+):
     """MIP over what is left of `red` in `sub` (a narrowed copy); returns (choice per core
     class of `red` or None, status). A known `incumbent` gives the MIP a cutoff."""
     status, core_choice = "optimal", {}
@@ -131,9 +138,18 @@ def _reaches(red: Reduction, model: Model, stop_at: float | None) -> bool:
     return lower - _lp_tolerance(red, lower) >= stop_at * model.scale
 
 
-def _tightened_lp(red: Reduction, model: Model, backend: str, left, msg: bool, rel_gap: float,
-                  stop_at: float | None = None, rounds: int = 4, growth: float = 0.5,
-                  largest: int = 4096) -> tuple[str, int]:
+def _tightened_lp(
+    red: Reduction,
+    model: Model,
+    backend: str,
+    left,
+    msg: bool,
+    rel_gap: float,
+    stop_at: float | None = None,
+    rounds: int = 4,
+    growth: float = 0.5,
+    largest: int = 4096,
+) -> tuple[str, int]:
     """Solve the LP relaxation; while it is fractional, tighten it on the triangles that have
     two or more fractional classes (frustrated cycles are what make the local polytope loose)
     and re-solve. The LP gets slow quickly as it grows, so at most `growth` times the original
@@ -148,8 +164,13 @@ def _tightened_lp(red: Reduction, model: Model, backend: str, left, msg: bool, r
         if status != "optimal" or budget <= 0 or round_ == rounds or _reaches(red, model, stop_at):
             break
         frac = {c for c, (_, xs) in model.x.items() if model.value[xs].max() < 1 - 1e-6}
-        found = {tri for a in frac for b in red.adj[a] for c in red.adj[a] & red.adj[b]
-                 if len(frac.intersection(tri := tuple(sorted((a, b, c))))) >= 2}
+        found = {
+            tri
+            for a in frac
+            for b in red.adj[a]
+            for c in red.adj[a] & red.adj[b]
+            if len(frac.intersection(tri := tuple(sorted((a, b, c))))) >= 2
+        }
         added = 0
         for tri in sorted(found - done, key=lambda t: -len(frac.intersection(t))):
             size = model.add_triangle(*tri, limit=min(budget, largest)) if budget > 0 else 0
@@ -226,8 +247,7 @@ def local_search(red: Reduction, start: dict[int, int], sweeps: int = 50) -> dic
                 deltas.append(delta)
             best = int(np.argmin(local))
             current = local[np.searchsorted(idx, choice[c])]
-            better = local[best] < current - 1e-12 * abs(current) if np.isfinite(current) \
-                else np.isfinite(local[best])
+            better = local[best] < current - 1e-12 * abs(current) if np.isfinite(current) else np.isfinite(local[best])
             if better:
                 for i, delta in enumerate(deltas):
                     if delta is not None:

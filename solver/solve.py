@@ -32,22 +32,22 @@ class NoBetterError(ValueError):
 @dataclass
 class SolveStats:
     backend: str = ""
-    variables: int = 0          # ILP columns as built (before triangle tightening)
-    constraints: int = 0        # ILP rows as built
+    variables: int = 0  # ILP columns as built (before triangle tightening)
+    constraints: int = 0  # ILP rows as built
     presolve_s: float = 0.0
     build_s: float = 0.0
     solve_s: float = 0.0
-    nodes: int = 0              # nodes of the original problem
-    classes: int = 0            # variable groups after sharing (regions, SameChoice)
-    core: int = 0               # classes left for the ILP after presolve
+    nodes: int = 0  # nodes of the original problem
+    classes: int = 0  # variable groups after sharing (regions, SameChoice)
+    core: int = 0  # classes left for the ILP after presolve
     removed_inf: int = 0
     removed_dominated: int = 0
     fixed: int = 0
     eliminated: int = 0
     folded_edges: int = 0
-    triangles: int = 0          # triangles added to tighten the LP relaxation
-    lp_fixed: int = 0           # ILP columns ruled out by LP reduced costs
-    bound: float = 0.0          # proven lower bound on the objective (== objective if optimal)
+    triangles: int = 0  # triangles added to tighten the LP relaxation
+    lp_fixed: int = 0  # ILP columns ruled out by LP reduced costs
+    bound: float = 0.0  # proven lower bound on the objective (== objective if optimal)
 
 
 @dataclass
@@ -56,7 +56,7 @@ class Solution:
     objective: float
     node_cost: float
     edge_cost: float
-    status: str                 # "optimal" or "feasible" (time limit hit with a solution)
+    status: str  # "optimal" or "feasible" (time limit hit with a solution)
     stats: SolveStats = field(default_factory=SolveStats)
     labels: dict[str, str] = field(default_factory=dict)
 
@@ -78,9 +78,16 @@ class Solution:
         return cls(**data)
 
 
-def solve(problem: Problem, backend: str = "auto", time_limit: float | None = None,
-          msg: bool = False, rel_gap: float = 1e-6, presolve: bool = True,
-          diagnose: bool = True, cutoff: float | None = None) -> Solution:
+def solve(
+    problem: Problem,
+    backend: str = "auto",
+    time_limit: float | None = None,
+    msg: bool = False,
+    rel_gap: float = 1e-6,
+    presolve: bool = True,
+    diagnose: bool = True,
+    cutoff: float | None = None,
+) -> Solution:
     """Pick one choice per node minimising node + edge cost under the problem's constraints.
 
     Raises ValueError for malformed input, InfeasibleError (a ValueError) naming the conflicting
@@ -122,15 +129,15 @@ def solve(problem: Problem, backend: str = "auto", time_limit: float | None = No
             bound = max(cutoff, cutoff - stop_at + result.lower)  # the max only guards rounding
             raise NoBetterError(f"no solution costs less than {cutoff:.6g}: the LP bound is {bound:.6g}", bound)
         if result.status == "none":
-            raise SolveError(f"{backend} stopped without a solution "
-                             f"(time_limit={time_limit}, {stats.variables} variables)")
+            raise SolveError(
+                f"{backend} stopped without a solution (time_limit={time_limit}, {stats.variables} variables)"
+            )
         status, core_choice = result.status, result.choice
     choice = red.assign(core_choice)
     node_cost, edge_cost = problem.cost(choice)
     objective = node_cost + edge_cost
     # the core's share of the objective is bounded by the LP/MIP; the rest is exact
-    stats.bound = objective if not red.core else \
-        max(0.0, objective - core_cost(red, core_choice) + result.lower)
+    stats.bound = objective if not red.core else max(0.0, objective - core_cost(red, core_choice) + result.lower)
     labels = {n.name: n.choices[choice[n.name]].label for n in problem.nodes}
     return Solution(choice, objective, node_cost, edge_cost, status, stats, labels)
 
@@ -145,7 +152,12 @@ def _core_cutoff(problem: Problem, red: Reduction, cutoff: float) -> float | Non
 
 def _undiagnosed(conflict: Conflict) -> InfeasibleError:
     cause = conflict.cause
-    what = cause.describe() if hasattr(cause, "describe") else (
-        f"edge {cause.src!r}->{cause.dst!r}" if hasattr(cause, "src") else str(cause))
-    where = f"node {conflict.node!r} is left without a choice" if conflict.node is not None else "a budget cannot be met"
+    what = (
+        cause.describe()
+        if hasattr(cause, "describe")
+        else (f"edge {cause.src!r}->{cause.dst!r}" if hasattr(cause, "src") else str(cause))
+    )
+    where = (
+        f"node {conflict.node!r} is left without a choice" if conflict.node is not None else "a budget cannot be met"
+    )
     return InfeasibleError(f"infeasible (not diagnosed): {where} ({what})", node=conflict.node)

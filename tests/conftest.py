@@ -46,7 +46,8 @@ def pytest_configure(config):
     config.stash[AUDIT_DIR] = tempfile.mkdtemp(prefix="autoshard-plan-audit-")
     plan_audit.record(ParallelModule)  # for this whole process; children: tests/audit_site
     os.environ["PYTHONPATH"] = os.pathsep.join(
-        filter(None, [os.path.join(os.path.dirname(__file__), "audit_site"), os.environ.get("PYTHONPATH")]))
+        filter(None, [os.path.join(os.path.dirname(__file__), "audit_site"), os.environ.get("PYTHONPATH")])
+    )
 
 
 def pytest_unconfigure(config):
@@ -76,8 +77,10 @@ def executed_plans(request):
     if request.node.get_closest_marker("replicated_plan") is None:
         for facts in plans:
             found = plan_audit.problems(facts)
-            assert not found, (f"{request.node.nodeid} executed a plan that does not shard ({'; '.join(found)}); "
-                               "force sharding (plan_audit.sharded_plan) or mark the test replicated_plan")
+            assert not found, (
+                f"{request.node.nodeid} executed a plan that does not shard ({'; '.join(found)}); "
+                "force sharding (plan_audit.sharded_plan) or mark the test replicated_plan"
+            )
 
 
 def pytest_collection_modifyitems(items):

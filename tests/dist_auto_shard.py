@@ -45,8 +45,15 @@ def main() -> None:
     solver.solve = counting_solve
     example = lambda: (torch.empty(BATCH, SEQ, dtype=torch.int64, device="meta"),) * 2  # noqa: E731
     model = build_model(TINY, seed=0)
-    pmodel = auto_shard(model, example, mesh, loss_fn=cross_entropy_loss, config=CONFIG,
-                        memory_budget=budget_bytes(model, (2, 2)), input_layouts=(batch_on_dp(2),) * 2)
+    pmodel = auto_shard(
+        model,
+        example,
+        mesh,
+        loss_fn=cross_entropy_loss,
+        config=CONFIG,
+        memory_budget=budget_bytes(model, (2, 2)),
+        input_layouts=(batch_on_dp(2),) * 2,
+    )
     batch = MarkovTokens(TINY.vocab_size, seed=0).batch(0, BATCH, SEQ)
     loss = pmodel(*pmodel.shard_inputs(batch.inputs, batch.targets)).item()
     want = cross_entropy_loss(build_model(TINY, seed=0)(batch.inputs), batch.targets).item()
@@ -58,17 +65,24 @@ def main() -> None:
         solves.clear()
         auto.memory_limit(0.85 * peak)
         fitted = auto.optimize()
-    result |= {"fit_solves": len(solves), "peak": peak, "fit_limit": auto.fit.limit,
-               "fit_peak": auto.fit.peak_bytes, "fit_tried": len(auto.fit.tried), "fit_mode": auto.fit.mode,
-               "fitted": auto.sharding.fingerprint() + solution_hash(fitted)}
+    result |= {
+        "fit_solves": len(solves),
+        "peak": peak,
+        "fit_limit": auto.fit.limit,
+        "fit_peak": auto.fit.peak_bytes,
+        "fit_tried": len(auto.fit.tried),
+        "fit_mode": auto.fit.mode,
+        "fitted": auto.sharding.fingerprint() + solution_hash(fitted),
+    }
 
     def stopped(*args, **kwargs):
         raise solver.SolveError("highs stopped without a solution (time_limit=1)")
 
     solver.solve = stopped
     try:
-        with AutoShard(build_model(TINY, device="meta"), example, mesh, loss_fn=cross_entropy_loss,
-                       config=CONFIG) as auto:
+        with AutoShard(
+            build_model(TINY, device="meta"), example, mesh, loss_fn=cross_entropy_loss, config=CONFIG
+        ) as auto:
             auto.optimize()
         result["failure"] = None
     except Exception as err:  # noqa: BLE001 - what each rank raised is the result

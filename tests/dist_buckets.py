@@ -46,8 +46,9 @@ def main() -> None:
     dist.init_process_group("gloo")
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     example = lambda: (torch.empty(BATCH, SEQ, dtype=torch.int64, device="meta"),) * 2  # noqa: E731
-    with AutoShard(build_model(CFG, device="meta"), example, mesh, loss_fn=cross_entropy_loss, network="cpu-gloo",
-                   device="cpu") as auto:
+    with AutoShard(
+        build_model(CFG, device="meta"), example, mesh, loss_fn=cross_entropy_loss, network="cpu-gloo", device="cpu"
+    ) as auto:
         auto.pin({"*": "RR"})
         auto.constrain_inputs("S(0)S(0)", "S(0)S(0)")  # the batch over all 4 ranks, as DDP splits it
         plan = auto.optimize()
@@ -90,8 +91,17 @@ def main() -> None:
         losses.append(loss.item())
     want_losses, want_grads = single_device()
     layouts = sorted({str(lay) for lay in plan.param_layouts.values()})
-    report_ranks({"losses": losses, "want_losses": want_losses, "grads": grads, "want_grads": want_grads,
-                  "events": first, "layouts": layouts, "cap": CAP})
+    report_ranks(
+        {
+            "losses": losses,
+            "want_losses": want_losses,
+            "grads": grads,
+            "want_grads": want_grads,
+            "events": first,
+            "layouts": layouts,
+            "cap": CAP,
+        }
+    )
 
 
 if __name__ == "__main__":

@@ -50,11 +50,17 @@ def redistributions(mesh) -> list[dict]:
         x = plan.src.shard_of(full, mesh.shape, mesh.get_coordinate()).clone()
         torch._dynamo.reset()
         names = group_names(plan, mesh)  # resolved outside compiled code, as a Redistribute module does
-        got = torch.compile(lambda t, plan=plan, names=names: execute(plan, t, mesh, None, names), backend="eager",
-                            fullgraph=True)(x)
+        got = torch.compile(
+            lambda t, plan=plan, names=names: execute(plan, t, mesh, None, names), backend="eager", fullgraph=True
+        )(x)
         want = execute(plan, x, mesh)
-        out.append({"plan": f"{plan.src} -> {plan.dst}", "kinds": [s.kind for s in plan.steps],
-                    "equal": torch.equal(got, want) and got.stride() == want.stride()})
+        out.append(
+            {
+                "plan": f"{plan.src} -> {plan.dst}",
+                "kinds": [s.kind for s in plan.steps],
+                "equal": torch.equal(got, want) and got.stride() == want.stride(),
+            }
+        )
     torch._dynamo.reset()
     return out
 
@@ -84,8 +90,9 @@ def late_wait(mesh) -> list[str]:
     g.output((g.call_function(torch.add, (gathered, 1.0)), mm))
     gm = fx.GraphModule({"launch": _Launch(mesh), "wait": _Wait()}, g)
     torch._dynamo.reset()
-    _, (code, *_) = run_and_get_code(torch.compile(gm, fullgraph=True, options=INDUCTOR_OPTIONS),
-                                     torch.ones(2, 3), torch.randn(16, 16))
+    _, (code, *_) = run_and_get_code(
+        torch.compile(gm, fullgraph=True, options=INDUCTOR_OPTIONS), torch.ones(2, 3), torch.randn(16, 16)
+    )
     torch._dynamo.reset()
     order = []
     for line in code.splitlines():
@@ -122,8 +129,15 @@ def main() -> None:
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     result = {"redistributions": redistributions(mesh), "late_wait": late_wait(mesh)}
     example = lambda: (torch.empty(BATCH, SEQ, dtype=torch.int64, device="meta"),) * 2  # noqa: E731
-    with AutoShard(build_model(TINY, device="meta"), example, mesh, loss_fn=cross_entropy_loss,
-                   network="cpu-gloo", device="cpu", compile=True) as auto:
+    with AutoShard(
+        build_model(TINY, device="meta"),
+        example,
+        mesh,
+        loss_fn=cross_entropy_loss,
+        network="cpu-gloo",
+        device="cpu",
+        compile=True,
+    ) as auto:
         auto.constrain_inputs("S(0)R", "S(0)R")
         auto.pin(PINS)
         auto.memory_budget(sum(4 * p.numel() for p in build_model(TINY, device="meta").parameters()) / 4)  # FSDP+TP
@@ -136,8 +150,11 @@ def main() -> None:
     losses, grads, params = train(compiled, STEPS)
     kinds = sorted({kind for phase in compiled.comm.count.values() for kind in phase})
     result |= {
-        "eager_losses": eager_losses, "losses": losses, "collective_kinds": kinds,
-        "grads": fp32_tolerance_used(grads, eager_grads), "params": fp32_tolerance_used(params, eager_params),
+        "eager_losses": eager_losses,
+        "losses": losses,
+        "collective_kinds": kinds,
+        "grads": fp32_tolerance_used(grads, eager_grads),
+        "params": fp32_tolerance_used(params, eager_params),
         "compiled": {"eager": eager.compiled, "compiled": compiled.compiled},
         "stats": {phase: vars(st) for phase, st in compiled.compile_stats.items()},
     }

@@ -28,9 +28,20 @@ BATCH, SEQ, VOCAB, STEPS = 4, 16, 128, 3
 
 
 def config(p: float):
-    return transformers.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64, resid_pdrop=p,
-                                   embd_pdrop=p, attn_pdrop=p, bos_token_id=0, eos_token_id=0, use_cache=False,
-                                   attn_implementation="sdpa")
+    return transformers.GPT2Config(
+        vocab_size=VOCAB,
+        n_embd=32,
+        n_layer=2,
+        n_head=4,
+        n_positions=64,
+        resid_pdrop=p,
+        embd_pdrop=p,
+        attn_pdrop=p,
+        bos_token_id=0,
+        eos_token_id=0,
+        use_cache=False,
+        attn_implementation="sdpa",
+    )
 
 
 def loss_fn(outputs, targets):  # AutoShard hands it the logits; the single device its outputs
@@ -54,8 +65,15 @@ def single_device(cfg) -> list[float]:
 def train(mesh, cfg, rank: int) -> tuple[list[float], dict[str, list]]:
     example = lambda: (torch.empty(BATCH, SEQ, dtype=torch.int64, device="meta"),) * 2  # noqa: E731
     meta = hf.build(cfg, "meta")
-    pmodel = auto_shard(meta, example, mesh, loss_fn=loss_fn, seed=5, memory_budget=budget_bytes(meta, (2, 2)),
-                        input_layouts=(batch_on_dp(2),) * 2)
+    pmodel = auto_shard(
+        meta,
+        example,
+        mesh,
+        loss_fn=loss_fn,
+        seed=5,
+        memory_budget=budget_bytes(meta, (2, 2)),
+        input_layouts=(batch_on_dp(2),) * 2,
+    )
     pmodel.load_full(full_state(hf.build(cfg, "cpu", seed=0)))
     optim = make_optimizer(pmodel.parameters(), TrainSettings())
     torch.manual_seed(1000 + rank)  # every rank's own generator state
@@ -82,8 +100,15 @@ def main() -> None:
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     losses, shards = train(mesh, config(0.1), rank)
     exact, _ = train(mesh, config(0.0), rank)
-    report_ranks({"rank": rank, "losses": losses, "shards": shards, "no_dropout": exact,
-                  "single_device": single_device(config(0.0)) if rank == 0 else None})
+    report_ranks(
+        {
+            "rank": rank,
+            "losses": losses,
+            "shards": shards,
+            "no_dropout": exact,
+            "single_device": single_device(config(0.0)) if rank == 0 else None,
+        }
+    )
 
 
 if __name__ == "__main__":

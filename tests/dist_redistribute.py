@@ -23,7 +23,6 @@ CASES = [  # (src, dst, step kinds the plan must contain)
 ]
 
 
-
 def main() -> None:
     dist.init_process_group("gloo")
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))

@@ -44,8 +44,9 @@ def summary(plan: Any) -> dict:
     """The facts the checks read, JSON-ready (torchrun ranks write it; the test process reads it)."""
     sharded = sorted(fqn for fqn, lay in plan.param_layouts.items() if any(p.kind == "S" for p in lay.placements))
     first_input = plan.input_layouts[0] if plan.input_layouts else None
-    batch_dims = [] if first_input is None else [m for m, p in enumerate(first_input.placements)
-                                                 if p.kind == "S" and p.dim == 0]
+    batch_dims = (
+        [] if first_input is None else [m for m, p in enumerate(first_input.placements) if p.kind == "S" and p.dim == 0]
+    )
     return {
         "mesh": list(plan.mesh_shape),
         "collectives": {str(dim): kinds for dim, kinds in collectives_by_mesh_dim(plan).items()},
@@ -59,8 +60,11 @@ def problems(facts: dict, *, params_sharded: bool = False, batch_split: bool = F
     """What keeps a plan (its `summary`) from testing sharding; empty when it shards."""
     if math.prod(facts["mesh"]) == 1:
         return ["a world of one: nothing is sharded"]
-    out = [f"no collective on mesh dim {dim} (of mesh {tuple(facts['mesh'])})"
-           for dim, size in enumerate(facts["mesh"]) if size > 1 and not facts["collectives"][str(dim)]]
+    out = [
+        f"no collective on mesh dim {dim} (of mesh {tuple(facts['mesh'])})"
+        for dim, size in enumerate(facts["mesh"])
+        if size > 1 and not facts["collectives"][str(dim)]
+    ]
     if params_sharded and facts["sharded_params"] == 0:
         out.append(f"all {facts['params']} parameters replicated")
     if batch_split and 0 not in facts["batch_split_on"]:
@@ -101,8 +105,9 @@ def force_sharding(auto: Any, *, budget: float | None = BUDGET_FRACTION, split_b
         auto.spec.input_layouts = dict(auto.spec.input_layouts) | {0: Layout.parse(batch_on_dp(len(auto.mesh_shape)))}
 
 
-def sharded_plan(auto: Any, *, budget: float | None = BUDGET_FRACTION, split_batch: bool = True,
-                 params_sharded: bool = True) -> Any:
+def sharded_plan(
+    auto: Any, *, budget: float | None = BUDGET_FRACTION, split_batch: bool = True, params_sharded: bool = True
+) -> Any:
     """`auto.optimize()` for a numerics test: sharding forced (`force_sharding`) and asserted
     (`assert_shards`)."""
     force_sharding(auto, budget=budget, split_batch=split_batch)

@@ -96,19 +96,27 @@ def reference():
     return single_device(10)
 
 
-@pytest.mark.parametrize("mesh_shape, inputs, pins", [
-    ((2, 2), ("S(0)R", "S(0)R"), {"layers.*.feed_forward.w1.weight": "S(0)S(0)[1,0]",
-                                  "layers.*.attention.wo.weight": "S(1)S(1)[1,0]"}),
-    ((4,), None, None),
-], ids=["2x2-batch-on-dp-pinned-orders", "4"])
+@pytest.mark.parametrize(
+    "mesh_shape, inputs, pins",
+    [
+        (
+            (2, 2),
+            ("S(0)R", "S(0)R"),
+            {"layers.*.feed_forward.w1.weight": "S(0)S(0)[1,0]", "layers.*.attention.wo.weight": "S(1)S(1)[1,0]"},
+        ),
+        ((4,), None, None),
+    ],
+    ids=["2x2-batch-on-dp-pinned-orders", "4"],
+)
 def test_llama_tiny_trains_like_single_device(reference, mesh_shape, inputs, pins):
     plan = plan_llama(mesh_shape, inputs, pins)
     pmodel = trains_like_single_device(plan, mesh_shape, reference)
     # What runs is what was priced: the plan's bytes; a block's parameter gathers (and gradient
     # scatters) on one set of mesh dims run as one collective, so the plan's count less the merged ones.
     assert dict(pmodel.comm.total_bytes()) == pytest.approx(plan.bytes_by_collective)
-    buckets = [m for gm in (pmodel.program.forward, pmodel.program.backward)
-               for m in gm.children() if isinstance(m, Bucket)]
+    buckets = [
+        m for gm in (pmodel.program.forward, pmodel.program.backward) for m in gm.children() if isinstance(m, Bucket)
+    ]
     merged = Counter()
     for bucket in buckets:
         merged[bucket.members[0].plan.steps[0].kind] += len(bucket.members) - 1
@@ -120,14 +128,17 @@ def test_llama_tiny_trains_like_single_device(reference, mesh_shape, inputs, pin
         assert len({block_of(fqn_of[m.producer]) for m in bucket.members}) == 1
     if pins:
         assert {fqn for fqn, lay in plan.param_layouts.items() if not lay.is_default_order} >= {
-            f"layers.{i}.{name}.weight" for i in range(TINY.n_layers) for name in ("feed_forward.w1", "attention.wo")}
+            f"layers.{i}.{name}.weight" for i in range(TINY.n_layers) for name in ("feed_forward.w1", "attention.wo")
+        }
 
 
 def test_parameters_hold_the_rows_their_order_implies():
     """Non-default order: physically `_StridedShard`; each rank's local rows are the order's
     chunk; the DTensor's global value is the full parameter; state_dict keys are the model's."""
-    plan = plan_llama((2, 2), pins={"layers.*.feed_forward.w1.weight": "S(0)S(0)[1,0]",
-                                    "layers.*.feed_forward.w2.weight": "S(0)S(0)[0,1]"})
+    plan = plan_llama(
+        (2, 2),
+        pins={"layers.*.feed_forward.w1.weight": "S(0)S(0)[1,0]", "layers.*.feed_forward.w2.weight": "S(0)S(0)[0,1]"},
+    )
     full = build_model(TINY, seed=3)
     with simulated_mesh((2, 2)) as (mesh, mode):
         pmodel = parallelize(plan, mesh, full)
@@ -135,7 +146,9 @@ def test_parameters_hold_the_rows_their_order_implies():
         assert list(state) == list(full.state_dict())
         w1 = pmodel.get_parameter("layers.0.feed_forward.w1.weight")
         assert any(type(p) is tc._StridedShard for p in w1.placements)
-        assert not any(type(p) is tc._StridedShard for p in pmodel.get_parameter("layers.0.feed_forward.w2.weight").placements)
+        assert not any(
+            type(p) is tc._StridedShard for p in pmodel.get_parameter("layers.0.feed_forward.w2.weight").placements
+        )
         gathered = {fqn: every_rank(mode, value.full_tensor()) for fqn, value in state.items()}
         with mode.disable():
             for fqn, value in state.items():
@@ -171,8 +184,14 @@ def test_mlp_on_2x2x2_matches_single_device():
     ref_loss.backward()
     with simulated_mesh((2, 2, 2)) as (mesh, mode):  # unnamed: dp_replicate, dp_shard, tp
         # parameters replicated over dp_replicate: a budget over the other two dims' 4 ranks
-        pmodel = auto_shard(model, lambda: (x, y), mesh, loss_fn=mse, memory_budget=budget_bytes(model, (2, 2)),
-                            input_layouts=(batch_on_dp(3),) * 2)  # plan + apply in one call
+        pmodel = auto_shard(
+            model,
+            lambda: (x, y),
+            mesh,
+            loss_fn=mse,
+            memory_budget=budget_bytes(model, (2, 2)),
+            input_layouts=(batch_on_dp(3),) * 2,
+        )  # plan + apply in one call
         assert_shards(pmodel.plan)
         loss = pmodel(*pmodel.shard_inputs(x, y))
         loss.backward()
@@ -200,11 +219,16 @@ def test_fsdp_over_tp_mlp_runs_one_gather_and_a_reduce_scatter_per_weight():
     with simulated_mesh((2, 2)) as (mesh, mode):
         pmodel = parallelize(plan, mesh, model)
         steps = pmodel.comm.steps
-        weight_gathers = [(set(producer.split(",")), kind, dims) for producer, _, kind, dims in steps["forward"]
-                          if set(producer.split(",")) & weights]
+        weight_gathers = [
+            (set(producer.split(",")), kind, dims)
+            for producer, _, kind, dims in steps["forward"]
+            if set(producer.split(",")) & weights
+        ]
         assert weight_gathers == [(weights, "all_gather", (0,))]
         assert sorted((k, d) for p, _, k, d in steps["forward"] if not set(p.split(",")) & weights) == [
-            ("all_reduce", (0,)), ("all_reduce", (1,))]
+            ("all_reduce", (0,)),
+            ("all_reduce", (1,)),
+        ]
         # The ILP reduce-scatters w2's gradient before its final transpose (inside the gradient's
         # tail): still a gradient reduction, bucketed with w1's once both are ready.
         assert [(k, d) for _, _, k, d in steps["backward"]] == [("reduce_scatter", (0,))]
@@ -234,8 +258,11 @@ def test_wrong_local_input_shape_names_the_expected_one(small_mlp_plan):
     plan, model, x, y = small_mlp_plan
     with simulated_mesh((2, 2)) as (mesh, mode):
         pmodel = parallelize(plan, mesh, model)
-        with pytest.raises(ValueError, match=r"input 0: expected a local shard of shape \(1, 4, 16\) \(global \(2, 4, 16\) "
-                                             r"in layout S\(0\)R on mesh \(2, 2\)\), got \(2, 4, 16\)"):
+        with pytest.raises(
+            ValueError,
+            match=r"input 0: expected a local shard of shape \(1, 4, 16\) \(global \(2, 4, 16\) "
+            r"in layout S\(0\)R on mesh \(2, 2\)\), got \(2, 4, 16\)",
+        ):
             pmodel(x, y)
         with pytest.raises(ValueError, match="the plan has 2 inputs, got 1"):
             pmodel(x[:1])
@@ -273,7 +300,6 @@ def test_no_grad_forward_runs_only_the_forward(small_mlp_plan):
         assert not loss.requires_grad and all(p.grad is None for p in pmodel.parameters())
         with pytest.raises(AssertionError, match="the backward graph ran"):
             pmodel(*pmodel.shard_inputs(x, y)).backward()
-
 
 
 class _MergeAfterGather(nn.Module):

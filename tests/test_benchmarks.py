@@ -20,10 +20,12 @@ from benchmarks.gpu_rates import Row, summary
 ROOT = Path(__file__).resolve().parents[1]
 # The fixture runs the whole quick benchmark (~7 minutes on 2 idle cores, more beside other tests on
 # a slow machine) and waits for the launch lock in between; the suite's 600 s per test would cut it.
-pytestmark = [pytest.mark.timeout(2400),
-              # the benchmark measures autoshard's default plan, replicated on these tiny models, as
-              # users get it; the sharded numerics are the other tests' (tests/plan_audit.py)
-              pytest.mark.replicated_plan]
+pytestmark = [
+    pytest.mark.timeout(2400),
+    # the benchmark measures autoshard's default plan, replicated on these tiny models, as
+    # users get it; the sharded numerics are the other tests' (tests/plan_audit.py)
+    pytest.mark.replicated_plan,
+]
 
 
 PLANNING = "speed,command,quality,memory,planner"  # one process each, no torchrun
@@ -31,8 +33,13 @@ LAUNCHING = "training,accuracy"  # torchrun trainings and calibration
 
 
 def run_quick(out: Path, sections: str) -> tuple[dict, str]:
-    done = subprocess.run([sys.executable, "-m", "benchmarks.run", "--quick", "--only", sections, "--json", str(out)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=1400)
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.run", "--quick", "--only", sections, "--json", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=1400,
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return json.loads(out.read_text()), done.stdout
 
@@ -108,10 +115,12 @@ def test_quick_training_section(quick):
     assert 0 < figures["autoshard"]["modeled_overlapped_step_s"] <= figures["autoshard"]["modeled_step_s"]
     best = max(("recipe", "fsdp2"), key=lambda k: figures[k]["tokens_per_s"])
     assert figures["best_baseline"] == best and math.isclose(
-        figures["best_baseline_ratio"], figures["autoshard"]["tokens_per_s"] / figures[best]["tokens_per_s"])
+        figures["best_baseline_ratio"], figures["autoshard"]["tokens_per_s"] / figures[best]["tokens_per_s"]
+    )
     assert all(v == "Shard(dim=0)" for v in figures["fsdp2"]["layouts"].values())  # fully_shard alone
-    assert math.isclose(figures["throughput_ratio"],
-                        figures["autoshard"]["tokens_per_s"] / figures["recipe"]["tokens_per_s"])
+    assert math.isclose(
+        figures["throughput_ratio"], figures["autoshard"]["tokens_per_s"] / figures["recipe"]["tokens_per_s"]
+    )
     # the recipe's parameters are laid out as torchtitan's llama3 recipe lays them out
     layouts = figures["recipe"]["layouts"]
     assert layouts["layers.0.attention.wq.weight"].startswith("_StridedShard(dim=0")
@@ -142,9 +151,14 @@ def test_quick_accuracy_section(quick):
 def test_gpu_rates_summary_and_no_gpu():
     """benchmarks/gpu_rates.py (run on GPUs only): its summary is the medians a preset carries, and
     without CUDA it says so in one `error:` line."""
-    rows = [Row("matmul", "bfloat16 fwd a", 1.0, 2.0, 600e12, 0.0), Row("matmul", "bfloat16 fwd b", 1.0, 1.0, 700e12, 0.0),
-            Row("matmul", "bfloat16 fwd c", 2.0, 1.0, 1300e12, 0.0), Row("matmul", "float32 fwd a", 1.0, 1.0, 45e12, 0.0),
-            Row("memory", "add", 1e-3, 1e-3, 0.0, 2.4e9), Row("optimizer", "adamw", 1.0, 0.5, 0.0, 1e9)]
+    rows = [
+        Row("matmul", "bfloat16 fwd a", 1.0, 2.0, 600e12, 0.0),
+        Row("matmul", "bfloat16 fwd b", 1.0, 1.0, 700e12, 0.0),
+        Row("matmul", "bfloat16 fwd c", 2.0, 1.0, 1300e12, 0.0),
+        Row("matmul", "float32 fwd a", 1.0, 1.0, 45e12, 0.0),
+        Row("memory", "add", 1e-3, 1e-3, 0.0, 2.4e9),
+        Row("optimizer", "adamw", 1.0, 0.5, 0.0, 1e9),
+    ]
     got = summary(rows)
     assert got["bf16_flops"] == 650e12 and got["fp32_flops"] == 45e12 and got["memory_bytes_s"] == pytest.approx(2.4e12)
     assert got["modeled_over_measured"] == 1.0  # of 2, 1, 0.5, 1, 1, 0.5
@@ -158,14 +172,27 @@ def test_accuracy_rounds_take_the_median_round():
     """benchmarks/accuracy.py over rounds: each plan's row is its median round by modeled / measured,
     every round's ratio beside it; the rankings order the plans by their median steps, not by one
     round's."""
+
     def plan(modeled, measured):
-        return {"modeled_s": modeled, "compute_s": modeled, "optimizer_s": 0.0, "comm_s": 0.0, "measured_s": measured,
-                "ratio": modeled / measured}
+        return {
+            "modeled_s": modeled,
+            "compute_s": modeled,
+            "optimizer_s": 0.0,
+            "comm_s": 0.0,
+            "measured_s": measured,
+            "ratio": modeled / measured,
+        }
 
     steps = [((1.0, 1.5), (1.2, 1.9)), ((1.0, 1.0), (1.2, 2.0)), ((1.1, 1.2), (1.3, 1.15))]  # (ours, theirs) per round
-    rounds = [{"case": {"model": "m", "batch": 8, "seq": 64, "steps": 12, "warmup": 2, "mesh": "1x2"}, "calibrate_s": i,
-               "profile": {"round": i}, "sets": {"calibrated": {"plans": {"ours": plan(*ours), "theirs": plan(*theirs)}}}}
-              for i, (ours, theirs) in enumerate(steps)]
+    rounds = [
+        {
+            "case": {"model": "m", "batch": 8, "seq": 64, "steps": 12, "warmup": 2, "mesh": "1x2"},
+            "calibrate_s": i,
+            "profile": {"round": i},
+            "sets": {"calibrated": {"plans": {"ours": plan(*ours), "theirs": plan(*theirs)}}},
+        }
+        for i, (ours, theirs) in enumerate(steps)
+    ]
     case = _median_case(rounds)
     ours, theirs = case["sets"]["calibrated"]["plans"]["ours"], case["sets"]["calibrated"]["plans"]["theirs"]
     assert ours["measured_s"] == 1.2 and ours["round_ratios"] == [1.0 / 1.5, 1.0, 1.1 / 1.2]
@@ -174,5 +201,7 @@ def test_accuracy_rounds_take_the_median_round():
     assert case["sets"]["calibrated"]["measured_ranking"] == ["ours", "theirs"]
     assert case["sets"]["calibrated"]["same_ranking"] and not case["sets"]["calibrated"]["within_goal"]
     assert case["rounds"] == 3 and case["calibrate_s"] == [0, 1, 2] and case["profile"] == {"round": 2}
-    assert "| calibrated | ours | 1100.0 (1100.0 + 0.0 + 0.0) | 1200.0 | 0.92 | 0.67 / 1.00 / 0.92 |" in \
-        accuracy_markdown(case | {"cases": [case]})
+    assert (
+        "| calibrated | ours | 1100.0 (1100.0 + 0.0 + 0.0) | 1200.0 | 0.92 | 0.67 / 1.00 / 0.92 |"
+        in accuracy_markdown(case | {"cases": [case]})
+    )

@@ -15,8 +15,16 @@ import pytest
 
 from autoshard.__main__ import main as autoshard_main
 from autoshard.train.metrics import step_time_line
-from autoshard.pricing.fit import (BetweenCompute, CollectiveSample, between_compute_s, fit_network, fit_rate,
-                                   fit_step_parts, fit_step_rates, nnls)
+from autoshard.pricing.fit import (
+    BetweenCompute,
+    CollectiveSample,
+    between_compute_s,
+    fit_network,
+    fit_rate,
+    fit_step_parts,
+    fit_step_rates,
+    nnls,
+)
 from autoshard.pricing.planner import Planner
 from autoshard.pricing.ring import linear_cost, step_cost
 from autoshard.profiles.calibrate import CalibrationSettings, planner_groups
@@ -53,8 +61,11 @@ def test_fit_recovers_latency_and_bandwidth_of_every_group():
     # 3% noise per timing: parameters within 10%, the model within a few % of every timing
     noisy = fit_network(synthetic(TRUE, noise=0.03), (2, 2), mem_bw=10e9)
     q = noisy.profile
-    for got, want in [(q.launch_s, TRUE.launch_s), *zip(q.alpha + q.beta, TRUE.alpha + TRUE.beta),
-                      *zip(q.link((0, 1)), (70e-6, 0.4e9))]:
+    for got, want in [
+        (q.launch_s, TRUE.launch_s),
+        *zip(q.alpha + q.beta, TRUE.alpha + TRUE.beta),
+        *zip(q.link((0, 1)), (70e-6, 0.4e9)),
+    ]:
         assert got == pytest.approx(want, rel=0.10)
     assert 0.01 < noisy.rel_rms < 0.05
     assert {g.mesh_dims for g in noisy.groups} == {(0,), (1,), (0, 1)}
@@ -64,8 +75,7 @@ def test_fit_recovers_each_kinds_own_link():
     """Timings where all-gather moves a byte 4x slower and all-reduce pays twice the latency of
     the group's other kinds (as gloo's do): one link per group cannot fit them, a link per kind
     does, and the planner then prices each kind on its own link."""
-    slow = (("all_gather", (0,), 20e-6, 0.5e9), ("all_reduce", (0,), 40e-6, 2e9),
-            ("all_gather", (0, 1), 70e-6, 0.1e9))
+    slow = (("all_gather", (0,), 20e-6, 0.5e9), ("all_reduce", (0,), 40e-6, 2e9), ("all_gather", (0, 1), 70e-6, 0.1e9))
     truth = NetworkProfile(TRUE.alpha, TRUE.beta, TRUE.launch_s, TRUE.mem_bw, groups=TRUE.groups, kinds=slow)
     fit = fit_network(synthetic(truth), (2, 2), mem_bw=10e9)
     by_group = {g.mesh_dims: g for g in fit.groups}
@@ -79,8 +89,9 @@ def test_fit_recovers_each_kinds_own_link():
             assert linear_cost(p, kind, dims, n) == pytest.approx(linear_cost(truth, kind, dims, n), rel=1e-3)
     assert p.link((0,), "all_gather")[1] == pytest.approx(0.5e9, rel=1e-3)
     assert p.link((1, 0), "all_gather")[1] == pytest.approx(0.1e9, rel=1e-3)  # either order
-    assert linear_cost(p, "permute", (0,), 2) == linear_cost(NetworkProfile(p.alpha, p.beta, p.launch_s), "permute",
-                                                              (0,), 2)  # an untimed kind: the group's link
+    assert linear_cost(p, "permute", (0,), 2) == linear_cost(
+        NetworkProfile(p.alpha, p.beta, p.launch_s), "permute", (0,), 2
+    )  # an untimed kind: the group's link
     # 3% noise: every slow kind's bandwidth within 15%
     noisy = fit_network(synthetic(truth, noise=0.03), (2, 2), mem_bw=10e9).profile
     for kind, dims, alpha, beta in slow:
@@ -136,8 +147,9 @@ def test_fit_recovers_the_per_op_overhead_and_the_optimizer_rate():
     rng = np.random.default_rng(0)
     for noise, rel in ((0.0, 1e-6), (0.03, 0.10)):
         jitter = lambda: 1 + noise * rng.standard_normal()  # noqa: E731
-        fit = fit_step_parts(ops, [(2e-6 + n * 7e-6) * jitter() for n in ops], elements,
-                             [(3e-4 + e / 6e8) * jitter() for e in elements])
+        fit = fit_step_parts(
+            ops, [(2e-6 + n * 7e-6) * jitter() for n in ops], elements, [(3e-4 + e / 6e8) * jitter() for e in elements]
+        )
         assert fit.op_overhead_s == pytest.approx(7e-6, rel=rel) and fit.optimizer_rate == pytest.approx(6e8, rel=rel)
         assert fit.optimizer_overhead_s == pytest.approx(3e-4, rel=3 * rel) and fit.dispatch_rel_rms < 3 * noise + 1e-6
     with pytest.raises(ValueError, match="do not grow"):
@@ -157,10 +169,16 @@ def test_noisy_step_part_timings_keep_the_presets_figures(capsys):
 
     from autoshard.cli.calibrate import _device_profile
 
-    flat = {"float32": {"matmul": [{"flops": f, "seconds": 1e-4 + f / 3e10} for f in (1e6, 1e7, 1e8)],
-                        "memory": [{"bytes": b, "seconds": 1e-5 + b / 1e10} for b in (1e5, 1e6, 1e7)]}}
-    noisy = {"dispatch": [{"ops": n, "seconds": 1e-5 + n * 8e-6} for n in (1.0, 8.0, 64.0)],
-             "optimizer": [{"elements": e, "seconds": 2e-3} for e in (2.0**14, 2.0**17, 2.0**20)]}
+    flat = {
+        "float32": {
+            "matmul": [{"flops": f, "seconds": 1e-4 + f / 3e10} for f in (1e6, 1e7, 1e8)],
+            "memory": [{"bytes": b, "seconds": 1e-5 + b / 1e10} for b in (1e5, 1e6, 1e7)],
+        }
+    }
+    noisy = {
+        "dispatch": [{"ops": n, "seconds": 1e-5 + n * 8e-6} for n in (1.0, 8.0, 64.0)],
+        "optimizer": [{"elements": e, "seconds": 2e-3} for e in (2.0**14, 2.0**17, 2.0**20)],
+    }
     profile, _, step = _device_profile(flat, noisy, torch.device("cpu"), "test")
     cpu = DeviceProfile.preset("cpu")
     assert not step["fitted"] and profile.op_overhead_s == cpu.op_overhead_s
@@ -184,12 +202,27 @@ def test_the_ops_of_a_measured_training_step_give_the_profiles_rates(capsys):
     assert fit_step_rates(2e9, 0.08, 2e8, 1000, 0.045, 5e-6) == pytest.approx((2.5e10, 5e9))
     with pytest.raises(ValueError, match="no more than their dispatch"):
         fit_step_rates(2e9, 0.08, 2e8, 1000, 0.004, 5e-6)
-    rates = {"float32": {"matmul": [{"flops": f, "seconds": f / 4e10} for f in (1e6, 1e7, 1e8)],
-                         "memory": [{"bytes": b, "seconds": b / 3e10} for b in (1e5, 1e6, 1e7)]}}
-    step = {"dispatch": [{"ops": n, "seconds": n * 5e-6} for n in (1.0, 8.0, 64.0)],
-            "optimizer": [{"elements": e, "seconds": e / 5e8} for e in (2.0**14, 2.0**17, 2.0**20)],
-            "reference": [{"seconds": 0.13, "ops": 1500, "flops": 2e9, "flop_ops_s": 0.08, "memory_bytes": 2e8,
-                           "memory_ops": 1000, "memory_ops_s": 0.045}]}
+    rates = {
+        "float32": {
+            "matmul": [{"flops": f, "seconds": f / 4e10} for f in (1e6, 1e7, 1e8)],
+            "memory": [{"bytes": b, "seconds": b / 3e10} for b in (1e5, 1e6, 1e7)],
+        }
+    }
+    step = {
+        "dispatch": [{"ops": n, "seconds": n * 5e-6} for n in (1.0, 8.0, 64.0)],
+        "optimizer": [{"elements": e, "seconds": e / 5e8} for e in (2.0**14, 2.0**17, 2.0**20)],
+        "reference": [
+            {
+                "seconds": 0.13,
+                "ops": 1500,
+                "flops": 2e9,
+                "flop_ops_s": 0.08,
+                "memory_bytes": 2e8,
+                "memory_ops": 1000,
+                "memory_ops_s": 0.045,
+            }
+        ],
+    }
     profile, _, details = _device_profile(rates, step, torch.device("cpu"), "test")
     assert profile.mem_bw == pytest.approx(5e9, rel=1e-3) and profile.peak_flops_fp32 == pytest.approx(2.5e10)
     assert details["in_step"] == {"fp32_flops": profile.peak_flops_fp32, "mem_bw": profile.mem_bw}
@@ -220,7 +253,9 @@ def test_the_reference_step_runs_real_tensors_outside_the_trace(monkeypatch):
     (row,) = time_reference_step(torch.device("cpu"), CalibrationSettings())
     ((modes, outputs),) = seen  # called once, on real tensors, with no mode active
     tensors = [t for t in outputs if isinstance(t, torch.Tensor)]
-    assert modes == [] and len(tensors) > 10 and {type(t) for t in tensors} == {torch.Tensor}, {type(t) for t in tensors}
+    assert modes == [] and len(tensors) > 10 and {type(t) for t in tensors} == {torch.Tensor}, {
+        type(t) for t in tensors
+    }
     assert torch.isfinite(tensors[0])
     assert row["seconds"] == 0.1 and row["ops"] > 100 and row["flops"] > 0 and row["memory_bytes"] > 0
     assert row["flop_ops_s"] > 0 and row["memory_ops_s"] > 0 and 0 < row["memory_ops"] < row["ops"]
@@ -254,20 +289,33 @@ def test_group_override_prices_flattened_steps():
 
 
 def test_profile_file_round_trips(tmp_path):
-    device = DeviceProfile(peak_flops=3.2e10, mem_bw=2.9e10, name="calibrated cpu", memory_bytes=8e9,
-                           op_overhead_s=8e-6, optimizer_rate=5e8)
+    device = DeviceProfile(
+        peak_flops=3.2e10,
+        mem_bw=2.9e10,
+        name="calibrated cpu",
+        memory_bytes=8e9,
+        op_overhead_s=8e-6,
+        optimizer_rate=5e8,
+    )
     path = ProfileFile(TRUE, device, (2, 2), {"host": "x"}).save(tmp_path / "p.json")
     back = read_profile(path)
     assert back.network == TRUE and back.device == device and back.mesh_shape == (2, 2)
-    kinds = NetworkProfile(TRUE.alpha, TRUE.beta, TRUE.launch_s, TRUE.mem_bw, groups=TRUE.groups,
-                           kinds=(("all_gather", (1, 0), 1e-4, 1e8),))
+    kinds = NetworkProfile(
+        TRUE.alpha,
+        TRUE.beta,
+        TRUE.launch_s,
+        TRUE.mem_bw,
+        groups=TRUE.groups,
+        kinds=(("all_gather", (1, 0), 1e-4, 1e8),),
+    )
     assert read_profile(ProfileFile(kinds, device, (2, 2)).save(tmp_path / "k.json")).network == kinds
     assert back.details == {"host": "x"}
     assert network_profile(str(path), (2, 2)) == TRUE and device_profile(str(path)) == device
     # the planner prices with the loaded profile exactly as with the original
     shape, src, dst = (64, 32), "S(0)S(0)[0,1]", "RR"
     assert Planner((2, 2), network_profile(str(path), (2, 2))).cost(src, dst, shape, 4) == Planner((2, 2), TRUE).cost(
-        src, dst, shape, 4)
+        src, dst, shape, 4
+    )
     device_only = read_profile(ProfileFile(device=device).save(tmp_path / "d.json"))
     assert device_only.network is None and device_only.device == device
     # a file written before the step's other costs were measured still loads: no overhead, the
@@ -293,8 +341,10 @@ def bad_files(tmp_path: Path) -> dict[str, tuple[Path, str]]:
         "other": (tmp_path / "other.json", "not an autoshard profile"),
         "broken": (tmp_path / "broken.json", "malformed profile"),
         "mesh": (good.save(tmp_path / "2x2.json"), "measured on mesh 2x2, planning for mesh 4x2"),
-        "device only": (ProfileFile(device=DeviceProfile(1e10, 1e10)).save(tmp_path / "d.json"),
-                        "has no network profile"),
+        "device only": (
+            ProfileFile(device=DeviceProfile(1e10, 1e10)).save(tmp_path / "d.json"),
+            "has no network profile",
+        ),
     }
 
 
@@ -315,7 +365,18 @@ def test_bad_profile_files_are_one_clear_error(tmp_path):
 
 def test_cli_refuses_bad_profile_files(tmp_path, capsys):
     files = bad_files(tmp_path)
-    plan = ["plan", "--model", "llama3-tiny", "--batch", "8", "--seq", "16", "--no-dry-run", "--out", str(tmp_path / "o")]
+    plan = [
+        "plan",
+        "--model",
+        "llama3-tiny",
+        "--batch",
+        "8",
+        "--seq",
+        "16",
+        "--no-dry-run",
+        "--out",
+        str(tmp_path / "o"),
+    ]
     with pytest.raises(SystemExit) as done:
         autoshard_main([*plan, "--mesh", "4x2", "--network", str(files["mesh"][0])])
     assert done.value.code == 2
@@ -325,15 +386,35 @@ def test_cli_refuses_bad_profile_files(tmp_path, capsys):
         autoshard_main([*plan, "--mesh", "2x2", "--device", str(files["corrupt"][0])])
     assert capsys.readouterr().err.strip().startswith("error: profile file") and not (tmp_path / "o").exists()
     # train checks before it makes a process group: one line, exit 2
-    code = autoshard_main(["train", "--model", "llama3-tiny", "--mesh", "1", "--batch", "8", "--seq", "16",
-                           "--device", str(files["missing"][0]), "--out", str(tmp_path / "t")])
+    code = autoshard_main(
+        [
+            "train",
+            "--model",
+            "llama3-tiny",
+            "--mesh",
+            "1",
+            "--batch",
+            "8",
+            "--seq",
+            "16",
+            "--device",
+            str(files["missing"][0]),
+            "--out",
+            str(tmp_path / "t"),
+        ]
+    )
     err = capsys.readouterr().err.strip()
     assert code == 2 and err == f"error: profile file {files['missing'][0]}: no such file"
 
 
 def test_step_time_line_uses_steps_after_warmup():
-    rows = [{"step": 1, "step_s": 9.0}, {"step": 2, "step_s": 5.0}, {"step": 3, "step_s": 0.2},
-            {"step": 4, "step_s": 0.4}, {"step": 5, "step_s": 0.3}]
+    rows = [
+        {"step": 1, "step_s": 9.0},
+        {"step": 2, "step_s": 5.0},
+        {"step": 3, "step_s": 0.2},
+        {"step": 4, "step_s": 0.4},
+        {"step": 5, "step_s": 0.3},
+    ]
     line = step_time_line(0.15, rows)
     assert line == "step time: modeled 150.0 ms, measured 300.0 ms (median of steps 3-5); modeled / measured 0.50"
     assert "(median of step 1);" in step_time_line(0.15, rows[:1])
@@ -382,8 +463,23 @@ def test_torchrun_calibrate_writes_a_profile_the_planner_uses(tmp_path):
     """4 gloo ranks, (2,2), tiny sizes: every planner group timed with every kind, a fit per group,
     and the file plans llama3-tiny through the API with the flattened group's own link."""
     path = tmp_path / "profile.json"
-    out = _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4", "-m",
-                "autoshard", "calibrate", "--mesh", "2x2", "--quick", "--out", str(path)])
+    out = _run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=4",
+            "-m",
+            "autoshard",
+            "calibrate",
+            "--mesh",
+            "2x2",
+            "--quick",
+            "--out",
+            str(path),
+        ]
+    )
     assert "collectives on mesh dims [0, 1] (4 ranks)" in out.stdout and f"--network {path}" in out.stdout
     data = read_profile(path)
     assert data.mesh_shape == (2, 2) and [dims for dims, _, _ in data.network.groups] == [(0, 1)]
@@ -396,16 +492,23 @@ def test_torchrun_calibrate_writes_a_profile_the_planner_uses(tmp_path):
     assert between["extra_s"] >= 0 and [t["mesh_dims"] for t in between["timings"]] == [[0], [1], [0, 1]]
     assert all(t["both_s"] > t["work_s"] > 0 and t["in_bytes"] == 4096 for t in between["timings"])
     assert "between compute); fit error" in out.stdout
-    assert all(r["model_s"] == pytest.approx(between["launch_back_to_back_s"] + _kind_cost(data.network, r))
-               for r in rows)
+    assert all(
+        r["model_s"] == pytest.approx(between["launch_back_to_back_s"] + _kind_cost(data.network, r)) for r in rows
+    )
 
     from autoshard.driver.api import AutoShard
     from autoshard_models import build_model, cross_entropy_loss, get_config
     from autoshard.workloads import get_workload
 
     work = get_workload("llama3-tiny", 16)
-    with AutoShard(build_model(get_config("llama3-tiny"), device="meta"), lambda: work.example_inputs(8, 16, "meta"),
-                   (2, 2), loss_fn=cross_entropy_loss, network=str(path), device=str(path)) as auto:
+    with AutoShard(
+        build_model(get_config("llama3-tiny"), device="meta"),
+        lambda: work.example_inputs(8, 16, "meta"),
+        (2, 2),
+        loss_fn=cross_entropy_loss,
+        network=str(path),
+        device=str(path),
+    ) as auto:
         plan = auto.optimize()
     assert auto.network == data.network and auto.device == data.device
     assert plan.step_time_s > 0 and plan.compute_s > 0

@@ -31,7 +31,6 @@ ROOT = Path(__file__).resolve().parents[1]
 # ----------------------------------------------------------------------------- reference
 
 
-
 def make_locals(full, layout, mesh_shape, split, scale, gen) -> dict[int, torch.Tensor]:
     """Per-rank values representing `full`: shards along S dims; along mesh dims in `split`, a
     random additive split (values + noise with zero mean over those dims); times `scale[m]`."""
@@ -180,19 +179,31 @@ def test_sample_on_2x2x2():
     every = layouts(3, 3)
     pairs = [(rnd.choice(every), rnd.choice(every)) for _ in range(150)]
     # flattened groups over non-adjacent and reversed mesh dims, and a 3-cycle permute
-    forced = [("S(0)RS(0)[2,0]", "RRR"), ("S(0)S(0)S(0)[2,1,0]", "RRR"), ("PRP", "S(1)RS(1)[2,0]"),
-              ("S(0)S(0)S(0)[1,2,0]", "S(0)S(0)S(0)"), ("S(0)RS(0)[2,0]", "S(2)RS(2)[2,0]")]
+    forced = [
+        ("S(0)RS(0)[2,0]", "RRR"),
+        ("S(0)S(0)S(0)[2,1,0]", "RRR"),
+        ("PRP", "S(1)RS(1)[2,0]"),
+        ("S(0)S(0)S(0)[1,2,0]", "S(0)S(0)S(0)"),
+        ("S(0)RS(0)[2,0]", "S(2)RS(2)[2,0]"),
+    ]
     pairs += [(Layout.parse(a), Layout.parse(b)) for a, b in forced]
     # launches dominate: one collective over a flattened group beats several over its dims
     with Simulation((2, 2, 2), NetworkProfile((1e-6,) * 3, (4e9,) * 3, launch_s=1e-3, mem_bw=20e9)) as sim:
         failures = sweep(sim, pairs, (8, 4, 8), gen) + sweep(sim, pairs[:50], (4, 6, 2), gen)
     _assert_none(failures)
-    wanted = {("all_gather", 2, False), ("all_gather", 3, False), ("reduce_scatter", 2, False),
-              ("all_to_all", 2, False), ("permute", 3, True)}
+    wanted = {
+        ("all_gather", 2, False),
+        ("all_gather", 3, False),
+        ("reduce_scatter", 2, False),
+        ("all_to_all", 2, False),
+        ("permute", 3, True),
+    }
     assert wanted <= sim.seen, f"step kinds never exercised: {wanted - sim.seen}"
 
 
-@pytest.mark.parametrize("mesh_shape, tensor_ndims, count", [((4,), (1, 4), None), ((1, 4), (2,), 60), ((2, 1, 2), (2,), 60)])
+@pytest.mark.parametrize(
+    "mesh_shape, tensor_ndims, count", [((4,), (1, 4), None), ((1, 4), (2,), 60), ((2, 1, 2), (2,), 60)]
+)
 def test_other_meshes(mesh_shape, tensor_ndims, count):
     """1-D meshes (rank-1 and rank-4 tensors) and meshes with size-1 dims (relabel-only steps)."""
     gen, rnd = torch.Generator().manual_seed(2), random.Random(2)
@@ -254,10 +265,19 @@ def test_torchrun_gloo_2x2():
     """Real processes: torchrun, 4 gloo ranks on a (2,2) mesh, a handful of plans incl. an order
     change (permute) and one-shot steps, checked numerically inside the script."""
     env = child_env()
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4", str(ROOT / "tests" / "dist_redistribute.py")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=4",
+        str(ROOT / "tests" / "dist_redistribute.py"),
+    ]
     start = time.time()
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, f"torchrun failed after {time.time() - start:.0f}s:\n{out.stdout[-3000:]}\n{out.stderr[-5000:]}"
+    assert out.returncode == 0, (
+        f"torchrun failed after {time.time() - start:.0f}s:\n{out.stdout[-3000:]}\n{out.stderr[-5000:]}"
+    )
     assert "ALL OK" in out.stdout
 
 

@@ -35,7 +35,9 @@ def test_torchrun_compiled_program_trains_like_the_uncompiled_one(executed_plans
         assert r["compiled"] == {"eager": False, "compiled": True}  # AutoShard(compile=True) reached the module
         assert {"all_gather", "reduce_scatter"} <= set(r["collective_kinds"])  # FSDP's, bucketed and waited late
         assert {phase: (st["graphs"], st["graph_breaks"]) for phase, st in r["stats"].items()} == {
-            "forward": (1, 0), "backward": (1, 0)}
+            "forward": (1, 0),
+            "backward": (1, 0),
+        }
         assert r["losses"][0] == r["eager_losses"][0]  # step 1: the checked, uncompiled run in both
         for got, want in zip(r["losses"], r["eager_losses"]):
             assert abs(got - want) <= 1e-6 * abs(want), (r["losses"], r["eager_losses"])
@@ -58,12 +60,30 @@ def test_train_compile_flag_compiles_both_halves_from_the_first_unmetered_step(t
         def run(*args):
             calls.append(name)
             return gm(*args)
+
         return run
 
     monkeypatch.setattr(torch, "compile", recording_compile)
     out = tmp_path / "run"
-    code = main(["--model", "llama3-tiny", "--batch", "8", "--seq", "16", "--mesh", "1", "--steps", "4",
-                 "--wire-step", "2", "--compile", "--out", str(out)])
+    code = main(
+        [
+            "--model",
+            "llama3-tiny",
+            "--batch",
+            "8",
+            "--seq",
+            "16",
+            "--mesh",
+            "1",
+            "--steps",
+            "4",
+            "--wire-step",
+            "2",
+            "--compile",
+            "--out",
+            str(out),
+        ]
+    )
     assert code == 0, capsys.readouterr().err
     options = {"dynamic": False, "options": INDUCTOR_OPTIONS}
     assert compiled == [("AutoshardForward", options), ("AutoshardBackward", options)]
@@ -80,11 +100,27 @@ def test_train_compile_without_a_cpu_compiler_is_one_error_line(tmp_path, capsys
 
     missing = str(tmp_path / "no-such-g++")
     monkeypatch.setattr(config.cpp, "cxx", (None, missing))
-    code = main(["--model", "llama3-tiny", "--batch", "8", "--seq", "16", "--mesh", "1", "--steps", "2",
-                 "--compile", "--out", str(tmp_path / "run")])
+    code = main(
+        [
+            "--model",
+            "llama3-tiny",
+            "--batch",
+            "8",
+            "--seq",
+            "16",
+            "--mesh",
+            "1",
+            "--steps",
+            "2",
+            "--compile",
+            "--out",
+            str(tmp_path / "run"),
+        ]
+    )
     err = capsys.readouterr().err
     assert code == 2 and "Traceback" not in err
     assert [line for line in err.splitlines() if line.startswith("error:")] == [
         "error: --compile: inductor needs a C++ compiler for CPU kernels: No working C++ compiler found in "
-        f"torch._inductor.config.cpp.cxx: (None, '{missing}') (install g++ or set CXX)"]
+        f"torch._inductor.config.cpp.cxx: (None, '{missing}') (install g++ or set CXX)"
+    ]
     assert not (tmp_path / "run").exists()

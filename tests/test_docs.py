@@ -23,10 +23,29 @@ DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9_-]*[a-z0-9]")
 # Flags of other tools the docs show: torchrun's, SLURM's, and the benchmark scripts' own.
 OTHER_TOOLS = {
-    "--standalone", "--nproc_per_node", "--nnodes", "--max-restarts", "--signal",  # torchrun, SLURM
-    "--rdzv-backend", "--rdzv-endpoint", "--rdzv-id", "--nodes", "--ntasks-per-node", "--gpus-per-node",
-    "--quick", "--only", "--json", "--wide", "--repeats", "--kills", "--stall-only", "--no-stall",  # benchmarks
-    "--gap-only", "--two-ranks", "--ddp", "--rounds",
+    "--standalone",
+    "--nproc_per_node",
+    "--nnodes",
+    "--max-restarts",
+    "--signal",  # torchrun, SLURM
+    "--rdzv-backend",
+    "--rdzv-endpoint",
+    "--rdzv-id",
+    "--nodes",
+    "--ntasks-per-node",
+    "--gpus-per-node",
+    "--quick",
+    "--only",
+    "--json",
+    "--wide",
+    "--repeats",
+    "--kills",
+    "--stall-only",
+    "--no-stall",  # benchmarks
+    "--gap-only",
+    "--two-ranks",
+    "--ddp",
+    "--rounds",
 }
 
 
@@ -34,8 +53,12 @@ def autoshard_flags() -> set[str]:
     report, export = argparse.ArgumentParser(), argparse.ArgumentParser()
     add_report_arguments(report)
     add_export_arguments(export)
-    return {flag for parser in (train_parser(), plan_parser(), calibrate_parser(), report, export)
-            for action in parser._actions for flag in action.option_strings}
+    return {
+        flag
+        for parser in (train_parser(), plan_parser(), calibrate_parser(), report, export)
+        for action in parser._actions
+        for flag in action.option_strings
+    }
 
 
 def unknown_flags(text: str, known: set[str]) -> set[str]:
@@ -69,14 +92,20 @@ def test_the_cli_flag_reference_is_the_parsers_own():
     report, export = argparse.ArgumentParser(), argparse.ArgumentParser()
     add_report_arguments(report)
     add_export_arguments(export)
-    parsers = {"train": train_parser(), "plan": plan_parser(), "report": report, "export": export,
-               "calibrate": calibrate_parser()}
+    parsers = {
+        "train": train_parser(),
+        "plan": plan_parser(),
+        "report": report,
+        "export": export,
+        "calibrate": calibrate_parser(),
+    }
     text = (ROOT / "docs" / "cli.md").read_text()
     for name, parser in parsers.items():
         section = re.search(rf"^### {name}\n\n(\|.*?)\n(?:\n|\Z)", text, re.M | re.S)
         assert section, f"docs/cli.md has no flag table for {name}"
-        assert section.group(1) == flag_reference(parser), f"docs/cli.md's {name} table; the parser's:\n" + \
-            flag_reference(parser)
+        assert section.group(1) == flag_reference(parser), (
+            f"docs/cli.md's {name} table; the parser's:\n" + flag_reference(parser)
+        )
 
 
 def test_the_readme_is_short_and_names_every_docs_page():

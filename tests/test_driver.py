@@ -20,7 +20,10 @@ def test_the_config_names_roles_and_checks_the_batch():
     three = PlanConfig(mesh=(2, 2, 2), mesh_names=("dp_replicate", "dp_shard", "tp"))
     assert three.roles == ("dp_replicate", "dp_shard", "tp") and three.data_parallel_dims == (0, 1)
     three.check_batch(4)
-    with pytest.raises(ValueError, match=r"--batch 6 is not divisible by the dp size 4: .* mesh dims 0 'dp_replicate' x 1 'dp_shard' of size 4"):
+    with pytest.raises(
+        ValueError,
+        match=r"--batch 6 is not divisible by the dp size 4: .* mesh dims 0 'dp_replicate' x 1 'dp_shard' of size 4",
+    ):
         three.check_batch(6)
     assert (three.replicate_dim, three.intra_node_dims) == (0, (2,))
     assert PlanConfig(mesh=(1, 4), mesh_names=("dp_replicate", "dp")).replicate_dim is None  # size 1: nothing to plan
@@ -61,15 +64,39 @@ def test_every_config_field_with_a_flag_is_an_option_of_plan_and_train():
     from autoshard.cli.train import _parse
 
     parser = add_dataclass_arguments(ArgumentParser(prog="t"), PlanConfig)
-    values = vars(parser.parse_args(["--mesh", "4x2", "--mesh-names", "dp,tp", "--memory-limit", "none",
-                                     "--param-dtype", "bfloat16", "--backend", "cbc", "--time-limit", "5"]))
+    values = vars(
+        parser.parse_args(
+            [
+                "--mesh",
+                "4x2",
+                "--mesh-names",
+                "dp,tp",
+                "--memory-limit",
+                "none",
+                "--param-dtype",
+                "bfloat16",
+                "--backend",
+                "cbc",
+                "--time-limit",
+                "5",
+            ]
+        )
+    )
     config = from_values(PlanConfig, values)
-    assert (config.mesh, config.mesh_names, math.isinf(config.memory_limit), config.param_dtype, config.backend,
-            config.time_limit) == ((4, 2), ("dp", "tp"), True, "bf16", "cbc", 5.0)
-    plan_args = plan_parser().parse_args(["--model", "m", "--mesh", "2x2", "--batch", "2", "--seq", "4",
-                                          "--backend", "cbc", "--reshard-after-forward"])
-    assert from_values(PlanConfig, vars(plan_args)) == PlanConfig(mesh=(2, 2), backend="cbc",
-                                                                  reshard_after_forward=True)
+    assert (
+        config.mesh,
+        config.mesh_names,
+        math.isinf(config.memory_limit),
+        config.param_dtype,
+        config.backend,
+        config.time_limit,
+    ) == ((4, 2), ("dp", "tp"), True, "bf16", "cbc", 5.0)
+    plan_args = plan_parser().parse_args(
+        ["--model", "m", "--mesh", "2x2", "--batch", "2", "--seq", "4", "--backend", "cbc", "--reshard-after-forward"]
+    )
+    assert from_values(PlanConfig, vars(plan_args)) == PlanConfig(
+        mesh=(2, 2), backend="cbc", reshard_after_forward=True
+    )
     train = _parse(["--backend", "cbc", "--time-limit", "5", "--mesh", "2x2", "--mesh-names", "dp_shard,tp"])
     assert (train.backend, train.time_limit, train.mesh_names) == ("cbc", 5.0, ("dp_shard", "tp"))
 
@@ -94,7 +121,8 @@ def test_auto_shard_under_torchrun_solves_on_rank_0_only(executed_plans):
     assert fit["fit_tried"] >= 2 and fit["fit_peak"] <= fit["fit_limit"] < fit["peak"]
     stopped = "SolveError: highs stopped without a solution (time_limit=1)"
     assert [r["failure"] for r in ranks] == [stopped] + [
-        f"RankZeroFailed: rank 0 failed while planning for every rank: {stopped}"] * 3
+        f"RankZeroFailed: rank 0 failed while planning for every rank: {stopped}"
+    ] * 3
 
 
 def test_mesh_roles_are_checked_with_one_error_line(capsys):
@@ -102,8 +130,11 @@ def test_mesh_roles_are_checked_with_one_error_line(capsys):
     dp_shard) and a mesh that is not the world size are one error line each, before any work."""
     from autoshard.__main__ import main
 
-    with pytest.raises(ValueError, match=r"unknown role 'dp_replicte'; each mesh dim is one of dp_replicate, "
-                                         r"dp_shard, tp, cp \(dp means dp_shard\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"unknown role 'dp_replicte'; each mesh dim is one of dp_replicate, "
+        r"dp_shard, tp, cp \(dp means dp_shard\)",
+    ):
         PlanConfig(mesh=(2, 2, 2), mesh_names=("dp_replicte", "dp_shard", "tp"))
     with pytest.raises(ValueError, match="role dp_shard is given twice"):
         PlanConfig(mesh=(2, 2), mesh_names=("dp", "dp_shard"))
@@ -112,16 +143,22 @@ def test_mesh_roles_are_checked_with_one_error_line(capsys):
     # no role is invented: unnamed meshes get what the docs' examples use, and pipeline
     # parallelism, which nothing implements, is refused rather than planned as a free dim
     assert [PlanConfig(mesh=(2,) * n).mesh_names for n in (1, 2, 3)] == [
-        ("dp",), ("dp", "tp"), ("dp_replicate", "dp_shard", "tp")]
+        ("dp",),
+        ("dp", "tp"),
+        ("dp_replicate", "dp_shard", "tp"),
+    ]
     with pytest.raises(ValueError, match=r"role pp \(pipeline parallelism\) is not implemented"):
         PlanConfig(mesh=(2, 2, 2), mesh_names=("dp", "tp", "pp"))
     base = ["--model", "llama3-tiny", "--batch", "8", "--seq", "16"]
     for argv, message in (
-            (["plan", *base, "--mesh", "2x2x2", "--mesh-names", "dp_replicate,fsdp,tp"], "unknown role 'fsdp'"),
-            (["plan", *base, "--mesh", "2x2x2", "--mesh-names", "dp,tp,dp_shard"], "role dp_shard is given twice"),
-            (["plan", *base, "--mesh", "2x2x2", "--mesh-names", "dp,tp,pp"], "role pp (pipeline parallelism) is not"),
-            (["train", *base, "--mesh", "2x2x2", "--mesh-names", "dp_replicate,dp_shard,tp"],
-             "has 8 devices but the world size is 1")):
+        (["plan", *base, "--mesh", "2x2x2", "--mesh-names", "dp_replicate,fsdp,tp"], "unknown role 'fsdp'"),
+        (["plan", *base, "--mesh", "2x2x2", "--mesh-names", "dp,tp,dp_shard"], "role dp_shard is given twice"),
+        (["plan", *base, "--mesh", "2x2x2", "--mesh-names", "dp,tp,pp"], "role pp (pipeline parallelism) is not"),
+        (
+            ["train", *base, "--mesh", "2x2x2", "--mesh-names", "dp_replicate,dp_shard,tp"],
+            "has 8 devices but the world size is 1",
+        ),
+    ):
         try:
             code = main(argv)
         except SystemExit as exit_:  # argument errors exit from the parser

@@ -30,8 +30,9 @@ def make_plan(name: str, mesh_shape, batch: int, seq: int, sharded: bool = False
     model = build_model(cfg, device="meta")
     inputs = lambda: (torch.empty(batch, seq, dtype=torch.int64, device="meta"),) * 2  # noqa: E731
     with tc.fake_process_group(math.prod(mesh_shape)):
-        with AutoShard(model, inputs, mesh_shape, loss_fn=cross_entropy_loss, network="h100-node",
-                       device="h100") as auto:
+        with AutoShard(
+            model, inputs, mesh_shape, loss_fn=cross_entropy_loss, network="h100-node", device="h100"
+        ) as auto:
             auto.memory_limit(math.inf)  # the unconstrained plans: fp32 70B needs more than an H100 has
             if sharded:
                 auto.memory_budget(param_bytes(model) / math.prod(mesh_shape))
@@ -53,8 +54,10 @@ def debug():
 
 
 def check_breakdown(m: MemoryEstimate, model, world: int) -> None:
-    assert m.peak_bytes == sum(getattr(m, k) for k in (
-        "params", "buffers", "inputs", "optimizer", "activations", "gathered_params", "grads", "transient"))
+    assert m.peak_bytes == sum(
+        getattr(m, k)
+        for k in ("params", "buffers", "inputs", "optimizer", "activations", "gathered_params", "grads", "transient")
+    )
     assert m.peak_bytes == max(m.forward_peak_bytes, m.backward_peak_bytes) or m.phase == "optimizer"
     # every parameter is somewhere; at least its share of the whole model, AdamW: 2 fp32 states each
     assert param_bytes(model) / world <= m.params <= param_bytes(model)

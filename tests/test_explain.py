@@ -98,8 +98,11 @@ def test_top_limits_the_list_and_a_pattern_names_one_layout(tiny):
 
 def test_unknown_or_ambiguous_fqn_is_named(tiny):
     plan, auto = tiny
-    with pytest.raises(ExplainError, match=r"'layers\.0\.attention\.wq' matches no parameter; close matches: "
-                                           r"layers\.0\.attention\.wq\.weight"):
+    with pytest.raises(
+        ExplainError,
+        match=r"'layers\.0\.attention\.wq' matches no parameter; close matches: "
+        r"layers\.0\.attention\.wq\.weight",
+    ):
         auto.explain("layers.0.attention.wq")
     mixed = [f for f in plan.param_layouts if plan.param_layouts[f] != plan.param_layouts[WQ]]
     assert mixed
@@ -110,8 +113,9 @@ def test_unknown_or_ambiguous_fqn_is_named(tiny):
 
 
 def test_explain_needs_optimize_first():
-    auto = AutoShard(build_model(get_config("llama3-tiny"), device="meta"), tokens(), (2, 2),
-                     loss_fn=cross_entropy_loss)
+    auto = AutoShard(
+        build_model(get_config("llama3-tiny"), device="meta"), tokens(), (2, 2), loss_fn=cross_entropy_loss
+    )
     with pytest.raises(ValueError, match="optimize"):
         auto.explain(WQ)
 
@@ -159,8 +163,22 @@ def test_cli_bad_fqn_is_one_error_line(capsys):
     from autoshard.__main__ import main
 
     with pytest.raises(SystemExit) as exit_:
-        main(["plan", "--model", "llama3-tiny", "--mesh", "2x2", "--batch", "8", "--seq", "64", "--no-dry-run",
-              "--explain", "nope"])
+        main(
+            [
+                "plan",
+                "--model",
+                "llama3-tiny",
+                "--mesh",
+                "2x2",
+                "--batch",
+                "8",
+                "--seq",
+                "64",
+                "--no-dry-run",
+                "--explain",
+                "nope",
+            ]
+        )
     assert exit_.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error:") and "nope" in err[0] and "close matches: " in err[0]
@@ -171,8 +189,26 @@ def test_cli_explain_prints_and_logs(tmp_path, capsys):
     from autoshard.__main__ import main
 
     out = tmp_path / "plan"
-    main(["plan", "--model", "llama3-tiny", "--mesh", "2x2", "--batch", "8", "--seq", "64", "--no-dry-run",
-          "--explain", "norm.weight", "--explain-top", "1", "--out", str(out)])
+    main(
+        [
+            "plan",
+            "--model",
+            "llama3-tiny",
+            "--mesh",
+            "2x2",
+            "--batch",
+            "8",
+            "--seq",
+            "64",
+            "--no-dry-run",
+            "--explain",
+            "norm.weight",
+            "--explain-top",
+            "1",
+            "--out",
+            str(out),
+        ]
+    )
     printed = capsys.readouterr().out
     assert "explain norm.weight:" in printed and "next best layouts" in printed
     assert "== explain norm.weight" in (out / "sharding.log").read_text()

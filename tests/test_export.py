@@ -73,12 +73,15 @@ def one_step_run(tmp_path_factory) -> Path:
     return run
 
 
-@pytest.mark.parametrize("args, message", [
-    (["{tmp}/nowhere", "--hf", "{tmp}/o"], "not a training run directory (no plan.json)"),
-    (["{run}", "--hf", "{tmp}/o", "--step", "2"], "no complete checkpoint of step 2 (there are: 1)"),
-    (["{run}", "--hf", "{run}"], "exists and is not an empty directory"),
-    (["{run}", "--hf", "/proc/autoshard-export"], "cannot write /proc/autoshard-export"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["{tmp}/nowhere", "--hf", "{tmp}/o"], "not a training run directory (no plan.json)"),
+        (["{run}", "--hf", "{tmp}/o", "--step", "2"], "no complete checkpoint of step 2 (there are: 1)"),
+        (["{run}", "--hf", "{run}"], "exists and is not an empty directory"),
+        (["{run}", "--hf", "/proc/autoshard-export"], "cannot write /proc/autoshard-export"),
+    ],
+)
 @ONE_PROCESS
 def test_bad_export_input_is_one_error_line_and_writes_nothing(tmp_path, capsys, one_step_run, args, message):
     run = tmp_path / "run"
@@ -101,16 +104,36 @@ def test_an_hf_model_trained_on_2x2_exports_back_to_transformers(tmp_path, execu
     from plan_audit import assert_shards, budget_bytes
     from test_train import metrics, torchrun
 
-    model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(
-        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=8, tie_word_embeddings=True, use_cache=False))
+    model = transformers.Qwen3ForCausalLM(
+        transformers.Qwen3Config(
+            vocab_size=128,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=8,
+            tie_word_embeddings=True,
+            use_cache=False,
+        )
+    )
     model.save_pretrained(tmp_path / "m")
     (tmp_path / "m" / "generation_config.json").write_text(json.dumps({"max_new_tokens": 7}))
     args = ["--model", f"hf:{tmp_path / 'm'}", "--mesh", "2x2", "--batch", "8", "--seq", "16"]
     sharded = ["--memory-budget", str(budget_bytes(model, (4,)))]
     run = tmp_path / "run"
-    torchrun(*args, *sharded, "--init-from", str(tmp_path / "m"), "--steps", "2", "--checkpoint-every", "2",
-             "--out", str(run))
+    torchrun(
+        *args,
+        *sharded,
+        "--init-from",
+        str(tmp_path / "m"),
+        "--steps",
+        "2",
+        "--checkpoint-every",
+        "2",
+        "--out",
+        str(run),
+    )
     (facts,) = executed_plans()
     assert_shards(facts, batch_split=False)
     out = tmp_path / "hf"
@@ -129,7 +152,25 @@ def test_an_hf_model_trained_on_2x2_exports_back_to_transformers(tmp_path, execu
     workload = get_workload(f"hf:{tmp_path / 'm'}", 16)
     assert abs(batch_loss(exported, workload, 2) - resumed) <= 1e-5 * resumed
     again = tmp_path / "again"
-    assert train_main([*args[:2], "--mesh", "1", "--batch", "8", "--seq", "16", "--steps", "1", "--init-from",
-                       str(out), "--out", str(again)]) == 0
+    assert (
+        train_main(
+            [
+                *args[:2],
+                "--mesh",
+                "1",
+                "--batch",
+                "8",
+                "--seq",
+                "16",
+                "--steps",
+                "1",
+                "--init-from",
+                str(out),
+                "--out",
+                str(again),
+            ]
+        )
+        == 0
+    )
     first = json.loads((again / "metrics.jsonl").read_text().splitlines()[0])["loss"]
     assert abs(first - batch_loss(exported, workload, 0)) <= 1e-5 * first

@@ -35,8 +35,14 @@ def losses(run: Path) -> dict[int, float]:
 def train(*args: str) -> subprocess.CompletedProcess:
     """`python -m autoshard train` as its own process, one thread (same numerics in every run)."""
     env = child_env()
-    return subprocess.run([sys.executable, "-m", "autoshard", "train", *TINY, *args], env=env, cwd=ROOT,
-                          capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "autoshard", "train", *TINY, *args],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def kept(run: Path) -> list[str]:
@@ -53,8 +59,14 @@ def test_sigterm_finishes_the_step_checkpoints_and_the_same_command_resumes_exac
     assert clean.returncode == 0, clean.stderr[-3000:]
     out = tmp_path / "stopped"
     env = child_env()
-    proc = subprocess.Popen([sys.executable, "-m", "autoshard", "train", *TINY, *args, "--out", str(out)], env=env,
-                            cwd=ROOT, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "autoshard", "train", *TINY, *args, "--out", str(out)],
+        env=env,
+        cwd=ROOT,
+        stderr=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        text=True,
+    )
     lines = []
     for line in proc.stderr:
         lines.append(line)
@@ -76,12 +88,44 @@ def test_sigterm_finishes_the_step_checkpoints_and_the_same_command_resumes_exac
 @ONE_PROCESS
 def test_retention_keeps_the_newest_k_and_a_rerun_resumes_by_itself(tmp_path, capsys):
     out = tmp_path / "run"
-    assert main([*TINY, "--steps", "9", "--checkpoint-every", "2", "--keep-checkpoints", "2", "--checkpoint-writes",
-                 "async", "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                *TINY,
+                "--steps",
+                "9",
+                "--checkpoint-every",
+                "2",
+                "--keep-checkpoints",
+                "2",
+                "--checkpoint-writes",
+                "async",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     assert kept(out) == ["step-000006", "step-000008"]
     first = losses(out)
-    assert main([*TINY, "--steps", "11", "--checkpoint-every", "2", "--keep-checkpoints", "0",
-                 "--checkpoint-writes", "sync", "--out", str(out)]) == 0  # --resume auto: from step 8
+    assert (
+        main(
+            [
+                *TINY,
+                "--steps",
+                "11",
+                "--checkpoint-every",
+                "2",
+                "--keep-checkpoints",
+                "0",
+                "--checkpoint-writes",
+                "sync",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )  # --resume auto: from step 8
     assert "resumed from" in capsys.readouterr().err
     assert kept(out) == ["step-000006", "step-000008", "step-000010"]
     again = losses(out)
@@ -113,8 +157,9 @@ def test_a_non_finite_loss_stops_with_one_error_line_and_saves_nothing_of_it(tmp
     err = capsys.readouterr().err
     errors = [x for x in err.splitlines() if x.startswith("error:")]
     assert code == 2 and "Traceback" not in err
-    assert errors == [f"error: step 2: the loss is nan; the newest good checkpoint is "
-                      f"{out / 'checkpoints' / 'step-000001'}"]
+    assert errors == [
+        f"error: step 2: the loss is nan; the newest good checkpoint is {out / 'checkpoints' / 'step-000001'}"
+    ]
     assert kept(out) == ["step-000001"] and list(losses(out)) == [1]
 
 
@@ -136,6 +181,7 @@ def test_non_finite_parameters_are_never_checkpointed(tmp_path, capsys, monkeypa
                 with __import__("torch").no_grad():
                     optim.param_groups[0]["params"][0].fill_(float("nan"))
             return result
+
         optim.step = broken_step
         return optim
 
@@ -145,7 +191,8 @@ def test_non_finite_parameters_are_never_checkpointed(tmp_path, capsys, monkeypa
     err = capsys.readouterr().err
     assert code == 2 and [x for x in err.splitlines() if x.startswith("error:")] == [
         f"error: step 3: the parameters hold non-finite values; the newest good checkpoint is "
-        f"{out / 'checkpoints' / 'step-000002'}"]
+        f"{out / 'checkpoints' / 'step-000002'}"
+    ]
     assert kept(out)[-1] == "step-000002"
 
 
@@ -156,8 +203,10 @@ def test_resume_no_refuses_an_earlier_runs_checkpoints(tmp_path, capsys):
     capsys.readouterr()
     assert main([*TINY, "--steps", "4", "--resume", "no", "--out", str(out)]) == 2
     err = capsys.readouterr().err
-    assert err.splitlines() == [f"error: --resume no: {out / 'checkpoints'} holds an earlier run's checkpoints "
-                                "(newest step 2); remove them, choose another --out, or resume (--resume auto)"]
+    assert err.splitlines() == [
+        f"error: --resume no: {out / 'checkpoints'} holds an earlier run's checkpoints "
+        "(newest step 2); remove them, choose another --out, or resume (--resume auto)"
+    ]
 
 
 @pytest.mark.slow
@@ -166,8 +215,9 @@ def test_torchrun_restarts_after_sigkills_continue_with_the_same_losses():
     """4 gloo ranks (2,2), parameters sharded, 20 steps, checkpoints every 4 written in the background: a random rank
     SIGKILLed at two steps (maybe mid-write) under --max-restarts 2; torchrun exits 0 and every
     step's loss equals the uninterrupted run's."""
-    figures = survive(steps=20, checkpoint_every=4, kills=2, seed=1,
-                      extra=("--checkpoint-writes", "async", *SHARDED_ON_4))
+    figures = survive(
+        steps=20, checkpoint_every=4, kills=2, seed=1, extra=("--checkpoint-writes", "async", *SHARDED_ON_4)
+    )
     assert figures["clean_returncode"] == 0 and figures["returncode"] == 0, figures["stderr_tail"]
     assert len(figures["killed_at"]) == 2 and figures["rows"] == 20
     assert figures["differing_steps"] == []

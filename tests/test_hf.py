@@ -21,8 +21,15 @@ from plan_audit import assert_shards, budget_bytes, sharded_plan
 from simulation import simulated_mesh
 
 BATCH, SEQ, VOCAB, STEPS = 4, 8, 128, 3
-SMALL = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-             num_attention_heads=4, num_key_value_heads=2, use_cache=False)
+SMALL = dict(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    use_cache=False,
+)
 CONFIGS = {
     "llama": lambda: transformers.LlamaConfig(**SMALL),
     "qwen2": lambda: transformers.Qwen2Config(**SMALL),  # q/k/v biases
@@ -58,18 +65,26 @@ def single_device(config, keywords: bool):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind, mesh_shape, keywords", [
-    ("llama", (2, 2), False), ("llama", (4,), True),
-    ("qwen2", (2, 2), True), ("qwen2", (4,), False),
-    ("qwen3", (2, 2), False), ("qwen3", (4,), True),
-])
+@pytest.mark.parametrize(
+    "kind, mesh_shape, keywords",
+    [
+        ("llama", (2, 2), False),
+        ("llama", (4,), True),
+        ("qwen2", (2, 2), True),
+        ("qwen2", (4,), False),
+        ("qwen3", (2, 2), False),
+        ("qwen3", (4,), True),
+    ],
+)
 def test_hf_causal_lm_trains_like_single_device(kind, mesh_shape, keywords, caplog):
     config = CONFIGS[kind]()
     initial, ref = single_device(config, keywords)  # transformers' own sdpa, its causal mask made
     meta = hf.build(hf.training_config(config), "meta")  # is_causal SDPA, no mask
     if keywords:  # HF's own convention: keyword inputs, the loss from `.loss`
-        example = lambda: {"input_ids": torch.empty(BATCH, SEQ, dtype=torch.int64, device="meta"),  # noqa: E731
-                           "labels": torch.empty(BATCH, SEQ, dtype=torch.int64, device="meta")}
+        example = lambda: {
+            "input_ids": torch.empty(BATCH, SEQ, dtype=torch.int64, device="meta"),  # noqa: E731
+            "labels": torch.empty(BATCH, SEQ, dtype=torch.int64, device="meta"),
+        }
         loss_fn = None
     else:  # a loss function of one's own gets `.logits`
         example = lambda: (torch.empty(BATCH, SEQ, dtype=torch.int64, device="meta"),) * 2  # noqa: E731
@@ -105,16 +120,20 @@ def test_hf_causal_lm_trains_like_single_device(kind, mesh_shape, keywords, capl
                 full = p.grad.full_tensor()
                 with mode.disable():
                     for got in tc.rank_values(full).values():
-                        torch.testing.assert_close(got, want_grads[fqn], rtol=1e-5, atol=atol,
-                                                   msg=lambda m: f"{fqn} step {step}: {m}")
+                        torch.testing.assert_close(
+                            got, want_grads[fqn], rtol=1e-5, atol=atol, msg=lambda m: f"{fqn} step {step}: {m}"
+                        )
             optim.step()
             optim.zero_grad()
 
 
 def sdpa_calls(graph) -> list[dict]:
     """The arguments, by name, of every forward SDPA op of a traced graph."""
-    return [dict(zip([a.name for a in n.target._schema.arguments], n.args)) | n.kwargs for n in graph.nodes
-            if n.op == "call_function" and "scaled_dot_product" in str(n.target) and "backward" not in str(n.target)]
+    return [
+        dict(zip([a.name for a in n.target._schema.arguments], n.args)) | n.kwargs
+        for n in graph.nodes
+        if n.op == "call_function" and "scaled_dot_product" in str(n.target) and "backward" not in str(n.target)
+    ]
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
@@ -127,14 +146,18 @@ def test_a_causal_mask_of_positions_leaves_the_graph(kind):
     for name, cfg in (("ours", hf.training_config(config)), ("transformers", config)):
         plan = AutoShard(hf.build(cfg, "meta"), example, (2, 2), loss_fn=logits_loss).optimize()
         graphs[name] = plan.graph
-    masks = {name: [n for n in g.nodes if getattr(n.meta.get("val"), "shape", None) == (BATCH, 1, SEQ, SEQ)]
-             for name, g in graphs.items()}
+    masks = {
+        name: [n for n in g.nodes if getattr(n.meta.get("val"), "shape", None) == (BATCH, 1, SEQ, SEQ)]
+        for name, g in graphs.items()
+    }
     assert masks["transformers"] and not masks["ours"]
     ours = sdpa_calls(graphs["ours"])
     assert len(ours) == config.num_hidden_layers
     assert all(call["is_causal"] is True and call.get("attn_mask") is None for call in ours), ours
     windowed = transformers.Qwen2Config(**SMALL, use_sliding_window=True, sliding_window=4, max_window_layers=0)
-    assert not hf.full_causal_attention(windowed) and hf.training_config(windowed)._attn_implementation != hf.CAUSAL_SDPA
+    assert (
+        not hf.full_causal_attention(windowed) and hf.training_config(windowed)._attn_implementation != hf.CAUSAL_SDPA
+    )
 
 
 def test_a_padding_mask_is_kept_and_numerics_stay_exact():
@@ -149,9 +172,11 @@ def test_a_padding_mask_is_kept_and_numerics_stay_exact():
     loss = model(input_ids=batch.inputs, attention_mask=mask, labels=batch.targets).loss
     loss.backward()
     want = {n: p.grad for n, p in model.named_parameters()}
-    example = lambda: {"input_ids": torch.empty(BATCH, SEQ, dtype=torch.int64, device="meta"),  # noqa: E731
-                       "attention_mask": torch.empty(BATCH, SEQ, dtype=torch.int64, device="meta"),
-                       "labels": torch.empty(BATCH, SEQ, dtype=torch.int64, device="meta")}
+    example = lambda: {
+        "input_ids": torch.empty(BATCH, SEQ, dtype=torch.int64, device="meta"),  # noqa: E731
+        "attention_mask": torch.empty(BATCH, SEQ, dtype=torch.int64, device="meta"),
+        "labels": torch.empty(BATCH, SEQ, dtype=torch.int64, device="meta"),
+    }
     meta = hf.build(hf.training_config(config), "meta")
     plan = sharded_plan(AutoShard(meta, example, (2, 2)))
     assert all(call.get("attn_mask") is not None for call in sdpa_calls(plan.graph))  # the mask is traced
@@ -205,15 +230,18 @@ def test_checkpoint_values_take_weights_from_safetensors_and_buffers_from_init(t
     assert torch.equal(values["model.rotary_emb.inv_freq"], saved.model.rotary_emb.inv_freq)
 
 
-@pytest.mark.parametrize("case, message", [
-    ("missing", "hf:{tmp}/nope: no such file or directory"),
-    ("empty-dir", "the directory has no config.json"),
-    ("vit", "model_type 'vit' has no causal-LM class in transformers"),
-    ("unknown-type", "knows no model_type 'not-a-model'"),
-    ("bad-json", "not a JSON config"),
-    ("init-shapes", "weight has shape (256, 32) in the checkpoint, (128, 32) in hf:{tmp}/m"),
-    ("init-missing", "--init-from {tmp}/m/config.json: not a safetensors file"),
-])
+@pytest.mark.parametrize(
+    "case, message",
+    [
+        ("missing", "hf:{tmp}/nope: no such file or directory"),
+        ("empty-dir", "the directory has no config.json"),
+        ("vit", "model_type 'vit' has no causal-LM class in transformers"),
+        ("unknown-type", "knows no model_type 'not-a-model'"),
+        ("bad-json", "not a JSON config"),
+        ("init-shapes", "weight has shape (256, 32) in the checkpoint, (128, 32) in hf:{tmp}/m"),
+        ("init-missing", "--init-from {tmp}/m/config.json: not a safetensors file"),
+    ],
+)
 @pytest.mark.parametrize("command", ["plan", "train"])
 def test_bad_hf_input_is_one_error_line(tmp_path, capsys, case, message, command):
     from autoshard.cli.plan import plan_main
@@ -226,8 +254,13 @@ def test_bad_hf_input_is_one_error_line(tmp_path, capsys, case, message, command
     (tmp_path / "vit" / "config.json").write_text('{"model_type": "vit"}')
     (tmp_path / "unknown-type.json").write_text('{"model_type": "not-a-model"}')
     (tmp_path / "bad-json.json").write_text("{nope")
-    model = {"missing": "nope", "empty-dir": "empty-dir", "vit": "vit", "unknown-type": "unknown-type.json",
-             "bad-json": "bad-json.json"}.get(case, "m")
+    model = {
+        "missing": "nope",
+        "empty-dir": "empty-dir",
+        "vit": "vit",
+        "unknown-type": "unknown-type.json",
+        "bad-json": "bad-json.json",
+    }.get(case, "m")
     args = ["--model", f"hf:{tmp_path / model}", "--mesh", "1", "--batch", "2", "--seq", "8", "--out", tmp_path / "o"]
     if case == "init-shapes":
         args += ["--init-from", tmp_path / "other"]
@@ -258,9 +291,24 @@ def test_torchrun_trains_an_hf_model_from_its_safetensors_like_single_device(tmp
     from autoshard.workloads import get_workload
 
     model, directory = save_tiny(tmp_path / "m", seed=5, tie_word_embeddings=True)
-    torchrun("--model", f"hf:{directory}", "--init-from", str(directory), "--mesh", "2x2", "--batch", "8",
-             "--seq", "16", "--steps", "5", "--memory-budget", str(budget_bytes(model, (2, 2))),
-             "--out", str(tmp_path / "run"))
+    torchrun(
+        "--model",
+        f"hf:{directory}",
+        "--init-from",
+        str(directory),
+        "--mesh",
+        "2x2",
+        "--batch",
+        "8",
+        "--seq",
+        "16",
+        "--steps",
+        "5",
+        "--memory-budget",
+        str(budget_bytes(model, (2, 2))),
+        "--out",
+        str(tmp_path / "run"),
+    )
     (facts,) = executed_plans()
     assert_shards(facts, batch_split=False)
     data = get_workload(f"hf:{directory}", seq=16).data(0)

@@ -30,8 +30,9 @@ def plan_3d(**config):
     split the batch over both dp dims)."""
     meta = build_model(TINY, device="meta")
     example = lambda: (torch.empty(BATCH, SEQ, dtype=torch.int64, device="meta"),) * 2  # noqa: E731
-    with AutoShard(meta, example, config=PlanConfig(mesh=(2, 2, 2), mesh_names=ROLES3, **config),
-                   loss_fn=cross_entropy_loss) as auto:
+    with AutoShard(
+        meta, example, config=PlanConfig(mesh=(2, 2, 2), mesh_names=ROLES3, **config), loss_fn=cross_entropy_loss
+    ) as auto:
         force_sharding(auto, budget=None, split_batch=False)
         auto.memory_budget(float(SHARDED_ON_4[1]))  # replicated over dp_replicate: 4 ranks share them
         plan = auto.optimize()
@@ -64,7 +65,10 @@ def test_hsdp_plan_respects_roles_and_trains_like_single_device():
     # every node kept only the strategies with the 1D solve's placements on dim 0
     assert all(len({dim_placements(s) for s in choices}) == 1 for choices in auto.sharding.strategies.values())
     two_d = plan_2d()
-    assert plan.solution.stats.variables <= 1.5 * two_d.solution.stats.variables, (plan.solution.stats, two_d.solution.stats)
+    assert plan.solution.stats.variables <= 1.5 * two_d.solution.stats.variables, (
+        plan.solution.stats,
+        two_d.solution.stats,
+    )
     pmodel = trains_like_single_device(plan, (2, 2, 2), single_device(3), ROLES3)
     # parameters never move over dp_replicate: what crosses it is activations and gradient reductions
     assert not [s for s in pmodel.comm.steps["forward"] if 0 in s[3] and s[2] != "all_gather"]
@@ -85,8 +89,25 @@ def test_eight_gloo_ranks_train_hsdp_like_single_device(tmp_path, executed_plans
     """`train` on 8 real gloo processes, mesh (2,2,2) with roles, parameters sharded over dp_shard x
     tp: 2 steps with the single-device losses; the log and plan.json name each dim's role."""
     out = tmp_path / "run"
-    torchrun("--model", "llama3-tiny", "--batch", "8", "--seq", "16", "--mesh", "2x2x2", "--mesh-names",
-             ",".join(ROLES3), *SHARDED_ON_4, "--steps", "2", "--out", str(out), nproc=8, timeout=600)
+    torchrun(
+        "--model",
+        "llama3-tiny",
+        "--batch",
+        "8",
+        "--seq",
+        "16",
+        "--mesh",
+        "2x2x2",
+        "--mesh-names",
+        ",".join(ROLES3),
+        *SHARDED_ON_4,
+        "--steps",
+        "2",
+        "--out",
+        str(out),
+        nproc=8,
+        timeout=600,
+    )
     (facts,) = executed_plans()
     assert_shards(facts)
     want = train_single(TrainSettings(model="llama3-tiny", steps=2, batch=8, seq=16)).losses

@@ -13,8 +13,18 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # package (or top-level module) of autoshard -> what it may import; `solver` and `models` are the
 # sibling packages. Stages compute, drivers (driver, train, cli) call them; nothing points back up.
-STAGES = ("_torch_compat", "layout", "options", "profiles", "capture", "strategies", "pricing", "problem", "program",
-          "runtime")
+STAGES = (
+    "_torch_compat",
+    "layout",
+    "options",
+    "profiles",
+    "capture",
+    "strategies",
+    "pricing",
+    "problem",
+    "program",
+    "runtime",
+)
 ALLOWED: dict[str, set[str]] = {
     "_torch_compat": set(),
     "options": set(),
@@ -153,8 +163,11 @@ def test_every_autoshard_package_is_in_the_table():
 
 
 def test_every_arrow_is_allowed():
-    problems = [p for module, src in _modules("autoshard")
-                for p in forbidden_arrows(src, module + (".__init__" if _is_package(module) else ""))]
+    problems = [
+        p
+        for module, src in _modules("autoshard")
+        for p in forbidden_arrows(src, module + (".__init__" if _is_package(module) else ""))
+    ]
     assert problems == []
 
 
@@ -165,21 +178,29 @@ def test_no_import_circles():
 def test_the_checks_catch_a_forbidden_arrow_and_a_circle():
     src = "import torch\nfrom autoshard.layout import Layout\ndef f():\n    from ..program.lower import lower\n"
     assert forbidden_arrows(src, "autoshard.problem.plan") == [
-        "autoshard.problem.plan:4 imports autoshard.program.lower (problem -> program is not allowed)"]
+        "autoshard.problem.plan:4 imports autoshard.program.lower (problem -> program is not allowed)"
+    ]
     assert forbidden_arrows("import autoshard_solver", "autoshard.runtime.module") == [
-        "autoshard.runtime.module:1 imports autoshard_solver (runtime -> solver is not allowed)"]
+        "autoshard.runtime.module:1 imports autoshard_solver (runtime -> solver is not allowed)"
+    ]
     assert forbidden_arrows("from autoshard import AutoShard", "autoshard.runtime.module")  # the root is a driver
     assert forbidden_arrows("from autoshard import _torch_compat as tc", "autoshard.layout") == []
     assert forbidden_arrows("from autoshard.problem.plan import Plan", "autoshard.program.lower") == []
-    sources = {"pkg.a": "from pkg import b\n", "pkg.b": "def f():\n    from .c import x\n", "pkg.c": "import pkg.a\n",
-               "pkg.d": "import pkg.a\n"}
+    sources = {
+        "pkg.a": "from pkg import b\n",
+        "pkg.b": "def f():\n    from .c import x\n",
+        "pkg.c": "import pkg.a\n",
+        "pkg.d": "import pkg.a\n",
+    }
     assert circles(module_imports(sources)) == [["pkg.a", "pkg.b", "pkg.c"]]
     assert circles(module_imports({"pkg.a": "from pkg import b\n", "pkg.b": "import os\n"})) == []
 
 
 def test_solver_imports_no_torch_and_models_no_autoshard():
-    for package, banned in (("solver", ("torch", "autoshard", "autoshard_models")),
-                            ("models", ("autoshard", "autoshard_solver"))):
+    for package, banned in (
+        ("solver", ("torch", "autoshard", "autoshard_models")),
+        ("models", ("autoshard", "autoshard_solver")),
+    ):
         for module, src in _modules(package):
             bad = [t for _, t in imported_modules(src, module) if t.split(".")[0] in banned]
             assert bad == [], f"{module} imports {bad}"
@@ -195,9 +216,12 @@ def private_torch_uses(source: str) -> list[str]:
 
 def test_private_torch_apis_only_in_torch_compat():
     assert private_torch_uses("from torch.distributed._tools import x; torch._ops.OpOverload") == [
-        "torch.distributed._tools", "torch._ops"]
-    uses = {module: private_torch_uses(src) for module, src in _modules("autoshard")
-            if module != "autoshard._torch_compat"}
+        "torch.distributed._tools",
+        "torch._ops",
+    ]
+    uses = {
+        module: private_torch_uses(src) for module, src in _modules("autoshard") if module != "autoshard._torch_compat"
+    }
     assert {m: u for m, u in uses.items() if u} == {}
 
 
@@ -205,11 +229,15 @@ def test_every_package_folder_is_installed_under_its_import_name():
     import tomllib
 
     tool = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
-    folders = sorted(".".join(p.parent.relative_to(ROOT).parts) for folder in IMPORT_NAMES
-                     for p in (ROOT / folder).rglob("__init__.py"))
+    folders = sorted(
+        ".".join(p.parent.relative_to(ROOT).parts)
+        for folder in IMPORT_NAMES
+        for p in (ROOT / folder).rglob("__init__.py")
+    )
     want = sorted(".".join((IMPORT_NAMES[f.split(".")[0]], *f.split(".")[1:])) for f in folders)
     assert sorted(tool["packages"]) == want
     assert tool["package-dir"] == {name: folder for folder, name in IMPORT_NAMES.items() if name != folder}
     # every directory of Python modules is a package (a namespace folder would be left out of a wheel)
     assert {p.parent for folder in IMPORT_NAMES for p in (ROOT / folder).rglob("*.py")} == {
-        ROOT.joinpath(*f.split(".")) for f in folders}
+        ROOT.joinpath(*f.split(".")) for f in folders
+    }

@@ -10,8 +10,22 @@ import torch
 from autoshard import _torch_compat as tc
 from autoshard.layout import Layout, P, Placement, R, S
 
-TEXTS = ["R", "S(0)", "P", "P(avg)", "RS(0)", "S(0)R", "PP", "P(avg)R", "S(0)S(0)[1,0]", "S(0)S(0)[0,1]",
-         "S(1)S(0)", "S(0)S(0)S(0)[2,0,1]", "S(1)PS(1)[2,0]", "S(0)S(0)S(1)S(1)[1,0][3,2]"]
+TEXTS = [
+    "R",
+    "S(0)",
+    "P",
+    "P(avg)",
+    "RS(0)",
+    "S(0)R",
+    "PP",
+    "P(avg)R",
+    "S(0)S(0)[1,0]",
+    "S(0)S(0)[0,1]",
+    "S(1)S(0)",
+    "S(0)S(0)S(0)[2,0,1]",
+    "S(1)PS(1)[2,0]",
+    "S(0)S(0)S(1)S(1)[1,0][3,2]",
+]
 
 
 def all_layouts(mesh_ndim, tensor_ndim):
@@ -24,7 +38,10 @@ def all_layouts(mesh_ndim, tensor_ndim):
 @pytest.fixture(scope="module")
 def meshes():
     with tc.fake_process_group(8):
-        yield {shape: torch.distributed.device_mesh.DeviceMesh("cpu", torch.arange(8).view(shape)) for shape in ((2, 4), (2, 2, 2))}
+        yield {
+            shape: torch.distributed.device_mesh.DeviceMesh("cpu", torch.arange(8).view(shape))
+            for shape in ((2, 4), (2, 2, 2))
+        }
 
 
 @pytest.mark.parametrize("text", TEXTS)
@@ -58,12 +75,22 @@ def test_queries():
     assert Layout.parse("PR").local_shape((5, 7), (2, 2)) == (5, 7)
 
 
-@pytest.mark.parametrize("text, message", [
-    ("X", "cannot parse"), ("", "no placements"), ("S(-1)R", "negative"), ("S(0)S(0)[0,2]", "exactly the mesh dims"),
-    ("S(0)S(0)[1,0][0,1]", "2 order annotation"), ("(1,0)RR", "must follow 'order'"), ("S(0)S(0) order", "needs at least one"),
-    ("S(0)[0]R", "placements must come before"), ("P(max)", "unsupported partial reduce op"),
-    ("S(0)S(0)[1,0] order (1,0)", "give the order once"), ("S(0)S(0)[1,x]", "cannot parse"),
-])
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("X", "cannot parse"),
+        ("", "no placements"),
+        ("S(-1)R", "negative"),
+        ("S(0)S(0)[0,2]", "exactly the mesh dims"),
+        ("S(0)S(0)[1,0][0,1]", "2 order annotation"),
+        ("(1,0)RR", "must follow 'order'"),
+        ("S(0)S(0) order", "needs at least one"),
+        ("S(0)[0]R", "placements must come before"),
+        ("P(max)", "unsupported partial reduce op"),
+        ("S(0)S(0)[1,0] order (1,0)", "give the order once"),
+        ("S(0)S(0)[1,x]", "cannot parse"),
+    ],
+)
 def test_bad_text(text, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
         Layout.parse(text)
@@ -74,7 +101,9 @@ def test_validation_errors():
         Layout.parse("S(2)R").local_shape((4, 4), (2, 2))
     with pytest.raises(ValueError, match=r"has 2 mesh dims but the mesh is \(4,\)"):
         Layout.parse("S(0)R").local_shape((4, 4), (4,))
-    with pytest.raises(ValueError, match=r"tensor dim 0 of size 6 is not divisible by 4 \(mesh dims \[1, 0\] of sizes \[2, 2\]\)"):
+    with pytest.raises(
+        ValueError, match=r"tensor dim 0 of size 6 is not divisible by 4 \(mesh dims \[1, 0\] of sizes \[2, 2\]\)"
+    ):
         Layout.parse("S(0)S(0)[1,0]").local_shape((6, 4), (2, 2))
     with pytest.raises(ValueError, match="names tensor dim 1, which no mesh dim shards"):
         Layout((S(0), R), {1: (0,)})
@@ -125,5 +154,7 @@ def test_pickle_across_processes():
     import sys
 
     code = "import pickle, sys; from autoshard.layout import Layout; sys.stdout.buffer.write(pickle.dumps(Layout.parse('S(0)S(0)[1,0]')))"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, check=True, env=dict(os.environ, PYTHONHASHSEED="123"))
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, check=True, env=dict(os.environ, PYTHONHASHSEED="123")
+    )
     assert {Layout.parse("S(0)S(0)[1,0]"): "found"}.get(pickle.loads(out.stdout)) == "found"

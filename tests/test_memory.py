@@ -28,8 +28,9 @@ def plan_tiny(mesh_shape, **options):
     """llama3-tiny with every parameter fully sharded and the batch split (on H100s it is cheapest
     replicated, with no gathers to recompute)."""
     example = lambda: (torch.empty(BATCH, SEQ, dtype=torch.int64, device="meta"),) * 2  # noqa: E731
-    with AutoShard(build_model(TINY, device="meta"), example, mesh_shape, loss_fn=cross_entropy_loss,
-                   **options) as auto:
+    with AutoShard(
+        build_model(TINY, device="meta"), example, mesh_shape, loss_fn=cross_entropy_loss, **options
+    ) as auto:
         return sharded_plan(auto, budget=1.0)
 
 
@@ -101,8 +102,10 @@ def test_another_option_derived_from_a_problem_is_the_problem_built_with_it():
     with AutoShard(build_model(TINY, device="meta"), example, (2, 2), loss_fn=cross_entropy_loss) as auto:
         auto.optimize()
         kept, planner, device, spec = auto.sharding, auto.planner, auto.device, auto.spec
-    options = {mode: dataclasses.replace(spec, recompute=mode == "recompute", reshard=mode == "reshard")
-               for mode in ("keep", "reshard", "recompute")}
+    options = {
+        mode: dataclasses.replace(spec, recompute=mode == "recompute", reshard=mode == "reshard")
+        for mode in ("keep", "reshard", "recompute")
+    }
     built = {mode: build_problem(kept.graph, kept.mesh_shape, planner, device, o) for mode, o in options.items()}
     assert built["keep"].fingerprint() == kept.fingerprint() and built["recompute"].recomputed
     assert built["reshard"].recomputed and built["reshard"].fingerprint() != kept.fingerprint()
@@ -110,14 +113,18 @@ def test_another_option_derived_from_a_problem_is_the_problem_built_with_it():
         for mode, option in options.items():
             derived = with_options(base, option)
             assert derived.fingerprint() == built[mode].fingerprint(), (mode, base.recomputed)
-            assert (derived.recomputed, derived.recompute_blocks, derived.reshard_blocks, derived.compute_s) == \
-                (built[mode].recomputed, built[mode].recompute_blocks, built[mode].reshard_blocks,
-                 built[mode].compute_s)
+            assert (derived.recomputed, derived.recompute_blocks, derived.reshard_blocks, derived.compute_s) == (
+                built[mode].recomputed,
+                built[mode].recompute_blocks,
+                built[mode].reshard_blocks,
+                built[mode].compute_s,
+            )
     derived = with_options(kept, options["recompute"])
     same = [a.choices is b.choices for a, b in zip(kept.problem.nodes, derived.problem.nodes)]
     assert sum(same) == len(same) - len(derived.recomputed & kept.compute_s.keys()) > 0
-    assert all(a.cost is b.cost for a, b in zip(kept.problem.edges, derived.problem.edges)
-               if b.dst not in derived.recomputed)
+    assert all(
+        a.cost is b.cost for a, b in zip(kept.problem.edges, derived.problem.edges) if b.dst not in derived.recomputed
+    )
 
 
 # ---------------------------------------------------------------------------------- memory limit
@@ -128,8 +135,9 @@ DEBUG_BATCH, DEBUG_SEQ = 8, 128
 def plan_debug(limit, **options):
     """llama3-debug on (2,2) under `limit` bytes per rank (the cpu profile); (plan, fit, dry run)."""
     example = lambda: (torch.empty(DEBUG_BATCH, DEBUG_SEQ, dtype=torch.int64, device="meta"),) * 2  # noqa: E731
-    with AutoShard(build_model(DEBUG, device="meta"), example, (2, 2), loss_fn=cross_entropy_loss, device="cpu",
-                   **options) as auto:
+    with AutoShard(
+        build_model(DEBUG, device="meta"), example, (2, 2), loss_fn=cross_entropy_loss, device="cpu", **options
+    ) as auto:
         auto.memory_limit(limit)
         plan = auto.optimize()
         return plan, auto.fit, auto.dry_run(plan)
@@ -195,22 +203,34 @@ def test_resharding_8b_frees_the_gathered_parameters_of_every_block():
 
     cfg = get_config("llama3-8b")
     example = lambda: (torch.empty(8, 8192, dtype=torch.int64, device="meta"),) * 2  # noqa: E731
-    with AutoShard(build_model(cfg, device="meta"), example, (8, 8), loss_fn=cross_entropy_loss, network="h100-node",
-                   device="h100", mp_policy=mp_policy("bf16", "fp32"), reshard_after_forward=True) as auto:
+    with AutoShard(
+        build_model(cfg, device="meta"),
+        example,
+        (8, 8),
+        loss_fn=cross_entropy_loss,
+        network="h100-node",
+        device="h100",
+        mp_policy=mp_policy("bf16", "fp32"),
+        reshard_after_forward=True,
+    ) as auto:
         auto.memory_limit(math.inf)
         plan = auto.optimize()
     assert plan.reshard_blocks == ("layers",)
     kept = dataclasses.replace(plan, reshard_blocks=(), recomputed=frozenset())
     resharded, held = dry_run(plan), dry_run(kept)
-    block_params = sum(p.numel() for n, p in build_model(cfg, device="meta").named_parameters()
-                       if n.startswith("layers.") and p.dim() == 2)
+    block_params = sum(
+        p.numel()
+        for n, p in build_model(cfg, device="meta").named_parameters()
+        if n.startswith("layers.") and p.dim() == 2
+    )
     saved = held.peak_bytes - resharded.peak_bytes
     assert saved == pytest.approx(2 * block_params / 8, rel=0.05), (saved, 2 * block_params / 8)
     assert resharded.step.comm_s > held.step.comm_s  # the backward gathers every block's parameters again
     # the plan prices what the program runs: the same ops, the same redistributions (the program
     # pays a launch per bucket it forms, the plan shares one among a block's parameters)
-    assert plan.compute_s + plan.optimizer_s == pytest.approx(resharded.step.compute_s + resharded.step.optimizer_s,
-                                                              rel=1e-6)
+    assert plan.compute_s + plan.optimizer_s == pytest.approx(
+        resharded.step.compute_s + resharded.step.optimizer_s, rel=1e-6
+    )
     assert plan.comm_s <= resharded.step.comm_s <= 1.05 * plan.comm_s
 
 
@@ -227,8 +247,15 @@ def test_the_linear_model_of_the_peak_is_within_10_percent_of_the_dry_run(name, 
     from autoshard.driver.config import MEMORY_RESERVE
 
     example = lambda: (torch.empty(batch, 8192, dtype=torch.int64, device="meta"),) * 2  # noqa: E731
-    with AutoShard(build_model(get_config(name), device="meta"), example, mesh_shape, loss_fn=cross_entropy_loss,
-                   network="h100-node", device="h100", mp_policy=mp_policy("bf16", "fp32")) as auto:
+    with AutoShard(
+        build_model(get_config(name), device="meta"),
+        example,
+        mesh_shape,
+        loss_fn=cross_entropy_loss,
+        network="h100-node",
+        device="h100",
+        mp_policy=mp_policy("bf16", "fp32"),
+    ) as auto:
         auto.memory_limit(math.inf)
         plan = auto.optimize()
         table = peak_memory_table(auto.sharding)
@@ -256,8 +283,15 @@ def test_a_budgeted_plan_cannot_hide_copies_in_redistributed_views():
     from autoshard.problem.plan import decode
 
     example = lambda: (torch.empty(8, 8192, dtype=torch.int64, device="meta"),) * 2  # noqa: E731
-    with AutoShard(build_model(get_config("llama3-8b"), device="meta"), example, (8, 8), loss_fn=cross_entropy_loss,
-                   network="h100-node", device="h100", mp_policy=mp_policy("bf16", "fp32")) as auto:
+    with AutoShard(
+        build_model(get_config("llama3-8b"), device="meta"),
+        example,
+        (8, 8),
+        loss_fn=cross_entropy_loss,
+        network="h100-node",
+        device="h100",
+        mp_policy=mp_policy("bf16", "fp32"),
+    ) as auto:
         auto.memory_limit(math.inf)
         free = auto.optimize()
     table = peak_memory_table(auto.sharding)
@@ -274,8 +308,13 @@ def test_a_budgeted_plan_cannot_hide_copies_in_redistributed_views():
     assert abs(handed - held) <= 0.02 * held, (handed, rank.summary())
 
 
-RESHARD_OPS = {torch.ops.aten.t.default, torch.ops.aten._to_copy.default, torch.ops.aten.view.default,
-               torch.ops.aten.permute.default, torch.ops.aten.transpose.int}
+RESHARD_OPS = {
+    torch.ops.aten.t.default,
+    torch.ops.aten._to_copy.default,
+    torch.ops.aten.view.default,
+    torch.ops.aten.permute.default,
+    torch.ops.aten.transpose.int,
+}
 
 
 def test_a_limit_the_plan_already_meets_changes_nothing(unconstrained):
@@ -288,8 +327,11 @@ def test_a_limit_the_plan_already_meets_changes_nothing(unconstrained):
 def test_no_plan_fits_is_one_clear_error():
     from autoshard.driver.fit import MemoryLimitError
 
-    with pytest.raises(MemoryLimitError, match=r"no plan fits 9\.5 MiB per rank: the smallest peak reached is "
-                                               r"[0-9.]+ MiB \(largest: "):
+    with pytest.raises(
+        MemoryLimitError,
+        match=r"no plan fits 9\.5 MiB per rank: the smallest peak reached is "
+        r"[0-9.]+ MiB \(largest: ",
+    ):
         plan_debug(10e6)
 
 
@@ -361,8 +403,12 @@ def test_cutoffs_skip_options_that_cannot_win_and_change_no_plan(monkeypatch, ca
     plan_all, fit_all, _ = plan_debug(90e6)
     assert not any(" beats the " in m for m in caplog.messages)
     assert not any(outcome == "cut" for _, outcome in solves)
-    assert (plan.param_layouts, plan.step_time_s, fit.mode, fit.tried) == \
-        (plan_all.param_layouts, plan_all.step_time_s, fit_all.mode, fit_all.tried)
+    assert (plan.param_layouts, plan.step_time_s, fit.mode, fit.tried) == (
+        plan_all.param_layouts,
+        plan_all.step_time_s,
+        fit_all.mode,
+        fit_all.tried,
+    )
 
 
 def test_an_option_is_first_solved_without_its_budget(monkeypatch):
@@ -420,8 +466,9 @@ def test_an_option_is_first_solved_without_its_budget(monkeypatch):
     free = {}
     assert option(60, 10.0, free, solver.NoBetterError("lp", 11.0)) == fitting._Solved(60, None, 11.0)
     assert option(50, 10.5, free) == fitting._Solved(50, None, 11.0) and calls == []
-    assert option(40, 12.0, free, solution(11.5, 60), solver.NoBetterError("lp", 12.5)) == \
-        fitting._Solved(40, None, 12.5) and calls == [("unbudgeted", 12.0), (("budgeted", 40), 12.0)]
+    assert option(40, 12.0, free, solution(11.5, 60), solver.NoBetterError("lp", 12.5)) == fitting._Solved(
+        40, None, 12.5
+    ) and calls == [("unbudgeted", 12.0), (("budgeted", 40), 12.0)]
     # started ahead: the solve without the budget is waited for (even with no cutoff: its optimum fits)
     calls.clear()
     kept.unbudgeted, kept.budget, kept.ahead = None, 60, lambda: fits
@@ -468,26 +515,55 @@ def test_plan_cli_memory_limit(tmp_path):
 
     from test_train import ROOT
 
-    cmd = [sys.executable, "-m", "autoshard", "plan", "--model", "llama3-debug", "--mesh", "2x2", "--batch",
-           str(DEBUG_BATCH), "--seq", str(DEBUG_SEQ), "--device", "cpu", "--out", str(tmp_path)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "autoshard",
+        "plan",
+        "--model",
+        "llama3-debug",
+        "--mesh",
+        "2x2",
+        "--batch",
+        str(DEBUG_BATCH),
+        "--seq",
+        str(DEBUG_SEQ),
+        "--device",
+        "cpu",
+        "--out",
+        str(tmp_path),
+    ]
     env = {"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}
-    out = subprocess.run([*cmd, "--memory-limit", "60MB"], capture_output=True, text=True, cwd=ROOT, env=env,
-                         timeout=300)
+    out = subprocess.run(
+        [*cmd, "--memory-limit", "60MB"], capture_output=True, text=True, cwd=ROOT, env=env, timeout=300
+    )
     assert out.returncode == 0, out.stderr
     report = json.loads((tmp_path / "plan.json").read_text())
     assert report["memory_fit"]["recompute"] and report["recompute"]["blocks"] == ["layers"]
     assert report["memory"]["peak_bytes"] <= 60e6
-    assert "activation checkpointing: the backward recomputes the forward of every block of layers" in out.stdout + out.stderr
-    bad = subprocess.run([*cmd, "--memory-limit", "1MB"], capture_output=True, text=True, cwd=ROOT, env=env,
-                         timeout=300)
+    assert (
+        "activation checkpointing: the backward recomputes the forward of every block of layers"
+        in out.stdout + out.stderr
+    )
+    bad = subprocess.run(
+        [*cmd, "--memory-limit", "1MB"], capture_output=True, text=True, cwd=ROOT, env=env, timeout=300
+    )
     errors = [line for line in bad.stderr.splitlines() if line.startswith("error:")]
     assert bad.returncode == 2 and len(errors) == 1 and "no plan fits 976.6 KiB" not in errors[0]
     assert "no plan fits" in errors[0] and "Traceback" not in bad.stderr
-    asked = subprocess.run([*cmd, "--reshard-after-forward", "--memory-limit", "none"], capture_output=True, text=True,
-                           cwd=ROOT, env=env, timeout=300)
+    asked = subprocess.run(
+        [*cmd, "--reshard-after-forward", "--memory-limit", "none"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=env,
+        timeout=300,
+    )
     assert asked.returncode == 0, asked.stderr
     report = json.loads((tmp_path / "plan.json").read_text())
     assert report["reshard"]["blocks"] == ["layers"] and report["reshard"]["ops"] > 0
     assert report["recompute"] == {"blocks": [], "ops": 0} and report["run"]["reshard_after_forward"]
-    assert "reshard after forward: the backward gathers the parameters of every block of layers again" in \
-        asked.stdout + asked.stderr
+    assert (
+        "reshard after forward: the backward gathers the parameters of every block of layers again"
+        in asked.stdout + asked.stderr
+    )

@@ -27,7 +27,13 @@ def test_published_sizes_on_meta(name, expected, tolerance, n_params):
 def test_debug_config_matches_the_recipe():
     cfg = get_config("llama3-debug")
     assert (cfg.dim, cfg.n_layers, cfg.n_heads, cfg.vocab_size, cfg.ffn_hidden, cfg.rope_theta) == (
-        256, 6, 16, 2048, 768, 500000.0)
+        256,
+        6,
+        16,
+        2048,
+        768,
+        500000.0,
+    )
     assert 6.0e6 <= count_params(build_model(cfg, device="meta")) <= 6.5e6
 
 

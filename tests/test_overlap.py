@@ -31,8 +31,9 @@ def fsdp_plan(recompute: bool):
     (and in the backward, recomputed), a reduce-scatter per block in the backward."""
     meta = build_model(FOUR, device="meta")
     example = lambda: (torch.empty(BATCH, SEQ, dtype=torch.int64, device="meta"),) * 2  # noqa: E731
-    with AutoShard(meta, example, MESH, loss_fn=cross_entropy_loss, recompute=recompute,
-                   device="cpu", network="cpu-gloo") as auto:
+    with AutoShard(
+        meta, example, MESH, loss_fn=cross_entropy_loss, recompute=recompute, device="cpu", network="cpu-gloo"
+    ) as auto:
         auto.constrain_inputs("S(0)", "S(0)")
         auto.pin({"layers.*": "S(0)"})
         return auto.optimize()
@@ -54,8 +55,12 @@ def two_steps(plan, mesh_shape, cfg, **apply):
             loss.backward()
             with mode.disable():
                 losses.append(torch.stack(list(tc.rank_values(loss).values())))
-                grads.append({f: torch.stack(list(tc.rank_values(p.grad.to_local()).values()))
-                              for f, p in pmodel.named_parameters()})
+                grads.append(
+                    {
+                        f: torch.stack(list(tc.rank_values(p.grad.to_local()).values()))
+                        for f, p in pmodel.named_parameters()
+                    }
+                )
             optim.step()
             optim.zero_grad()
     return losses, grads
@@ -123,7 +128,7 @@ def test_gathers_run_one_block_ahead_and_reductions_in_the_background(plan):
         # block computes while it is in flight
         for this, nxt in zip(blocks, blocks[1:]):
             i = events.index(("wait", "all_gather", this))
-            assert events[i + 1:i + 3] == [("launch", "all_gather", nxt), ("compute", "", "")], events[i:i + 3]
+            assert events[i + 1 : i + 3] == [("launch", "all_gather", nxt), ("compute", "", "")], events[i : i + 3]
             assert events.index(("wait", "all_gather", nxt)) > i + 2
         assert in_flight(events, "all_gather") == 1
         assert in_flight(schedule(getattr(deeper, phase), plan), "all_gather") == 2
@@ -161,9 +166,12 @@ def test_prefetch_costs_at_most_the_buckets_in_flight(plan):
     """The dry run's peak grows by at most the gathered bytes of the extra buckets in flight."""
     with simulated_mesh(MESH) as (mesh, _):
         program = lower(plan, mesh, prefetch=0)
-    biggest = max(sum(torch.Size(m.plan.shape).numel() * 4 for m in bucket.members)
-                  for gm in (program.forward, program.backward) for bucket in gm.children()
-                  if isinstance(bucket, Bucket) and bucket.kind == "all_gather")
+    biggest = max(
+        sum(torch.Size(m.plan.shape).numel() * 4 for m in bucket.members)
+        for gm in (program.forward, program.backward)
+        for bucket in gm.children()
+        if isinstance(bucket, Bucket) and bucket.kind == "all_gather"
+    )
     peaks = {k: dry_run(plan, ranks=[0], prefetch=k).peak_bytes for k in (0, 1, 2)}
     assert peaks[1] <= peaks[0] + biggest and peaks[2] <= peaks[0] + 2 * biggest, (peaks, biggest)
 
@@ -230,7 +238,9 @@ def test_replicated_gradients_all_reduce_in_capped_buckets_in_the_backward_order
         program, alone = lower(plan, mesh, bucket_bytes=cap), lower(plan, mesh, bucket_bytes=1)
     graph = program.backward.graph
     nodes = list(graph.nodes)
-    launches = [n for n in nodes if n.op == "call_module" and isinstance(program.backward.get_submodule(n.target), Bucket)]
+    launches = [
+        n for n in nodes if n.op == "call_module" and isinstance(program.backward.get_submodule(n.target), Bucket)
+    ]
     waits = [n for n in nodes if n.op == "call_module" and n.target == AWAIT]
     buckets = [program.backward.get_submodule(n.target) for n in launches]
     assert len(buckets) >= 3 and all(b.kind == "all_reduce" for b in buckets)
@@ -250,14 +260,19 @@ def test_replicated_gradients_all_reduce_in_capped_buckets_in_the_backward_order
     blocks = [block_of(owner[m.consumer]) for b in buckets for m in b.members]
     layers = [index for _, index in filter(None, blocks)]
     assert layers == sorted(layers, reverse=True) and layers[0] == get_config("llama3-tiny").n_layers - 1
-    (last,) = [n for n in nodes if n.op == "call_module" and getattr(program.backward.get_submodule(n.target), "consumer",
-                                                                      None) == "sink:grad:tok_embeddings.weight"]
+    (last,) = [
+        n
+        for n in nodes
+        if n.op == "call_module"
+        and getattr(program.backward.get_submodule(n.target), "consumer", None) == "sink:grad:tok_embeddings.weight"
+    ]
     assert nodes.index(last) > nodes.index(launches[-1])
     # a cap of 1 byte: no bucket at all, the same collectives and bytes
     assert not any(isinstance(m, Bucket) for m in alone.backward.children())
     assert alone.comm.total_bytes() == program.comm.total_bytes()
     assert program.comm.total_count()["all_reduce"] == alone.comm.total_count()["all_reduce"] - sum(
-        len(b.members) - 1 for b in buckets)
+        len(b.members) - 1 for b in buckets
+    )
     # one launch per bucket in the modeled step: the program's comm is the unbucketed one less
     # every bucket's shared launches
     saved = sum(m.plan.steps[0].fixed_s for b in buckets for m in b.members[1:])
@@ -286,13 +301,16 @@ def test_ddp_buckets_on_4_gloo_ranks_launch_in_the_backward_and_wait_at_its_end(
         assert len(launches) >= 3 and [e[0] for e in r["events"]] == ["launch"] * len(launches) + ["wait"] * len(waits)
         assert [w[1] for w in waits] == [e[1] for e in launches]
         assert all(nbytes <= r["cap"] or len(members) == 1 for _, _, members, nbytes in launches)
+
         # blocks in reverse: a bucket never holds a gradient of an earlier block than the next bucket's
         def block(fqn):
             return int(fqn.split(".")[1]) if fqn.startswith("layers.") else None
+
         order = [block(f) for _, _, members, _ in launches for f in members if block(f) is not None]
         assert order == sorted(order, reverse=True)
         for got, want in zip(r["losses"], r["want_losses"], strict=True):
             assert abs(got - want) <= 1e-5 * abs(want), (r["losses"], r["want_losses"])
         for name, want in r["want_grads"].items():
-            torch.testing.assert_close(torch.tensor(r["grads"][name]), torch.tensor(want), rtol=1e-4, atol=1e-6,
-                                       msg=name)
+            torch.testing.assert_close(
+                torch.tensor(r["grads"][name]), torch.tensor(want), rtol=1e-4, atol=1e-6, msg=name
+            )

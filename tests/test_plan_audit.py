@@ -66,8 +66,13 @@ def test_a_process_the_test_starts_records_its_modules(tmp_path):
         with simulated_mesh((2,)) as (mesh, _):
             parallelize(plan, mesh, model)
     """)
-    out = subprocess.run([sys.executable, "-c", child], env=child_env(**{AUDIT_ENV: str(path)}), capture_output=True,
-                         text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-c", child],
+        env=child_env(**{AUDIT_ENV: str(path)}),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     (facts,) = recorded(str(path))
     assert facts["mesh"] == [2] and problems(facts)

@@ -96,7 +96,15 @@ def test_one_shot_off_uses_single_dims_only():
 
 
 # ----------------------------------------------------------------------------- consistency
-@pytest.mark.parametrize("mesh, shape, profile", [((2, 2), (8, 8), "cpu-gloo"), ((8, 8), BIG, "h100-node"), ((4, 4, 4), (64, 64, 64), "h100-node"), ((4,), (8, 8, 8, 8), "h100-node")])
+@pytest.mark.parametrize(
+    "mesh, shape, profile",
+    [
+        ((2, 2), (8, 8), "cpu-gloo"),
+        ((8, 8), BIG, "h100-node"),
+        ((4, 4, 4), (64, 64, 64), "h100-node"),
+        ((4,), (8, 8, 8, 8), "h100-node"),
+    ],
+)
 def test_plans_are_consistent(mesh, shape, profile):
     """Steps chain src -> dst, each step is a legal single move, and their costs add up."""
     pl = Planner(mesh, profile)
@@ -117,7 +125,9 @@ def test_plans_are_consistent(mesh, shape, profile):
             assert s.bytes == pytest.approx(wire_bytes(s.kind, n, local))
 
 
-@pytest.mark.parametrize("mesh, shape", [((2, 2), (8, 8)), ((8, 8), BIG), ((4, 4, 4), (64, 64, 64)), ((2, 2, 2), (16, 4, 8))])
+@pytest.mark.parametrize(
+    "mesh, shape", [((2, 2), (8, 8)), ((8, 8), BIG), ((4, 4, 4), (64, 64, 64)), ((2, 2, 2), (16, 4, 8))]
+)
 def test_triangle_inequality(mesh, shape):
     pl = Planner(mesh, "h100-node")
     every = layouts(mesh, shape)

@@ -34,17 +34,30 @@ BATCH, SEQ, STEPS = 8, 16, 10
 # the (2,2) plans pinned to FSDP over TP, so fp32 and bf16 plans gather the same parameters
 DATA_PARALLEL = ("S(0)R", "S(0)R")  # tokens and targets split over dp
 BYTES_ONLY = NetworkProfile((0.0, 0.0), (45e9, 360e9), launch_s=0.0, mem_bw=3e12)  # h100-node's links, no latency
-FSDP_TP = {"layers.*.attention.w[qkv].weight": "S(0)S(0)[1,0]", "layers.*.attention.wo.weight": "S(1)S(1)[1,0]",
-           "layers.*.feed_forward.w[13].weight": "S(0)S(0)[1,0]", "layers.*.feed_forward.w2.weight": "S(1)S(1)[1,0]"}
+FSDP_TP = {
+    "layers.*.attention.w[qkv].weight": "S(0)S(0)[1,0]",
+    "layers.*.attention.wo.weight": "S(1)S(1)[1,0]",
+    "layers.*.feed_forward.w[13].weight": "S(0)S(0)[1,0]",
+    "layers.*.feed_forward.w2.weight": "S(1)S(1)[1,0]",
+}
 
 
-def plan(name: str, mesh_shape, policy: MixedPrecisionPolicy | None, pins=None, device="h100", inputs=None,
-         network=None, shard=False):
+def plan(
+    name: str,
+    mesh_shape,
+    policy: MixedPrecisionPolicy | None,
+    pins=None,
+    device="h100",
+    inputs=None,
+    network=None,
+    shard=False,
+):
     """The plan for `name` under `policy`; `shard`: sharding forced and checked (plan_audit)."""
     meta = build_model(get_config(name), device="meta")
     example = lambda: (torch.empty(BATCH, SEQ, dtype=torch.int64, device="meta"),) * 2  # noqa: E731
-    with AutoShard(meta, example, mesh_shape, loss_fn=cross_entropy_loss, mp_policy=policy, device=device,
-                   network=network) as auto:
+    with AutoShard(
+        meta, example, mesh_shape, loss_fn=cross_entropy_loss, mp_policy=policy, device=device, network=network
+    ) as auto:
         if pins:
             auto.pin(pins)
         if inputs:
@@ -61,7 +74,9 @@ def reference(name: str, policy: MixedPrecisionPolicy | None, steps: int = STEPS
     losses, grads = [], None
     for step in range(steps):
         batch = data.batch(step, BATCH, SEQ)
-        loss = step_loss(model, batch.inputs, batch.targets, policy and policy.param_dtype, policy and policy.reduce_dtype)
+        loss = step_loss(
+            model, batch.inputs, batch.targets, policy and policy.param_dtype, policy and policy.reduce_dtype
+        )
         grads = grads or {n: p.grad.clone() for n, p in model.named_parameters()}
         optim.step()
         optim.zero_grad()
@@ -69,10 +84,14 @@ def reference(name: str, policy: MixedPrecisionPolicy | None, steps: int = STEPS
     return losses, grads
 
 
-@pytest.mark.parametrize("name, mesh_shape", [
-    ("llama3-tiny", (2, 2)), ("llama3-tiny", (4,)),
-    pytest.param("llama3-debug", (2, 2), marks=pytest.mark.slow),
-])
+@pytest.mark.parametrize(
+    "name, mesh_shape",
+    [
+        ("llama3-tiny", (2, 2)),
+        ("llama3-tiny", (4,)),
+        pytest.param("llama3-debug", (2, 2), marks=pytest.mark.slow),
+    ],
+)
 def test_bf16_training_follows_the_single_device_policy(name, mesh_shape):
     """10 AdamW steps under LocalTensorMode follow the single-device run with the same policy within
     1e-2 relative loss; parameters, AdamW states and gradients stay fp32 DTensors in the parameter's
@@ -132,7 +151,10 @@ def _reductions(p) -> dict[str, tuple[tuple, float]]:
         steps = [s for s in r.plan.steps if s.kind in ("reduce_scatter", "all_reduce")]
         if r.consumer in tail and steps:
             kinds, nbytes = out.get(tail[r.consumer], ((), 0.0))
-            out[tail[r.consumer]] = (kinds + tuple((s.kind, s.mesh_dims) for s in steps), nbytes + sum(s.bytes for s in steps))
+            out[tail[r.consumer]] = (
+                kinds + tuple((s.kind, s.mesh_dims) for s in steps),
+                nbytes + sum(s.bytes for s in steps),
+            )
     return out
 
 
@@ -149,8 +171,9 @@ def _reducing_edges(p):
     return out
 
 
-@pytest.mark.parametrize("policy, reduce_dtype", [(BF16_FP32, torch.float32), (BF16, torch.bfloat16)],
-                         ids=["reduce-fp32", "reduce-bf16"])
+@pytest.mark.parametrize(
+    "policy, reduce_dtype", [(BF16_FP32, torch.float32), (BF16, torch.bfloat16)], ids=["reduce-fp32", "reduce-bf16"]
+)
 def test_gradients_are_reduced_in_the_reduce_dtype_and_gathers_halve(policy, reduce_dtype):
     """Same pinned layouts in fp32 and bf16: the lowered program's parameter all-gather bytes halve,
     gradient reduce-scatter bytes follow the reduce dtype, every gradient reduction in the plan runs
@@ -168,8 +191,9 @@ def test_gradients_are_reduced_in_the_reduce_dtype_and_gathers_halve(policy, red
         programs = {}
         for key, p in (("fp32", fp32), ("mixed", mixed)):
             pmodel = parallelize(p, mesh, build_model(get_config("llama3-tiny"), device="meta"))
-            tokens = torch.zeros(pmodel.shard_inputs(*[torch.zeros(BATCH, SEQ, dtype=torch.int64)] * 2)[0].shape,
-                                 dtype=torch.int64)
+            tokens = torch.zeros(
+                pmodel.shard_inputs(*[torch.zeros(BATCH, SEQ, dtype=torch.int64)] * 2)[0].shape, dtype=torch.int64
+            )
             with WireMeter() as meter:
                 pmodel(tokens, tokens).backward()
             programs[key] = pmodel.comm.total_bytes()
@@ -182,8 +206,9 @@ def test_gradients_are_reduced_in_the_reduce_dtype_and_gathers_halve(policy, red
     assert all(first["mixed"][fqn] == first["fp32"][fqn] / 2 for fqn in first["fp32"])
     reductions = {k: _reductions(p) for k, p in (("fp32", fp32), ("mixed", mixed))}
     same = [fqn for fqn, (steps, _) in reductions["mixed"].items() if reductions["fp32"].get(fqn, (None,))[0] == steps]
-    assert same and all(reductions["mixed"][fqn][1] == reductions["fp32"][fqn][1] * reduce_dtype.itemsize / 4
-                        for fqn in same)
+    assert same and all(
+        reductions["mixed"][fqn][1] == reductions["fp32"][fqn][1] * reduce_dtype.itemsize / 4 for fqn in same
+    )
 
 
 def test_compute_is_priced_at_the_dtypes_rate():
@@ -204,10 +229,28 @@ def test_policy_that_is_not_floating_is_refused():
 
 
 def _plan_cli(tmp_path, *extra):
-    cmd = [sys.executable, "-m", "autoshard", "plan", *TINY, "--mesh", "2x2", "--device", "cpu",
-           "--out", str(tmp_path), *extra]
-    return subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300,
-                          env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+    cmd = [
+        sys.executable,
+        "-m",
+        "autoshard",
+        "plan",
+        *TINY,
+        "--mesh",
+        "2x2",
+        "--device",
+        "cpu",
+        "--out",
+        str(tmp_path),
+        *extra,
+    ]
+    return subprocess.run(
+        cmd,
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+        env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"},
+    )
 
 
 def test_plan_cli_shows_dtypes(tmp_path):
@@ -244,8 +287,11 @@ def test_torchrun_bf16_trains_checkpoints_and_resumes(tmp_path, executed_plans):
     (facts,) = executed_plans()
     assert_shards(facts, batch_split=False)
     rows = metrics(first)
-    want = train_single(TrainSettings(model="llama3-tiny", steps=4, batch=8, seq=16, param_dtype=torch.bfloat16,
-                                      reduce_dtype=torch.float32)).losses
+    want = train_single(
+        TrainSettings(
+            model="llama3-tiny", steps=4, batch=8, seq=16, param_dtype=torch.bfloat16, reduce_dtype=torch.float32
+        )
+    ).losses
     for row, loss in zip(rows, want, strict=True):
         assert abs(row["loss"] - loss) <= 1e-2 * loss, (row, loss)
     assert json.loads((first / "plan.json").read_text())["precision"]["param_dtype"] == "bf16"

@@ -17,8 +17,7 @@ def tokens(batch, seq):
     return lambda: (torch.empty(batch, seq, dtype=torch.int64, device="meta"),) * 2
 
 
-def plan_for(mesh, batch=8, seq=64, cfg=None, device="h100", pins=None, budget=None, inputs=None, outputs=None,
-             **kw):
+def plan_for(mesh, batch=8, seq=64, cfg=None, device="h100", pins=None, budget=None, inputs=None, outputs=None, **kw):
     cfg = cfg or get_config("llama3-tiny")
     model = build_model(cfg, device="meta")
     with AutoShard(model, tokens(batch, seq), mesh, loss_fn=cross_entropy_loss, device=device, **kw) as auto:
@@ -35,8 +34,9 @@ def plan_for(mesh, batch=8, seq=64, cfg=None, device="h100", pins=None, budget=N
 
 # llama3-tiny's parameter bytes / 4: every parameter fully sharded on (2, 2). Without a budget,
 # h100 compute is so cheap for it that replicating everything (no collective at all) wins.
-FULLY_SHARDED = sum(p.numel() * p.element_size() for p in build_model(get_config("llama3-tiny"), device="meta")
-                    .parameters()) / 4
+FULLY_SHARDED = (
+    sum(p.numel() * p.element_size() for p in build_model(get_config("llama3-tiny"), device="meta").parameters()) / 4
+)
 
 
 @pytest.fixture(scope="module")
@@ -57,8 +57,11 @@ def test_every_op_has_a_strategy_and_grads_follow_params(tiny_2x2):
     # optimizer step is part of it (every trained parameter's local elements at the device's rate).
     assert plan.step_time_s == pytest.approx(plan.solution.objective, rel=1e-6)
     assert plan.comm_s == pytest.approx(plan.solution.edge_cost, rel=1e-6)
-    elements = sum(math.prod(lay.local_shape(tuple(p.shape), (2, 2))) for fqn, p in model.named_parameters()
-                   for lay in [plan.param_layouts[fqn]])
+    elements = sum(
+        math.prod(lay.local_shape(tuple(p.shape), (2, 2)))
+        for fqn, p in model.named_parameters()
+        for lay in [plan.param_layouts[fqn]]
+    )
     assert plan.optimizer_s == pytest.approx(auto.device.optimizer_s(elements), rel=1e-9) and plan.optimizer_s > 0
     assert set(auto.timings) == {"trace", "build", "solve", "decode"}
 
@@ -91,7 +94,8 @@ def test_redistributions_are_planner_plans_between_chosen_layouts(tiny_2x2):
     assert sum(r.cost_s for r in plan.redistributions) == pytest.approx(plan.comm_s)
     assert any(r.cost_s < r.plan.cost_s for r in plan.redistributions)
     assert sum(plan.count_by_collective.values()) == sum(
-        sum(r.plan.collective_counts.values()) for r in plan.redistributions)
+        sum(r.plan.collective_counts.values()) for r in plan.redistributions
+    )
 
 
 def test_1d_mesh_with_memory_budget_is_fsdp():
@@ -103,8 +107,9 @@ def test_1d_mesh_with_memory_budget_is_fsdp():
     # Gradients: one reduce-scatter each (of a gradient-shaped tensor), no all-reduce beyond the loss.
     model = build_model(get_config("llama3-tiny"), device="meta")
     param_sizes = sorted(p.numel() for p in model.parameters())
-    scattered = sorted(math.prod(r.plan.shape) for r in plan.redistributions
-                       for step in r.plan.steps if step.kind == "reduce_scatter")
+    scattered = sorted(
+        math.prod(r.plan.shape) for r in plan.redistributions for step in r.plan.steps if step.kind == "reduce_scatter"
+    )
     assert scattered == param_sizes
     assert plan.bytes_by_collective.get("all_reduce", 0) < 1024
 
@@ -127,8 +132,9 @@ def test_mesh_size_must_match_world_size():
 
 def test_conflicting_pins_are_named():
     with pytest.raises(ValueError, match=r"conflicting pins for layers\.0\.attention\.wq\.weight"):
-        plan_for((2, 2), pins={"layers.*.attention.wq.weight": "S(0)S(0)[1,0]",
-                               "layers.0.attention.*": "S(0)S(0)[0,1]"})
+        plan_for(
+            (2, 2), pins={"layers.*.attention.wq.weight": "S(0)S(0)[1,0]", "layers.0.attention.*": "S(0)S(0)[0,1]"}
+        )
 
 
 def test_pin_matching_nothing_is_an_error():
@@ -138,8 +144,11 @@ def test_pin_matching_nothing_is_an_error():
 
 def test_pin_that_cannot_split_the_parameter_is_named():
     # wk of llama3-tiny is [32, 64]: its 32 rows cannot be split over the 64 ranks of (4, 4, 4).
-    with pytest.raises(ValueError, match=r"layers\.0\.attention\.wk\.weight: layout S\(0\)S\(0\)S\(0\)\[0,1,2\] "
-                                         r"does not split shape \(32, 64\) evenly"):
+    with pytest.raises(
+        ValueError,
+        match=r"layers\.0\.attention\.wk\.weight: layout S\(0\)S\(0\)S\(0\)\[0,1,2\] "
+        r"does not split shape \(32, 64\) evenly",
+    ):
         plan_for((4, 4, 4), pins={"layers.0.attention.wk.weight": "S(0)S(0)S(0)"})
 
 
@@ -187,8 +196,11 @@ def wide_free():
 
 @pytest.mark.slow
 def test_ilp_chooses_tp_first_order_for_column_parallel_weights(wide_free):
-    colwise = {fqn: lay for fqn, lay in wide_free.param_layouts.items()
-               if fqn.endswith(("wq.weight", "w1.weight", "w3.weight"))}
+    colwise = {
+        fqn: lay
+        for fqn, lay in wide_free.param_layouts.items()
+        if fqn.endswith(("wq.weight", "w1.weight", "w3.weight"))
+    }
     assert {str(lay) for lay in colwise.values()} == {"S(0)S(0)[1,0]"}, colwise
     # The same plan with those weights forced into the default order costs more.
     pinned, _ = plan_for((8, 8), **WIDE_RUN, pins={"layers.*.feed_forward.w[13].weight": "S(0)S(0)[0,1]"})

@@ -70,8 +70,12 @@ def test_lowering_seeds_every_random_op_from_the_run_seed():
     plan = sharded_plan(AutoShard(model, lambda: (torch.randn(8, 8),), (4,)))
     with simulated_mesh((4,)) as (mesh, _):
         pmodel = AutoShard(model, lambda: (torch.randn(8, 8),), mesh).apply(plan, seed=7)
-        seeded = [n.target for gm in (pmodel.program.forward, pmodel.program.backward) for n in gm.graph.nodes
-                  if n.op == "call_function" and isinstance(n.target, SeededOp)]
+        seeded = [
+            n.target
+            for gm in (pmodel.program.forward, pmodel.program.backward)
+            for n in gm.graph.nodes
+            if n.op == "call_function" and isinstance(n.target, SeededOp)
+        ]
         assert [t.op for t in seeded] == [aten.native_dropout.default]
         assert seeded[0].stream is pmodel.random and pmodel.random.seed == 7 and pmodel.random.step == 0
         assert seeded[0].key.startswith("native_dropout")

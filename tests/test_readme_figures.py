@@ -20,23 +20,39 @@ RESULTS = ROOT / "benchmarks" / "results.json"
 # cells, in order, the results.json path (dot-separated; list indices as numbers) and the format it
 # is printed in; then the `meta` entry whose date is the row's date.
 ROWS: dict[str, tuple[list[tuple[str, str]], str]] = {
-    "`plan --model llama3-8b --mesh 8x8 --batch 8 --seq 8192 --memory-limit none`, "
-    "whole command with the dry run": (
-        [("command.0.dry_run_s", ".1f"), ("speed.0.peer.total", ".1f")], "command_rerun"),
+    "`plan --model llama3-8b --mesh 8x8 --batch 8 --seq 8192 --memory-limit none`, whole command with the dry run": (
+        [("command.0.dry_run_s", ".1f"), ("speed.0.peer.total", ".1f")],
+        "command_rerun",
+    ),
     "the same for llama3-70b (64,8), batch 64": ([("command.1.dry_run_s", ".1f")], "command_rerun"),
     "planning llama3-8b (8,8): peak RSS": (
-        [("speed.0.rss_gib", ".2f"), ("speed.0.peer.rss_gib", ".1f")], "speed_rerun"),
+        [("speed.0.rss_gib", ".2f"), ("speed.0.peer.rss_gib", ".1f")],
+        "speed_rerun",
+    ),
     "redistribution paths, llama3-8b tensors on (8,8), 324 layout pairs: cost ratio, cheaper / equal / dearer": (
-        [("planner.costs.0.graph.total_cost_ratio", ".3f"), ("planner.costs.0.graph.wins", "d"),
-         ("planner.costs.0.graph.ties", "d"), ("planner.costs.0.graph.losses", "d")], "date"),
+        [
+            ("planner.costs.0.graph.total_cost_ratio", ".3f"),
+            ("planner.costs.0.graph.wins", "d"),
+            ("planner.costs.0.graph.ties", "d"),
+            ("planner.costs.0.graph.losses", "d"),
+        ],
+        "date",
+    ),
     "llama3-debug 2x2, 4 gloo ranks, 20 steps: largest relative loss deviation from one device": (
-        [("training.autoshard.max_rel_loss_dev", ".1e"), ("training.fsdp2.max_rel_loss_dev", ".1e"),
-         ("training.recipe.max_rel_loss_dev", ".1e")], "training_rerun"),
+        [
+            ("training.autoshard.max_rel_loss_dev", ".1e"),
+            ("training.fsdp2.max_rel_loss_dev", ".1e"),
+            ("training.recipe.max_rel_loss_dev", ".1e"),
+        ],
+        "training_rerun",
+    ),
 }
 NUMBER = re.compile(r"(?<![\w.])\d[\d,]*(?:\.\d+)?(?:e-?\d+)?(?![\w])")
 # a figure: a number with a unit of time, bytes, rate or speed-up
-FIGURE = re.compile(r"(?<![\w.])~?\d[\d,]*(?:\.\d+)?\s?(?:s|ms|min|GiB|GB|MiB|MB|KiB|TB/s|GB/s|TFLOP/s|tokens/s|x)"
-                    r"(?![\w/])")
+FIGURE = re.compile(
+    r"(?<![\w.])~?\d[\d,]*(?:\.\d+)?\s?(?:s|ms|min|GiB|GB|MiB|MB|KiB|TB/s|GB/s|TFLOP/s|tokens/s|x)"
+    r"(?![\w/])"
+)
 
 
 def lookup(data, path: str):
@@ -86,13 +102,16 @@ def test_every_source_row_is_in_the_readme():
     assert {row[0] for row in rows} == set(ROWS)
 
 
-@pytest.mark.parametrize("edit", [
-    ("| 8.2 s |", "| 8.3 s |"),                      # a figure changed
-    ("| 0.55 GiB |", "| 0.5 GiB |"),                 # rounded otherwise than printed
-    ("| 1.3e-07 |", "| 1.3e-07, 4 tokens/s |"),      # a figure added to a row
-    ("| 2026-11-21 |", "| 2026-11-27 |"),            # misdated
-    ("## Packages", "Plans 70B in 5 s.\n\n## Packages"),  # a figure outside the table
-])
+@pytest.mark.parametrize(
+    "edit",
+    [
+        ("| 8.2 s |", "| 8.3 s |"),  # a figure changed
+        ("| 0.55 GiB |", "| 0.5 GiB |"),  # rounded otherwise than printed
+        ("| 1.3e-07 |", "| 1.3e-07, 4 tokens/s |"),  # a figure added to a row
+        ("| 2026-11-21 |", "| 2026-11-27 |"),  # misdated
+        ("## Packages", "Plans 70B in 5 s.\n\n## Packages"),  # a figure outside the table
+    ],
+)
 def test_a_wrong_readme_figure_is_caught(edit):
     text = README.read_text()
     assert edit[0] in text

@@ -32,17 +32,25 @@ def canonical(graph):
         if node.op == "output":
             continue
         args = []
-        fx.node.map_aggregate((node.args, node.kwargs), lambda a: args.append(
-            ("node", index[a]) if isinstance(a, fx.Node) else ("const", repr(a))))
+        fx.node.map_aggregate(
+            (node.args, node.kwargs),
+            lambda a: args.append(("node", index[a]) if isinstance(a, fx.Node) else ("const", repr(a))),
+        )
         val = node.meta.get("val")
-        shapes = tuple((tuple(v.shape), v.dtype) for v in (val if isinstance(val, (tuple, list)) else [val])
-                       if isinstance(v, torch.Tensor))
+        shapes = tuple(
+            (tuple(v.shape), v.dtype)
+            for v in (val if isinstance(val, (tuple, list)) else [val])
+            if isinstance(v, torch.Tensor)
+        )
         target = "" if node.op == "placeholder" else str(node.target)
         rows.append((node.op, target, graph.module_path(node), shapes, tuple(args)))
     roles = (
         [(fqn, index[node], index[graph.grads[fqn]]) for fqn, node in graph.params.items()],
         [(fqn, index[node]) for fqn, node in graph.buffers.items()],
-        [index[n] for n in graph.inputs], [index[n] for n in graph.tangents], index[graph.loss])
+        [index[n] for n in graph.inputs],
+        [index[n] for n in graph.tangents],
+        index[graph.loss],
+    )
     return rows, roles
 
 
@@ -95,10 +103,13 @@ def sum_step(model, x):
     return model(x).sum()
 
 
-@pytest.mark.parametrize("case, reason", [
-    ("depth", "differs from|wired unlike"),
-    ("indexed", "the cut model failed"),
-])
+@pytest.mark.parametrize(
+    "case, reason",
+    [
+        ("depth", "differs from|wired unlike"),
+        ("indexed", "the cut model failed"),
+    ],
+)
 def test_blocks_that_do_not_repeat_are_traced_in_full(case, reason, caplog):
     torch.manual_seed(0)
     model = Stack([Scaled(i) for i in range(5)], index_last=(case == "indexed"))
@@ -122,8 +133,13 @@ def test_which_lists_unroll():
 def test_plans_with_and_without_unrolling_agree():
     def plan(unroll):
         model = tiny(6)
-        with AutoShard(model, lambda: (torch.zeros(8, 64, dtype=torch.int64),) * 2, (2, 2),
-                       loss_fn=cross_entropy_loss, unroll=unroll) as auto:
+        with AutoShard(
+            model,
+            lambda: (torch.zeros(8, 64, dtype=torch.int64),) * 2,
+            (2, 2),
+            loss_fn=cross_entropy_loss,
+            unroll=unroll,
+        ) as auto:
             return auto.optimize()
 
     fast, slow = plan(True), plan(False)

@@ -76,7 +76,9 @@ def test_log_has_table_graph_and_totals(tiny):
     assert gathers and all("µs" in line or "ns" in line for line in gathers)
     assert "== totals ==" in log and "modeled step time" in log and "ILP:" in log and "== timings ==" in log
     assert "fingerprint: abc" in log
-    assert plan.solution.status == "optimal" and report["totals"]["ilp"]["bound"] == pytest.approx(plan.solution.objective)
+    assert plan.solution.status == "optimal" and report["totals"]["ilp"]["bound"] == pytest.approx(
+        plan.solution.objective
+    )
     (ilp,) = [line for line in log.splitlines() if line.startswith("ILP:")]
     assert ilp.endswith(f"proven lower bound {human_time(plan.solution.objective)} (objective within 0.000%)")
     lines = summary_lines(report)
@@ -107,7 +109,7 @@ def test_write_report_writes_all_three_files(tiny, tmp_path):
     assert len(json.loads(json_path.read_text())["parameters"]) == len(plan.param_layouts)
     for key in ("parameters", "nodes"):
         start = lines.index(f' "{key}": [')
-        assert [json.loads(line.rstrip(",")) for line in lines[start + 1:start + 1 + len(report[key])]] == report[key]
+        assert [json.loads(line.rstrip(",")) for line in lines[start + 1 : start + 1 + len(report[key])]] == report[key]
     assert lines[0] == "{" and lines[-1] == "}" and f' "mesh_shape": {json.dumps(report["mesh_shape"])},' in lines
     assert sorted(p.name for p in log_path.parent.iterdir()) == ["plan.json", "report.html", "sharding.log"]  # no temp
 
@@ -147,8 +149,9 @@ def test_plan_command_writes_log_json_and_comparison(tmp_path, capsys):
 def test_memory_line_says_whether_the_peak_fits():
     rank = {"rank": 0, "phase": "backward", "peak_bytes": 90 * 2**30}
     over = {"ranks": [rank], "capacity_bytes": 80 * 2**30, "device": "h100", "fits": False}
-    assert memory_line(over) == ("memory per rank: peak 90.0 GiB (rank 0, backward) of 80.0 GiB on h100 (112%): "
-                                 "DOES NOT FIT (10.0 GiB over)")
+    assert memory_line(over) == (
+        "memory per rank: peak 90.0 GiB (rank 0, backward) of 80.0 GiB on h100 (112%): DOES NOT FIT (10.0 GiB over)"
+    )
     assert memory_line({**over, "capacity_bytes": None}) == "memory per rank: peak 90.0 GiB (rank 0, backward)"
 
 
@@ -163,19 +166,24 @@ def test_plan_command_dry_run_failure_is_one_error_line_and_no_dry_run_skips_it(
         main(["plan", *TINY_ARGS, "--out", str(tmp_path / "a")])
     err = capsys.readouterr().err
     assert exc.value.code == 2 and not (tmp_path / "a").exists()
-    assert err == "error: the planned program cannot run: dry run of rank 0, backward: node view_3 failed: cannot view\n"
+    assert (
+        err == "error: the planned program cannot run: dry run of rank 0, backward: node view_3 failed: cannot view\n"
+    )
     assert main(["plan", *TINY_ARGS, "--out", str(tmp_path / "b"), "--no-dry-run"]) == 0
     report = json.loads((tmp_path / "b" / "plan.json").read_text())
     assert "memory" not in report and report["run"]["dry_run"] is False
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--model", "llama3-nope", "--mesh", "2x2", "--batch", "4", "--seq", "16"], "unknown model config"),
-    (["--model", "llama3-tiny", "--mesh", "2x", "--batch", "4", "--seq", "16"], "bad mesh '2x'"),
-    (["--model", "llama3-tiny", "--mesh", "2x2", "--batch", "3", "--seq", "16"], "not divisible by mesh dim 0"),
-    (["--model", "llama3-tiny", "--mesh", "2x2", "--batch", "4", "--seq", "0"], "positive integer"),
-    (["--model", "llama3-tiny", "--mesh", "4", "--batch", "4", "--seq", "16", "--compare", "manual"], "2-D"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--model", "llama3-nope", "--mesh", "2x2", "--batch", "4", "--seq", "16"], "unknown model config"),
+        (["--model", "llama3-tiny", "--mesh", "2x", "--batch", "4", "--seq", "16"], "bad mesh '2x'"),
+        (["--model", "llama3-tiny", "--mesh", "2x2", "--batch", "3", "--seq", "16"], "not divisible by mesh dim 0"),
+        (["--model", "llama3-tiny", "--mesh", "2x2", "--batch", "4", "--seq", "0"], "positive integer"),
+        (["--model", "llama3-tiny", "--mesh", "4", "--batch", "4", "--seq", "16", "--compare", "manual"], "2-D"),
+    ],
+)
 def test_plan_command_bad_input_is_one_error_line(args, message, capsys, tmp_path):
     with pytest.raises(SystemExit) as exc:
         main(["plan", *args, "--out", str(tmp_path)])
@@ -195,8 +203,22 @@ def test_plan_command_error_as_a_process():
 
 @pytest.mark.slow
 def test_plan_command_llama3_8b(tmp_path):
-    cmd = [sys.executable, "-m", "autoshard", "plan", "--model", "llama3-8b", "--mesh", "8x8", "--batch", "8",
-           "--seq", "8192", "--out", str(tmp_path)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "autoshard",
+        "plan",
+        "--model",
+        "llama3-8b",
+        "--mesh",
+        "8x8",
+        "--batch",
+        "8",
+        "--seq",
+        "8192",
+        "--out",
+        str(tmp_path),
+    ]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads((tmp_path / "plan.json").read_text())

@@ -36,8 +36,13 @@ def report():
         auto.memory_budget(sum(4 * p.numel() for p in model.parameters()) / 4)  # sharded: collectives to show
         plan = auto.optimize()
         memory = auto.dry_run()
-    report = plan_report(plan, dry_run=memory, device=DeviceProfile.preset("h100"), timings=auto.timings,
-                         extra={"run": {"model": "llama3-tiny", "mesh_names": ["dp", "tp"], "batch": 4, "seq": 16}})
+    report = plan_report(
+        plan,
+        dry_run=memory,
+        device=DeviceProfile.preset("h100"),
+        timings=auto.timings,
+        extra={"run": {"model": "llama3-tiny", "mesh_names": ["dp", "tp"], "batch": 4, "seq": 16}},
+    )
     return json.loads(json.dumps(report))  # as plan.json holds it
 
 
@@ -137,15 +142,23 @@ def test_report_command_rebuilds_the_page_with_curves(report, tmp_path, capsys):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl", "plan.json", "report.html", "sharding.log"]
 
 
-@pytest.mark.parametrize("setup, message", [
-    (None, "is not a directory"),
-    ({}, "no plan.json in"),
-    ({"plan.json": "{not json"}, "is not valid JSON"),
-    ({"plan.json": "[1, 2]"}, "is not an autoshard plan report"),
-    ({"plan.json": '{"mesh_shape": [2], "parameters": [{}], "nodes": [], "totals": {}}'},
-     "is not an autoshard plan report"),
-    ({"plan.json": "GOOD", "metrics.jsonl": '{"step": 1, "loss": 2.0}\n{"step": 2, "lo'}, "metrics.jsonl:2: not JSON"),
-])
+@pytest.mark.parametrize(
+    "setup, message",
+    [
+        (None, "is not a directory"),
+        ({}, "no plan.json in"),
+        ({"plan.json": "{not json"}, "is not valid JSON"),
+        ({"plan.json": "[1, 2]"}, "is not an autoshard plan report"),
+        (
+            {"plan.json": '{"mesh_shape": [2], "parameters": [{}], "nodes": [], "totals": {}}'},
+            "is not an autoshard plan report",
+        ),
+        (
+            {"plan.json": "GOOD", "metrics.jsonl": '{"step": 1, "loss": 2.0}\n{"step": 2, "lo'},
+            "metrics.jsonl:2: not JSON",
+        ),
+    ],
+)
 def test_report_command_bad_input_is_one_error_line_and_writes_nothing(report, setup, message, tmp_path, capsys):
     run_dir = tmp_path / "run"
     if setup is not None:
@@ -165,8 +178,10 @@ def _chromium() -> str:
     for name in ("chromium", "chromium-browser", "google-chrome"):
         if path := shutil.which(name):
             return path
-    pytest.skip("chromium not found: the browser check of report.html is skipped "
-                "(`make test` installs it with apt when run as root; or `apt-get install chromium`)")
+    pytest.skip(
+        "chromium not found: the browser check of report.html is skipped "
+        "(`make test` installs it with apt when run as root; or `apt-get install chromium`)"
+    )
 
 
 def _chromium_run(page: Path, tmp_path: Path, *args: str) -> tuple[str, list[str]]:
@@ -174,8 +189,17 @@ def _chromium_run(page: Path, tmp_path: Path, *args: str) -> tuple[str, list[str
     message of the page (console.log/error, uncaught exceptions, SVG attribute errors) to stderr as
     `...:INFO:CONSOLE:<line>] "<message>", source: <url> (<line>)` (older builds: `CONSOLE(<line>)`);
     the page has no script, so any such line is an error."""
-    cmd = [_chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--enable-logging=stderr", "--v=0",
-           f"--user-data-dir={tmp_path / 'chromium-profile'}", *args, page.resolve().as_uri()]
+    cmd = [
+        _chromium(),
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--enable-logging=stderr",
+        "--v=0",
+        f"--user-data-dir={tmp_path / 'chromium-profile'}",
+        *args,
+        page.resolve().as_uri(),
+    ]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
     assert done.returncode == 0, done.stderr[-2000:]
     return done.stdout, [line for line in done.stderr.splitlines() if re.search(r"\bCONSOLE[:(]\d+", line)]
@@ -184,8 +208,10 @@ def _chromium_run(page: Path, tmp_path: Path, *args: str) -> tuple[str, list[str
 def test_console_check_catches_a_broken_page(tmp_path):
     """The detector itself: a page with a script error and a bad SVG attribute is caught."""
     page = tmp_path / "broken.html"
-    page.write_text('<!DOCTYPE html><html><body><svg width="9" height="9"><rect width="-5" height="4"></rect></svg>'
-                    "<script>undefinedFunction();</script></body></html>")
+    page.write_text(
+        '<!DOCTYPE html><html><body><svg width="9" height="9"><rect width="-5" height="4"></rect></svg>'
+        "<script>undefinedFunction();</script></body></html>"
+    )
     _, console = _chromium_run(page, tmp_path, "--dump-dom")
     assert any("undefinedFunction is not defined" in line for line in console), console
     assert any("<rect> attribute width" in line for line in console), console

@@ -7,8 +7,18 @@ import random
 import numpy as np
 import pytest
 
-from autoshard_solver import (Allowed, Choice, Fixed, InfeasibleError, MemoryBudget, NoBetterError, Problem, SameChoice,
-                    available_backends, solve)
+from autoshard_solver import (
+    Allowed,
+    Choice,
+    Fixed,
+    InfeasibleError,
+    MemoryBudget,
+    NoBetterError,
+    Problem,
+    SameChoice,
+    available_backends,
+    solve,
+)
 
 INF = math.inf
 
@@ -33,8 +43,9 @@ def brute(problem: Problem):
             for n in con.nodes[1:]:
                 ok &= grid[:, index[n]] == grid[:, index[con.nodes[0]]]
         elif isinstance(con, MemoryBudget):
-            load = sum(np.array([c.memory for c in problem.nodes[index[n]].choices])
-                       [grid[:, index[n]]] for n in set(con.nodes))
+            load = sum(
+                np.array([c.memory for c in problem.nodes[index[n]].choices])[grid[:, index[n]]] for n in set(con.nodes)
+            )
             for pair in con.edges:
                 load = load + np.array(pair.memory)[grid[:, index[pair.src]], grid[:, index[pair.dst]]]
             ok &= load <= con.limit + 1e-9
@@ -57,14 +68,22 @@ def random_problem(seed: int, max_nodes: int = 8, max_k: int = 4) -> Problem:
         return float(rng.randint(0, scale)) if integer else rng.uniform(0, scale)
 
     for i, k in enumerate(sizes):
-        p.add_node(f"n{i}", [Choice(f"c{j}", INF if rng.random() < 0.03 else val(5),
-                                    memory=float(rng.randint(0, 4))) for j in range(k)])
+        p.add_node(
+            f"n{i}",
+            [
+                Choice(f"c{j}", INF if rng.random() < 0.03 else val(5), memory=float(rng.randint(0, 4)))
+                for j in range(k)
+            ],
+        )
     density = rng.uniform(0.2, 0.7)
     for i in range(n):
         for j in range(i + 1, n):
             if rng.random() < density:
-                p.add_edge(f"n{i}", f"n{j}", [[INF if rng.random() < p_inf else val(9)
-                                                for _ in range(sizes[j])] for _ in range(sizes[i])])
+                p.add_edge(
+                    f"n{i}",
+                    f"n{j}",
+                    [[INF if rng.random() < p_inf else val(9) for _ in range(sizes[j])] for _ in range(sizes[i])],
+                )
     if rng.random() < 0.3:
         i = rng.randrange(n)
         p.fix(f"n{i}", rng.randrange(sizes[i]))
@@ -89,8 +108,9 @@ def random_problem(seed: int, max_nodes: int = 8, max_k: int = 4) -> Problem:
         if rng.random() < 0.5:  # memory on some pairs (an edge or not, a tied pair or not)
             for _ in range(rng.randint(1, 3)):
                 i, j = rng.sample(range(n), 2)
-                edges[(f"n{i}", f"n{j}")] = [[float(rng.randint(0, 4) * (rng.random() < 0.6))
-                                              for _ in range(sizes[j])] for _ in range(sizes[i])]
+                edges[(f"n{i}", f"n{j}")] = [
+                    [float(rng.randint(0, 4) * (rng.random() < 0.6)) for _ in range(sizes[j])] for _ in range(sizes[i])
+                ]
             hi += sum(max(map(max, m)) for m in edges.values())
         p.memory_budget(nodes, rng.uniform(0, hi), "mem", edges=edges)
     return p
@@ -124,7 +144,7 @@ def test_random_problems_match_brute_force(presolve):
         infeasible += sol is None
         with_core += sol is not None and sol.stats.variables > 0
     assert 20 <= infeasible <= 200  # both outcomes are exercised
-    assert with_core >= 40          # the ILP itself is exercised, not only presolve
+    assert with_core >= 40  # the ILP itself is exercised, not only presolve
 
 
 def test_a_cutoff_stops_only_where_nothing_costs_less():
@@ -172,8 +192,7 @@ def test_long_chain_is_solved_by_presolve_alone():
         for ch in p.nodes[-1].choices:
             ch.cost = rng.uniform(0, 5)
         if i:
-            p.add_edge(f"v{i-1}", f"v{i}", [[rng.uniform(0, 5) for _ in range(4)]
-                                            for _ in range(4)])
+            p.add_edge(f"v{i - 1}", f"v{i}", [[rng.uniform(0, 5) for _ in range(4)] for _ in range(4)])
     full = solve(p)
     assert full.stats.variables == 0
     assert full.objective == pytest.approx(solve(p, presolve=False).objective, rel=1e-9)
@@ -207,11 +226,21 @@ def test_highs_prints_nothing_without_msg():
     import sys
     from pathlib import Path
 
-    child = ("from test_solver import random_problem; from autoshard_solver import solve; "
-             "solve(random_problem(3), backend='highs', presolve=False, msg={msg})")
+    child = (
+        "from test_solver import random_problem; from autoshard_solver import solve; "
+        "solve(random_problem(3), backend='highs', presolve=False, msg={msg})"
+    )
     tests = Path(__file__).parent
-    out = {msg: subprocess.run([sys.executable, "-c", child.format(msg=msg)], capture_output=True, text=True,
-                               cwd=tests, env={"PYTHONPATH": f"{tests}:{tests.parent}", "PATH": "/usr/bin:/bin"},
-                               timeout=120) for msg in (False, True)}
+    out = {
+        msg: subprocess.run(
+            [sys.executable, "-c", child.format(msg=msg)],
+            capture_output=True,
+            text=True,
+            cwd=tests,
+            env={"PYTHONPATH": f"{tests}:{tests.parent}", "PATH": "/usr/bin:/bin"},
+            timeout=120,
+        )
+        for msg in (False, True)
+    }
     assert out[False].returncode == 0 and out[False].stdout == "", out[False].stdout + out[False].stderr
     assert "HiGHS" in out[True].stdout

@@ -21,8 +21,7 @@ def block_chain(copies: int, seed: int = 0, external: bool = False) -> tuple[Pro
     rng = random.Random(seed)
     k = 3
     cost = {pos: [rng.uniform(0, 10) for _ in range(k)] for pos in ("in", "mid", "out")}
-    inner = {e: [[rng.uniform(0, 10) for _ in range(k)] for _ in range(k)]
-             for e in (("in", "mid"), ("mid", "out"))}
+    inner = {e: [[rng.uniform(0, 10) for _ in range(k)] for _ in range(k)] for e in (("in", "mid"), ("mid", "out"))}
     # strongly prefer in == out inside a block and across blocks, so the unclustered optimum is
     # one repeated block state (each block state that is best alone is also best in the chain)
     same = [[0.0 if i == j else 100.0 for j in range(k)] for i in range(k)]
@@ -38,8 +37,8 @@ def block_chain(copies: int, seed: int = 0, external: bool = False) -> tuple[Pro
         p.add_edge(m, o, inner[("mid", "out")])
         p.add_edge(i, o, same)
         if c:
-            p.add_edge(f"b{c-1}.out", i, same)
-            p.add_edge(f"b{c-1}.out", o, [[rng.uniform(0, 1) for _ in range(k)] for _ in range(k)])
+            p.add_edge(f"b{c - 1}.out", i, same)
+            p.add_edge(f"b{c - 1}.out", o, [[rng.uniform(0, 1) for _ in range(k)] for _ in range(k)])
         if external:
             p.add_edge("g", m, [[rng.uniform(0, 5) for _ in range(k)] for _ in range(2)])
         region.append(names)
@@ -71,8 +70,7 @@ def test_region_prices_external_and_cross_copy_edges(presolve):
             choice.update(zip(names, states))
         best = min(best, sum(p.cost(choice)))
     assert sol.objective == pytest.approx(best, rel=1e-9)
-    assert all(sol.choice[a] == sol.choice[b] for names in zip(*copies) for a, b in
-               zip(names, names[1:]))
+    assert all(sol.choice[a] == sol.choice[b] for names in zip(*copies) for a, b in zip(names, names[1:]))
 
 
 def tiny() -> Problem:
@@ -128,12 +126,16 @@ def test_a_budget_counts_memory_on_edges():
     free = solve(p)
     assert (free.choice["w"], free.choice["v"]) == (1, 1)
     copy = [[0.0, 0.0], [0.0, 50.0]]  # w S feeding v S holds 50 bytes; every other pair none
-    budget = p.memory_budget(["w", "v"], 20.0, "peak", memory={"w": [1.0, 1.0], "v": [1.0, 1.0]},
-                             edges={("w", "v"): copy})
+    budget = p.memory_budget(
+        ["w", "v"], 20.0, "peak", memory={"w": [1.0, 1.0], "v": [1.0, 1.0]}, edges={("w", "v"): copy}
+    )
     tight = solve(p)
     assert (tight.choice["w"], tight.choice["v"]) != (1, 1) and tight.objective > free.objective
-    assert tight.objective == pytest.approx(min(
-        sum(p.cost({"w": a, "v": b, "y": y})) for a, b, y in itertools.product((0, 1), repeat=3) if (a, b) != (1, 1)))
+    assert tight.objective == pytest.approx(
+        min(
+            sum(p.cost({"w": a, "v": b, "y": y})) for a, b, y in itertools.product((0, 1), repeat=3) if (a, b) != (1, 1)
+        )
+    )
     again = problem_from_json(problem_to_json(p))
     assert again.constraints[-1] == budget and solve(again).choice == tight.choice
     p.constraints[-1].limit = 60.0  # now the copy fits: the free answer again
@@ -188,8 +190,8 @@ def test_infeasible_structure_names_node_and_edge():
     p.add_node("b", ["R", "S"])
     p.add_node("c", ["R"])
     p.add_edge("a", "b", [[0, INF], [INF, 0]])
-    p.add_edge("b", "c", [[INF], [1.0]])   # b must be S
-    p.add_edge("a", "c", [[0.0], [INF]])   # a must be R, hence b R: conflict
+    p.add_edge("b", "c", [[INF], [1.0]])  # b must be S
+    p.add_edge("a", "c", [[0.0], [INF]])  # a must be R, hence b R: conflict
     with pytest.raises(InfeasibleError, match=r"node '[abc]'.*edge '[abc]'->'[abc]'") as err:
         solve(p)
     assert err.value.edge is not None and err.value.constraints == []
@@ -220,17 +222,20 @@ def test_json_round_trip():
     assert solve(Problem.from_json(text)).choice == sol.choice
 
 
-@pytest.mark.parametrize("mutate, message", [
-    (lambda p: p.add_edge("a", "nope", [[0]]), "unknown node 'nope'"),
-    (lambda p: p.add_edge("a", "b", [[0, 1]]), r"edge 'a'->'b': cost matrix must be 2x2"),
-    (lambda p: p.add_edge("a", "b", [[0, -1], [0, 0]]), "must be >= 0"),
-    (lambda p: p.add_edge("a", "b", [[0, math.nan], [0, 0]]), "must be >= 0"),
-    (lambda p: setattr(p.nodes[0].choices[0], "cost", -2.0), "node 'a' choice 'R' cost"),
-    (lambda p: p.fix("a", 5), r"Fixed\('a', 5\): choice index out of range"),
-    (lambda p: p.same_choice(["a", "c"]), "different numbers of choices"),
-    (lambda p: p.add_region([["a"], ["c"]]), "different numbers of choices"),
-    (lambda p: p.add_node("a", ["R"]), "duplicate node name 'a'"),
-])
+@pytest.mark.parametrize(
+    "mutate, message",
+    [
+        (lambda p: p.add_edge("a", "nope", [[0]]), "unknown node 'nope'"),
+        (lambda p: p.add_edge("a", "b", [[0, 1]]), r"edge 'a'->'b': cost matrix must be 2x2"),
+        (lambda p: p.add_edge("a", "b", [[0, -1], [0, 0]]), "must be >= 0"),
+        (lambda p: p.add_edge("a", "b", [[0, math.nan], [0, 0]]), "must be >= 0"),
+        (lambda p: setattr(p.nodes[0].choices[0], "cost", -2.0), "node 'a' choice 'R' cost"),
+        (lambda p: p.fix("a", 5), r"Fixed\('a', 5\): choice index out of range"),
+        (lambda p: p.same_choice(["a", "c"]), "different numbers of choices"),
+        (lambda p: p.add_region([["a"], ["c"]]), "different numbers of choices"),
+        (lambda p: p.add_node("a", ["R"]), "duplicate node name 'a'"),
+    ],
+)
 def test_bad_input_is_named(mutate, message):
     p = Problem()
     p.add_node("a", ["R", "S"])
@@ -243,6 +248,7 @@ def test_bad_input_is_named(mutate, message):
 
 def test_import_does_not_pull_torch():
     code = "import sys, solver; solver.solve(solver.Problem()); print('torch' in sys.modules)"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                         cwd=__file__.rsplit("/tests/", 1)[0])
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=__file__.rsplit("/tests/", 1)[0]
+    )
     assert out.stdout.strip() == "False"

@@ -24,8 +24,9 @@ def frustrated(seed: int, n: int = 14, k: int = 4) -> Problem:
     for i in range(1, n):
         for j in rng.sample(range(max(0, i - 4), i), min(i, rng.randint(1, 3))):
             perm = rng.sample(range(k), k) if rng.random() < 0.3 else range(k)
-            p.add_edge(f"v{j}", f"v{i}", [[0.0 if perm[a] == b else rng.uniform(1, 6)
-                                           for b in range(k)] for a in range(k)])
+            p.add_edge(
+                f"v{j}", f"v{i}", [[0.0 if perm[a] == b else rng.uniform(1, 6) for b in range(k)] for a in range(k)]
+            )
     if seed % 3 == 0:
         p.memory_budget([f"v{i}" for i in range(0, n, 2)], 2.2 * n / 2, "hbm")
     return p
@@ -36,16 +37,14 @@ def plain_mip(problem: Problem) -> float:
     red = Reduction(problem, problem.constraints, problem.regions, reduce=False)
     model = Model(red)
     assert run(model, "highs", None, False, 1e-9) == "optimal"
-    chosen = {c: int(idx[max(range(len(xs)), key=lambda i: model.value[xs[i]])])
-              for c, (idx, xs) in model.x.items()}
+    chosen = {c: int(idx[max(range(len(xs)), key=lambda i: model.value[xs[i]])]) for c, (idx, xs) in model.x.items()}
     return sum(problem.cost(red.assign(chosen)))
 
 
 @pytest.mark.parametrize("weak_incumbent", [False, True])
 def test_lp_pipeline_matches_a_plain_mip(weak_incumbent, monkeypatch):
     if weak_incumbent:  # rounding + local search only: fixing and the MIP must do the rest
-        monkeypatch.setattr(search, "_incumbent",
-                            lambda red, model, *_: search.local_search(red, choices(model)))
+        monkeypatch.setattr(search, "_incumbent", lambda red, model, *_: search.local_search(red, choices(model)))
     used_triangles = used_fixing = 0
     for seed in range(20):
         p = frustrated(seed)

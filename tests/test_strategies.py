@@ -28,8 +28,12 @@ CPU = DeviceProfile.preset("cpu")
 def tiny():
     tokens = torch.zeros(4, 32, dtype=torch.int64)
     with contextlib.ExitStack() as stack:  # closing it leaves the trace's fake mode
-        return trace_joint(build_model(get_config("llama3-tiny"), device="meta"),
-                           lambda m, x, y: cross_entropy_loss(m(x), y), (tokens, tokens), stack)
+        return trace_joint(
+            build_model(get_config("llama3-tiny"), device="meta"),
+            lambda m, x, y: cross_entropy_loss(m(x), y),
+            (tokens, tokens),
+            stack,
+        )
 
 
 @functools.cache
@@ -138,8 +142,11 @@ def test_pointwise_gets_both_orders_with_input_order_equal_output_order(tiny):
 def test_3d_mesh_orders_are_one_permutation_applied_everywhere(tiny):
     mm = first(tiny, aten.mm.default)
     got = strategies_of(mm, (2, 2, 2))
-    batch = [s for s in got if s.inputs[1] == Layout.replicate(3) and s.inputs[0].sharded_dims == (0,)
-             and len(s.inputs[0].order[0][1]) == 3]
+    batch = [
+        s
+        for s in got
+        if s.inputs[1] == Layout.replicate(3) and s.inputs[0].sharded_dims == (0,) and len(s.inputs[0].order[0][1]) == 3
+    ]
     assert sorted(s.inputs[0].order[0][1] for s in batch) == sorted(itertools.permutations(range(3)))
     assert all(s.inputs[0] == s.outputs[0] for s in batch)
     # A dim sharded over 2 of the 3 mesh dims has exactly two orders, however many permutations.
@@ -238,8 +245,12 @@ def test_chunking_here_matches_torchs_physical_encoding_of_orders():
 
     t = torch.arange(16.0).reshape(16, 1)
     with fake_process_group(8):
-        for mesh_shape, text in [((2, 4), "S(0)S(0)[1,0]"), ((4, 2), "S(0)S(0)[1,0]"),
-                                 ((2, 2, 2), "S(0)S(0)S(0)[2,0,1]"), ((2, 2, 2), "S(0)RS(0)[2,0]")]:
+        for mesh_shape, text in [
+            ((2, 4), "S(0)S(0)[1,0]"),
+            ((4, 2), "S(0)S(0)[1,0]"),
+            ((2, 2, 2), "S(0)S(0)S(0)[2,0,1]"),
+            ((2, 2, 2), "S(0)RS(0)[2,0]"),
+        ]:
             mesh = init_device_mesh("cpu", mesh_shape)
             lay = L(text)
             with LocalTensorMode(8):
@@ -255,7 +266,9 @@ def _shard(t, layout, mesh_shape):
     pdims = [m for m, p in enumerate(layout.placements) if p.kind == "P"]
     k = math.prod(mesh_shape[m] for m in pdims)
     parts = [torch.randn_like(t) for _ in range(k - 1)]
-    parts.append(t * (k if any(layout.placements[m].op == "avg" for m in pdims) else 1) - sum(parts, torch.zeros_like(t)))
+    parts.append(
+        t * (k if any(layout.placements[m].op == "avg" for m in pdims) else 1) - sum(parts, torch.zeros_like(t))
+    )
     values = {}
     for r, c in enumerate(_coords(mesh_shape)):
         pi = 0
@@ -323,19 +336,34 @@ def check_strategy(node, strategy, mesh_shape, global_values, expected):
         if lay is None:
             continue
         got = _assemble(local_out[i], lay, want.shape, mesh_shape)
-        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4,
-                                   msg=lambda m: f"{node.target} {strategy} output {i}: {m}")
+        torch.testing.assert_close(
+            got, want, atol=1e-4, rtol=1e-4, msg=lambda m: f"{node.target} {strategy} output {i}: {m}"
+        )
     assert len(slots) == len(strategy.inputs)
 
 
 NUMERIC_OPS = [
-    aten.mm.default, aten.view.default, aten._unsafe_view.default, aten.t.default, aten.transpose.int,
-    aten.embedding.default, aten.embedding_dense_backward.default,
+    aten.mm.default,
+    aten.view.default,
+    aten._unsafe_view.default,
+    aten.t.default,
+    aten.transpose.int,
+    aten.embedding.default,
+    aten.embedding_dense_backward.default,
     aten._scaled_dot_product_flash_attention_for_cpu.default,
     aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
-    aten.nll_loss_forward.default, aten.nll_loss_backward.default, aten._log_softmax.default,
-    aten._log_softmax_backward_data.default, aten.sum.dim_IntList, aten.mean.dim, aten.cat.default,
-    aten.split.Tensor, aten.mul.Tensor, aten.silu.default, aten.expand.default, aten.slice.Tensor,
+    aten.nll_loss_forward.default,
+    aten.nll_loss_backward.default,
+    aten._log_softmax.default,
+    aten._log_softmax_backward_data.default,
+    aten.sum.dim_IntList,
+    aten.mean.dim,
+    aten.cat.default,
+    aten.split.Tensor,
+    aten.mul.Tensor,
+    aten.silu.default,
+    aten.expand.default,
+    aten.slice.Tensor,
 ]
 
 
@@ -346,15 +374,26 @@ def test_every_strategy_of_sampled_ops_is_numerically_exact_on_2x2(tiny, target)
     expected = _run(node, values)
     strategies = strategies_of(node, (2, 2))
     assert any(not lay.is_default_order for s in strategies for lay in s.outputs if lay) or target in (
-        aten.nll_loss_forward.default, aten.mean.dim, aten.sum.dim_IntList)
+        aten.nll_loss_forward.default,
+        aten.mean.dim,
+        aten.sum.dim_IntList,
+    )
     for strategy in strategies:
         check_strategy(node, strategy, (2, 2), values, expected)
 
 
 @pytest.mark.parametrize("mesh", [(4,), (2, 2, 2)], ids=str)
-@pytest.mark.parametrize("target", [aten.mm.default, aten._unsafe_view.default, aten.embedding.default,
-                                    aten._scaled_dot_product_flash_attention_for_cpu.default,
-                                    aten.nll_loss_forward.default], ids=str)
+@pytest.mark.parametrize(
+    "target",
+    [
+        aten.mm.default,
+        aten._unsafe_view.default,
+        aten.embedding.default,
+        aten._scaled_dot_product_flash_attention_for_cpu.default,
+        aten.nll_loss_forward.default,
+    ],
+    ids=str,
+)
 def test_strategies_are_numerically_exact_on_1d_and_3d(tiny, target, mesh):
     node = first(tiny, target)
     values = _global_inputs(node)

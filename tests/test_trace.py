@@ -47,9 +47,19 @@ def test_llama_joint_graph_identifies_params_grads_inputs(tiny, device):
 def test_nodes_carry_module_paths_forward_and_backward(tiny):
     graph = trace(build_model(tiny, device="meta"), (torch.zeros(2, 16, dtype=torch.int64),) * 2)
     mm_paths = {graph.module_path(n) for n in graph.nodes if n.target == torch.ops.aten.mm.default}
-    linears = {f"layers.{i}.{m}" for i in range(2) for m in (
-        "attention.wq", "attention.wk", "attention.wv", "attention.wo",
-        "feed_forward.w1", "feed_forward.w2", "feed_forward.w3")} | {"output"}
+    linears = {
+        f"layers.{i}.{m}"
+        for i in range(2)
+        for m in (
+            "attention.wq",
+            "attention.wk",
+            "attention.wv",
+            "attention.wo",
+            "feed_forward.w1",
+            "feed_forward.w2",
+            "feed_forward.w3",
+        )
+    } | {"output"}
     assert mm_paths == linears
     # Backward kernels inherit the path of the forward op they differentiate.
     attn_bwd = [n for n in graph.nodes if "flash_attention_for_cpu_backward" in str(n.target)]

@@ -27,8 +27,17 @@ SHARDED_ON_4 = ["--memory-budget", str(budget_bytes(build_model(get_config("llam
 
 def torchrun(*args: str, timeout: int = 400, nproc: int = 4) -> subprocess.CompletedProcess:
     env = child_env()
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           "-m", "autoshard", "train", *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        "-m",
+        "autoshard",
+        "train",
+        *args,
+    ]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
     assert out.returncode == 0, f"torchrun failed:\n{out.stdout[-3000:]}\n{out.stderr[-6000:]}"
     return out
@@ -45,8 +54,20 @@ def test_torchrun_trains_like_single_device_and_resumes(tmp_path, executed_plans
     and plan.json list every parameter; a run resumed from the step-3 checkpoint (later ones gone,
     as if killed after step 3) reproduces steps 4-6, reusing the saved plan."""
     first = tmp_path / "first"
-    out = torchrun(*TINY, *SHARDED_ON_4, "--mesh", "2x2", "--steps", "10", "--checkpoint-every", "3",
-                   "--memory-step", "2", "--out", str(first))
+    out = torchrun(
+        *TINY,
+        *SHARDED_ON_4,
+        "--mesh",
+        "2x2",
+        "--steps",
+        "10",
+        "--checkpoint-every",
+        "3",
+        "--memory-step",
+        "2",
+        "--out",
+        str(first),
+    )
     (facts,) = executed_plans()
     assert_shards(facts, batch_split=False)
     rows = metrics(first)
@@ -79,8 +100,19 @@ def test_torchrun_trains_like_single_device_and_resumes(tmp_path, executed_plans
     shutil.copytree(first, second)
     for late in ("step-000006", "step-000009"):
         shutil.rmtree(second / "checkpoints" / late)
-    out = torchrun(*TINY, *SHARDED_ON_4, "--mesh", "2x2", "--steps", "6", "--resume", "--plan-file",
-                   str(first / "plan.json"), "--out", str(second))
+    out = torchrun(
+        *TINY,
+        *SHARDED_ON_4,
+        "--mesh",
+        "2x2",
+        "--steps",
+        "6",
+        "--resume",
+        "--plan-file",
+        str(first / "plan.json"),
+        "--out",
+        str(second),
+    )
     assert "reusing the solution" in out.stdout + out.stderr
     resumed = metrics(second)
     assert [r["step"] for r in resumed] == [1, 2, 3, 4, 5, 6]
@@ -97,8 +129,24 @@ def test_torchrun_under_a_memory_limit_recomputes_and_trains_like_single_device(
     limit, and the losses are the single-device run's, as the unconstrained plan's are. (Under
     60 MB the same fit spends ~50 s in one budgeted MIP, proving a 0.4% gap closed.)"""
     run = tmp_path / "run"
-    torchrun("--model", "llama3-debug", "--batch", "8", "--seq", "128", "--mesh", "2x2", "--steps", "3",
-             "--memory-limit", "56MB", "--memory-step", "2", "--out", str(run))
+    torchrun(
+        "--model",
+        "llama3-debug",
+        "--batch",
+        "8",
+        "--seq",
+        "128",
+        "--mesh",
+        "2x2",
+        "--steps",
+        "3",
+        "--memory-limit",
+        "56MB",
+        "--memory-step",
+        "2",
+        "--out",
+        str(run),
+    )
     (facts,) = executed_plans()
     assert_shards(facts, batch_split=False)  # the limit alone shards parameters
     report = json.loads((run / "plan.json").read_text())
@@ -118,22 +166,27 @@ def run_main(args: list[str], capsys) -> tuple[int, str]:
     return code, err
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--model", "llama3-nope"], "unknown model"),
-    ([*TINY, "--mesh", "2x2"], "mesh 2x2 has 4 devices but the world size is 1"),
-    (["--model", "llama3-tiny", "--mesh", "2x2", "--batch", "3"], "--batch 3 is not divisible by the dp size 2"),
-    ([*TINY, "--mesh", "2x"], "bad mesh '2x'"),
-    ([*TINY, "--mesh", "1", "--resume", "--out", "{tmp}/empty"], "--resume: no complete checkpoint in"),
-    ([*TINY, "--mesh", "1", "--plan-file", "{tmp}/corrupt.json"], "not a plan file (JSONDecodeError"),
-    ([*TINY, "--mesh", "1", "--plan-file", "{tmp}/missing.json"], "no such file"),
-    ([*TINY, "--mesh", "1", "--memory-budget", "1", "--out", "{tmp}/run"], "infeasible"),
-    ([*TINY, "--mesh", "1", "--wire-step", "-1"], "--wire-step must be >= 0"),
-    ([*TINY, "--mesh", "1", "--memory-step", "-1"], "--memory-step must be >= 0"),
-    ([*TINY, "--mesh", "1", "--memory-limit", "0"], "--memory-limit: bad byte count '0': must be positive"),
-    ([*TINY, "--mesh", "1", "--memory-limit", "lots"], "--memory-limit: bad byte count 'lots'"),
-    ([*TINY, "--mesh", "1", "--memory-limit", "1MiB", "--out", "{tmp}/run"],
-     "no plan fits 1.0 MiB per rank: the smallest peak reached is"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--model", "llama3-nope"], "unknown model"),
+        ([*TINY, "--mesh", "2x2"], "mesh 2x2 has 4 devices but the world size is 1"),
+        (["--model", "llama3-tiny", "--mesh", "2x2", "--batch", "3"], "--batch 3 is not divisible by the dp size 2"),
+        ([*TINY, "--mesh", "2x"], "bad mesh '2x'"),
+        ([*TINY, "--mesh", "1", "--resume", "--out", "{tmp}/empty"], "--resume: no complete checkpoint in"),
+        ([*TINY, "--mesh", "1", "--plan-file", "{tmp}/corrupt.json"], "not a plan file (JSONDecodeError"),
+        ([*TINY, "--mesh", "1", "--plan-file", "{tmp}/missing.json"], "no such file"),
+        ([*TINY, "--mesh", "1", "--memory-budget", "1", "--out", "{tmp}/run"], "infeasible"),
+        ([*TINY, "--mesh", "1", "--wire-step", "-1"], "--wire-step must be >= 0"),
+        ([*TINY, "--mesh", "1", "--memory-step", "-1"], "--memory-step must be >= 0"),
+        ([*TINY, "--mesh", "1", "--memory-limit", "0"], "--memory-limit: bad byte count '0': must be positive"),
+        ([*TINY, "--mesh", "1", "--memory-limit", "lots"], "--memory-limit: bad byte count 'lots'"),
+        (
+            [*TINY, "--mesh", "1", "--memory-limit", "1MiB", "--out", "{tmp}/run"],
+            "no plan fits 1.0 MiB per rank: the smallest peak reached is",
+        ),
+    ],
+)
 def test_bad_input_is_one_line(tmp_path, capsys, args, message):
     (tmp_path / "corrupt.json").write_text("{not json")
     code, err = run_main([a.replace("{tmp}", str(tmp_path)) for a in args], capsys)
@@ -178,14 +231,22 @@ def test_memory_limit_in_train(tmp_path, capsys):
 def test_plan_file_for_another_problem_is_refused(tmp_path, capsys):
     stale = tmp_path / "plan.json"
     stale.write_text(json.dumps({"fingerprint": "0123456789abcdef", "solution": "{}"}))
-    code, err = run_main([*TINY, "--mesh", "1", "--steps", "1", "--plan-file", str(stale), "--out", str(tmp_path / "run")], capsys)
+    code, err = run_main(
+        [*TINY, "--mesh", "1", "--steps", "1", "--plan-file", str(stale), "--out", str(tmp_path / "run")], capsys
+    )
     assert code == 2
     assert "was made for another problem (fingerprint 0123456789abcdef" in err and "Traceback" not in err
 
 
 def test_cli_entry_point_exits_nonzero_without_traceback():
-    out = subprocess.run([sys.executable, "-m", "autoshard", "train", "--model", "nope"], capture_output=True,
-                         text=True, cwd=ROOT, env=child_env(), timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "autoshard", "train", "--model", "nope"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=child_env(),
+        timeout=120,
+    )
     assert out.returncode == 2
     assert out.stderr.strip().splitlines()[-1].startswith("error: unknown model")
     assert "Traceback" not in out.stderr
@@ -208,5 +269,6 @@ def test_a_program_that_cannot_run_is_one_error_line_before_training(tmp_path, c
     # the caller's logging is as it was: no handler left writing to the stream captured during the run
     assert (root.handlers, root.level) == before
     assert [line for line in err.splitlines() if line.startswith("error:")] == [
-        "error: the planned program cannot run: dry run of rank 0, backward: node view_3 failed: cannot view"]
+        "error: the planned program cannot run: dry run of rank 0, backward: node view_3 failed: cannot view"
+    ]
     assert not (tmp_path / "run" / "metrics.jsonl").exists()

@@ -46,8 +46,12 @@ def test_functional_collectives(mesh):
         tc.wait(funcol.all_to_all_single(x, None, None, (mesh, 1)))
         tc.wait(funcol.all_gather_single(x, 0, tc.flattened_mesh(mesh, (0, 1))))  # one shot over 4 ranks
     s = meter.stats
-    assert s.bytes == {"all_gather": X_BYTES + 3 * X_BYTES, "reduce_scatter": X_BYTES / 2,
-                       "all_reduce": X_BYTES, "all_to_all": X_BYTES / 2}
+    assert s.bytes == {
+        "all_gather": X_BYTES + 3 * X_BYTES,
+        "reduce_scatter": X_BYTES / 2,
+        "all_reduce": X_BYTES,
+        "all_to_all": X_BYTES / 2,
+    }
     assert s.count == {"all_gather": 2, "reduce_scatter": 1, "all_reduce": 1, "all_to_all": 1}
     assert s.total_bytes == 6 * X_BYTES and not s.unpriced
 

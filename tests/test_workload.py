@@ -48,8 +48,23 @@ def test_mesh_names():
 
 
 def test_every_setting_is_an_option():
-    s = _parse(["--mesh", "4", "--batch", "4", "--memory-budget", "1GiB", "--resume", "--device", "cpu",
-                "--checkpoint-every", "2", "--out", "x"])
+    s = _parse(
+        [
+            "--mesh",
+            "4",
+            "--batch",
+            "4",
+            "--memory-budget",
+            "1GiB",
+            "--resume",
+            "--device",
+            "cpu",
+            "--checkpoint-every",
+            "2",
+            "--out",
+            "x",
+        ]
+    )
     assert (s.mesh, s.mesh_names, s.memory_budget, s.resume, s.device_profile) == ((4,), ("dp",), 2**30, "yes", "cpu")
     assert _parse(["--device-profile", "h200"]).device_profile == "h200"
     assert {f.name for f in dataclasses.fields(Settings)} == set(vars(_parse([])).keys())

@@ -1,5 +1,6 @@
 """Running a tests/dist_*.py script on 4 gloo ranks and handing its per-rank results back: the
 launcher side (`run_ranks`, in a test) and the script side (`report_ranks`, on every rank)."""
+
 import contextlib
 import fcntl
 import json
@@ -36,13 +37,21 @@ def child_env(**extra: str) -> dict[str, str]:
 def run_ranks(script: str, timeout: int, nproc: int = 4) -> list[dict]:
     """torchrun `tests/<script>` on `nproc` ranks (one thread each); every rank's result dict, in
     rank order. Fails the test with the tail of both streams when torchrun does."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           str(ROOT / "tests" / script)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        str(ROOT / "tests" / script),
+    ]
     start = time.time()
     out = subprocess.run(cmd, env=child_env(), capture_output=True, text=True, timeout=timeout)
-    assert out.returncode == 0, f"torchrun failed after {time.time() - start:.0f}s:\n{out.stdout[-3000:]}\n{out.stderr[-5000:]}"
+    assert out.returncode == 0, (
+        f"torchrun failed after {time.time() - start:.0f}s:\n{out.stdout[-3000:]}\n{out.stderr[-5000:]}"
+    )
     (line,) = [x for x in out.stdout.splitlines() if x.startswith(PREFIX)]
-    return json.loads(line[len(PREFIX):])
+    return json.loads(line[len(PREFIX) :])
 
 
 def report_ranks(result: dict) -> None:

@@ -31,8 +31,14 @@ def _call_args(values: tuple, names: tuple[str, ...] | None) -> tuple[tuple, dic
     return ((), dict(zip(names, values))) if names is not None else (values, {})
 
 
-def run_step(model: Callable, loss_fn: Callable | None, inputs: tuple, names: tuple[str, ...] | None,
-             n_model_inputs: int, prepare: Callable[[Any], Any] = lambda outputs: outputs) -> torch.Tensor:
+def run_step(
+    model: Callable,
+    loss_fn: Callable | None,
+    inputs: tuple,
+    names: tuple[str, ...] | None,
+    n_model_inputs: int,
+    prepare: Callable[[Any], Any] = lambda outputs: outputs,
+) -> torch.Tensor:
     """`loss_fn(model(*inputs[:k]), *inputs[k:])`, or `model(*inputs)` without a loss function;
     with `names`, the same split passed as keywords. `prepare` sees what the loss function gets."""
     if loss_fn is None:
@@ -50,8 +56,10 @@ def loss_of(outputs: Any) -> Any:
     if isinstance(outputs, Mapping):
         loss = outputs.get("loss")
         if loss is None:
-            raise ValueError(f"the model returned {type(outputs).__name__} without a loss (fields "
-                             f"{', '.join(outputs)}): give it labels= among the inputs, or pass a loss_fn")
+            raise ValueError(
+                f"the model returned {type(outputs).__name__} without a loss (fields "
+                f"{', '.join(outputs)}): give it labels= among the inputs, or pass a loss_fn"
+            )
         return loss
     return outputs
 

@@ -37,7 +37,7 @@ def module_path(dynamo_name: str) -> str:
         name = unwrapped
     name = _INDEX.sub(r".\1", name)
     match = _ROOT.match(name)
-    return name[match.end():] if match else ""
+    return name[match.end() :] if match else ""
 
 
 def capture(wrapper: nn.Module, args: Sequence[Any], path_key: str) -> fx.GraphModule:

@@ -27,9 +27,16 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 aten = torch.ops.aten
 prims = torch.ops.prims
 
-_DTYPE_NAMES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
-                "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
-                "fp64": torch.float64, "float64": torch.float64}
+_DTYPE_NAMES = {
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+    "fp64": torch.float64,
+    "float64": torch.float64,
+}
 
 
 def parse_dtype(name: str) -> torch.dtype:
@@ -62,8 +69,9 @@ class Precision:
         if policy is None:
             return cls()
         if not isinstance(policy, MixedPrecisionPolicy):
-            raise TypeError(f"mp_policy must be a torch.distributed.fsdp.MixedPrecisionPolicy, "
-                            f"got {type(policy).__name__}")
+            raise TypeError(
+                f"mp_policy must be a torch.distributed.fsdp.MixedPrecisionPolicy, got {type(policy).__name__}"
+            )
         for field in ("param_dtype", "reduce_dtype", "output_dtype"):
             dtype = getattr(policy, field)
             if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
@@ -82,8 +90,9 @@ class Precision:
     def describe(self) -> str:
         if not self.casts and self.output_dtype is None:
             return "off (every tensor in its own dtype)"
-        return (f"param {dtype_name(self.param_dtype)}, reduce {dtype_name(self.reduce_dtype or self.param_dtype)}"
-                + (f", output {dtype_name(self.output_dtype)}" if self.output_dtype is not None else ""))
+        return f"param {dtype_name(self.param_dtype)}, reduce {dtype_name(self.reduce_dtype or self.param_dtype)}" + (
+            f", output {dtype_name(self.output_dtype)}" if self.output_dtype is not None else ""
+        )
 
 
 class _CastForCompute(torch.autograd.Function):
@@ -128,8 +137,9 @@ def cast_parameters(model: nn.Module, precision: Precision) -> Iterator[None]:
                 key = first_name.setdefault(id(param), f"{module_name}.{name}")
                 owned.setdefault(module, []).append((name, key))
     casts: dict[str, torch.Tensor] = {}  # FQN -> its cast, for this step
-    originals = [(module._parameters, name, module._parameters[name]) for module, items in owned.items()
-                 for name, _ in items]
+    originals = [
+        (module._parameters, name, module._parameters[name]) for module, items in owned.items() for name, _ in items
+    ]
 
     def casting(module: nn.Module, forward, items: list[tuple[str, str]]):
         # the cast runs inside the module's forward, so both tracers tag it with the module's path
@@ -139,6 +149,7 @@ def cast_parameters(model: nn.Module, precision: Precision) -> Iterator[None]:
                     casts[key] = _cast(module._parameters[name], precision)
                 module._parameters[name] = casts[key]
             return forward(*args, **kwargs)
+
         return forward_in_compute_dtype
 
     patched = [module for module in owned if "forward" not in module.__dict__]
@@ -168,11 +179,21 @@ def cast_floating(value, dtype: torch.dtype | None):
 
 # ---------------------------------------------------------------------------------- gradient tails
 _CASTS = frozenset({prims.convert_element_type.default, aten._to_copy.default})
-_LINEAR_PASSES = frozenset({
-    aten.t.default, aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.permute.default,
-    aten.transpose.int, aten.squeeze.dim, aten.unsqueeze.default, aten.alias.default, aten.detach.default,
-    aten.add.Tensor,
-})
+_LINEAR_PASSES = frozenset(
+    {
+        aten.t.default,
+        aten.view.default,
+        aten._unsafe_view.default,
+        aten.reshape.default,
+        aten.permute.default,
+        aten.transpose.int,
+        aten.squeeze.dim,
+        aten.unsqueeze.default,
+        aten.alias.default,
+        aten.detach.default,
+        aten.add.Tensor,
+    }
+)
 
 
 def is_cast(node: fx.Node) -> bool:
@@ -187,7 +208,11 @@ def gradient_tail(grad: fx.Node) -> list[fx.Node]:
     tail, stack, seen = [], [grad], set()
     while stack:
         node = stack.pop()
-        if node in seen or node.op != "call_function" or (node.target not in _CASTS and node.target not in _LINEAR_PASSES):
+        if (
+            node in seen
+            or node.op != "call_function"
+            or (node.target not in _CASTS and node.target not in _LINEAR_PASSES)
+        ):
             continue
         if node is not grad and not all(u in seen for u in node.users):
             continue  # also feeds something else: not only the gradient

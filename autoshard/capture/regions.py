@@ -54,8 +54,7 @@ def assign_blocks(graph: JointGraph) -> dict[fx.Node, tuple[str, int]]:
 def _signature(graph: JointGraph, node: fx.Node, position: dict[fx.Node, int], block) -> tuple:
     """What must agree between the i-th nodes of two copies of a block."""
     val = node.meta.get("val")
-    shapes = tuple(tuple(v.shape) for v in (val if isinstance(val, (tuple, list)) else [val])
-                   if hasattr(v, "shape"))
+    shapes = tuple(tuple(v.shape) for v in (val if isinstance(val, (tuple, list)) else [val]) if hasattr(v, "shape"))
     wiring = []
     for arg in flat_args(node):
         if isinstance(arg, fx.Node):
@@ -70,7 +69,7 @@ def _signature(graph: JointGraph, node: fx.Node, position: dict[fx.Node, int], b
 def _relative_path(graph: JointGraph, node: fx.Node, block: tuple[str, int]) -> str:
     path = _path(graph, node)
     head = f"{block[0]}.{block[1]}"
-    return path[len(head):]
+    return path[len(head) :]
 
 
 def _path(graph: JointGraph, node: fx.Node) -> str:

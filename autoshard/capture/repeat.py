@@ -65,8 +65,9 @@ def trace_step(
             log.info("autoshard: tracing all %d blocks of %s: the cut model failed (%s)", len(blocks), prefix, err)
         else:
             stack.push(cut_stack)
-            log.info("autoshard: traced %d of the %d blocks of %s and unrolled the rest",
-                     TRACED_BLOCKS, len(blocks), prefix)
+            log.info(
+                "autoshard: traced %d of the %d blocks of %s and unrolled the rest", TRACED_BLOCKS, len(blocks), prefix
+            )
             return graph
     return trace_joint(model, step_fn, example_args, stack, precision)
 
@@ -90,24 +91,29 @@ def repeated_block_list(model: nn.Module) -> tuple[str, nn.ModuleList] | None:
             best, best_size = (path, module), size
     if best is not None:
         inside = {id(p) for p in best[1].parameters()}
-        outside = [n for n, p in model.named_parameters(remove_duplicate=False)
-                   if id(p) in inside and not n.startswith(best[0] + ".")]
+        outside = [
+            n
+            for n, p in model.named_parameters(remove_duplicate=False)
+            if id(p) in inside and not n.startswith(best[0] + ".")
+        ]
         if outside:  # tied to a parameter outside the list
             return None
     return best
 
 
 def _structure(block: nn.Module) -> tuple:
-    return (type(block),
-            tuple((name, type(m)) for name, m in block.named_modules()),
-            tuple((name, tuple(p.shape), p.dtype, p.requires_grad) for name, p in block.named_parameters()))
+    return (
+        type(block),
+        tuple((name, type(m)) for name, m in block.named_modules()),
+        tuple((name, tuple(p.shape), p.dtype, p.requires_grad) for name, p in block.named_parameters()),
+    )
 
 
 # ------------------------------------------------------------------------------ unrolling
 def _inside(path: str, prefix: str, index: int) -> str | None:
     """The rest of `path` under block `<prefix>.<index>` ('' for the block itself); None outside it."""
     head = f"{prefix}.{index}"
-    return path[len(head):] if path == head or path.startswith(head + ".") else None
+    return path[len(head) :] if path == head or path.startswith(head + ".") else None
 
 
 def _renamed(path: str, prefix: str, old: int, new: int) -> str:
@@ -122,9 +128,12 @@ def _check_recurrence(graph: JointGraph, prefix: str, traced: list[list[fx.Node]
         raise NotRepeating(f"block 1 has {len(b1)} ops and block 2 has {len(b2)}")
     pos = [{n: i for i, n in enumerate(b)} for b in traced]
     for a, b in zip(b1, b2):
-        same = (a.op == b.op and (a.op == "placeholder" or a.target == b.target)
-                and _shapes(a) == _shapes(b)
-                and _relative(graph, prefix, a, 1) == _relative(graph, prefix, b, 2))
+        same = (
+            a.op == b.op
+            and (a.op == "placeholder" or a.target == b.target)
+            and _shapes(a) == _shapes(b)
+            and _relative(graph, prefix, a, 1) == _relative(graph, prefix, b, 2)
+        )
         args_a, args_b = flat_args(a), flat_args(b)
         if not same or len(args_a) != len(args_b):
             raise NotRepeating(f"op {b.name} of block 2 differs from {a.name} of block 1")
@@ -269,20 +278,27 @@ class _Unroller:
         for node in g.nodes:
             if node in anchors:
                 nodes, reverse = anchors[node]
-                for k in (reversed(middle) if reverse else middle):
+                for k in reversed(middle) if reverse else middle:
                     for b1_node in nodes:
                         self.emit_copy(b1_node, k)
             if node.op == "output":
                 continue
             self.emit_original(node)
 
-        grads = {fqn: self.lookup(g.grads[traced]) if k is None else self.block_node(k, g.grads[traced])
-                 for fqn, (_, traced, k) in self.params.items()}
+        grads = {
+            fqn: self.lookup(g.grads[traced]) if k is None else self.block_node(k, g.grads[traced])
+            for fqn, (_, traced, k) in self.params.items()
+        }
         loss = self.lookup(g.loss)
         self.new.output((loss, *grads.values()))
         gm = tc.lazy_graph_module(g.gm, self.new)
         return JointGraph(
-            gm=gm, params={fqn: node for fqn, (node, _, _) in self.params.items()},
+            gm=gm,
+            params={fqn: node for fqn, (node, _, _) in self.params.items()},
             buffers={fqn: self.lookup(node) for fqn, node in g.buffers.items()},
-            inputs=[self.lookup(n) for n in g.inputs], tangents=[self.lookup(n) for n in g.tangents],
-            loss=loss, grads=grads, precision=g.precision)
+            inputs=[self.lookup(n) for n in g.inputs],
+            tangents=[self.lookup(n) for n in g.tangents],
+            loss=loss,
+            grads=grads,
+            precision=g.precision,
+        )

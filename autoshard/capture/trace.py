@@ -55,8 +55,12 @@ class JointGraph:
         parameter goes through before it meets an activation."""
         params, out = set(self.params.values()), set()
         for n in self.nodes:  # topological: a node's inputs are classified first
-            if (n.op == "call_function" and not self.is_backward(n) and n.all_input_nodes
-                    and all(a in params or a in out for a in n.all_input_nodes)):
+            if (
+                n.op == "call_function"
+                and not self.is_backward(n)
+                and n.all_input_nodes
+                and all(a in params or a in out for a in n.all_input_nodes)
+            ):
                 out.add(n)
         return frozenset(out)
 
@@ -148,8 +152,9 @@ def _fake_parameters(model: nn.Module, fake_mode, device: torch.device):
                     saved.append((module, kind, name, value))
                     if id(value) not in fakes:
                         fake = _fake_like(value, fake_mode, device)
-                        fakes[id(value)] = (nn.Parameter(fake, requires_grad=value.requires_grad)
-                                            if kind == "_parameters" else fake)
+                        fakes[id(value)] = (
+                            nn.Parameter(fake, requires_grad=value.requires_grad) if kind == "_parameters" else fake
+                        )
                     table[name] = fakes[id(value)]
         yield
     finally:
@@ -227,7 +232,7 @@ def _first_line(err: Exception) -> str:
 
 def _strip(fqn: str) -> str:
     prefix = "model."
-    return fqn[len(prefix):] if fqn.startswith(prefix) else fqn
+    return fqn[len(prefix) :] if fqn.startswith(prefix) else fqn
 
 
 def _describe(joint, precision: Precision, tied: set[str] = frozenset()) -> JointGraph:
@@ -246,7 +251,9 @@ def _describe(joint, precision: Precision, tied: set[str] = frozenset()) -> Join
         elif kind == "tangent":
             tangents.append(node)
         else:
-            raise NotImplementedError(f"traced graph has an input autoshard does not understand: {node.meta.get('desc')}")
+            raise NotImplementedError(
+                f"traced graph has an input autoshard does not understand: {node.meta.get('desc')}"
+            )
     (output,) = gm.graph.find_nodes(op="output")
     loss, grads = None, {}
     for value, desc in zip(output.args[0], output.meta["desc"]):
@@ -260,5 +267,13 @@ def _describe(joint, precision: Precision, tied: set[str] = frozenset()) -> Join
     missing = sorted(set(params) - set(grads))
     if missing:
         raise ValueError(f"these parameters get no gradient from the loss: {', '.join(missing)}")
-    return JointGraph(gm=gm, params=params, buffers=buffers, inputs=inputs, tangents=tangents,
-                      loss=loss, grads=grads, precision=precision)
+    return JointGraph(
+        gm=gm,
+        params=params,
+        buffers=buffers,
+        inputs=inputs,
+        tangents=tangents,
+        loss=loss,
+        grads=grads,
+        precision=precision,
+    )

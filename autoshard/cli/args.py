@@ -24,6 +24,7 @@ def fail(msg: str) -> NoReturn:
 def arg_type(fn):
     """Adapt a ValueError-raising parser for argparse, keeping its message (argparse would
     replace it with a generic 'invalid value')."""
+
     def parse(text: str):
         try:
             return fn(text)
@@ -57,8 +58,9 @@ def add_option(parser: argparse.ArgumentParser, option: Option, *flags: str, **o
     return parser.add_argument(*(flags or option.flags), **kwargs)
 
 
-def add_dataclass_arguments(parser: argparse.ArgumentParser, cls: type,
-                            overrides: dict[str, dict[str, Any]] | None = None) -> argparse.ArgumentParser:
+def add_dataclass_arguments(
+    parser: argparse.ArgumentParser, cls: type, overrides: dict[str, dict[str, Any]] | None = None
+) -> argparse.ArgumentParser:
     """One option per field of dataclass `cls` that `setting` made (`overrides`: a field's argparse
     keywords for this command, e.g. required); parse into `from_values(cls, vars(namespace))`."""
     for f, flags, kwargs in field_options(cls):

@@ -36,20 +36,44 @@ KIB, MIB = 2**10, 2**20
 
 def calibrate_parser(prog: str = "python -m autoshard calibrate") -> argparse.ArgumentParser:
     p = RaisingArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--mesh", type=arg_type(parse_mesh), default=None,
-                   help="mesh shape to calibrate, e.g. 2x2 (default: all ranks in one dim; its product must be the "
-                        "world size)")
-    p.add_argument("--mesh-names", type=arg_type(name_list), default=None,
-                   help="mesh dim roles, e.g. dp,tp (default: dp; dp,tp; dp_replicate,dp_shard,tp for 1, 2, 3 dims)")
+    p.add_argument(
+        "--mesh",
+        type=arg_type(parse_mesh),
+        default=None,
+        help="mesh shape to calibrate, e.g. 2x2 (default: all ranks in one dim; its product must be the world size)",
+    )
+    p.add_argument(
+        "--mesh-names",
+        type=arg_type(name_list),
+        default=None,
+        help="mesh dim roles, e.g. dp,tp (default: dp; dp,tp; dp_replicate,dp_shard,tp for 1, 2, 3 dims)",
+    )
     add_option(p, OUT, default="profile.json", help="profile file to write (default profile.json)")
-    p.add_argument("--min-size", type=arg_type(parse_bytes), default=4 * KIB, metavar="BYTES",
-                   help="smallest collective, local input bytes (default 4KiB)")
-    p.add_argument("--max-size", type=arg_type(parse_bytes), default=32 * MIB, metavar="BYTES",
-                   help="largest collective, local input bytes (default 32MiB); sizes grow 4x from --min-size")
-    p.add_argument("--repeats", type=arg_type(positive_int), default=7,
-                   help="timed calls per size (default 7; sizes above 4 MiB get 3), after 2 warm-up calls")
-    p.add_argument("--quick", action="store_true",
-                   help="a smoke test: collectives up to 1 MiB, small matmuls, 2 calls each (a usable but rough profile)")
+    p.add_argument(
+        "--min-size",
+        type=arg_type(parse_bytes),
+        default=4 * KIB,
+        metavar="BYTES",
+        help="smallest collective, local input bytes (default 4KiB)",
+    )
+    p.add_argument(
+        "--max-size",
+        type=arg_type(parse_bytes),
+        default=32 * MIB,
+        metavar="BYTES",
+        help="largest collective, local input bytes (default 32MiB); sizes grow 4x from --min-size",
+    )
+    p.add_argument(
+        "--repeats",
+        type=arg_type(positive_int),
+        default=7,
+        help="timed calls per size (default 7; sizes above 4 MiB get 3), after 2 warm-up calls",
+    )
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="a smoke test: collectives up to 1 MiB, small matmuls, 2 calls each (a usable but rough profile)",
+    )
     return p
 
 
@@ -70,9 +94,19 @@ def _settings(a: argparse.Namespace):
     if len(sizes) < 2:
         raise UsageError("--min-size and --max-size must differ: the fit needs two sizes or more")
     if a.quick:
-        return CalibrationSettings(sizes=tuple(sizes), warmup=1, repeats=2, big_repeats=2, matmul_sizes=(32, 64, 128),
-                                   memory_sizes=(16 * KIB, 64 * KIB, 256 * KIB), optimizer_sizes=(2**14, 2**17, 2**20),
-                                   min_seconds=0.02, between_matmul=64, between_calls=5, between_rounds=1)
+        return CalibrationSettings(
+            sizes=tuple(sizes),
+            warmup=1,
+            repeats=2,
+            big_repeats=2,
+            matmul_sizes=(32, 64, 128),
+            memory_sizes=(16 * KIB, 64 * KIB, 256 * KIB),
+            optimizer_sizes=(2**14, 2**17, 2**20),
+            min_seconds=0.02,
+            between_matmul=64,
+            between_calls=5,
+            between_rounds=1,
+        )
     return CalibrationSettings(sizes=tuple(sizes), repeats=a.repeats, big_repeats=min(3, a.repeats))
 
 
@@ -86,10 +120,11 @@ def _init(a: argparse.Namespace):
     world = int(os.environ.get("WORLD_SIZE", "1"))
     mesh_shape = a.mesh if a.mesh is not None else (world,)
     if math.prod(mesh_shape) != world:
-        hint = (f"torchrun --nproc_per_node={math.prod(mesh_shape)}" if world == 1 else
-                f"the world size is {world}")
-        raise UsageError(f"mesh {'x'.join(map(str, mesh_shape))} has {math.prod(mesh_shape)} ranks: the network "
-                         f"is measured with that many processes ({hint})")
+        hint = f"torchrun --nproc_per_node={math.prod(mesh_shape)}" if world == 1 else f"the world size is {world}"
+        raise UsageError(
+            f"mesh {'x'.join(map(str, mesh_shape))} has {math.prod(mesh_shape)} ranks: the network "
+            f"is measured with that many processes ({hint})"
+        )
     try:
         names = mesh_names(a.mesh_names, mesh_shape)
     except ValueError as err:
@@ -142,12 +177,17 @@ def time_reference_step(device, settings, progress=lambda line: None) -> list[di
             out = op(*args, **kwargs)
             clock[kind] += time.perf_counter() - t0
             return out
+
         return run
 
     try:
         with contextlib.ExitStack() as stack:
-            joint = trace_joint(build_model(config, device="meta"), lambda m, x, y: cross_entropy_loss(m(x), y),
-                                (torch.empty(batch, seq, dtype=torch.int64),) * 2, stack)
+            joint = trace_joint(
+                build_model(config, device="meta"),
+                lambda m, x, y: cross_entropy_loss(m(x), y),
+                (torch.empty(batch, seq, dtype=torch.int64),) * 2,
+                stack,
+            )
             graph = copy.deepcopy(joint.gm.graph)
             graph._codegen = fx.graph.CodeGen()  # positional placeholders, as the lowered program calls them
             work = graph_work(graph)
@@ -159,8 +199,12 @@ def time_reference_step(device, settings, progress=lambda line: None) -> list[di
             shapes = [(tuple(v.shape), v.dtype) for v in (n.meta["val"] for n in graph.nodes if n.op == "placeholder")]
         # run after the trace's context closed: inputs made inside it would be fake tensors
         generator = torch.Generator().manual_seed(0)
-        args = [torch.randint(0, config.vocab_size, shape, generator=generator) if not dtype.is_floating_point
-                else (torch.randn(shape, generator=generator) * 0.02).to(dtype) for shape, dtype in shapes]
+        args = [
+            torch.randint(0, config.vocab_size, shape, generator=generator)
+            if not dtype.is_floating_point
+            else (torch.randn(shape, generator=generator) * 0.02).to(dtype)
+            for shape, dtype in shapes
+        ]
         calls = 0
 
         def counted():
@@ -170,15 +214,29 @@ def time_reference_step(device, settings, progress=lambda line: None) -> list[di
 
         seconds = _timed(counted, device, settings)  # every call clocked, its warm-up calls too
     except Exception as err:  # noqa: BLE001 - a step that cannot run here keeps the rates timed alone
-        print(f"note: the reference training step did not run on {device.type}: {str(err).splitlines()[0]}; "
-              "ops are priced at the rates timed alone", file=sys.stderr)
+        print(
+            f"note: the reference training step did not run on {device.type}: {str(err).splitlines()[0]}; "
+            "ops are priced at the rates timed alone",
+            file=sys.stderr,
+        )
         return []
     flop_s, memory_s = clock["flop"] / calls, clock["memory"] / calls
-    progress(f"device {device.type}: a training step of {name} ({blocks} blocks, batch {batch}, seq {seq}) in "
-             f"{seconds * 1e3:.1f} ms: matmuls and attention {flop_s * 1e3:.1f} ms, {work.memory_ops} memory-bound ops "
-             f"{memory_s * 1e3:.1f} ms (timed in {time.perf_counter() - start:.1f} s)")
-    return [{"seconds": seconds, "ops": work.ops, "flops": work.flops, "memory_bytes": work.memory_bytes,
-             "flop_ops_s": flop_s, "memory_ops": work.memory_ops, "memory_ops_s": memory_s}]
+    progress(
+        f"device {device.type}: a training step of {name} ({blocks} blocks, batch {batch}, seq {seq}) in "
+        f"{seconds * 1e3:.1f} ms: matmuls and attention {flop_s * 1e3:.1f} ms, {work.memory_ops} memory-bound ops "
+        f"{memory_s * 1e3:.1f} ms (timed in {time.perf_counter() - start:.1f} s)"
+    )
+    return [
+        {
+            "seconds": seconds,
+            "ops": work.ops,
+            "flops": work.flops,
+            "memory_bytes": work.memory_bytes,
+            "flop_ops_s": flop_s,
+            "memory_ops": work.memory_ops,
+            "memory_ops_s": memory_s,
+        }
+    ]
 
 
 def _median_rows(per_rank: list[dict]) -> dict:
@@ -186,9 +244,20 @@ def _median_rows(per_rank: list[dict]) -> dict:
     (`seconds`, `..._s`) the median over ranks."""
     out: dict = {}
     for key, parts in per_rank[0].items():
-        out[key] = {part: [dict(row, **{f: statistics.median(r[key][part][i][f] for r in per_rank)
-                                        for f in row if f == "seconds" or f.endswith("_s")})
-                           for i, row in enumerate(rows)] for part, rows in parts.items()}
+        out[key] = {
+            part: [
+                dict(
+                    row,
+                    **{
+                        f: statistics.median(r[key][part][i][f] for r in per_rank)
+                        for f in row
+                        if f == "seconds" or f.endswith("_s")
+                    },
+                )
+                for i, row in enumerate(rows)
+            ]
+            for part, rows in parts.items()
+        }
     return out
 
 
@@ -206,36 +275,65 @@ def _device_profile(timings: dict, step: dict, device, name: str):
     for dtype, parts in timings.items():
         mm = fit_rate([r["flops"] for r in parts["matmul"]], [r["seconds"] for r in parts["matmul"]])
         mem = fit_rate([r["bytes"] for r in parts["memory"]], [r["seconds"] for r in parts["memory"]])
-        by_dtype[dtype] = {"matmul_flops": mm.rate, "matmul_overhead_s": mm.overhead_s, "matmul_fit_rel_rms": mm.rel_rms,
-                           "mem_bw": mem.rate, "mem_overhead_s": mem.overhead_s, "mem_fit_rel_rms": mem.rel_rms,
-                           "timings": parts}
+        by_dtype[dtype] = {
+            "matmul_flops": mm.rate,
+            "matmul_overhead_s": mm.overhead_s,
+            "matmul_fit_rel_rms": mm.rel_rms,
+            "mem_bw": mem.rate,
+            "mem_overhead_s": mem.overhead_s,
+            "mem_fit_rel_rms": mem.rel_rms,
+            "timings": parts,
+        }
     fp32 = by_dtype.get("float32") or next(iter(by_dtype.values()))
     half = by_dtype.get("bfloat16") or fp32  # the 16-bit rate: what bf16 compute runs at
     fitted = True
     try:
-        parts = fit_step_parts([r["ops"] for r in step["dispatch"]], [r["seconds"] for r in step["dispatch"]],
-                               [r["elements"] for r in step["optimizer"]], [r["seconds"] for r in step["optimizer"]])
+        parts = fit_step_parts(
+            [r["ops"] for r in step["dispatch"]],
+            [r["seconds"] for r in step["dispatch"]],
+            [r["elements"] for r in step["optimizer"]],
+            [r["seconds"] for r in step["optimizer"]],
+        )
     except ValueError as err:  # timings too noisy to fit (ranks sharing cores): the preset's figures stand
         preset = DeviceProfile.preset("cpu" if device.type == "cpu" else "h100")
         parts, fitted = StepPartsFit(preset.op_overhead_s, preset.mem_bw / ADAMW_STEP_BYTES, 0.0, 0.0, 0.0), False
-        print(f"note: op dispatch and optimizer timings: {err}; the {preset.name} preset's figures are used",
-              file=sys.stderr)
+        print(
+            f"note: op dispatch and optimizer timings: {err}; the {preset.name} preset's figures are used",
+            file=sys.stderr,
+        )
     flop_rate, mem_bw, in_step = fp32["matmul_flops"], fp32["mem_bw"], None
     for ref in step.get("reference", []):
         try:
-            flop_rate, mem_bw = in_step = fit_step_rates(ref["flops"], ref["flop_ops_s"], ref["memory_bytes"],
-                                                         ref["memory_ops"], ref["memory_ops_s"], parts.op_overhead_s)
+            flop_rate, mem_bw = in_step = fit_step_rates(
+                ref["flops"],
+                ref["flop_ops_s"],
+                ref["memory_bytes"],
+                ref["memory_ops"],
+                ref["memory_ops_s"],
+                parts.op_overhead_s,
+            )
         except ValueError as err:  # noise: the rates timed alone stand
             print(f"note: reference training step: {err}; ops are priced at the rates timed alone", file=sys.stderr)
-    step_details = {"op_dispatch_s": parts.op_overhead_s, "dispatch_fit_rel_rms": parts.dispatch_rel_rms,
-                    "optimizer_rate": parts.optimizer_rate, "optimizer_overhead_s": parts.optimizer_overhead_s,
-                    "optimizer_fit_rel_rms": parts.optimizer_rel_rms, "fitted": fitted,
-                    "alone": {"fp32_flops": fp32["matmul_flops"], "mem_bw": fp32["mem_bw"]},
-                    "in_step": None if in_step is None else {"fp32_flops": in_step[0], "mem_bw": in_step[1]},
-                    "timings": step}
-    profile = DeviceProfile(peak_flops=half["matmul_flops"], mem_bw=mem_bw, name=name,
-                            memory_bytes=memory_capacity(device), peak_flops_fp32=flop_rate,
-                            op_overhead_s=parts.op_overhead_s, optimizer_rate=parts.optimizer_rate)
+    step_details = {
+        "op_dispatch_s": parts.op_overhead_s,
+        "dispatch_fit_rel_rms": parts.dispatch_rel_rms,
+        "optimizer_rate": parts.optimizer_rate,
+        "optimizer_overhead_s": parts.optimizer_overhead_s,
+        "optimizer_fit_rel_rms": parts.optimizer_rel_rms,
+        "fitted": fitted,
+        "alone": {"fp32_flops": fp32["matmul_flops"], "mem_bw": fp32["mem_bw"]},
+        "in_step": None if in_step is None else {"fp32_flops": in_step[0], "mem_bw": in_step[1]},
+        "timings": step,
+    }
+    profile = DeviceProfile(
+        peak_flops=half["matmul_flops"],
+        mem_bw=mem_bw,
+        name=name,
+        memory_bytes=memory_capacity(device),
+        peak_flops_fp32=flop_rate,
+        op_overhead_s=parts.op_overhead_s,
+        optimizer_rate=parts.optimizer_rate,
+    )
     return profile, by_dtype, step_details
 
 
@@ -244,8 +342,12 @@ def calibrate(a: argparse.Namespace) -> int:
     from torch import __version__ as torch_version
 
     from autoshard.pricing.fit import BetweenCompute, CollectiveSample, between_compute_s, fit_network
-    from autoshard.profiles.calibrate import (time_collectives, time_collectives_between_compute, time_device,
-                                              time_step_parts)
+    from autoshard.profiles.calibrate import (
+        time_collectives,
+        time_collectives_between_compute,
+        time_device,
+        time_step_parts,
+    )
     from autoshard.profiles.files import ProfileFile
 
     settings = _settings(a)
@@ -257,8 +359,10 @@ def calibrate(a: argparse.Namespace) -> int:
         if rank == 0:
             print(f"[calibrate {time.perf_counter() - start:5.1f}s] {line}", flush=True)
 
-    say(f"{world} rank(s) on {device.type}, mesh {'x'.join(map(str, mesh_shape))} ({','.join(names)}), "
-        f"torch {torch_version}")
+    say(
+        f"{world} rank(s) on {device.type}, mesh {'x'.join(map(str, mesh_shape))} ({','.join(names)}), "
+        f"torch {torch_version}"
+    )
     samples = time_collectives(mesh, settings, say) if mesh is not None else []
     between = time_collectives_between_compute(mesh, settings, say) if mesh is not None else []
     parts = time_step_parts(device, settings, say)
@@ -274,34 +378,76 @@ def calibrate(a: argparse.Namespace) -> int:
     device_prof, by_dtype, step_details = _device_profile(timings, step, device, f"calibrated {device.type} ({host})")
     network, fit = None, None
     if samples:
-        fit = fit_network([CollectiveSample(s["kind"], tuple(s["mesh_dims"]), s["group_size"], s["in_bytes"],
-                                            s["seconds"]) for s in samples], mesh_shape, device_prof.mem_bw,
-                          name=f"calibrated {'x'.join(map(str, mesh_shape))} ({host})")
-        extra = between_compute_s(fit, [BetweenCompute(b["kind"], tuple(b["mesh_dims"]), b["group_size"],
-                                                       b["in_bytes"], b["work_s"], b["both_s"]) for b in between])
+        fit = fit_network(
+            [
+                CollectiveSample(s["kind"], tuple(s["mesh_dims"]), s["group_size"], s["in_bytes"], s["seconds"])
+                for s in samples
+            ],
+            mesh_shape,
+            device_prof.mem_bw,
+            name=f"calibrated {'x'.join(map(str, mesh_shape))} ({host})",
+        )
+        extra = between_compute_s(
+            fit,
+            [
+                BetweenCompute(
+                    b["kind"], tuple(b["mesh_dims"]), b["group_size"], b["in_bytes"], b["work_s"], b["both_s"]
+                )
+                for b in between
+            ],
+        )
         network = dataclasses.replace(fit.profile, launch_s=fit.profile.launch_s + extra)
         for s in samples:  # the back-to-back fit's price: what the fit error is measured on
-            s["model_s"] = fit.model_s(CollectiveSample(s["kind"], tuple(s["mesh_dims"]), s["group_size"],
-                                                        s["in_bytes"], s["seconds"]))
+            s["model_s"] = fit.model_s(
+                CollectiveSample(s["kind"], tuple(s["mesh_dims"]), s["group_size"], s["in_bytes"], s["seconds"])
+            )
     details = {
-        "created": datetime.datetime.now().isoformat(timespec="seconds"), "host": host, "torch": torch_version,
-        "backend": dist.get_backend(), "device_type": device.type, "world_size": world, "mesh_names": list(names),
-        "ranks_timed_at_once": world, "seconds": round(time.perf_counter() - start, 1),
-        "settings": {"sizes": list(settings.sizes), "warmup": settings.warmup, "repeats": settings.repeats,
-                     "big_repeats": settings.big_repeats},
+        "created": datetime.datetime.now().isoformat(timespec="seconds"),
+        "host": host,
+        "torch": torch_version,
+        "backend": dist.get_backend(),
+        "device_type": device.type,
+        "world_size": world,
+        "mesh_names": list(names),
+        "ranks_timed_at_once": world,
+        "seconds": round(time.perf_counter() - start, 1),
+        "settings": {
+            "sizes": list(settings.sizes),
+            "warmup": settings.warmup,
+            "repeats": settings.repeats,
+            "big_repeats": settings.big_repeats,
+        },
         "device": by_dtype,
         "step": step_details,
     }
     if fit is not None:
-        details["network_fit"] = {"rel_rms": fit.rel_rms, "groups": [
-            {"mesh_dims": list(g.mesh_dims), "group_size": g.group_size, "alpha": g.alpha, "beta": g.beta,
-             "rel_rms": g.rel_rms, "max_rel_err": g.max_rel_err, "samples": g.samples,
-             "rel_rms_by_kind": g.rel_rms_by_kind, "one_link_rel_rms": g.group_rel_rms} for g in fit.groups]}
+        details["network_fit"] = {
+            "rel_rms": fit.rel_rms,
+            "groups": [
+                {
+                    "mesh_dims": list(g.mesh_dims),
+                    "group_size": g.group_size,
+                    "alpha": g.alpha,
+                    "beta": g.beta,
+                    "rel_rms": g.rel_rms,
+                    "max_rel_err": g.max_rel_err,
+                    "samples": g.samples,
+                    "rel_rms_by_kind": g.rel_rms_by_kind,
+                    "one_link_rel_rms": g.group_rel_rms,
+                }
+                for g in fit.groups
+            ],
+        }
         details["collectives"] = samples
-        details["between_compute"] = {"launch_back_to_back_s": fit.profile.launch_s, "extra_s": extra,
-                                      "timings": between}
+        details["between_compute"] = {
+            "launch_back_to_back_s": fit.profile.launch_s,
+            "extra_s": extra,
+            "timings": between,
+        }
     try:
-        path = ProfileFile(network, device_prof, tuple(mesh_shape) if network is not None else None, details).save(a.out)
+        path = ProfileFile(network, device_prof, tuple(mesh_shape) if network is not None else None, details).save(
+            a.out
+        )
     except OSError as err:
         raise UsageError(f"cannot write the profile to {a.out}: {err}") from None
     for line in summary_lines(network, fit, by_dtype, step_details):
@@ -314,28 +460,40 @@ def calibrate(a: argparse.Namespace) -> int:
 def summary_lines(network, fit, by_dtype: dict, step: dict) -> list[str]:
     lines = []
     if network is not None and fit is not None:
-        lines.append(f"network: launch {network.launch_s * 1e6:.1f} us per collective ({fit.profile.launch_s * 1e6:.1f} "
-                     f"back to back, +{(network.launch_s - fit.profile.launch_s) * 1e6:.1f} between compute); "
-                     f"fit error {fit.rel_rms:.1%} rms over all samples")
+        lines.append(
+            f"network: launch {network.launch_s * 1e6:.1f} us per collective ({fit.profile.launch_s * 1e6:.1f} "
+            f"back to back, +{(network.launch_s - fit.profile.launch_s) * 1e6:.1f} between compute); "
+            f"fit error {fit.rel_rms:.1%} rms over all samples"
+        )
         for g in fit.groups:
-            lines.append(f"  mesh dims {list(g.mesh_dims)} ({g.group_size} ranks): alpha {g.alpha * 1e6:.1f} us, "
-                         f"beta {g.beta / 1e9:.3f} GB/s (one link: fit error {g.group_rel_rms:.1%} rms); per kind "
-                         f"{g.rel_rms:.1%} rms, max {g.max_rel_err:.0%}:")
+            lines.append(
+                f"  mesh dims {list(g.mesh_dims)} ({g.group_size} ranks): alpha {g.alpha * 1e6:.1f} us, "
+                f"beta {g.beta / 1e9:.3f} GB/s (one link: fit error {g.group_rel_rms:.1%} rms); per kind "
+                f"{g.rel_rms:.1%} rms, max {g.max_rel_err:.0%}:"
+            )
             for kind, dims, alpha, beta in network.kinds:
                 if dims == g.mesh_dims:
-                    lines.append(f"    {kind}: alpha {alpha * 1e6:.1f} us, beta {beta / 1e9:.3f} GB/s, fit error "
-                                 f"{g.rel_rms_by_kind.get(kind, 0.0):.0%} rms")
+                    lines.append(
+                        f"    {kind}: alpha {alpha * 1e6:.1f} us, beta {beta / 1e9:.3f} GB/s, fit error "
+                        f"{g.rel_rms_by_kind.get(kind, 0.0):.0%} rms"
+                    )
     if step.get("in_step"):
-        lines.append(f"device: inside a training step matmuls and attention ran at {step['in_step']['fp32_flops'] / 1e9:.2f} "
-                     f"GFLOP/s (alone {step['alone']['fp32_flops'] / 1e9:.2f}), memory-bound ops at "
-                     f"{step['in_step']['mem_bw'] / 1e9:.2f} GB/s (a streaming add {step['alone']['mem_bw'] / 1e9:.2f}); "
-                     "the profile keeps the rates inside the step")
-    lines.append(f"device: {step['op_dispatch_s'] * 1e6:.1f} us per op dispatched; fused AdamW "
-                 f"{step['optimizer_rate'] / 1e6:.0f}M parameter elements/s (+{step['optimizer_overhead_s'] * 1e6:.0f} us "
-                 f"per step)")
+        lines.append(
+            f"device: inside a training step matmuls and attention ran at {step['in_step']['fp32_flops'] / 1e9:.2f} "
+            f"GFLOP/s (alone {step['alone']['fp32_flops'] / 1e9:.2f}), memory-bound ops at "
+            f"{step['in_step']['mem_bw'] / 1e9:.2f} GB/s (a streaming add {step['alone']['mem_bw'] / 1e9:.2f}); "
+            "the profile keeps the rates inside the step"
+        )
+    lines.append(
+        f"device: {step['op_dispatch_s'] * 1e6:.1f} us per op dispatched; fused AdamW "
+        f"{step['optimizer_rate'] / 1e6:.0f}M parameter elements/s (+{step['optimizer_overhead_s'] * 1e6:.0f} us "
+        f"per step)"
+    )
     for dtype, d in by_dtype.items():
-        lines.append(f"device {dtype}: matmul {d['matmul_flops'] / 1e9:.2f} GFLOP/s (+{d['matmul_overhead_s'] * 1e6:.0f} "
-                     f"us per call), memory {d['mem_bw'] / 1e9:.2f} GB/s (+{d['mem_overhead_s'] * 1e6:.0f} us per call)")
+        lines.append(
+            f"device {dtype}: matmul {d['matmul_flops'] / 1e9:.2f} GFLOP/s (+{d['matmul_overhead_s'] * 1e6:.0f} "
+            f"us per call), memory {d['mem_bw'] / 1e9:.2f} GB/s (+{d['mem_overhead_s'] * 1e6:.0f} us per call)"
+        )
     return lines
 
 

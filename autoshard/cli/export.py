@@ -15,11 +15,21 @@ from autoshard.options import parse_bytes, positive_int
 
 def add_export_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="a directory written by train (with checkpoints)")
-    parser.add_argument("--hf", type=Path, required=True, metavar="OUT",
-                        help="write a Hugging Face model directory here (must not exist, or be empty)")
+    parser.add_argument(
+        "--hf",
+        type=Path,
+        required=True,
+        metavar="OUT",
+        help="write a Hugging Face model directory here (must not exist, or be empty)",
+    )
     parser.add_argument("--step", type=arg_type(positive_int), help="the checkpoint of this step (default: the newest)")
-    parser.add_argument("--max-shard-size", type=arg_type(parse_bytes), default=5e9, metavar="BYTES",
-                        help="split the weights into files of at most this size, with an index (default 5GB)")
+    parser.add_argument(
+        "--max-shard-size",
+        type=arg_type(parse_bytes),
+        default=5e9,
+        metavar="BYTES",
+        help="split the weights into files of at most this size, with an index (default 5GB)",
+    )
 
 
 def run_export(args: argparse.Namespace) -> int:
@@ -29,6 +39,8 @@ def run_export(args: argparse.Namespace) -> int:
         done = export_hf(args.run_dir, args.hf, step=args.step, max_shard_bytes=int(args.max_shard_size))
     except ValueError as err:
         fail(str(err))
-    print(f"exported step {done.step} of {args.run_dir}: {done.tensors} tensors, {done.bytes / 2**20:.1f} MiB in "
-          f"{len(done.files)} file(s), to {done.path}")
+    print(
+        f"exported step {done.step} of {args.run_dir}: {done.tensors} tensors, {done.bytes / 2**20:.1f} MiB in "
+        f"{len(done.files)} file(s), to {done.path}"
+    )
     return 0

@@ -31,22 +31,51 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     add_option(parser, options.BATCH, required=True)
     add_option(parser, options.SEQ, required=True)
     add_dataclass_arguments(parser, PlanConfig, {"mesh": {"required": True}})
-    add_option(parser, options.OUT, type=Path, default=None,
-               help="directory for sharding.log, plan.json and report.html (default plans/<model>-<mesh>)")
-    add_option(parser, options.INIT_FROM, default=None,
-               help="check that this safetensors checkpoint (file or directory) holds every parameter of the model "
-                    "with its shape (reads headers only), as `train --init-from` will load it")
-    parser.add_argument("--compare", choices=sorted(COMPARE), default=None,
-                        help="also plan with the hand-written FSDP+TP recipe pinned and compare (2-D meshes)")
-    parser.add_argument("--explain", default=None, metavar="FQN",
-                        help="after planning, show the chosen layout of this parameter (FQN or pattern) and the "
-                             "next best layouts, each re-solved with it pinned, with their step-time difference "
-                             "and the redistributions that change")
-    add_option(parser, options.option("--explain-top", type=options.positive_int, default=3, metavar="N",
-                                      help="how many next best layouts --explain shows (default 3)"))
-    parser.add_argument("--dry-run", action=argparse.BooleanOptionalAction, default=True,
-                        help="run rank 0's lowered program on fake tensors and report its peak memory "
-                             "(default on; --no-dry-run skips it)")
+    add_option(
+        parser,
+        options.OUT,
+        type=Path,
+        default=None,
+        help="directory for sharding.log, plan.json and report.html (default plans/<model>-<mesh>)",
+    )
+    add_option(
+        parser,
+        options.INIT_FROM,
+        default=None,
+        help="check that this safetensors checkpoint (file or directory) holds every parameter of the model "
+        "with its shape (reads headers only), as `train --init-from` will load it",
+    )
+    parser.add_argument(
+        "--compare",
+        choices=sorted(COMPARE),
+        default=None,
+        help="also plan with the hand-written FSDP+TP recipe pinned and compare (2-D meshes)",
+    )
+    parser.add_argument(
+        "--explain",
+        default=None,
+        metavar="FQN",
+        help="after planning, show the chosen layout of this parameter (FQN or pattern) and the "
+        "next best layouts, each re-solved with it pinned, with their step-time difference "
+        "and the redistributions that change",
+    )
+    add_option(
+        parser,
+        options.option(
+            "--explain-top",
+            type=options.positive_int,
+            default=3,
+            metavar="N",
+            help="how many next best layouts --explain shows (default 3)",
+        ),
+    )
+    parser.add_argument(
+        "--dry-run",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="run rank 0's lowered program on fake tensors and report its peak memory "
+        "(default on; --no-dry-run skips it)",
+    )
 
 
 def plan_parser(prog: str = "python -m autoshard plan") -> ArgumentParser:
@@ -71,8 +100,10 @@ def _check(args: argparse.Namespace):
         config = from_values(PlanConfig, vars(args)).with_default_profiles()
         config.check_batch(args.batch)
         workload = get_workload(args.model, args.seq)
-        config = config.replace(network=network_profile(config.network, config.mesh, config.intra_node_dims),
-                                device_profile=device_profile(config.device_profile))
+        config = config.replace(
+            network=network_profile(config.network, config.mesh, config.intra_node_dims),
+            device_profile=device_profile(config.device_profile),
+        )
     except ValueError as err:
         fail(str(err))
     if args.compare and len(config.mesh) != 2:
@@ -83,8 +114,9 @@ def _check(args: argparse.Namespace):
         from autoshard.workloads import check_checkpoint, read_safetensors
 
         try:
-            check_checkpoint(workload, workload.adapt_state_dict(read_safetensors(args.init_from, shapes_only=True)),
-                             args.init_from)
+            check_checkpoint(
+                workload, workload.adapt_state_dict(read_safetensors(args.init_from, shapes_only=True)), args.init_from
+            )
         except ValueError as err:
             fail(f"--init-from {err}")
     if args.explain is not None:  # a name check on the meta model, before planning
@@ -102,8 +134,7 @@ def _setup_logging() -> None:
     log.setLevel(logging.INFO)
 
 
-def _plan_once(workload, config: PlanConfig, args, *, pins: dict | None = None, budget: float | None = None,
-               what: str):
+def _plan_once(workload, config: PlanConfig, args, *, pins: dict | None = None, budget: float | None = None, what: str):
     """One AutoShard run on a fresh meta model; returns (plan, timings, the AutoShard)."""
     from autoshard.driver.api import AutoShard
 
@@ -118,8 +149,13 @@ def _plan_once(workload, config: PlanConfig, args, *, pins: dict | None = None, 
         log.info("memory limit checked on the modeled peak only (--no-dry-run: no program runs)")
     log.info("planning %s: %s on mesh %s, batch %d, seq %d", what, workload.name, config.mesh, args.batch, args.seq)
     try:
-        with AutoShard(model, inputs, config=config.replace(memory_budget=budget), loss_fn=workload.loss_fn,
-                       n_model_inputs=workload.n_model_inputs) as auto:
+        with AutoShard(
+            model,
+            inputs,
+            config=config.replace(memory_budget=budget),
+            loss_fn=workload.loss_fn,
+            n_model_inputs=workload.n_model_inputs,
+        ) as auto:
             if pins:
                 auto.pin(pins)
             plan = auto.optimize(dry_run=args.dry_run)
@@ -189,12 +225,23 @@ def run_plan(args: argparse.Namespace) -> int:
     workload, config = _check(args)
     _setup_logging()
     out = args.out if args.out is not None else Path("plans") / run_name(args.model, config.mesh)
-    run = {"model": args.model, "mesh": list(config.mesh), "mesh_names": list(config.mesh_names), "batch": args.batch,
-           "seq": args.seq, "network": args.network or config.network.name,
-           "device": args.device_profile or config.device_profile.name, "backend": config.backend,
-           "memory_budget": config.memory_budget, "dry_run": args.dry_run, "recompute": config.recompute,
-           "reshard_after_forward": config.reshard_after_forward, "param_dtype": config.param_dtype,
-           "reduce_dtype": config.reduce_dtype, "memory_limit": config.memory_limit}
+    run = {
+        "model": args.model,
+        "mesh": list(config.mesh),
+        "mesh_names": list(config.mesh_names),
+        "batch": args.batch,
+        "seq": args.seq,
+        "network": args.network or config.network.name,
+        "device": args.device_profile or config.device_profile.name,
+        "backend": config.backend,
+        "memory_budget": config.memory_budget,
+        "dry_run": args.dry_run,
+        "recompute": config.recompute,
+        "reshard_after_forward": config.reshard_after_forward,
+        "param_dtype": config.param_dtype,
+        "reduce_dtype": config.reduce_dtype,
+        "memory_limit": config.memory_limit,
+    }
     extra: dict = {"run": run}
     with _process_group(math.prod(config.mesh)):
         plan, timings, auto = _plan_once(workload, config, args, budget=config.memory_budget, what="autoshard")
@@ -206,8 +253,16 @@ def run_plan(args: argparse.Namespace) -> int:
             timings["dry_run"] = memory.seconds  # (a dry run that fitting the limit ran is in its stage)
         if args.compare:
             extra["compare"] = {args.compare: _compare(workload, config, args)}
-    report = plan_report(plan, dry_run=memory, device=config.device_profile, timings=timings, explanation=explanation,
-                         memory_fit=auto.fit, mesh_names=config.mesh_names, extra=extra)
+    report = plan_report(
+        plan,
+        dry_run=memory,
+        device=config.device_profile,
+        timings=timings,
+        explanation=explanation,
+        memory_fit=auto.fit,
+        mesh_names=config.mesh_names,
+        extra=extra,
+    )
     try:
         log_path, json_path = write_report_files(report, out)
     except OSError as err:
@@ -228,8 +283,9 @@ def _compare(workload, config: PlanConfig, args) -> dict:
 
     recipe = COMPARE[args.compare]
     budget = _manual_budget(workload, recipe, config.mesh)
-    manual, manual_timings, _ = _plan_once(workload, config, args, pins=recipe_pins(recipe), budget=budget,
-                                           what=f"{args.compare} ({recipe} recipe pinned)")
+    manual, manual_timings, _ = _plan_once(
+        workload, config, args, pins=recipe_pins(recipe), budget=budget, what=f"{args.compare} ({recipe} recipe pinned)"
+    )
     return {
         "label": f"{recipe} pinned",
         "recipe": recipe,

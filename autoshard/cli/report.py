@@ -16,8 +16,12 @@ _REQUIRED = ("mesh_shape", "parameters", "nodes", "totals")
 
 
 def add_report_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("run_dir", type=Path, metavar="RUN_DIR",
-                        help="a directory written by plan or train (holds plan.json, maybe metrics.jsonl)")
+    parser.add_argument(
+        "run_dir",
+        type=Path,
+        metavar="RUN_DIR",
+        help="a directory written by plan or train (holds plan.json, maybe metrics.jsonl)",
+    )
 
 
 def run_report(args: argparse.Namespace) -> int:

@@ -46,8 +46,9 @@ from autoshard.train.settings import Settings
 
 def train_parser() -> argparse.ArgumentParser:
     """Every flag of `train`, generated from the fields of Settings."""
-    parser = RaisingArgumentParser(prog="python -m autoshard train", description=__doc__,
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = RaisingArgumentParser(
+        prog="python -m autoshard train", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     return add_dataclass_arguments(parser, Settings)
 
 

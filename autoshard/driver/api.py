@@ -99,8 +99,9 @@ def without_cyclic_gc():
             gc.enable()
 
 
-def _outside_modes(solve: Callable[..., solver.Solution], problem: solver.Problem,
-                   cutoff: float | None) -> solver.Solution:
+def _outside_modes(
+    solve: Callable[..., solver.Solution], problem: solver.Problem, cutoff: float | None
+) -> solver.Solution:
     with tc.no_dispatch_modes():  # leave the tracer's fake mode: ranks communicate
         return solve(problem, cutoff)
 
@@ -145,8 +146,13 @@ class AutoShard:
         compile: bool = False,
     ):
         config = config or PlanConfig()
-        sugar = {"network": network, "device_profile": device, "unroll": unroll, "recompute": recompute,
-                 "reshard_after_forward": reshard_after_forward}
+        sugar = {
+            "network": network,
+            "device_profile": device,
+            "unroll": unroll,
+            "recompute": recompute,
+            "reshard_after_forward": reshard_after_forward,
+        }
         config = config.replace(**{k: v for k, v in sugar.items() if v is not None})
         if mp_policy is not None:
             config = config.with_policy(mp_policy)
@@ -162,8 +168,11 @@ class AutoShard:
         self.network = network_profile(self.config.network, self.mesh_shape, self.config.intra_node_dims)
         self.device = device_profile(self.config.device_profile)
         self._input_names: tuple[str, ...] | None = None  # keyword names when input_fn returns a dict
-        self.spec = ProblemSpec(recompute=self.config.recompute, reshard=self.config.reshard_after_forward,
-                                param_memory_bytes=self.config.memory_budget)
+        self.spec = ProblemSpec(
+            recompute=self.config.recompute,
+            reshard=self.config.reshard_after_forward,
+            param_memory_bytes=self.config.memory_budget,
+        )
         self.timings: dict[str, float] = {}
         self.fit: MemoryFit | None = None  # how the last optimize() met the memory limit
         self._fit_dry_run: DryRunResult | None = None  # the dry run that fit ran of its plan
@@ -217,8 +226,9 @@ class AutoShard:
 
     # ------------------------------------------------------------------ planning
     def _step(self, model: nn.Module, *inputs: Any) -> torch.Tensor:
-        return run_step(self._with_casts(model), self.loss_fn, inputs, self._input_names, self.n_model_inputs,
-                        self._mark_outputs)
+        return run_step(
+            self._with_casts(model), self.loss_fn, inputs, self._input_names, self.n_model_inputs, self._mark_outputs
+        )
 
     def _with_casts(self, model: nn.Module) -> Callable[..., Any]:
         """The model as the step calls it under the mixed precision policy: floating inputs cast to
@@ -229,8 +239,7 @@ class AutoShard:
             return model
 
         def call(*args: Any, **kwargs: Any) -> Any:
-            return cast_floating(model(*cast_floating(args, cast_in), **cast_floating(kwargs, cast_in)),
-                                 p.output_dtype)
+            return cast_floating(model(*cast_floating(args, cast_in), **cast_floating(kwargs, cast_in)), p.output_dtype)
 
         return call
 
@@ -238,8 +247,10 @@ class AutoShard:
         if self.spec.output_layouts:
             count = sum(isinstance(leaf, torch.Tensor) for leaf in tc.tree_leaves(outputs))
             if max(self.spec.output_layouts) >= count:
-                raise ValueError(f"output constraint for output {max(self.spec.output_layouts)}, but the model "
-                                 f"returns {count} tensor(s)")
+                raise ValueError(
+                    f"output constraint for output {max(self.spec.output_layouts)}, but the model "
+                    f"returns {count} tensor(s)"
+                )
             outputs = mark_outputs(outputs)
         return outputs
 
@@ -251,9 +262,13 @@ class AutoShard:
         under the limit."""
         if planning is None and in_process_group():
             if device_mesh(self.mesh) is None:
-                raise TypeError(f"planning in a process group of {torch.distributed.get_world_size()} ranks needs "
-                                f"the DeviceMesh, got mesh shape {self.mesh_shape}")
-            planning = RankZeroPlanning(device_mesh(self.mesh), backend=self.config.backend, time_limit=self.config.time_limit)
+                raise TypeError(
+                    f"planning in a process group of {torch.distributed.get_world_size()} ranks needs "
+                    f"the DeviceMesh, got mesh shape {self.mesh_shape}"
+                )
+            planning = RankZeroPlanning(
+                device_mesh(self.mesh), backend=self.config.backend, time_limit=self.config.time_limit
+            )
         inputs, self._input_names = step_inputs(self.input_fn())
         self._check_input_layouts(inputs)
         planner = Planner(self.mesh_shape, self.network)
@@ -261,17 +276,28 @@ class AutoShard:
         # the tracer's fake mode ends with the stack.
         with tc.no_dispatch_modes(), without_cyclic_gc(), contextlib.ExitStack() as stack:
             with self._stage("trace"):
-                graph = trace_step(self.model, self._step, inputs, stack, unroll=self.config.unroll,
-                                   precision=self.precision)
+                graph = trace_step(
+                    self.model, self._step, inputs, stack, unroll=self.config.unroll, precision=self.precision
+                )
             spec = self.spec
             repeated = None  # the graph's repeated blocks: found once when two problems are built
             replicate = self.config.replicate_dim
             if replicate is not None:
                 with self._stage("replicas"):
                     repeated = find_repeated_blocks(graph)
-                    spec = dataclasses.replace(spec, fixed_dim=fix_replicate_dim(
-                        graph, self.mesh_shape, replicate, self.network, self.device, spec,
-                        self._solve_step(planning), repeated=repeated))
+                    spec = dataclasses.replace(
+                        spec,
+                        fixed_dim=fix_replicate_dim(
+                            graph,
+                            self.mesh_shape,
+                            replicate,
+                            self.network,
+                            self.device,
+                            spec,
+                            self._solve_step(planning),
+                            repeated=repeated,
+                        ),
+                    )
             with self._stage("build"):
                 sharding = build_problem(graph, self.mesh_shape, planner, self.device, spec, repeated=repeated)
             with self._stage("solve"):
@@ -304,11 +330,19 @@ class AutoShard:
         for every rank."""
         if planning is not None:
             return lambda problem, cutoff=None: _outside_modes(planning.solve_problem, problem, cutoff)
-        return lambda problem, cutoff=None: solver.solve(problem, backend=self.config.backend,
-                                                         time_limit=self.config.time_limit, cutoff=cutoff)
+        return lambda problem, cutoff=None: solver.solve(
+            problem, backend=self.config.backend, time_limit=self.config.time_limit, cutoff=cutoff
+        )
 
-    def _fit(self, plan: Plan, sharding: ShardingProblem, planner: Planner,
-             planning: RankZeroPlanning | None, spec: ProblemSpec, dry_run: bool) -> tuple[Plan, ShardingProblem]:
+    def _fit(
+        self,
+        plan: Plan,
+        sharding: ShardingProblem,
+        planner: Planner,
+        planning: RankZeroPlanning | None,
+        spec: ProblemSpec,
+        dry_run: bool,
+    ) -> tuple[Plan, ShardingProblem]:
         """The plan (and the problem it solves) fitted under the memory limit, if there is one."""
         self.fit, self._fit_dry_run = None, None
         limit = self.resolved_memory_limit
@@ -319,8 +353,16 @@ class AutoShard:
         if steps is None and not dry_run:
             steps = FitSteps(solving_here(self.config.backend, self.config.time_limit), None)
         with tc.no_dispatch_modes():  # the dry run makes its own fake mode
-            fitted = fit_memory(plan, sharding, planner, spec, limit,
-                                backend=self.config.backend, time_limit=self.config.time_limit, steps=steps)
+            fitted = fit_memory(
+                plan,
+                sharding,
+                planner,
+                spec,
+                limit,
+                backend=self.config.backend,
+                time_limit=self.config.time_limit,
+                steps=steps,
+            )
         self.fit, self._fit_dry_run = fitted.fit, fitted.dry_run
         if fitted.fit.peak_bytes is not None or fitted.fit.constrained:  # a stage when it dry-ran or re-planned
             self.timings["memory"] = time.perf_counter() - start
@@ -342,11 +384,20 @@ class AutoShard:
         if self.sharding is None or self.plan is None or self.planner is None:
             raise ValueError("nothing to explain: call optimize() first")
         with self._stage("explain"):
-            return explain(self.sharding, self.plan, self.planner, fqn, top=top, max_solves=max_solves,
-                           backend=self.config.backend, time_limit=self.config.time_limit)
+            return explain(
+                self.sharding,
+                self.plan,
+                self.planner,
+                fqn,
+                top=top,
+                max_solves=max_solves,
+                backend=self.config.backend,
+                time_limit=self.config.time_limit,
+            )
 
-    def apply(self, plan: Plan | None = None, *, prefetch: int = 1, bucket_bytes: float = DEFAULT_BUCKET_BYTES,
-              seed: int = 0) -> ParallelModule:
+    def apply(
+        self, plan: Plan | None = None, *, prefetch: int = 1, bucket_bytes: float = DEFAULT_BUCKET_BYTES, seed: int = 0
+    ) -> ParallelModule:
         """The parallel module of `plan` (default: the last `optimize()` result) on this mesh.
         Bucketed gathers and gradient reductions run up to `prefetch` buckets ahead (0: none);
         gradient all-reduces run in buckets of at most `bucket_bytes` (DDP's bucket_cap_mb).
@@ -356,11 +407,14 @@ class AutoShard:
             raise ValueError("nothing to apply: call optimize() first or pass a plan")
         mesh = device_mesh(self.mesh)
         if mesh is None:
-            raise TypeError(f"applying a plan needs a DeviceMesh, got mesh shape {self.mesh_shape}; "
-                            "planning alone works with a shape")
+            raise TypeError(
+                f"applying a plan needs a DeviceMesh, got mesh shape {self.mesh_shape}; "
+                "planning alone works with a shape"
+            )
         with self._stage("apply"):
-            return parallelize(plan, mesh, self.model, prefetch=prefetch, bucket_bytes=bucket_bytes,
-                               compile=self.compile, seed=seed)
+            return parallelize(
+                plan, mesh, self.model, prefetch=prefetch, bucket_bytes=bucket_bytes, compile=self.compile, seed=seed
+            )
 
     def dry_run(self, plan: Plan | None = None) -> DryRunResult:
         """Run rank 0's program of `plan` (default: the last `optimize()` result) on fake tensors

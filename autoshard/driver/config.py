@@ -46,8 +46,10 @@ def mesh_names(names: str | Sequence[str] | None, mesh: Sequence[int]) -> tuple[
     once: ValueError otherwise, since a mistyped role would silently plan something else."""
     mesh_text = "x".join(map(str, mesh))
     if names is None and len(mesh) not in DEFAULT_MESH_NAMES:
-        raise ValueError(f"mesh {mesh_text} has {len(mesh)} dims: name them with --mesh-names "
-                         f"(unnamed meshes have at most {max(DEFAULT_MESH_NAMES)})")
+        raise ValueError(
+            f"mesh {mesh_text} has {len(mesh)} dims: name them with --mesh-names "
+            f"(unnamed meshes have at most {max(DEFAULT_MESH_NAMES)})"
+        )
     if names is None:
         found = DEFAULT_MESH_NAMES[len(mesh)]
     else:
@@ -58,14 +60,19 @@ def mesh_names(names: str | Sequence[str] | None, mesh: Sequence[int]) -> tuple[
     roles = [ROLE_OF_NAME.get(name, name) for name in found]
     for name, role in zip(found, roles):
         if role in UNIMPLEMENTED_ROLES:
-            raise ValueError(f"--mesh-names {text!r}: role {role} ({UNIMPLEMENTED_ROLES[role]}) is not implemented; "
-                             f"each mesh dim is one of {', '.join(ROLES)} (dp means dp_shard)")
+            raise ValueError(
+                f"--mesh-names {text!r}: role {role} ({UNIMPLEMENTED_ROLES[role]}) is not implemented; "
+                f"each mesh dim is one of {', '.join(ROLES)} (dp means dp_shard)"
+            )
         if role not in ROLES:
-            raise ValueError(f"--mesh-names {text!r}: unknown role {name!r}; each mesh dim is one of "
-                             f"{', '.join(ROLES)} (dp means dp_shard)")
+            raise ValueError(
+                f"--mesh-names {text!r}: unknown role {name!r}; each mesh dim is one of "
+                f"{', '.join(ROLES)} (dp means dp_shard)"
+            )
         if roles.count(role) > 1:
-            raise ValueError(f"--mesh-names {text!r}: role {role} is given twice (dp means dp_shard); "
-                             f"each role names one mesh dim")
+            raise ValueError(
+                f"--mesh-names {text!r}: role {role} is given twice (dp means dp_shard); each role names one mesh dim"
+            )
     return found
 
 
@@ -79,15 +86,23 @@ def dtype_option(text: str) -> str:
     return dtype_name(parse_dtype(text))
 
 
-def mp_policy(param_dtype: str | torch.dtype | None, reduce_dtype: str | torch.dtype | None = None, *,
-              output_dtype: str | torch.dtype | None = None, cast_forward_inputs: bool = True,
-              ) -> MixedPrecisionPolicy | None:
+def mp_policy(
+    param_dtype: str | torch.dtype | None,
+    reduce_dtype: str | torch.dtype | None = None,
+    *,
+    output_dtype: str | torch.dtype | None = None,
+    cast_forward_inputs: bool = True,
+) -> MixedPrecisionPolicy | None:
     """torch's `MixedPrecisionPolicy` of these dtypes (names or dtypes); None when none is given."""
     if param_dtype is None and reduce_dtype is None and output_dtype is None:
         return None
     dtype = lambda v: parse_dtype(v) if isinstance(v, str) else v  # noqa: E731
-    return MixedPrecisionPolicy(param_dtype=dtype(param_dtype), reduce_dtype=dtype(reduce_dtype),
-                                output_dtype=dtype(output_dtype), cast_forward_inputs=cast_forward_inputs)
+    return MixedPrecisionPolicy(
+        param_dtype=dtype(param_dtype),
+        reduce_dtype=dtype(reduce_dtype),
+        output_dtype=dtype(output_dtype),
+        cast_forward_inputs=cast_forward_inputs,
+    )
 
 
 @dataclass(frozen=True)
@@ -105,44 +120,76 @@ class PlanConfig:
 
     mesh: tuple[int, ...] | None = setting(None, "--mesh", type=parse_mesh, help="mesh shape, e.g. 8x8, 2x2 or 4")
     mesh_names: tuple[str, ...] | None = setting(
-        None, "--mesh-names", type=name_list,
+        None,
+        "--mesh-names",
+        type=name_list,
         help="mesh dim roles, one per dim: dp_replicate, dp_shard (or dp), tp, cp, each at most once "
-             "(default: dp; dp,tp; dp_replicate,dp_shard,tp for 1, 2, 3 dims); parameters are replicated "
-             "over dp_replicate and the batch splits over both dp dims")
+        "(default: dp; dp,tp; dp_replicate,dp_shard,tp for 1, 2, 3 dims); parameters are replicated "
+        "over dp_replicate and the batch splits over both dp dims",
+    )
     network: NetworkProfile | str | None = setting(
-        None, "--network", help="network profile for planning: a preset (h100-node, cpu-gloo) or a profile file "
-                                "from `autoshard calibrate` (default: h100-node; train: cpu-gloo on CPU)")
+        None,
+        "--network",
+        help="network profile for planning: a preset (h100-node, cpu-gloo) or a profile file "
+        "from `autoshard calibrate` (default: h100-node; train: cpu-gloo on CPU)",
+    )
     device_profile: DeviceProfile | str | None = setting(
-        None, "--device", "--device-profile",
+        None,
+        "--device",
+        "--device-profile",
         help="device (compute) profile for planning: a preset (h100, h200, cpu) or a profile file from "
-             "`autoshard calibrate` (default: h100; train: cpu on CPU)")
-    memory_budget: float | None = setting(None, "--memory-budget", type=parse_bytes, metavar="BYTES",
-                                          help="cap on parameter bytes per rank, e.g. 2e9 or 16GiB (default: none; "
-                                               "the memory limit bounds each rank's peak)")
+        "`autoshard calibrate` (default: h100; train: cpu on CPU)",
+    )
+    memory_budget: float | None = setting(
+        None,
+        "--memory-budget",
+        type=parse_bytes,
+        metavar="BYTES",
+        help="cap on parameter bytes per rank, e.g. 2e9 or 16GiB (default: none; "
+        "the memory limit bounds each rank's peak)",
+    )
     memory_limit: float | None = setting(
-        None, "--memory-limit", type=parse_limit, metavar="BYTES",
+        None,
+        "--memory-limit",
+        type=parse_limit,
+        metavar="BYTES",
         help="peak memory per rank a plan must fit, e.g. 70GiB, or 'none' (default: the device profile's capacity "
-             "less 10%%); the ILP then chooses layouts (replicated wherever they fit), resharding and activation "
-             "checkpointing under it, checked by the dry run (`plan --no-dry-run`: on the modeled peak)")
+        "less 10%%); the ILP then chooses layouts (replicated wherever they fit), resharding and activation "
+        "checkpointing under it, checked by the dry run (`plan --no-dry-run`: on the modeled peak)",
+    )
     param_dtype: str | torch.dtype | None = setting(
-        None, "--param-dtype", type=dtype_option, metavar="DTYPE",
+        None,
+        "--param-dtype",
+        type=dtype_option,
+        metavar="DTYPE",
         help="mixed precision: compute and gather parameters in this dtype (bf16, fp16; parameters and optimizer "
-             "states stay fp32; default: no cast)")
+        "states stay fp32; default: no cast)",
+    )
     reduce_dtype: str | torch.dtype | None = setting(
-        None, "--reduce-dtype", type=dtype_option, metavar="DTYPE",
-        help="mixed precision: reduce gradients in this dtype (fp32, bf16; default: --param-dtype)")
+        None,
+        "--reduce-dtype",
+        type=dtype_option,
+        metavar="DTYPE",
+        help="mixed precision: reduce gradients in this dtype (fp32, bf16; default: --param-dtype)",
+    )
     output_dtype: str | torch.dtype | None = None  # MixedPrecisionPolicy.output_dtype (API only)
     cast_forward_inputs: bool = True  # MixedPrecisionPolicy.cast_forward_inputs (API only)
-    recompute: bool = setting(False, "--recompute",
-                              help="activation checkpointing: the backward recomputes each repeated block's "
-                                   "forward (parameters gathered again) instead of keeping its activations")
+    recompute: bool = setting(
+        False,
+        "--recompute",
+        help="activation checkpointing: the backward recomputes each repeated block's "
+        "forward (parameters gathered again) instead of keeping its activations",
+    )
     reshard_after_forward: bool = setting(
-        False, "--reshard-after-forward",
+        False,
+        "--reshard-after-forward",
         help="free the parameters each repeated block gathered once its forward is done and gather them again "
-             "for its backward (FSDP's reshard_after_forward; implied by --recompute)")
+        "for its backward (FSDP's reshard_after_forward; implied by --recompute)",
+    )
     backend: str = setting("auto", "--backend", choices=BACKENDS, help="ILP backend (default auto)")
-    time_limit: float | None = setting(None, "--time-limit", type=positive_float, metavar="SECONDS",
-                                       help="ILP time limit")
+    time_limit: float | None = setting(
+        None, "--time-limit", type=positive_float, metavar="SECONDS", help="ILP time limit"
+    )
     unroll: bool = True  # API only
 
     def __post_init__(self) -> None:
@@ -198,15 +245,21 @@ class PlanConfig:
         if batch % size:
             names = self.mesh_names
             which = " x ".join(f"{d} '{names[d]}'" for d in dims)
-            raise ValueError(f"--batch {batch} is not divisible by the dp size {size}: the batch splits over the "
-                             f"data-parallel mesh dims, and {batch} is not divisible by mesh dim"
-                             f"{'s' if len(dims) > 1 else ''} {which} of size {size}")
+            raise ValueError(
+                f"--batch {batch} is not divisible by the dp size {size}: the batch splits over the "
+                f"data-parallel mesh dims, and {batch} is not divisible by mesh dim"
+                f"{'s' if len(dims) > 1 else ''} {which} of size {size}"
+            )
 
     # ------------------------------------------------------------------ precision, profiles, memory
     @property
     def mp_policy(self) -> MixedPrecisionPolicy | None:
-        return mp_policy(self.param_dtype, self.reduce_dtype, output_dtype=self.output_dtype,
-                         cast_forward_inputs=self.cast_forward_inputs)
+        return mp_policy(
+            self.param_dtype,
+            self.reduce_dtype,
+            output_dtype=self.output_dtype,
+            cast_forward_inputs=self.cast_forward_inputs,
+        )
 
     @property
     def precision(self) -> Precision:
@@ -215,14 +268,20 @@ class PlanConfig:
     def with_policy(self, policy: MixedPrecisionPolicy | None) -> PlanConfig:
         """This config with torch's mixed precision policy (validated as `Precision.of` does)."""
         p = Precision.of(policy)
-        return self.replace(param_dtype=p.param_dtype, reduce_dtype=p.reduce_dtype, output_dtype=p.output_dtype,
-                            cast_forward_inputs=p.cast_forward_inputs)
+        return self.replace(
+            param_dtype=p.param_dtype,
+            reduce_dtype=p.reduce_dtype,
+            output_dtype=p.output_dtype,
+            cast_forward_inputs=p.cast_forward_inputs,
+        )
 
     def with_default_profiles(self, device_type: str = "cuda") -> PlanConfig:
         """Profiles not named filled in with the presets for `device_type` (cuda: h100)."""
         network, device = DEFAULT_PROFILES["cuda" if device_type != "cpu" else "cpu"]
-        return self.replace(network=self.network if self.network is not None else network,
-                            device_profile=self.device_profile if self.device_profile is not None else device)
+        return self.replace(
+            network=self.network if self.network is not None else network,
+            device_profile=self.device_profile if self.device_profile is not None else device,
+        )
 
     def memory_limit_bytes(self, device: DeviceProfile) -> float | None:
         """The peak a plan must fit: the set limit, or the device's capacity less the reserve;

@@ -48,8 +48,15 @@ import autoshard_solver as solver
 
 from autoshard.pricing.planner import Planner
 from autoshard.problem.build import ProblemSpec, ShardingProblem, with_options
-from autoshard.problem.memory import (MODES, MemoryFit, PeakTable, modeled_bytes, peak_memory_table, size_text,
-                                      with_peak_budget)
+from autoshard.problem.memory import (
+    MODES,
+    MemoryFit,
+    PeakTable,
+    modeled_bytes,
+    peak_memory_table,
+    size_text,
+    with_peak_budget,
+)
 from autoshard.problem.plan import Plan, decode
 from autoshard.runtime.dryrun import DryRunResult, dry_run
 
@@ -106,13 +113,16 @@ def in_background(work: Callable[[], T], gate: threading.Semaphore | None = None
     return wait
 
 
-def solving_here(backend: str = "auto", time_limit: float | None = None) -> Callable[..., Callable[[], solver.Solution]]:
+def solving_here(
+    backend: str = "auto", time_limit: float | None = None
+) -> Callable[..., Callable[[], solver.Solution]]:
     """`FitSteps.start` for solving in this process: each solve on a thread of its own, `AT_ONCE`
     at a time (their presolves and model building hold Python's lock: more at once would slow the
     one the fit waits for first)."""
     gate = threading.Semaphore(AT_ONCE)
-    return lambda problem, cutoff: in_background(lambda: solver.solve(
-        problem, backend=backend, time_limit=time_limit, diagnose=False, cutoff=cutoff), gate)
+    return lambda problem, cutoff: in_background(
+        lambda: solver.solve(problem, backend=backend, time_limit=time_limit, diagnose=False, cutoff=cutoff), gate
+    )
 
 
 @dataclass
@@ -130,9 +140,17 @@ def mode_of(spec: ProblemSpec) -> str:
     return "recompute" if spec.recompute else "reshard" if spec.reshard else "keep"
 
 
-def fit_memory(plan: Plan, sharding: ShardingProblem, planner: Planner, spec: ProblemSpec,
-               limit: float, *, backend: str = "auto", time_limit: float | None = None,
-               steps: FitSteps | None = None) -> FittedPlan:
+def fit_memory(
+    plan: Plan,
+    sharding: ShardingProblem,
+    planner: Planner,
+    spec: ProblemSpec,
+    limit: float,
+    *,
+    backend: str = "auto",
+    time_limit: float | None = None,
+    steps: FitSteps | None = None,
+) -> FittedPlan:
     """`plan` if it fits `limit`, else the best plan that does (with the problem it solves);
     MemoryLimitError when none does. `steps` default to solving and dry-running in this process."""
     if steps is None:
@@ -142,11 +160,16 @@ def fit_memory(plan: Plan, sharding: ShardingProblem, planner: Planner, spec: Pr
     asked = mode_of(spec)
     tried: list[tuple[str, float]] = []  # (mode, dry-run peak) of every plan dry-run
 
-    def fitted(chosen: Plan, sp: ShardingProblem, mode: str, linear: float, result: DryRunResult | None,
-               constrained: bool) -> FittedPlan:
+    def fitted(
+        chosen: Plan, sp: ShardingProblem, mode: str, linear: float, result: DryRunResult | None, constrained: bool
+    ) -> FittedPlan:
         peak = None if result is None else float(result.peak_bytes)
-        return FittedPlan(chosen, sp, MemoryFit(limit, chosen, linear, peak, constrained, mode, tried,
-                                                dry_runs=steps.dry_run is not None), result)
+        return FittedPlan(
+            chosen,
+            sp,
+            MemoryFit(limit, chosen, linear, peak, constrained, mode, tried, dry_runs=steps.dry_run is not None),
+            result,
+        )
 
     if linear <= TRUST * limit or (steps.dry_run is None and linear <= limit):
         return fitted(plan, sharding, asked, linear, None, False)
@@ -156,15 +179,19 @@ def fit_memory(plan: Plan, sharding: ShardingProblem, planner: Planner, spec: Pr
         if result.peak_bytes <= limit:
             return fitted(plan, sharding, asked, linear, result, False)
     needs = result.peak_bytes if result is not None else linear
-    log.info("autoshard: the plan needs %s per rank%s, over the %s limit: planning under a budget",
-             size_text(needs), "" if result is not None else " (modeled)", size_text(limit))
+    log.info(
+        "autoshard: the plan needs %s per rank%s, over the %s limit: planning under a budget",
+        size_text(needs),
+        "" if result is not None else " (modeled)",
+        size_text(limit),
+    )
     # each option's budget: the limit less the non-linear part the dry run found, tightened by its own misses
     extra = max(0.0, result.peak_bytes - linear) if result is not None else 0.0
     first = _Option(asked, sharding, table, limit - extra, unbudgeted=_Unbudgeted(plan.solution))
     # its budgeted solve runs while the others are derived and start solving without the budget
     first.started = (first.budget, steps.start(with_peak_budget(sharding, table, first.budget), None))
     options = [first]
-    for mode in MODES[MODES.index(asked) + 1:]:  # what the user did not ask for, the budget may choose
+    for mode in MODES[MODES.index(asked) + 1 :]:  # what the user did not ask for, the budget may choose
         sp = with_options(sharding, dataclasses.replace(spec, recompute=mode == "recompute", reshard=mode == "reshard"))
         options.append(_Option(mode, sp, peak_memory_table(sp), first.budget, ahead=steps.start(sp.problem, None)))
     smallest = result
@@ -178,8 +205,13 @@ def fit_memory(plan: Plan, sharding: ShardingProblem, planner: Planner, spec: Pr
             return fitted(candidate, option.sharding, option.mode, linear, None, True)
         result = steps.dry_run(candidate)
         tried.append((option.mode, float(result.peak_bytes)))
-        log.info("autoshard: memory fit: the %s plan under a budget of %s: modeled %s, dry-run peak %s",
-                 option.mode, size_text(option.budget), size_text(linear), size_text(result.peak_bytes))
+        log.info(
+            "autoshard: memory fit: the %s plan under a budget of %s: modeled %s, dry-run peak %s",
+            option.mode,
+            size_text(option.budget),
+            size_text(linear),
+            size_text(result.peak_bytes),
+        )
         if result.peak_bytes < smallest.peak_bytes:
             smallest = result
         if result.peak_bytes <= limit:
@@ -189,9 +221,11 @@ def fit_memory(plan: Plan, sharding: ShardingProblem, planner: Planner, spec: Pr
         if len(option.missed) == ROUNDS:  # this option keeps missing: leave it to the others
             options.remove(option)
     if smallest is None:
-        raise MemoryLimitError(f"no plan fits {size_text(limit)} per rank: even with every option (resharding, "
-                               f"activation checkpointing) the modeled peak is over it; use more devices, a smaller "
-                               f"batch or sequence, or bf16 parameters (--param-dtype bf16)")
+        raise MemoryLimitError(
+            f"no plan fits {size_text(limit)} per rank: even with every option (resharding, "
+            f"activation checkpointing) the modeled peak is over it; use more devices, a smaller "
+            f"batch or sequence, or bf16 parameters (--param-dtype bf16)"
+        )
     raise MemoryLimitError(_no_fit_message(limit, smallest))
 
 
@@ -251,8 +285,13 @@ def _best_budgeted(options: list[_Option], steps: FitSteps, planner: Planner) ->
         if option.solved is None or option.solved.stale(option.budget, cutoff):
             option.solved = _solve_option(option, cutoff, steps, planner)
             if option.solved.cut is not None:
-                log.info("autoshard: memory fit: no %s plan under a budget of %s beats the %s plan's %.1f ms",
-                         option.mode, size_text(option.budget), best[1].mode, 1e3 * cutoff)
+                log.info(
+                    "autoshard: memory fit: no %s plan under a budget of %s beats the %s plan's %.1f ms",
+                    option.mode,
+                    size_text(option.budget),
+                    best[1].mode,
+                    1e3 * cutoff,
+                )
         candidate = option.solved.plan
         if candidate is not None and (best is None or candidate.step_time_s < best[0].step_time_s):
             best = (candidate, option)
@@ -322,9 +361,16 @@ def _next_budget(limit: float, budget: float, nonlinear: float, missed: list[tup
 
 def _no_fit_message(limit: float, smallest: DryRunResult) -> str:
     rank = max(smallest.ranks.values(), key=lambda m: m.peak_bytes)
-    parts = sorted(((getattr(rank, k), k) for k in ("activations", "gathered_params", "transient", "params",
-                                                     "optimizer", "grads")), reverse=True)
+    parts = sorted(
+        (
+            (getattr(rank, k), k)
+            for k in ("activations", "gathered_params", "transient", "params", "optimizer", "grads")
+        ),
+        reverse=True,
+    )
     largest = ", ".join(f"{k} {size_text(v)}" for v, k in parts[:3])
-    return (f"no plan fits {size_text(limit)} per rank: the smallest peak reached is {size_text(smallest.peak_bytes)} "
-            f"(largest: {largest}); use more devices, a smaller batch or sequence, or bf16 "
-            f"parameters (--param-dtype bf16)")
+    return (
+        f"no plan fits {size_text(limit)} per rank: the smallest peak reached is {size_text(smallest.peak_bytes)} "
+        f"(largest: {largest}); use more devices, a smaller batch or sequence, or bf16 "
+        f"parameters (--param-dtype bf16)"
+    )

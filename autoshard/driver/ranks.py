@@ -41,8 +41,7 @@ T = TypeVar("T")
 
 def in_process_group() -> bool:
     """Inside a real process group of more than one rank (not the fake one that plans at scale)."""
-    return (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-            and dist.get_backend() != "fake")
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1 and dist.get_backend() != "fake"
 
 
 def broadcast(value: Any) -> Any:
@@ -103,16 +102,16 @@ class RankZeroPlanning:
     """The solve, fit and dry-run steps of planning, run by rank 0 for every rank of the process
     group. `mesh`: the DeviceMesh the program is lowered on for dry runs."""
 
-    def __init__(self, mesh: Any, *, saved: SavedSolution | None = None, backend: str = "auto",
-                 time_limit: float | None = None):
+    def __init__(
+        self, mesh: Any, *, saved: SavedSolution | None = None, backend: str = "auto", time_limit: float | None = None
+    ):
         self.mesh = mesh
         self.saved = saved
         self.backend = backend
         self.time_limit = time_limit
 
     def _solve(self, problem: solver.Problem, diagnose: bool = True, cutoff: float | None = None) -> solver.Solution:
-        return solver.solve(problem, backend=self.backend, time_limit=self.time_limit, diagnose=diagnose,
-                            cutoff=cutoff)
+        return solver.solve(problem, backend=self.backend, time_limit=self.time_limit, diagnose=diagnose, cutoff=cutoff)
 
     def solve(self, sharding: ShardingProblem) -> solver.Solution:
         """Every rank calls this with the problem it built; rank 0's answer for all."""
@@ -125,9 +124,12 @@ class RankZeroPlanning:
                 log.info("autoshard: %s was made for another problem; solving", saved.source)
                 saved = None
             if saved is not None and saved.fingerprint != fingerprint:
-                return ("error", f"{saved.source} was made for another problem (fingerprint {saved.fingerprint}, "
-                                 f"this run's is {fingerprint}): different model, shapes, mesh, profiles or "
-                                 "constraints")
+                return (
+                    "error",
+                    f"{saved.source} was made for another problem (fingerprint {saved.fingerprint}, "
+                    f"this run's is {fingerprint}): different model, shapes, mesh, profiles or "
+                    "constraints",
+                )
             if saved is not None:
                 log.info("autoshard: reusing the solution in %s", saved.source)
                 return ("ok", saved.solution)
@@ -141,22 +143,31 @@ class RankZeroPlanning:
             raise UsageError(payload)
         return solver.Solution.from_json(payload)
 
-    def solve_problem(self, problem: solver.Problem, cutoff: float | None = None, *,
-                      diagnose: bool = True) -> solver.Solution:
+    def solve_problem(
+        self, problem: solver.Problem, cutoff: float | None = None, *, diagnose: bool = True
+    ) -> solver.Solution:
         """Rank 0 solves `problem` for every rank (InfeasibleError on every rank when nothing is
         feasible; `diagnose=False` skips finding out why, for callers that expect it;
         NoBetterError on every rank when nothing costs less than `cutoff`)."""
         return self._answer(lambda: self._outcome(problem, cutoff, diagnose))
 
-    def start_problem(self, problem: solver.Problem, cutoff: float | None = None, *, diagnose: bool = True,
-                      gate: threading.Semaphore | None = None) -> Callable[[], solver.Solution]:
+    def start_problem(
+        self,
+        problem: solver.Problem,
+        cutoff: float | None = None,
+        *,
+        diagnose: bool = True,
+        gate: threading.Semaphore | None = None,
+    ) -> Callable[[], solver.Solution]:
         """`solve_problem`, with rank 0 solving beside the caller (once `gate` lets it): every rank
         calls what this returns, in the same order as the other ranks, for rank 0's answer."""
         if dist.get_rank() == 0:
             outcome = in_background(lambda: self._outcome(problem, cutoff, diagnose), gate)
         else:
+
             def outcome() -> tuple[str, str, float | None]:
                 raise AssertionError("only rank 0 solves")  # never called: on_rank_zero runs it on rank 0
+
         return lambda: self._answer(outcome)
 
     def _outcome(self, problem: solver.Problem, cutoff: float | None, diagnose: bool) -> tuple[str, str, float | None]:
@@ -194,6 +205,7 @@ class RankZeroPlanning:
         """Every rank calls this with its program of `plan`: rank 0 dry-runs its own (fake tensors:
         no memory, no communication; every rank holds the same local shapes) and every rank gets
         the result."""
+
         def outcome() -> tuple[str, Any]:
             start = time.perf_counter()
             try:

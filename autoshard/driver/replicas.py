@@ -30,9 +30,17 @@ from autoshard.profiles.network import NetworkProfile
 Solve = Callable[[solver.Problem], solver.Solution]
 
 
-def fix_replicate_dim(graph: JointGraph, mesh_shape: tuple[int, ...], mesh_dim: int, network: NetworkProfile,
-                      device: DeviceProfile, spec: ProblemSpec, solve: Solve, *,
-                      repeated: list[list[list[fx.Node]]] | None = None) -> FixedMeshDim:
+def fix_replicate_dim(
+    graph: JointGraph,
+    mesh_shape: tuple[int, ...],
+    mesh_dim: int,
+    network: NetworkProfile,
+    device: DeviceProfile,
+    spec: ProblemSpec,
+    solve: Solve,
+    *,
+    repeated: list[list[list[fx.Node]]] | None = None,
+) -> FixedMeshDim:
     """The data-parallel placements of every node on `mesh_dim` (a `dp_replicate` dim), from a
     1D problem on that dim alone priced with that dim's links: inputs split along dim 0 (the
     batch), parameters Replicate, unless the user constrained them (their placement on that dim
@@ -40,17 +48,27 @@ def fix_replicate_dim(graph: JointGraph, mesh_shape: tuple[int, ...], mesh_dim: 
     one = lambda layout: Layout((layout.placements[mesh_dim],))  # noqa: E731
     pins = {}
     for fqn in graph.params:
-        user = [Layout.parse(lay) if isinstance(lay, str) else lay
-                for pattern, lay in spec.pins.items() if fnmatch.fnmatchcase(fqn, pattern)]
+        user = [
+            Layout.parse(lay) if isinstance(lay, str) else lay
+            for pattern, lay in spec.pins.items()
+            if fnmatch.fnmatchcase(fqn, pattern)
+        ]
         pins[fqn] = one(user[0]) if user else Layout((R,))
     inputs = {i: Layout((S(0),)) for i in range(len(graph.inputs))}  # the batch splits over the replicas
     inputs.update({i: one(lay) for i, lay in spec.input_layouts.items()})
-    spec_1d = replace(spec, input_layouts=inputs,
-                      output_layouts={i: one(lay) for i, lay in spec.output_layouts.items()},
-                      pins=pins, param_memory_bytes=float("inf"), fixed_dim=None)
+    spec_1d = replace(
+        spec,
+        input_layouts=inputs,
+        output_layouts={i: one(lay) for i, lay in spec.output_layouts.items()},
+        pins=pins,
+        param_memory_bytes=float("inf"),
+        fixed_dim=None,
+    )
     size = (mesh_shape[mesh_dim],)
-    sharding = build_problem(graph, size, Planner(size, network.restricted_to(mesh_dim)), device, spec_1d,
-                             repeated=repeated)
+    sharding = build_problem(
+        graph, size, Planner(size, network.restricted_to(mesh_dim)), device, spec_1d, repeated=repeated
+    )
     solution = solve(sharding.problem)
-    return FixedMeshDim(mesh_dim, {name: dim_placements(sharding.strategies[name][index])
-                                   for name, index in solution.choice.items()})
+    return FixedMeshDim(
+        mesh_dim, {name: dim_placements(sharding.strategies[name][index]) for name, index in solution.choice.items()}
+    )

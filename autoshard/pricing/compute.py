@@ -31,8 +31,10 @@ aten = torch.ops.aten
 # first n tensor inputs.
 _FLOP_ALIASES = {
     aten._scaled_dot_product_flash_attention_for_cpu.default: (aten._scaled_dot_product_flash_attention, 3),
-    aten._scaled_dot_product_flash_attention_for_cpu_backward.default:
-        (aten._scaled_dot_product_flash_attention_backward, 4),
+    aten._scaled_dot_product_flash_attention_for_cpu_backward.default: (
+        aten._scaled_dot_product_flash_attention_backward,
+        4,
+    ),
 }
 # Ops that return views of their input (or, like _unsafe_view, a relabeled fresh tensor): no kernel.
 _FREE = frozenset({aten._unsafe_view.default, aten.detach.default, aten.alias.default})
@@ -170,6 +172,7 @@ def graph_work(graph: fx.Graph) -> GraphWork:
             if kind == "memory":
                 call = OpCall(node, (1,))
                 memory_ops += 1
-                memory += sum(math.prod(t.shape) * t.element_size() for t in call.in_vals + call.out_vals
-                              if t is not None)
+                memory += sum(
+                    math.prod(t.shape) * t.element_size() for t in call.in_vals + call.out_vals if t is not None
+                )
     return GraphWork(ops, flops, memory_ops, memory)

@@ -124,8 +124,9 @@ def _rel_errors(predicted: np.ndarray, seconds: np.ndarray) -> np.ndarray:
     return (predicted - seconds) / seconds
 
 
-def fit_network(samples: Sequence[CollectiveSample], mesh_shape: Sequence[int], mem_bw: float,
-                name: str = "calibrated") -> NetworkFit:
+def fit_network(
+    samples: Sequence[CollectiveSample], mesh_shape: Sequence[int], mem_bw: float, name: str = "calibrated"
+) -> NetworkFit:
     """Fit launch_s and each group's (alpha, beta) to `samples`; single mesh dims become the
     profile's per-dim values, groups over 2+ dims its `groups` overrides, and each kind's own
     (alpha, beta) per group its `kinds` overrides. Every mesh dim of size > 1 needs samples of its
@@ -155,11 +156,12 @@ def fit_network(samples: Sequence[CollectiveSample], mesh_shape: Sequence[int], 
         rows[r, 1 + column[s.mesh_dims]] = steps
         rows[r, 1 + k + column[s.mesh_dims]] = wire * s.in_bytes
     x = _weighted_nnls(rows, seconds)
-    launch_s, alphas, inv_betas = float(x[0]), x[1:1 + k], x[1 + k:]
+    launch_s, alphas, inv_betas = float(x[0]), x[1 : 1 + k], x[1 + k :]
     flat = [g for g, inv in zip(groups, inv_betas) if not inv > 0]
     if flat:
-        raise ValueError(f"timings of group(s) {flat} do not grow with the bytes moved: no bandwidth to fit "
-                         "(use larger sizes)")
+        raise ValueError(
+            f"timings of group(s) {flat} do not grow with the bytes moved: no bandwidth to fit (use larger sizes)"
+        )
     group_errors = _rel_errors(rows @ x, seconds)
     kinds, predicted = _fit_kinds(samples, rows, column, x, seconds)
     errors = _rel_errors(predicted, seconds)
@@ -167,16 +169,36 @@ def fit_network(samples: Sequence[CollectiveSample], mesh_shape: Sequence[int], 
     for g in groups:
         idx = [r for r, s in enumerate(samples) if s.mesh_dims == g]
         e = errors[idx]
-        by_kind = {kind: _rms(errors[[r for r in idx if samples[r].kind == kind]])
-                   for kind in sorted({samples[r].kind for r in idx})}
-        fits.append(GroupFit(g, samples[idx[0]].group_size, float(alphas[column[g]]), float(1 / inv_betas[column[g]]),
-                             _rms(e), float(np.abs(e).max()), len(idx), by_kind, _rms(group_errors[idx])))
+        by_kind = {
+            kind: _rms(errors[[r for r in idx if samples[r].kind == kind]])
+            for kind in sorted({samples[r].kind for r in idx})
+        }
+        fits.append(
+            GroupFit(
+                g,
+                samples[idx[0]].group_size,
+                float(alphas[column[g]]),
+                float(1 / inv_betas[column[g]]),
+                _rms(e),
+                float(np.abs(e).max()),
+                len(idx),
+                by_kind,
+                _rms(group_errors[idx]),
+            )
+        )
     single = {f.mesh_dims[0]: f for f in fits if len(f.mesh_dims) == 1}
     slowest = max(fits, key=lambda f: (1 / f.beta, f.alpha))
     alpha = tuple(single[m].alpha if m in single else slowest.alpha for m in range(len(mesh_shape)))
     beta = tuple(single[m].beta if m in single else slowest.beta for m in range(len(mesh_shape)))
-    profile = NetworkProfile(alpha, beta, launch_s, mem_bw, name, kinds=kinds,
-                             groups=tuple((f.mesh_dims, f.alpha, f.beta) for f in fits if len(f.mesh_dims) > 1))
+    profile = NetworkProfile(
+        alpha,
+        beta,
+        launch_s,
+        mem_bw,
+        name,
+        kinds=kinds,
+        groups=tuple((f.mesh_dims, f.alpha, f.beta) for f in fits if len(f.mesh_dims) > 1),
+    )
     return NetworkFit(profile, tuple(fits), _rms(errors))
 
 
@@ -197,14 +219,22 @@ def between_compute_s(fit: NetworkFit, timings: Sequence[BetweenCompute]) -> flo
     """What a collective costs a step beyond the fitted back-to-back model of it: per group, the
     time the collective added to the work less `fit`'s price of it; the median over groups, at
     least 0 (0 without timings)."""
-    extra = [t.both_s - t.work_s - fit.model_s(CollectiveSample(t.kind, t.mesh_dims, t.group_size, t.in_bytes,
-                                                                 t.both_s - t.work_s))
-             for t in timings]
+    extra = [
+        t.both_s
+        - t.work_s
+        - fit.model_s(CollectiveSample(t.kind, t.mesh_dims, t.group_size, t.in_bytes, t.both_s - t.work_s))
+        for t in timings
+    ]
     return max(0.0, float(np.median(extra))) if extra else 0.0
 
 
-def _fit_kinds(samples: Sequence[CollectiveSample], rows: np.ndarray, column: dict[tuple[int, ...], int],
-               x: np.ndarray, seconds: np.ndarray) -> tuple[tuple, np.ndarray]:
+def _fit_kinds(
+    samples: Sequence[CollectiveSample],
+    rows: np.ndarray,
+    column: dict[tuple[int, ...], int],
+    x: np.ndarray,
+    seconds: np.ndarray,
+) -> tuple[tuple, np.ndarray]:
     """(alpha, beta) of each kind on each group, fitted to its samples less the common launch_s
     `x[0]`; a kind whose timings do not grow with the bytes keeps its group's link (from `x`).
     Returns the overrides and every sample's modeled seconds under them."""
@@ -234,8 +264,9 @@ def fit_rate(work: Sequence[float], seconds: Sequence[float]) -> RateFit:
     overhead, inv_rate = _weighted_nnls(rows, t)
     if not inv_rate > 0:
         raise ValueError("timings do not grow with the work: no rate to fit (use larger sizes)")
-    return RateFit(float(1 / inv_rate), float(overhead), _rms(_rel_errors(rows @ np.array([overhead, inv_rate]), t)),
-                   len(w))
+    return RateFit(
+        float(1 / inv_rate), float(overhead), _rms(_rel_errors(rows @ np.array([overhead, inv_rate]), t)), len(w)
+    )
 
 
 @dataclass(frozen=True)
@@ -250,8 +281,9 @@ class StepPartsFit:
     optimizer_rel_rms: float
 
 
-def fit_step_parts(ops: Sequence[float], ops_seconds: Sequence[float], elements: Sequence[float],
-                   optimizer_seconds: Sequence[float]) -> StepPartsFit:
+def fit_step_parts(
+    ops: Sequence[float], ops_seconds: Sequence[float], elements: Sequence[float], optimizer_seconds: Sequence[float]
+) -> StepPartsFit:
     """From chains of `ops` tiny ops timed at `ops_seconds` each and optimizer steps over
     `elements` parameter elements timed at `optimizer_seconds`. ValueError as `fit_rate`."""
     dispatch = fit_rate(ops, ops_seconds)
@@ -259,8 +291,9 @@ def fit_step_parts(ops: Sequence[float], ops_seconds: Sequence[float], elements:
     return StepPartsFit(1 / dispatch.rate, optimizer.rate, optimizer.overhead_s, dispatch.rel_rms, optimizer.rel_rms)
 
 
-def fit_step_rates(flops: float, flop_s: float, memory_bytes: float, memory_ops: int, memory_s: float,
-                   op_overhead_s: float) -> tuple[float, float]:
+def fit_step_rates(
+    flops: float, flop_s: float, memory_bytes: float, memory_ops: int, memory_s: float, op_overhead_s: float
+) -> tuple[float, float]:
     """(flop rate, memory rate) of the ops of a whole training step, from the seconds its flop
     ops (matmuls, attention) and its `memory_ops` memory-bound ops took inside it: the rates at
     which the roofline, with `op_overhead_s` per memory-bound op, reproduces both (a matmul's
@@ -270,8 +303,10 @@ def fit_step_rates(flops: float, flop_s: float, memory_bytes: float, memory_ops:
     timings leave nothing to fit (noise)."""
     rest = memory_s - memory_ops * op_overhead_s
     if not (flops > 0 and flop_s > 0 and memory_bytes > 0 and rest > 0):
-        raise ValueError(f"{memory_ops} memory-bound ops took {memory_s * 1e3:.2f} ms, no more than their "
-                         f"dispatch ({memory_ops * op_overhead_s * 1e3:.2f} ms), or nothing was timed")
+        raise ValueError(
+            f"{memory_ops} memory-bound ops took {memory_s * 1e3:.2f} ms, no more than their "
+            f"dispatch ({memory_ops * op_overhead_s * 1e3:.2f} ms), or nothing was timed"
+        )
     return flops / flop_s, memory_bytes / rest
 
 

@@ -146,10 +146,11 @@ class _Space:
             self._priced.append(0)
         if self._priced[slot] < len(self._edges):
             planner, total = self.planner, math.prod(shape) * itemsize
-            for u, v, data in self._edges[self._priced[slot]:]:
+            for u, v, data in self._edges[self._priced[slot] :]:
                 even = all(shape[td] % n == 0 for td, n in self.splits[v])
-                data[slot] = (min(planner._move_cost(self, u, move, shape, total) for move in data["moves"])
-                              if even else None)
+                data[slot] = (
+                    min(planner._move_cost(self, u, move, shape, total) for move in data["moves"]) if even else None
+                )
             self._priced[slot] = len(self._edges)
         return slot
 
@@ -173,7 +174,9 @@ class Planner:
     Results are memoized per planner on (src, dst, shape, itemsize). `one_shot=False` disables
     steps over flattened groups of several mesh dims (for meshes without dim names)."""
 
-    def __init__(self, mesh_shape: Sequence[int], profile: NetworkProfile | str = "h100-node", *, one_shot: bool = True):
+    def __init__(
+        self, mesh_shape: Sequence[int], profile: NetworkProfile | str = "h100-node", *, one_shot: bool = True
+    ):
         self.mesh_shape = tuple(int(s) for s in mesh_shape)
         if not self.mesh_shape or min(self.mesh_shape) < 1:
             raise ValueError(f"bad mesh shape {mesh_shape}")
@@ -193,13 +196,20 @@ class Planner:
     # ------------------------------------------------------------------ public API
     def cost(self, src: Layout | str, dst: Layout | str, shape: Sequence[int], itemsize: Any) -> float:
         """Seconds for the cheapest plan (the fast path the ILP calls)."""
-        key = (src, dst, shape if type(shape) is tuple else tuple(shape), itemsize if type(itemsize) is int else _itemsize(itemsize))
+        key = (
+            src,
+            dst,
+            shape if type(shape) is tuple else tuple(shape),
+            itemsize if type(itemsize) is int else _itemsize(itemsize),
+        )
         c = self._costs.get(key)
         if c is None:
             c = self._costs[key] = self._search(*key)[0]
         return c
 
-    def plan(self, src: Layout | str, dst: Layout | str, shape: Sequence[int], dtype_or_itemsize: Any) -> RedistributePlan:
+    def plan(
+        self, src: Layout | str, dst: Layout | str, shape: Sequence[int], dtype_or_itemsize: Any
+    ) -> RedistributePlan:
         key = (_layout(src), _layout(dst), tuple(shape), _itemsize(dtype_or_itemsize))
         p = self._plans.get(key)
         if p is None:
@@ -244,11 +254,19 @@ class Planner:
         """The local copy that puts a gathered/scattered tensor dim in place when it is not the
         outermost one: dim-0 collectives work in place, any other dim needs a pass at mem_bw."""
         passes = _COPY_PASSES[kind](n)
-        return sum(passes * in_bytes / self.profile.mem_bw
-                   for td in tensor_dims if any(size > 1 for size in local[:td]))
+        return sum(
+            passes * in_bytes / self.profile.mem_bw for td in tensor_dims if any(size > 1 for size in local[:td])
+        )
 
-    def step_cost(self, kind: str, mesh_dims: Sequence[int], tensor_dims: Sequence[int], src: Layout,
-                  shape: Sequence[int], itemsize: int) -> float:
+    def step_cost(
+        self,
+        kind: str,
+        mesh_dims: Sequence[int],
+        tensor_dims: Sequence[int],
+        src: Layout,
+        shape: Sequence[int],
+        itemsize: int,
+    ) -> float:
         """Seconds of one step applied to a tensor in layout `src`, priced exactly as plans are
         (collective + local copy): for comparing other planners' step lists on equal terms."""
         local = src.local_shape(shape, self.mesh_shape)
@@ -272,8 +290,9 @@ class Planner:
             costs = [(self._move_cost(space, u, mv, shape, total), mv) for mv in space.graph[i][j]["moves"]]
             cost_s, (_, fixed_s, kind, mesh_dims, tensor_dims, n) = min(costs, key=lambda c: c[0])
             in_bytes = total / space.shards[u]
-            steps.append(Step(kind, mesh_dims, u, v, tensor_dims, cost_s, wire_bytes(kind, n, in_bytes), in_bytes,
-                              fixed_s))
+            steps.append(
+                Step(kind, mesh_dims, u, v, tensor_dims, cost_s, wire_bytes(kind, n, in_bytes), in_bytes, fixed_s)
+            )
         if not steps and src != dst:
             steps.append(Step("reorder", (), src, dst, (), 0.0, 0.0))
         elif steps:  # relabel the ends from/to the physical forms

@@ -40,6 +40,7 @@ _LOCAL = {
 COLLECTIVE_KINDS = tuple(_COLLECTIVE)
 STEP_KINDS = COLLECTIVE_KINDS + tuple(_LOCAL)
 
+
 def collective_terms(kind: str, group_size: int) -> tuple[float, float]:
     """(wire bytes per local input byte, latency steps) of a collective over `group_size` ranks:
     the coefficients of 1/beta and alpha in its cost."""

@@ -166,8 +166,9 @@ def _val(node: fx.Node, index: int = 0):
     return val[index] if isinstance(val, (tuple, list)) else val
 
 
-def _placeholder_strategies(node: fx.Node, catalog: StrategyCatalog, allowed: Layout | None,
-                            fixed_dim: FixedMeshDim | None) -> list[Strategy]:
+def _placeholder_strategies(
+    node: fx.Node, catalog: StrategyCatalog, allowed: Layout | None, fixed_dim: FixedMeshDim | None
+) -> list[Strategy]:
     """Every even layout of a placeholder (or just `allowed`; those `fixed_dim` keeps). The
     catalog shares the Strategy objects per shape: placeholders of repeated blocks then share
     cost matrices."""
@@ -196,9 +197,16 @@ def _local_bytes(layout: Layout, val, mesh_shape) -> float:
     return math.prod(layout.local_shape(tuple(val.shape), mesh_shape)) * val.dtype.itemsize
 
 
-def build_problem(graph: JointGraph, mesh_shape: tuple[int, ...], planner: Planner, device: DeviceProfile,
-                  spec: ProblemSpec, *, catalog: StrategyCatalog | None = None,
-                  repeated: list[list[list[fx.Node]]] | None = None) -> ShardingProblem:
+def build_problem(
+    graph: JointGraph,
+    mesh_shape: tuple[int, ...],
+    planner: Planner,
+    device: DeviceProfile,
+    spec: ProblemSpec,
+    *,
+    catalog: StrategyCatalog | None = None,
+    repeated: list[list[list[fx.Node]]] | None = None,
+) -> ShardingProblem:
     """Price every choice and edge; the returned problem is ready for `solver.solve`.
 
     `catalog` (strategies on this mesh) and `repeated` (the graph's repeated blocks) are made here
@@ -218,13 +226,21 @@ def build_problem(graph: JointGraph, mesh_shape: tuple[int, ...], planner: Plann
     compute_s = choices.compute_s
     for name in recomputed & compute_s.keys():
         compute_s[name] = [2 * cost for cost in compute_s[name]]
-    sharding = ShardingProblem(graph=graph, mesh_shape=mesh_shape, strategies=choices.strategies,
-                               compute_s=compute_s, fx_nodes=choices.fx_nodes, inputs=choices.inputs,
-                               problem=solver.Problem(), optimizer_s=_optimizer_s(graph, choices.strategies, device,
-                                                                                  mesh_shape),
-                               bucket_shares=_bucket_shares(graph, choices.inputs), recompute_blocks=recompute_blocks,
-                               recomputed=recomputed, reshard_blocks=reshard_blocks,
-                               repeated=repeated)
+    sharding = ShardingProblem(
+        graph=graph,
+        mesh_shape=mesh_shape,
+        strategies=choices.strategies,
+        compute_s=compute_s,
+        fx_nodes=choices.fx_nodes,
+        inputs=choices.inputs,
+        problem=solver.Problem(),
+        optimizer_s=_optimizer_s(graph, choices.strategies, device, mesh_shape),
+        bucket_shares=_bucket_shares(graph, choices.inputs),
+        recompute_blocks=recompute_blocks,
+        recomputed=recomputed,
+        reshard_blocks=reshard_blocks,
+        repeated=repeated,
+    )
     _fill_solver_problem(sharding, planner, spec, graph.param_names, repeated)
     return sharding
 
@@ -261,12 +277,20 @@ def with_options(sp: ShardingProblem, spec: ProblemSpec) -> ShardingProblem:
             matrix = scaled[key]
         problem.edges.append(solver.Edge(edge.src, edge.dst, matrix))
     problem.constraints, problem.regions = list(sp.problem.constraints), list(sp.problem.regions)
-    return dataclasses.replace(sp, compute_s=compute_s, problem=problem, recompute_blocks=recompute_blocks,
-                               recomputed=recomputed, reshard_blocks=reshard_blocks, repeated=repeated)
+    return dataclasses.replace(
+        sp,
+        compute_s=compute_s,
+        problem=problem,
+        recompute_blocks=recompute_blocks,
+        recomputed=recomputed,
+        reshard_blocks=reshard_blocks,
+        repeated=repeated,
+    )
 
 
-def _runs_twice(graph: JointGraph, repeated: list[list[list[fx.Node]]], spec: ProblemSpec
-                ) -> tuple[tuple[str, ...], tuple[str, ...], frozenset[str]]:
+def _runs_twice(
+    graph: JointGraph, repeated: list[list[list[fx.Node]]], spec: ProblemSpec
+) -> tuple[tuple[str, ...], tuple[str, ...], frozenset[str]]:
     """What `spec`'s options run twice: the recomputed and the resharded block-list prefixes, and
     the ILP nodes (their compute and the redistributions into them are priced twice)."""
     if spec.recompute:
@@ -287,6 +311,7 @@ def _choice_costs(compute: list[float], step: list[float] | None) -> list[float]
 class _Choices:
     """Per node name: its strategies, their compute costs, its fx node and its input producers
     (`alias` maps a getitem to the output of its parent it reads)."""
+
     strategies: dict[str, list[Strategy]] = field(default_factory=dict)
     compute_s: dict[str, list[float]] = field(default_factory=dict)
     fx_nodes: dict[str, fx.Node] = field(default_factory=dict)
@@ -294,8 +319,14 @@ class _Choices:
     alias: dict[fx.Node, Producer] = field(default_factory=dict)
 
 
-def _collect_choices(c: _Choices, graph: JointGraph, catalog: StrategyCatalog, pricer: ComputePricer,
-                     spec: ProblemSpec, mesh_shape: tuple[int, ...]) -> None:
+def _collect_choices(
+    c: _Choices,
+    graph: JointGraph,
+    catalog: StrategyCatalog,
+    pricer: ComputePricer,
+    spec: ProblemSpec,
+    mesh_shape: tuple[int, ...],
+) -> None:
     """Every placeholder's and op's strategies (pinned parameters, fixed input and output layouts
     kept to the one they allow) and their compute costs."""
     param_fqn = graph.param_names
@@ -314,8 +345,10 @@ def _collect_choices(c: _Choices, graph: JointGraph, catalog: StrategyCatalog, p
             c.compute_s[node.name] = [0.0] * len(c.strategies[node.name])
             if not c.strategies[node.name]:
                 what = param_fqn.get(node) or f"input {user_inputs.get(node, node.name)}"
-                raise ValueError(f"{what}: layout {fixed} does not split shape {tuple(node.meta['val'].shape)} "
-                                 f"evenly on mesh {mesh_shape}")
+                raise ValueError(
+                    f"{what}: layout {fixed} does not split shape {tuple(node.meta['val'].shape)} "
+                    f"evenly on mesh {mesh_shape}"
+                )
         elif node.op == "call_function":
             if node.target is operator.getitem:
                 parent, index = node.args
@@ -352,15 +385,18 @@ def _add_sinks(c: _Choices, graph: JointGraph, mesh_shape: tuple[int, ...]) -> N
         c.fx_nodes[name], c.inputs[name] = grad, [c.alias[grad]]
 
 
-def _optimizer_s(graph: JointGraph, strategies: dict[str, list[Strategy]], device: DeviceProfile,
-                 mesh_shape: tuple[int, ...]) -> dict[str, list[float]]:
+def _optimizer_s(
+    graph: JointGraph, strategies: dict[str, list[Strategy]], device: DeviceProfile, mesh_shape: tuple[int, ...]
+) -> dict[str, list[float]]:
     """Per trained parameter: the optimizer step's seconds over its local elements, per choice."""
     out = {}
     for fqn, node in graph.params.items():
         if fqn in graph.grads:
             shape = tuple(node.meta["val"].shape)
-            out[node.name] = [device.optimizer_s(math.prod(s.outputs[0].local_shape(shape, mesh_shape)))
-                              for s in strategies[node.name]]
+            out[node.name] = [
+                device.optimizer_s(math.prod(s.outputs[0].local_shape(shape, mesh_shape)))
+                for s in strategies[node.name]
+            ]
     return out
 
 
@@ -401,14 +437,16 @@ def _resolve_pins(graph: JointGraph, pins: dict[str, Layout], mesh_shape) -> dic
             shape = tuple(graph.params[fqn].meta["val"].shape)
             layout.validate(len(shape), mesh_shape)
             if fqn in chosen and chosen[fqn][1] != layout:
-                raise ValueError(f"conflicting pins for {fqn}: {chosen[fqn][0]!r} -> {chosen[fqn][1]} "
-                                 f"and {pattern!r} -> {layout}")
+                raise ValueError(
+                    f"conflicting pins for {fqn}: {chosen[fqn][0]!r} -> {chosen[fqn][1]} and {pattern!r} -> {layout}"
+                )
             chosen[fqn] = (pattern, layout)
     return {fqn: layout for fqn, (_, layout) in chosen.items()}
 
 
-def _fill_solver_problem(sp: ShardingProblem, planner: Planner, spec: ProblemSpec, param_fqn,
-                         repeated: list[list[list[fx.Node]]]) -> None:
+def _fill_solver_problem(
+    sp: ShardingProblem, planner: Planner, spec: ProblemSpec, param_fqn, repeated: list[list[list[fx.Node]]]
+) -> None:
     problem = sp.problem
     mesh_shape = sp.mesh_shape
     # repeated blocks have equal choices position by position: they share one list of Choice objects
@@ -422,7 +460,9 @@ def _fill_solver_problem(sp: ShardingProblem, planner: Planner, spec: ProblemSpe
         costs = _choice_costs(sp.compute_s[name], sp.optimizer_s.get(name))
         key = (tuple(map(id, choices)), tuple(costs), tuple(memory))
         if key not in choice_lists:
-            choice_lists[key] = [solver.Choice(label=s.label, cost=c, memory=m) for s, c, m in zip(choices, costs, memory)]
+            choice_lists[key] = [
+                solver.Choice(label=s.label, cost=c, memory=m) for s, c, m in zip(choices, costs, memory)
+            ]
         problem.add_node(name, choice_lists[key])
 
     # One edge per (producer, consumer) pair; several slots fed by one producer add up. Repeated
@@ -439,8 +479,15 @@ def _fill_solver_problem(sp: ShardingProblem, planner: Planner, spec: ProblemSpe
             src_choices, dst_choices = sp.strategies[producer.node], sp.strategies[consumer]
             no_reduction = consumer in reduce_dtypes and dtype != reduce_dtypes[consumer]
             share = sp.bucket_shares.get((producer.node, consumer))
-            key = (tuple(map(id, src_choices)), producer.output, tuple(map(id, dst_choices)), slot, shape, dtype.itemsize,
-                   share)
+            key = (
+                tuple(map(id, src_choices)),
+                producer.output,
+                tuple(map(id, dst_choices)),
+                slot,
+                shape,
+                dtype.itemsize,
+                share,
+            )
             matrix = matrix_by_id.get(key)
             if matrix is None:
                 srcs = tuple(s.outputs[producer.output] for s in src_choices)
@@ -462,8 +509,9 @@ def _fill_solver_problem(sp: ShardingProblem, planner: Planner, spec: ProblemSpe
                     variants[(key, no_reduction, twice)] = variant
                 matrix = variant
             if producer.node in merged:
-                merged[producer.node] = [[a + b for a, b in zip(r1, r2)]
-                                         for r1, r2 in zip(merged[producer.node], matrix)]
+                merged[producer.node] = [
+                    [a + b for a, b in zip(r1, r2)] for r1, r2 in zip(merged[producer.node], matrix)
+                ]
             else:
                 merged[producer.node] = matrix
         for producer, matrix in merged.items():
@@ -473,21 +521,25 @@ def _fill_solver_problem(sp: ShardingProblem, planner: Planner, spec: ProblemSpe
         problem.same_choice([node.name, grad_sink(fqn)], name=f"grad of {fqn} in its parameter's layout")
     limit = spec.param_memory_bytes
     if limit is not None and math.isfinite(limit):
-        problem.memory_budget([node.name for node in sp.graph.params.values()], limit * (1 + 1e-9),
-                              name="parameter bytes per rank")
+        problem.memory_budget(
+            [node.name for node in sp.graph.params.values()], limit * (1 + 1e-9), name="parameter bytes per rank"
+        )
 
     for copies in repeated:
         problem.add_region([_ilp_names(sp, copy) for copy in copies])
 
 
-def _repeated_forward_ops(graph: JointGraph, repeated: list[list[list[fx.Node]]]
-                          ) -> tuple[tuple[str, ...], dict[fx.Node, tuple]]:
+def _repeated_forward_ops(
+    graph: JointGraph, repeated: list[list[list[fx.Node]]]
+) -> tuple[tuple[str, ...], dict[fx.Node, tuple]]:
     """The list prefixes of the repeated blocks, and each forward op in one of them -> its block."""
     blocks = assign_blocks(graph)
-    prefixes = tuple(sorted({blocks[copy[0]][0] for copies in repeated for copy in copies
-                             if copy and copy[0] in blocks}))
-    return prefixes, {n: b for n, b in blocks.items() if n.op == "call_function" and not graph.is_backward(n)
-                      and b[0] in prefixes}
+    prefixes = tuple(
+        sorted({blocks[copy[0]][0] for copies in repeated for copy in copies if copy and copy[0] in blocks})
+    )
+    return prefixes, {
+        n: b for n, b in blocks.items() if n.op == "call_function" and not graph.is_backward(n) and b[0] in prefixes
+    }
 
 
 def _recomputed(graph: JointGraph, repeated: list[list[list[fx.Node]]]) -> tuple[tuple[str, ...], frozenset[str]]:
@@ -496,8 +548,11 @@ def _recomputed(graph: JointGraph, repeated: list[list[list[fx.Node]]]) -> tuple
     handed over as checkpoints; of the rest, what the backward reads is recomputed, with what it
     is computed from inside the block. `program.lower` recomputes exactly these nodes."""
     prefixes, block = _repeated_forward_ops(graph, repeated)
-    candidates = {n for n, b in block.items()
-                  if all(block.get(u) == b for u in n.users if u.op == "call_function" and not graph.is_backward(u))}
+    candidates = {
+        n
+        for n, b in block.items()
+        if all(block.get(u) == b for u in n.users if u.op == "call_function" and not graph.is_backward(u))
+    }
     return prefixes, _read_by_backward(graph, candidates)
 
 
@@ -543,13 +598,17 @@ def _gradient_reduce_dtypes(sp: ShardingProblem) -> dict[str, torch.dtype]:
 def _without_reduction(matrix, src_choices, output: int, dst_choices, slot: int) -> list[list[float]]:
     """`matrix` with inf where the edge would reduce a partial value (a mesh dim partial in the
     source layout and not in the destination's)."""
+
     def reduces(src: Layout | None, dst: Layout | None) -> bool:
-        return src is not None and dst is not None and any(
-            a.kind == "P" and b.kind != "P" for a, b in zip(src.placements, dst.placements))
+        return (
+            src is not None
+            and dst is not None
+            and any(a.kind == "P" and b.kind != "P" for a, b in zip(src.placements, dst.placements))
+        )
+
     srcs = [s.outputs[output] for s in src_choices]
     dsts = [s.inputs[slot] for s in dst_choices]
-    return [[math.inf if reduces(src, dst) else cost for dst, cost in zip(dsts, row)]
-            for src, row in zip(srcs, matrix)]
+    return [[math.inf if reduces(src, dst) else cost for dst, cost in zip(dsts, row)] for src, row in zip(srcs, matrix)]
 
 
 def _ilp_names(sp: ShardingProblem, copy: Sequence[fx.Node]) -> list[str]:
@@ -575,4 +634,3 @@ def _edge_cost(planner: Planner, src, dst, shape, itemsize, share: BucketShare |
     if share is None or share.members <= 1 or cost == 0.0:
         return cost
     return share.cost_s(planner.plan(src, dst, shape, itemsize))
-

@@ -101,16 +101,27 @@ def match_params(pattern: str, names: Iterable[str]) -> list[str]:
     matched = [n for n in names if fnmatch.fnmatchcase(n, pattern)]
     if matched:
         return matched
-    close = ([n for n in names if pattern and pattern in n][:5]  # e.g. a name without its prefix
-             or difflib.get_close_matches(pattern, names, n=5, cutoff=0.5)
-             or difflib.get_close_matches(pattern, names, n=3, cutoff=0.0))
+    close = (
+        [n for n in names if pattern and pattern in n][:5]  # e.g. a name without its prefix
+        or difflib.get_close_matches(pattern, names, n=5, cutoff=0.5)
+        or difflib.get_close_matches(pattern, names, n=3, cutoff=0.0)
+    )
     hint = f"; close matches: {', '.join(close)}" if close else ""
     raise ExplainError(f"{pattern!r} matches no parameter{hint}")
 
 
-def explain(sp: ShardingProblem, plan: Plan, planner: Planner, fqn: str, *, top: int = 3,
-            max_solves: int = MAX_SOLVES, backend: str = "auto", time_limit: float | None = None,
-            rel_gap: float = 1e-6) -> Explanation:
+def explain(
+    sp: ShardingProblem,
+    plan: Plan,
+    planner: Planner,
+    fqn: str,
+    *,
+    top: int = 3,
+    max_solves: int = MAX_SOLVES,
+    backend: str = "auto",
+    time_limit: float | None = None,
+    rel_gap: float = 1e-6,
+) -> Explanation:
     """The chosen layout of `fqn` (an FQN or a pattern naming parameters with one layout) and the
     best plans with it pinned to each other candidate layout, from the problem `plan` was solved
     from. `top` only limits how many alternatives are kept (all solved ones when 0)."""
@@ -121,8 +132,10 @@ def explain(sp: ShardingProblem, plan: Plan, planner: Planner, fqn: str, *, top:
     layouts = {name: plan.param_layouts[name] for name in params}
     if len(set(layouts.values())) > 1:
         shown = ", ".join(f"{n} {lay}" for n, lay in list(layouts.items())[:4])
-        raise ExplainError(f"{fqn!r} names {len(params)} parameters with different layouts "
-                           f"({shown}{', ...' if len(params) > 4 else ''}); name one of them")
+        raise ExplainError(
+            f"{fqn!r} names {len(params)} parameters with different layouts "
+            f"({shown}{', ...' if len(params) > 4 else ''}); name one of them"
+        )
     chosen = layouts[params[0]]
     problem = sp.problem
     nodes = [sp.graph.params[name].name for name in params]
@@ -134,8 +147,11 @@ def explain(sp: ShardingProblem, plan: Plan, planner: Planner, fqn: str, *, top:
 
     tied_nodes = {t for n in nodes for t in problem.tied(n)}
     node_param = {node.name: name for name, node in sp.graph.params.items()}
-    tied = [node_param[t] for t in sorted(tied_nodes, key=problem.index().__getitem__)
-            if t in node_param and node_param[t] not in params]
+    tied = [
+        node_param[t]
+        for t in sorted(tied_nodes, key=problem.index().__getitem__)
+        if t in node_param and node_param[t] not in params
+    ]
 
     if len(candidates) <= max_solves:
         order, skipped = list(candidates), []
@@ -144,43 +160,69 @@ def explain(sp: ShardingProblem, plan: Plan, planner: Planner, fqn: str, *, top:
         estimate = _best_response(problem, plan.solution.choice, {lay: pins[lay] for lay in candidates})
         order = sorted(candidates, key=lambda lay: estimate[lay])
         order, skipped = order[:max_solves], order[max_solves:]
-        method = (f"{max_solves} of {len(candidates)} other candidate layouts re-solved: those with the "
-                  f"lowest best-response estimate (only the pinned nodes moved)")
+        method = (
+            f"{max_solves} of {len(candidates)} other candidate layouts re-solved: those with the "
+            f"lowest best-response estimate (only the pinned nodes moved)"
+        )
 
     alternatives, infeasible = [], []
     for lay in order:
         t0 = time.perf_counter()
         try:
-            sol = solver.solve(problem.restricted(pins[lay]), backend=backend, time_limit=time_limit,
-                               rel_gap=rel_gap, diagnose=False)
+            sol = solver.solve(
+                problem.restricted(pins[lay]), backend=backend, time_limit=time_limit, rel_gap=rel_gap, diagnose=False
+            )
         except solver.InfeasibleError:
             infeasible.append(lay)
             continue
         alt = decode(sp, sol, planner)
-        alternatives.append(Alternative(
-            layout=lay, choice=pins[lay][nodes[0]], step_time_s=alt.step_time_s, compute_s=alt.compute_s,
-            comm_s=alt.comm_s, delta_s=alt.step_time_s - plan.step_time_s, status=sol.status,
-            solve_s=time.perf_counter() - t0, changes=redistribution_changes(plan, alt),
-            moved={name: (plan.param_layouts[name], alt.param_layouts[name]) for name in plan.param_layouts
-                   if name not in params and name not in tied and alt.param_layouts[name] != plan.param_layouts[name]},
-        ))
+        alternatives.append(
+            Alternative(
+                layout=lay,
+                choice=pins[lay][nodes[0]],
+                step_time_s=alt.step_time_s,
+                compute_s=alt.compute_s,
+                comm_s=alt.comm_s,
+                delta_s=alt.step_time_s - plan.step_time_s,
+                status=sol.status,
+                solve_s=time.perf_counter() - t0,
+                changes=redistribution_changes(plan, alt),
+                moved={
+                    name: (plan.param_layouts[name], alt.param_layouts[name])
+                    for name in plan.param_layouts
+                    if name not in params and name not in tied and alt.param_layouts[name] != plan.param_layouts[name]
+                },
+            )
+        )
     alternatives.sort(key=lambda a: (a.step_time_s, str(a.layout)))
     return Explanation(
-        fqn=fqn, params=params, layout=chosen, step_time_s=plan.step_time_s, tied=tied,
-        alternatives=alternatives[:top] if top else alternatives, candidates=len(candidates), solved=len(order),
-        infeasible=infeasible, skipped=skipped, method=method, seconds=time.perf_counter() - start,
-        param_nodes=node_param)
+        fqn=fqn,
+        params=params,
+        layout=chosen,
+        step_time_s=plan.step_time_s,
+        tied=tied,
+        alternatives=alternatives[:top] if top else alternatives,
+        candidates=len(candidates),
+        solved=len(order),
+        infeasible=infeasible,
+        skipped=skipped,
+        method=method,
+        seconds=time.perf_counter() - start,
+        param_nodes=node_param,
+    )
 
 
 def redistribution_changes(before: Plan, after: Plan) -> list[EdgeChange]:
     """Edges whose redistribution (layouts or steps) differs between two plans of one problem,
     the largest change in modeled cost first."""
+
     def by_edge(plan: Plan) -> dict:
         return {(r.producer, r.consumer, r.slot): r.plan for r in plan.redistributions}
 
     old, new = by_edge(before), by_edge(after)
-    changes = [EdgeChange(*key, old.get(key), new.get(key)) for key in {**old, **new}
-               if not _same(old.get(key), new.get(key))]
+    changes = [
+        EdgeChange(*key, old.get(key), new.get(key)) for key in {**old, **new} if not _same(old.get(key), new.get(key))
+    ]
     changes.sort(key=lambda c: (-abs(c.delta_s), c.producer, c.consumer, c.slot))
     return changes
 
@@ -195,8 +237,9 @@ def _cost(plan: RedistributePlan | None) -> float:
     return 0.0 if plan is None else plan.cost_s
 
 
-def _best_response(problem: solver.Problem, choice: dict[str, int],
-                   pins: dict[Layout, dict[str, int]]) -> dict[Layout, float]:
+def _best_response(
+    problem: solver.Problem, choice: dict[str, int], pins: dict[Layout, dict[str, int]]
+) -> dict[Layout, float]:
     """Objective change of moving only the pinned nodes (and the nodes tied to them) to each
     candidate, every other node kept at its chosen choice: an upper bound on what the candidate
     costs once re-solved (inf where that assignment is forbidden or over a memory budget)."""
@@ -210,8 +253,10 @@ def _best_response(problem: solver.Problem, choice: dict[str, int],
         new = dict(choice)
         for n, k in pin.items():
             new.update(dict.fromkeys(groups[n], k))
-        delta = sum(problem.nodes[index[t]].choices[new[t]].cost - problem.nodes[index[t]].choices[choice[t]].cost
-                    for t in moving)
+        delta = sum(
+            problem.nodes[index[t]].choices[new[t]].cost - problem.nodes[index[t]].choices[choice[t]].cost
+            for t in moving
+        )
         delta += sum(e.cost[new[e.src]][new[e.dst]] - e.cost[choice[e.src]][choice[e.dst]] for e in edges)
         over = any(sum(problem.nodes[index[n]].choices[new[n]].memory for n in b.nodes) > b.limit for b in budgets)
         out[lay] = math.inf if over or math.isnan(delta) else delta

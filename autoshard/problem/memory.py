@@ -55,13 +55,20 @@ class MemoryFit:
         return self.mode != "keep"
 
     def summary(self) -> str:
-        peak = (f"dry-run peak {size_text(self.peak_bytes)}" if self.peak_bytes is not None else
-                "not dry-run (far below)" if self.dry_runs else "not dry-run (the modeled part alone checked)")
+        peak = (
+            f"dry-run peak {size_text(self.peak_bytes)}"
+            if self.peak_bytes is not None
+            else "not dry-run (far below)"
+            if self.dry_runs
+            else "not dry-run (the modeled part alone checked)"
+        )
         how = "planned under the budget" if self.constrained else "the plan as solved fits"
-        return (f"memory limit {size_text(self.limit)} per rank: {how}; modeled {size_text(self.modeled_bytes)} "
-                f"(params + grads + AdamW states + handed-over values), {peak}; "
-                f"reshard after forward {'on' if self.reshard else 'off'}, "
-                f"activation checkpointing {'on' if self.recompute else 'off'}")
+        return (
+            f"memory limit {size_text(self.limit)} per rank: {how}; modeled {size_text(self.modeled_bytes)} "
+            f"(params + grads + AdamW states + handed-over values), {peak}; "
+            f"reshard after forward {'on' if self.reshard else 'off'}, "
+            f"activation checkpointing {'on' if self.recompute else 'off'}"
+        )
 
 
 def size_text(n: float) -> str:
@@ -91,8 +98,13 @@ def handed_over(graph: JointGraph, recomputed: frozenset[str]) -> HandedOver:
     from_params = graph.from_params
 
     def storage(value: fx.Node) -> tuple[fx.Node, int] | None:
-        while (value.op == "call_function" and value not in from_params and value.args
-               and isinstance(value.args[0], fx.Node) and tc.shares_input_storage(value.target)):
+        while (
+            value.op == "call_function"
+            and value not in from_params
+            and value.args
+            and isinstance(value.args[0], fx.Node)
+            and tc.shares_input_storage(value.target)
+        ):
             out.views[value] = None
             value = value.args[0]
         if value.op != "call_function":
@@ -150,8 +162,10 @@ def peak_memory_table(sp: ShardingProblem) -> PeakTable:
         """Bytes of the given (output index, shape, bytes per element) in each strategy's layouts."""
         key = (tuple(map(id, strategies)), tuple(outputs))
         if key not in rows:
-            rows[key] = [float(sum(local(s.outputs[i], shape) * size for i, shape, size in outputs
-                                   if s.outputs[i] is not None)) for s in strategies]
+            rows[key] = [
+                float(sum(local(s.outputs[i], shape) * size for i, shape, size in outputs if s.outputs[i] is not None))
+                for s in strategies
+            ]
         return rows[key]
 
     table = PeakTable({}, {})
@@ -164,8 +178,10 @@ def peak_memory_table(sp: ShardingProblem) -> PeakTable:
         if node.name not in sp.strategies:
             continue
         vals = node.meta["val"] if isinstance(node.meta["val"], (tuple, list)) else [node.meta["val"]]
-        table.nodes[node.name] = outputs_row(sp.strategies[node.name], [
-            (i, tuple(vals[i].shape), vals[i].dtype.itemsize) for i in sorted(outputs) if hasattr(vals[i], "shape")])
+        table.nodes[node.name] = outputs_row(
+            sp.strategies[node.name],
+            [(i, tuple(vals[i].shape), vals[i].dtype.itemsize) for i in sorted(outputs) if hasattr(vals[i], "shape")],
+        )
     for view in held.views:
         if view.name not in sp.strategies or not sp.inputs[view.name]:
             continue
@@ -175,8 +191,15 @@ def peak_memory_table(sp: ShardingProblem) -> PeakTable:
         key = ("copy", tuple(map(id, srcs)), producer.output, tuple(map(id, dsts)), shape, dtype)
         if key not in rows:
             sizes = [0 if s.inputs[0] is None else local(s.inputs[0], shape) * dtype.itemsize for s in dsts]
-            matrix = [[0.0 if src.outputs[producer.output] is None or src.outputs[producer.output] == dst.inputs[0]
-                       else float(size) for dst, size in zip(dsts, sizes)] for src in srcs]
+            matrix = [
+                [
+                    0.0
+                    if src.outputs[producer.output] is None or src.outputs[producer.output] == dst.inputs[0]
+                    else float(size)
+                    for dst, size in zip(dsts, sizes)
+                ]
+                for src in srcs
+            ]
             rows[key] = matrix if any(map(any, matrix)) else None  # None: no pair makes a copy
         if rows[key] is not None:
             table.edges[(producer.node, view.name)] = rows[key]
@@ -192,8 +215,10 @@ def modeled_bytes(table: PeakTable, choice: dict[str, int]) -> float:
 def with_peak_budget(sp: ShardingProblem, table: PeakTable, limit: float) -> solver.Problem:
     """The problem with one more constraint: the table's bytes of the chosen layouts <= `limit`."""
     problem = sp.problem
-    extended = solver.Problem(list(problem.nodes), list(problem.edges), list(problem.constraints),
-                              list(problem.regions))
-    extended.memory_budget(list(table.nodes), limit, name="modeled peak bytes per rank", memory=table.nodes,
-                           edges=table.edges)
+    extended = solver.Problem(
+        list(problem.nodes), list(problem.edges), list(problem.constraints), list(problem.regions)
+    )
+    extended.memory_budget(
+        list(table.nodes), limit, name="modeled peak bytes per rank", memory=table.nodes, edges=table.edges
+    )
     return extended

@@ -82,13 +82,20 @@ class Plan:
         return [fqn for fqn, lay in self.param_layouts.items() if not lay.is_default_order]
 
     def summary(self) -> str:
-        kinds = ", ".join(f"{k} x{self.count_by_collective[k]} ({self.bytes_by_collective[k] / 1e6:.2f} MB)"
-                          for k in sorted(self.count_by_collective)) or "none"
-        return (f"mesh {self.mesh_shape}: modeled step {self.step_time_s * 1e3:.3f} ms "
-                f"(compute {self.compute_s * 1e3:.3f} ms, optimizer {self.optimizer_s * 1e3:.3f} ms, "
-                f"comm {self.comm_s * 1e3:.3f} ms); "
-                f"collectives per rank: {kinds}; "
-                f"{len(self.non_default_order_params())}/{len(self.param_layouts)} parameters in non-default device order")
+        kinds = (
+            ", ".join(
+                f"{k} x{self.count_by_collective[k]} ({self.bytes_by_collective[k] / 1e6:.2f} MB)"
+                for k in sorted(self.count_by_collective)
+            )
+            or "none"
+        )
+        return (
+            f"mesh {self.mesh_shape}: modeled step {self.step_time_s * 1e3:.3f} ms "
+            f"(compute {self.compute_s * 1e3:.3f} ms, optimizer {self.optimizer_s * 1e3:.3f} ms, "
+            f"comm {self.comm_s * 1e3:.3f} ms); "
+            f"collectives per rank: {kinds}; "
+            f"{len(self.non_default_order_params())}/{len(self.param_layouts)} parameters in non-default device order"
+        )
 
 
 def decode(sp: ShardingProblem, solution: solver.Solution, planner: Planner) -> Plan:

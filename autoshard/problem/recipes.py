@@ -57,5 +57,9 @@ def recipe_layouts(model: nn.Module, name: str) -> dict[str, Layout]:
 
 def param_bytes_per_rank(model: nn.Module, layouts: dict[str, Layout], mesh_shape: Sequence[int]) -> float:
     """Parameter bytes each rank holds when every parameter is in its given layout."""
-    return float(sum(math.prod(layouts[fqn].local_shape(tuple(p.shape), mesh_shape)) * p.element_size()
-                     for fqn, p in model.named_parameters()))
+    return float(
+        sum(
+            math.prod(layouts[fqn].local_shape(tuple(p.shape), mesh_shape)) * p.element_size()
+            for fqn, p in model.named_parameters()
+        )
+    )

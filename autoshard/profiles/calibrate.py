@@ -57,8 +57,15 @@ class CalibrationSettings:
     min_seconds: float = 0.2  # a device timing repeats until this much time (and `repeats` calls)
 
     def __post_init__(self) -> None:
-        if (not self.sizes or min(self.sizes) < 1 or self.warmup < 0 or self.repeats < 1 or self.big_repeats < 1
-                or self.between_calls < 1 or self.between_rounds < 1):
+        if (
+            not self.sizes
+            or min(self.sizes) < 1
+            or self.warmup < 0
+            or self.repeats < 1
+            or self.big_repeats < 1
+            or self.between_calls < 1
+            or self.between_rounds < 1
+        ):
             raise ValueError(f"bad calibration settings: {self}")
         unknown = set(self.kinds) - set(KINDS) | set(self.dtypes) - set(DTYPES)
         if unknown:
@@ -95,8 +102,11 @@ def _group(mesh: Any, dims: tuple[int, ...]) -> Any:
 
 def _mesh_device(mesh: Any) -> torch.device:
     """The device this rank's part of `mesh` lives on."""
-    return torch.device(mesh.device_type, torch.cuda.current_device()) if mesh.device_type == "cuda" \
+    return (
+        torch.device(mesh.device_type, torch.cuda.current_device())
+        if mesh.device_type == "cuda"
         else torch.device(mesh.device_type)
+    )
 
 
 def _buffer(nbytes: int, group_size: int, device: torch.device) -> torch.Tensor:
@@ -104,8 +114,9 @@ def _buffer(nbytes: int, group_size: int, device: torch.device) -> torch.Tensor:
     return torch.ones(max(group_size, nbytes // 4 // group_size * group_size), dtype=torch.float32, device=device)
 
 
-def time_collectives(mesh: Any, settings: CalibrationSettings,
-                     progress: Callable[[str], None] = lambda line: None) -> list[dict]:
+def time_collectives(
+    mesh: Any, settings: CalibrationSettings, progress: Callable[[str], None] = lambda line: None
+) -> list[dict]:
     """Every rank calls this at once. Returns one row per (kind, group, size) — kind, mesh_dims,
     group_size, in_bytes, seconds (median over calls, then over ranks) — on every rank."""
     device = _mesh_device(mesh)
@@ -138,18 +149,28 @@ def time_collectives(mesh: Any, settings: CalibrationSettings,
                     t0 = t1
                 mine.append(statistics.median(times))
                 keys.append((kind, dims, n, x.numel() * 4))
-        progress(f"collectives on mesh dims {list(dims)} ({n} ranks): {', '.join(settings.kinds)} x "
-                 f"{len(settings.sizes)} sizes {_size(settings.sizes[0])}..{_size(settings.sizes[-1])} in "
-                 f"{time.perf_counter() - start:.1f} s")
+        progress(
+            f"collectives on mesh dims {list(dims)} ({n} ranks): {', '.join(settings.kinds)} x "
+            f"{len(settings.sizes)} sizes {_size(settings.sizes[0])}..{_size(settings.sizes[-1])} in "
+            f"{time.perf_counter() - start:.1f} s"
+        )
     everyone: list[list[float] | None] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
-    return [{"kind": kind, "mesh_dims": list(dims), "group_size": n, "in_bytes": nbytes,
-             "seconds": statistics.median(rank[i] for rank in everyone)}
-            for i, (kind, dims, n, nbytes) in enumerate(keys)]
+    return [
+        {
+            "kind": kind,
+            "mesh_dims": list(dims),
+            "group_size": n,
+            "in_bytes": nbytes,
+            "seconds": statistics.median(rank[i] for rank in everyone),
+        }
+        for i, (kind, dims, n, nbytes) in enumerate(keys)
+    ]
 
 
-def time_collectives_between_compute(mesh: Any, settings: CalibrationSettings,
-                                     progress: Callable[[str], None] = lambda line: None) -> list[dict]:
+def time_collectives_between_compute(
+    mesh: Any, settings: CalibrationSettings, progress: Callable[[str], None] = lambda line: None
+) -> list[dict]:
     """Every rank calls this at once. A step issues its collectives between ops, not back to back
     as `time_collectives` times them: each one has to meet its peers again after computing, and
     where ranks share cores a peer may be descheduled then. Per planner group, windows of a few
@@ -196,12 +217,21 @@ def time_collectives_between_compute(mesh: Any, settings: CalibrationSettings,
         keys.append((dims, size, x.numel() * 4))
     everyone: list[list[tuple[float, float]] | None] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
-    progress(f"collectives between compute: the smallest all_reduce after {n}x{n} matmuls on "
-             f"{len(keys)} group(s) in {time.perf_counter() - start:.1f} s")
-    return [{"kind": "all_reduce", "mesh_dims": list(dims), "group_size": size, "in_bytes": nbytes,
-             "work_s": statistics.median(rank[i][0] for rank in everyone),
-             "both_s": statistics.median(rank[i][1] for rank in everyone)}
-            for i, (dims, size, nbytes) in enumerate(keys)]
+    progress(
+        f"collectives between compute: the smallest all_reduce after {n}x{n} matmuls on "
+        f"{len(keys)} group(s) in {time.perf_counter() - start:.1f} s"
+    )
+    return [
+        {
+            "kind": "all_reduce",
+            "mesh_dims": list(dims),
+            "group_size": size,
+            "in_bytes": nbytes,
+            "work_s": statistics.median(rank[i][0] for rank in everyone),
+            "both_s": statistics.median(rank[i][1] for rank in everyone),
+        }
+        for i, (dims, size, nbytes) in enumerate(keys)
+    ]
 
 
 def _timed(fn: Callable[[], Any], device: torch.device, settings: CalibrationSettings) -> float:
@@ -220,8 +250,9 @@ def _timed(fn: Callable[[], Any], device: torch.device, settings: CalibrationSet
     return (time.perf_counter() - t0) / calls
 
 
-def time_step_parts(device: torch.device, settings: CalibrationSettings,
-                    progress: Callable[[str], None] = lambda line: None) -> dict[str, list[dict]]:
+def time_step_parts(
+    device: torch.device, settings: CalibrationSettings, progress: Callable[[str], None] = lambda line: None
+) -> dict[str, list[dict]]:
     """What a training step pays besides its ops' work, on this rank: {"dispatch": [{ops,
     seconds}]}, chains of that many tiny ops called as the lowered program calls them
     (`torch.ops.aten` from Python: the slope is the per-op overhead), and {"optimizer":
@@ -235,6 +266,7 @@ def time_step_parts(device: torch.device, settings: CalibrationSettings,
         def run() -> None:
             for _ in range(n):
                 add(a, b)
+
         return run
 
     dispatch = [{"ops": float(n), "seconds": _timed(chain(n), device, settings)} for n in settings.op_chains]
@@ -244,15 +276,19 @@ def time_step_parts(device: torch.device, settings: CalibrationSettings,
         for p in params:
             p.grad = torch.ones_like(p)
         optim = torch.optim.AdamW(params, lr=1e-3, fused=True)
-        optimizer.append({"elements": float(sum(p.numel() for p in params)), "seconds": _timed(optim.step, device,
-                                                                                                settings)})
-    progress(f"device {device.type}: op dispatch, fused AdamW over {settings.optimizer_sizes[0]:,}.."
-             f"{settings.optimizer_sizes[-1]:,} elements in {time.perf_counter() - start:.1f} s")
+        optimizer.append(
+            {"elements": float(sum(p.numel() for p in params)), "seconds": _timed(optim.step, device, settings)}
+        )
+    progress(
+        f"device {device.type}: op dispatch, fused AdamW over {settings.optimizer_sizes[0]:,}.."
+        f"{settings.optimizer_sizes[-1]:,} elements in {time.perf_counter() - start:.1f} s"
+    )
     return {"dispatch": dispatch, "optimizer": optimizer}
 
 
-def time_device(device: torch.device, settings: CalibrationSettings,
-                progress: Callable[[str], None] = lambda line: None) -> dict[str, dict[str, list[dict]]]:
+def time_device(
+    device: torch.device, settings: CalibrationSettings, progress: Callable[[str], None] = lambda line: None
+) -> dict[str, dict[str, list[dict]]]:
     """{dtype: {"matmul": [{flops, seconds}], "memory": [{bytes, seconds}]}} on this rank:
     n x n matmuls (2 n^3 flops) and an elementwise add (two operands read, one written: the bytes
     the roofline counts for a node are its inputs' plus its outputs')."""
@@ -265,18 +301,26 @@ def time_device(device: torch.device, settings: CalibrationSettings,
             a = torch.randn(n, n, device=device).to(dtype)
             b = torch.randn(n, n, device=device).to(dtype)
             c = torch.empty(n, n, device=device, dtype=dtype)
-            matmul.append({"n": n, "flops": 2.0 * n**3, "seconds": _timed(lambda: torch.mm(a, b, out=c), device, settings)})
+            matmul.append(
+                {"n": n, "flops": 2.0 * n**3, "seconds": _timed(lambda: torch.mm(a, b, out=c), device, settings)}
+            )
         memory = []
         for size in settings.memory_sizes:
             numel = max(1, size // dtype.itemsize)
             a, b = torch.ones(numel, device=device, dtype=dtype), torch.ones(numel, device=device, dtype=dtype)
             c = torch.empty_like(a)
-            memory.append({"bytes": 3.0 * numel * dtype.itemsize,
-                           "seconds": _timed(lambda: torch.add(a, b, out=c), device, settings)})
+            memory.append(
+                {
+                    "bytes": 3.0 * numel * dtype.itemsize,
+                    "seconds": _timed(lambda: torch.add(a, b, out=c), device, settings),
+                }
+            )
         out[name] = {"matmul": matmul, "memory": memory}
-        progress(f"device {device.type} {name}: matmul n={','.join(map(str, settings.matmul_sizes))}, elementwise "
-                 f"{_size(settings.memory_sizes[0])}..{_size(settings.memory_sizes[-1])} in "
-                 f"{time.perf_counter() - start:.1f} s")
+        progress(
+            f"device {device.type} {name}: matmul n={','.join(map(str, settings.matmul_sizes))}, elementwise "
+            f"{_size(settings.memory_sizes[0])}..{_size(settings.memory_sizes[-1])} in "
+            f"{time.perf_counter() - start:.1f} s"
+        )
     return out
 
 

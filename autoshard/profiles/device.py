@@ -55,11 +55,15 @@ class DeviceProfile:
 
     def __post_init__(self) -> None:
         if not (self.peak_flops > 0 and self.mem_bw > 0 and (self.peak_flops_fp32 or 1) > 0):
-            raise ValueError(f"peak_flops, peak_flops_fp32 and mem_bw must be positive, got {self.peak_flops}, "
-                             f"{self.peak_flops_fp32} and {self.mem_bw}")
+            raise ValueError(
+                f"peak_flops, peak_flops_fp32 and mem_bw must be positive, got {self.peak_flops}, "
+                f"{self.peak_flops_fp32} and {self.mem_bw}"
+            )
         if not self.op_overhead_s >= 0 or not (self.optimizer_rate is None or self.optimizer_rate > 0):
-            raise ValueError(f"op_overhead_s must be >= 0 and optimizer_rate positive, got {self.op_overhead_s} "
-                             f"and {self.optimizer_rate}")
+            raise ValueError(
+                f"op_overhead_s must be >= 0 and optimizer_rate positive, got {self.op_overhead_s} "
+                f"and {self.optimizer_rate}"
+            )
 
     @classmethod
     def preset(cls, name: str) -> DeviceProfile:

@@ -41,8 +41,9 @@ class ProfileFile:
             raise ValueError("a profile file needs a network or a device profile")
         if self.network is not None:
             if self.mesh_shape is None or len(self.mesh_shape) != self.network.mesh_ndim:
-                raise ValueError(f"network profile of {self.network.mesh_ndim} mesh dims needs its mesh shape, "
-                                 f"got {self.mesh_shape}")
+                raise ValueError(
+                    f"network profile of {self.network.mesh_ndim} mesh dims needs its mesh shape, got {self.mesh_shape}"
+                )
 
     def to_json(self) -> dict:
         data: dict[str, Any] = {"format": FORMAT, "version": VERSION}
@@ -50,24 +51,35 @@ class ProfileFile:
             data["mesh"] = list(self.mesh_shape)
         if self.network is not None:
             n = self.network
-            data["network"] = {"name": n.name, "alpha": list(n.alpha), "beta": list(n.beta), "launch_s": n.launch_s,
-                               "mem_bw": n.mem_bw,
-                               "groups": [{"mesh_dims": list(d), "alpha": a, "beta": b} for d, a, b in n.groups],
-                               "kinds": [{"kind": k, "mesh_dims": list(d), "alpha": a, "beta": b}
-                                         for k, d, a, b in n.kinds]}
+            data["network"] = {
+                "name": n.name,
+                "alpha": list(n.alpha),
+                "beta": list(n.beta),
+                "launch_s": n.launch_s,
+                "mem_bw": n.mem_bw,
+                "groups": [{"mesh_dims": list(d), "alpha": a, "beta": b} for d, a, b in n.groups],
+                "kinds": [{"kind": k, "mesh_dims": list(d), "alpha": a, "beta": b} for k, d, a, b in n.kinds],
+            }
         if self.device is not None:
             d = self.device
-            data["device"] = {"name": d.name, "peak_flops": d.peak_flops, "peak_flops_fp32": d.peak_flops_fp32,
-                              "mem_bw": d.mem_bw, "memory_bytes": d.memory_bytes, "op_overhead_s": d.op_overhead_s,
-                              "optimizer_rate": d.optimizer_rate}
+            data["device"] = {
+                "name": d.name,
+                "peak_flops": d.peak_flops,
+                "peak_flops_fp32": d.peak_flops_fp32,
+                "mem_bw": d.mem_bw,
+                "memory_bytes": d.memory_bytes,
+                "op_overhead_s": d.op_overhead_s,
+                "optimizer_rate": d.optimizer_rate,
+            }
         return data | {"details": self.details}
 
     @classmethod
     def from_json(cls, data: Any) -> ProfileFile:
         """Parse; ValueError (without the file name: the caller adds it) on anything malformed."""
         if not isinstance(data, dict) or data.get("format") != FORMAT:
-            raise ValueError(f"not an autoshard profile (no \"format\": \"{FORMAT}\"; write one with "
-                             "`python -m autoshard calibrate`)")
+            raise ValueError(
+                f'not an autoshard profile (no "format": "{FORMAT}"; write one with `python -m autoshard calibrate`)'
+            )
         if data.get("version") != VERSION:
             raise ValueError(f"profile format version {data.get('version')!r}, this autoshard reads {VERSION}")
         try:
@@ -75,23 +87,31 @@ class ProfileFile:
             network = device = None
             if data.get("network") is not None:
                 n = data["network"]
-                network = NetworkProfile(tuple(n["alpha"]), tuple(n["beta"]), float(n["launch_s"]), float(n["mem_bw"]),
-                                         str(n.get("name", "calibrated")),
-                                         groups=tuple((tuple(g["mesh_dims"]), g["alpha"], g["beta"])
-                                                      for g in n.get("groups", ())),
-                                         kinds=tuple((str(g["kind"]), tuple(g["mesh_dims"]), g["alpha"], g["beta"])
-                                                     for g in n.get("kinds", ())))
+                network = NetworkProfile(
+                    tuple(n["alpha"]),
+                    tuple(n["beta"]),
+                    float(n["launch_s"]),
+                    float(n["mem_bw"]),
+                    str(n.get("name", "calibrated")),
+                    groups=tuple((tuple(g["mesh_dims"]), g["alpha"], g["beta"]) for g in n.get("groups", ())),
+                    kinds=tuple(
+                        (str(g["kind"]), tuple(g["mesh_dims"]), g["alpha"], g["beta"]) for g in n.get("kinds", ())
+                    ),
+                )
             if data.get("device") is not None:
                 d = data["device"]
                 memory = d.get("memory_bytes")
                 fp32 = d.get("peak_flops_fp32")
                 rate = d.get("optimizer_rate")  # a file from before these fields: no overhead, mem_bw's rate
-                device = DeviceProfile(peak_flops=float(d["peak_flops"]), mem_bw=float(d["mem_bw"]),
-                                       name=str(d.get("name", "calibrated")),
-                                       memory_bytes=None if memory is None else float(memory),
-                                       peak_flops_fp32=None if fp32 is None else float(fp32),
-                                       op_overhead_s=float(d.get("op_overhead_s") or 0.0),
-                                       optimizer_rate=None if rate is None else float(rate))
+                device = DeviceProfile(
+                    peak_flops=float(d["peak_flops"]),
+                    mem_bw=float(d["mem_bw"]),
+                    name=str(d.get("name", "calibrated")),
+                    memory_bytes=None if memory is None else float(memory),
+                    peak_flops_fp32=None if fp32 is None else float(fp32),
+                    op_overhead_s=float(d.get("op_overhead_s") or 0.0),
+                    optimizer_rate=None if rate is None else float(rate),
+                )
             return cls(network, device, mesh, dict(data.get("details") or {}))
         except (KeyError, TypeError, AttributeError) as err:
             raise ValueError(f"malformed profile ({type(err).__name__}: {err})") from None
@@ -136,8 +156,9 @@ def _preset_or_file(preset, spec: str):
         raise ValueError(f"{err}, or the path of a profile file written by `python -m autoshard calibrate`") from None
 
 
-def network_profile(spec: NetworkProfile | str, mesh_shape: tuple[int, ...],
-                    intra_node_dims: Sequence[int] | None = None) -> NetworkProfile:
+def network_profile(
+    spec: NetworkProfile | str, mesh_shape: tuple[int, ...], intra_node_dims: Sequence[int] | None = None
+) -> NetworkProfile:
     """A NetworkProfile from a profile, a preset name (`intra_node_dims` on the intra-node link;
     default the last dim), or a profile file measured on this mesh shape."""
     if isinstance(spec, NetworkProfile):
@@ -149,8 +170,10 @@ def network_profile(spec: NetworkProfile | str, mesh_shape: tuple[int, ...],
     if data.network is None:
         raise ValueError(f"profile file {spec}: has no network profile (calibrate under torchrun with --mesh)")
     if tuple(mesh_shape) != data.mesh_shape:
-        raise ValueError(f"profile file {spec}: measured on mesh {_mesh(data.mesh_shape)}, planning for mesh "
-                         f"{_mesh(mesh_shape)}; calibrate on this mesh shape")
+        raise ValueError(
+            f"profile file {spec}: measured on mesh {_mesh(data.mesh_shape)}, planning for mesh "
+            f"{_mesh(mesh_shape)}; calibrate on this mesh shape"
+        )
     return data.network
 
 

@@ -43,8 +43,11 @@ class NetworkProfile:
     def __post_init__(self) -> None:
         object.__setattr__(self, "alpha", tuple(float(a) for a in self.alpha))
         object.__setattr__(self, "beta", tuple(float(b) for b in self.beta))
-        object.__setattr__(self, "groups", tuple(sorted(
-            (tuple(sorted(int(m) for m in dims)), float(a), float(b)) for dims, a, b in self.groups)))
+        object.__setattr__(
+            self,
+            "groups",
+            tuple(sorted((tuple(sorted(int(m) for m in dims)), float(a), float(b)) for dims, a, b in self.groups)),
+        )
         if len(self.alpha) != len(self.beta) or not self.alpha:
             raise ValueError(f"alpha and beta need one entry per mesh dim, got {self.alpha} and {self.beta}")
         if min(self.alpha) < 0 or min(self.beta) <= 0 or self.launch_s < 0 or self.mem_bw <= 0:
@@ -54,8 +57,15 @@ class NetworkProfile:
                 raise ValueError(f"a group override needs 2+ distinct mesh dims of {len(self.alpha)}, got {dims}")
             if a < 0 or b <= 0:
                 raise ValueError(f"group {dims}: latency must be >= 0 and bandwidth > 0, got {a} and {b}")
-        object.__setattr__(self, "kinds", tuple(sorted(
-            (str(k), tuple(sorted(int(m) for m in dims)), float(a), float(b)) for k, dims, a, b in self.kinds)))
+        object.__setattr__(
+            self,
+            "kinds",
+            tuple(
+                sorted(
+                    (str(k), tuple(sorted(int(m) for m in dims)), float(a), float(b)) for k, dims, a, b in self.kinds
+                )
+            ),
+        )
         for kind, dims, a, b in self.kinds:
             if not dims or len(set(dims)) != len(dims) or not all(0 <= m < len(self.alpha) for m in dims):
                 raise ValueError(f"{kind} override: needs distinct mesh dims of {len(self.alpha)}, got {dims}")
@@ -84,8 +94,9 @@ class NetworkProfile:
     def restricted_to(self, mesh_dim: int) -> NetworkProfile:
         """This profile for a 1D mesh made of `mesh_dim` alone (its links, measured kinds included)."""
         kinds = tuple((k, (0,), a, b) for k, dims, a, b in self.kinds if dims == (mesh_dim,))
-        return NetworkProfile((self.alpha[mesh_dim],), (self.beta[mesh_dim],), self.launch_s, self.mem_bw, self.name,
-                              kinds=kinds)
+        return NetworkProfile(
+            (self.alpha[mesh_dim],), (self.beta[mesh_dim],), self.launch_s, self.mem_bw, self.name, kinds=kinds
+        )
 
     @property
     def mesh_ndim(self) -> int:
@@ -103,7 +114,10 @@ class NetworkProfile:
         inside = set(intra_node_dims) if intra_node_dims else {mesh_ndim - 1}
         dims = [inner if m in inside else outer for m in range(mesh_ndim)]
         alpha, beta = tuple(a for a, _ in dims), tuple(b for _, b in dims)
-        kinds = tuple((kind, group, max(alpha[m] for m in group), min(beta[m] for m in group) * share)
-                      for k in range(1, mesh_ndim + 1) for group in combinations(range(mesh_ndim), k)
-                      for kind, share in kind_share.items())
+        kinds = tuple(
+            (kind, group, max(alpha[m] for m in group), min(beta[m] for m in group) * share)
+            for k in range(1, mesh_ndim + 1)
+            for group in combinations(range(mesh_ndim), k)
+            for kind, share in kind_share.items()
+        )
         return cls(alpha, beta, launch_s, mem_bw, name, kinds=kinds)

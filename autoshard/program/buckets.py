@@ -24,8 +24,9 @@ from autoshard.program.modules import AWAIT, LOCAL_SHAPE, Bucket, Redistribute
 DEFAULT_BUCKET_BYTES = 25 * 2**20  # DDP's bucket_cap_mb
 
 
-def bucket(plan: Plan, joint: fx.Graph, modules: dict[str, nn.Module], mesh: Any,
-           cap_bytes: float = DEFAULT_BUCKET_BYTES) -> None:
+def bucket(
+    plan: Plan, joint: fx.Graph, modules: dict[str, nn.Module], mesh: Any, cap_bytes: float = DEFAULT_BUCKET_BYTES
+) -> None:
     """Group parameter all-gathers (plans starting with one, reading a parameter or its mixed
     precision cast) and gradient reduce-scatters (plans starting with one, on an edge where the
     plan reduces a gradient) by (block, mesh dims, dtype), and gradient all-reduces by (mesh dims,
@@ -35,8 +36,9 @@ def bucket(plan: Plan, joint: fx.Graph, modules: dict[str, nn.Module], mesh: Any
     graph = plan.graph
     output = next(iter(reversed(joint.nodes)))
     grad_of = dict(zip(output.args[0][1:], graph.params))  # gradient redistribution -> FQN
-    param_of = {node: fqn for fqn, param in graph.params.items()
-                for node in [param, *(u for u in param.users if is_cast(u))]}
+    param_of = {
+        node: fqn for fqn, param in graph.params.items() for node in [param, *(u for u in param.users if is_cast(u))]
+    }
     tail_of = {node.name: fqn for fqn, grad in graph.grads.items() for node in gradient_tail(grad)}
     groups: dict[tuple, list[fx.Node]] = {}
     grad_kind: set[fx.Node] = set()  # gradient reductions (the rest are parameter gathers)
@@ -70,8 +72,15 @@ def bucket(plan: Plan, joint: fx.Graph, modules: dict[str, nn.Module], mesh: Any
             _make_bucket(joint, modules, mesh, order, output, sorted(chunk, key=order.__getitem__), gradients=True)
 
 
-def _make_bucket(joint: fx.Graph, modules: dict[str, nn.Module], mesh: Any, order: _Positions, output: fx.Node,
-                 members: list[fx.Node], gradients: bool) -> None:
+def _make_bucket(
+    joint: fx.Graph,
+    modules: dict[str, nn.Module],
+    mesh: Any,
+    order: _Positions,
+    output: fx.Node,
+    members: list[fx.Node],
+    gradients: bool,
+) -> None:
     """2+ redistributions (in program order) replaced by one `Bucket` and a getitem per member,
     where `_bucket_site` finds room for it."""
     site = _bucket_site(order, members, output, gradients) if len(members) > 1 else None
@@ -116,8 +125,13 @@ def _reductions_upstream(reductions: set[fx.Node], order: _Positions) -> dict[fx
     return upstream
 
 
-def _ready_buckets(members: list[fx.Node], modules: dict[str, nn.Module], order: _Positions,
-                   upstream: dict[fx.Node, int], cap_bytes: float) -> list[list[fx.Node]]:
+def _ready_buckets(
+    members: list[fx.Node],
+    modules: dict[str, nn.Module],
+    order: _Positions,
+    upstream: dict[fx.Node, int],
+    cap_bytes: float,
+) -> list[list[fx.Node]]:
     """`members` (gradient reductions) in the order their gradients are computed, cut into
     consecutive buckets of at most `cap_bytes` of input each; a member computed from the result
     of one already in the bucket (a gradient reduced over one mesh dim, then over another)
@@ -235,8 +249,9 @@ def _numbered(graph: fx.Graph) -> dict[fx.Node, float]:
     return {n: float(i) for i, n in enumerate(graph.nodes)}
 
 
-def _launch_early(launch: fx.Node, after: fx.Node | None, pos: dict[fx.Node, float],
-                  modules: dict[str, nn.Module]) -> None:
+def _launch_early(
+    launch: fx.Node, after: fx.Node | None, pos: dict[fx.Node, float], modules: dict[str, nn.Module]
+) -> None:
     """Move `launch` up to just after `after` (None: as early as its inputs allow). Inputs computed
     later from parameters alone (mixed-precision casts, redistributions) move up with it; any
     other input holds it just after that input."""

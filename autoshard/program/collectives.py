@@ -34,12 +34,18 @@ from autoshard.pricing.ring import COLLECTIVE_KINDS
 def group_names(plan: RedistributePlan, mesh: Any) -> tuple[str | None, ...]:
     """The process group each step of `plan` runs on, by name (None for a local step): resolved
     once, where the plan is lowered, not per call (nor inside compiled code, which cannot)."""
-    return tuple(tc.group_name(_group(mesh, group_dims(step))) if step.kind in COLLECTIVE_KINDS else None
-                 for step in plan.steps)
+    return tuple(
+        tc.group_name(_group(mesh, group_dims(step))) if step.kind in COLLECTIVE_KINDS else None for step in plan.steps
+    )
 
 
-def execute(plan: RedistributePlan, local_tensor: torch.Tensor, mesh: Any,
-            dim_order: Sequence[int] | None = None, names: Sequence[str | None] | None = None) -> torch.Tensor:
+def execute(
+    plan: RedistributePlan,
+    local_tensor: torch.Tensor,
+    mesh: Any,
+    dim_order: Sequence[int] | None = None,
+    names: Sequence[str | None] | None = None,
+) -> torch.Tensor:
     """Apply `plan` to this rank's shard of a tensor in layout `plan.src` on `mesh`
     (a DeviceMesh of the plan's mesh shape); return the shard in layout `plan.dst`, dense in
     `dim_order` (outermost dim first; None = row-major, i.e. contiguous). `names`: the steps'
@@ -74,9 +80,13 @@ class PendingBucket:
     names: list[Sequence[str | None]]  # per member, its steps' process groups (`group_names`)
 
 
-def launch_bucket(plans: Sequence[RedistributePlan], local_tensors: Sequence[torch.Tensor], mesh: Any,
-                  dim_orders: Sequence[Sequence[int] | None] | None = None,
-                  names: Sequence[Sequence[str | None]] | None = None) -> PendingBucket:
+def launch_bucket(
+    plans: Sequence[RedistributePlan],
+    local_tensors: Sequence[torch.Tensor],
+    mesh: Any,
+    dim_orders: Sequence[Sequence[int] | None] | None = None,
+    names: Sequence[Sequence[str | None]] | None = None,
+) -> PendingBucket:
     """Start the first steps of several plans (all all-gathers, all reduce-scatters or all
     all-reduces, over the same mesh dims) as ONE collective on the concatenated buffers: what FSDP
     and DDP call a bucket, one launch and one synchronisation instead of one per tensor. Returns
@@ -88,16 +98,21 @@ def launch_bucket(plans: Sequence[RedistributePlan], local_tensors: Sequence[tor
     n = _group_size(mesh, phys)
     names = list(names) if names is not None else [group_names(plan, mesh) for plan in plans]
     if kind == "reduce_scatter":
-        chunks = [_reindex(_split(x, f.tensor_dims[0], n), mesh.shape, f.mesh_dims, phys)
-                  for f, x in zip(firsts, local_tensors)]
+        chunks = [
+            _reindex(_split(x, f.tensor_dims[0], n), mesh.shape, f.mesh_dims, phys)
+            for f, x in zip(firsts, local_tensors)
+        ]
         parts = [tuple(c.shape[1:]) for c in chunks]
         flat = torch.cat([c.reshape(n, -1) for c in chunks], dim=1).reshape(-1)
         result = tc.reduce_scatter_single(flat, "sum", 0, _group(mesh, phys))
     else:
         parts = [tuple(x.shape) for x in local_tensors]
         flat = torch.cat([x.reshape(-1) for x in local_tensors])
-        result = (tc.all_gather_single(flat, 0, _group(mesh, phys)) if kind == "all_gather"
-                  else tc.all_reduce_owned(flat, "sum", names[0][0]))  # `flat` is ours: reduced in place
+        result = (
+            tc.all_gather_single(flat, 0, _group(mesh, phys))
+            if kind == "all_gather"
+            else tc.all_reduce_owned(flat, "sum", names[0][0])
+        )  # `flat` is ours: reduced in place
     orders = list(dim_orders) if dim_orders is not None else [None] * len(plans)
     return PendingBucket(list(plans), result, parts, mesh, orders, names)
 
@@ -113,10 +128,10 @@ def finish_bucket(pending: PendingBucket) -> list[torch.Tensor]:
     for step, shape in zip(firsts, pending.parts):
         size = math.prod(shape)
         if gathered is not None:
-            part = gathered[:, offset:offset + size].reshape([n, *shape])
+            part = gathered[:, offset : offset + size].reshape([n, *shape])
             outs.append(_merge(_reindex(part, mesh.shape, phys, step.mesh_dims), step.tensor_dims[0]))
         else:
-            part = out[offset:offset + size].reshape(shape)
+            part = out[offset : offset + size].reshape(shape)
             outs.append(part / n if _reduce_op(step) == "avg" else part)
         offset += size
     coord = mesh.get_coordinate()
@@ -166,8 +181,12 @@ def prepare_groups(plans: Sequence[RedistributePlan], mesh: Any) -> None:
     """Make every flattened process group the plans' steps will use, now and in one order, so that
     no step creates one mid-run: creating a group is a collective every rank must join at the same
     point, and a mesh cannot be flattened under fake tensors (a dry run)."""
-    needed = {group_dims(step) for plan in plans for step in plan.steps
-              if step.kind in COLLECTIVE_KINDS and len(step.mesh_dims) > 1}
+    needed = {
+        group_dims(step)
+        for plan in plans
+        for step in plan.steps
+        if step.kind in COLLECTIVE_KINDS and len(step.mesh_dims) > 1
+    }
     for dims in sorted(needed):
         _group(mesh, dims)
 

@@ -40,11 +40,21 @@ aten = torch.ops.aten
 
 # Ops whose argument at this index is the (global) output size: it becomes the local one.
 _SIZE_ARG = {
-    aten.view.default: 1, aten._unsafe_view.default: 1, aten.reshape.default: 1, aten.expand.default: 1,
-    aten.new_empty.default: 1, aten.new_zeros.default: 1, aten.new_ones.default: 1, aten.new_full.default: 1,
-    aten.full.default: 0, aten.zeros.default: 0, aten.ones.default: 0, aten.empty.memory_format: 0,
+    aten.view.default: 1,
+    aten._unsafe_view.default: 1,
+    aten.reshape.default: 1,
+    aten.expand.default: 1,
+    aten.new_empty.default: 1,
+    aten.new_zeros.default: 1,
+    aten.new_ones.default: 1,
+    aten.new_full.default: 1,
+    aten.full.default: 0,
+    aten.zeros.default: 0,
+    aten.ones.default: 0,
+    aten.empty.memory_format: 0,
     aten.empty_strided.default: 0,
-    aten.slice_backward.default: 1, aten.select_backward.default: 1,  # input_sizes (HF's rotate_half)
+    aten.slice_backward.default: 1,
+    aten.select_backward.default: 1,  # input_sizes (HF's rotate_half)
 }
 
 
@@ -90,8 +100,10 @@ def lower(plan: Plan, mesh: Any, prefetch: int = 1, bucket_bytes: float = DEFAUL
     if tuple(mesh.shape) != plan.mesh_shape:
         raise ValueError(f"the plan is for mesh {plan.mesh_shape}, got a mesh of shape {tuple(mesh.shape)}")
     if mesh.mesh_dim_names is None and any(len(st.mesh_dims) > 1 for r in plan.redistributions for st in r.plan.steps):
-        raise ValueError("the plan runs collectives over several mesh dims at once, which needs a DeviceMesh "
-                         "with mesh_dim_names (init_device_mesh(..., mesh_dim_names=('dp', 'tp')))")
+        raise ValueError(
+            "the plan runs collectives over several mesh dims at once, which needs a DeviceMesh "
+            "with mesh_dim_names (init_device_mesh(..., mesh_dim_names=('dp', 'tp')))"
+        )
     prepare_groups([r.plan for r in plan.redistributions], mesh)
     stream = RandomStream()
     joint, modules = _local_joint_graph(plan, mesh, stream)
@@ -99,8 +111,16 @@ def lower(plan: Plan, mesh: Any, prefetch: int = 1, bucket_bytes: float = DEFAUL
     forward, backward, comm = _split(plan, joint, modules, prefetch)
     graph = plan.graph
     inputs = [(tuple(n.meta["val"].shape), lay) for n, lay in zip(graph.inputs, plan.input_layouts)]
-    return Program(forward, backward, list(graph.params), list(graph.buffers), inputs, comm,
-                   model_step(plan, [forward, backward]), stream)
+    return Program(
+        forward,
+        backward,
+        list(graph.params),
+        list(graph.buffers),
+        inputs,
+        comm,
+        model_step(plan, [forward, backward]),
+        stream,
+    )
 
 
 # ---------------------------------------------------------------------------------- the local joint graph
@@ -138,12 +158,13 @@ def _local_joint_graph(plan: Plan, mesh: Any, stream: RandomStream) -> tuple[fx.
         else:
             strategy = plan.strategies[node.name]
             slot = itertools.count()
-            args, kwargs = fx.node.map_arg((node.args, node.kwargs),
-                                           lambda n: redistributed(env[n], node.name, next(slot)))
+            args, kwargs = fx.node.map_arg(
+                (node.args, node.kwargs), lambda n: redistributed(env[n], node.name, next(slot))
+            )
             shapes = _local_shapes(node, strategy.outputs, ms)
             if node.target in _SIZE_ARG:
                 i = _SIZE_ARG[node.target]
-                args = args[:i] + (list(shapes),) + args[i + 1:]
+                args = args[:i] + (list(shapes),) + args[i + 1 :]
             target = node.target
             if draws(node):  # drawn as DTensor would: the same on every rank holding its shard
                 target = SeededOp(target, stream, shard_key(node, strategy.outputs[0], coordinate), mesh.device_type)
@@ -161,8 +182,7 @@ def _local_joint_graph(plan: Plan, mesh: Any, stream: RandomStream) -> tuple[fx.
 def _local_shapes(node: fx.Node, layouts, mesh_shape) -> Any:
     val = node.meta.get("val")
     if isinstance(val, (tuple, list)):  # several outputs: a list, one entry per output
-        return [None if lay is None else lay.local_shape(tuple(v.shape), mesh_shape)
-                for v, lay in zip(val, layouts)]
+        return [None if lay is None else lay.local_shape(tuple(v.shape), mesh_shape) for v, lay in zip(val, layouts)]
     lay = layouts[0]
     return None if lay is None or not isinstance(val, torch.Tensor) else lay.local_shape(tuple(val.shape), mesh_shape)
 
@@ -188,8 +208,7 @@ def _split(plan: Plan, joint: fx.Graph, modules: dict[str, nn.Module], prefetch:
             stack.extend(n.all_input_nodes)
     # a forward bucket's items are picked in the forward, also those only the backward reads: the
     # backward then reads them handed over (or recomputed), never out of a recomputed bucket
-    needed |= {u for n in needed if n.op == "call_module" and isinstance(modules[n.target], Bucket)
-               for u in n.users}
+    needed |= {u for n in needed if n.op == "call_module" and isinstance(modules[n.target], Bucket) for u in n.users}
     forward_nodes = [n for n in joint.nodes if n in needed and n.op != "placeholder"]
     backward_nodes = [n for n in joint.nodes if n not in needed and n.op not in ("placeholder", "output")]
     recomputed = _recomputable(plan, forward_nodes, modules, loss)
@@ -226,8 +245,9 @@ def _split(plan: Plan, joint: fx.Graph, modules: dict[str, nn.Module], prefetch:
     return forward, backward, _comm_stats(forward, backward, modules)
 
 
-def _recomputable(plan: Plan, forward_nodes: list[fx.Node], modules: dict[str, nn.Module],
-                  loss: fx.Node) -> set[fx.Node]:
+def _recomputable(
+    plan: Plan, forward_nodes: list[fx.Node], modules: dict[str, nn.Module], loss: fx.Node
+) -> set[fx.Node]:
     """The forward nodes of this program that the plan recomputes (`plan.recomputed`, graph node
     names), with the redistributions into them (a bucket when any member's consumer is one)."""
     if not plan.recomputed:
@@ -249,8 +269,15 @@ def _recomputable(plan: Plan, forward_nodes: list[fx.Node], modules: dict[str, n
     return out
 
 
-def _backward_graph(saved: list[fx.Node], tangents: list[fx.Node], nodes: list[fx.Node], outputs: list[fx.Node],
-                    recomputed: set[fx.Node], modules: dict[str, nn.Module], names: frozenset[str]) -> fx.Graph:
+def _backward_graph(
+    saved: list[fx.Node],
+    tangents: list[fx.Node],
+    nodes: list[fx.Node],
+    outputs: list[fx.Node],
+    recomputed: set[fx.Node],
+    modules: dict[str, nn.Module],
+    names: frozenset[str],
+) -> fx.Graph:
     """The backward: `nodes` in order, except that recomputed forward values and backward nodes
     that do not depend on the tangent (the joint graph places those, e.g. `detach` of a saved
     value, at their forward position) are emitted, with what they need, just before their first
@@ -346,8 +373,9 @@ class CheckedRun(fx.Interpreter):
         if want is not None and _shapes(result, want) != want:
             src = n.meta.get("autoshard_source")
             what = f"{src.target} ({src.name})" if src is not None else n.name
-            raise RuntimeError(f"autoshard lowering bug: {what} produced local shape "
-                               f"{_shapes(result, want)}, the plan expects {want}")
+            raise RuntimeError(
+                f"autoshard lowering bug: {what} produced local shape {_shapes(result, want)}, the plan expects {want}"
+            )
         return result
 
 

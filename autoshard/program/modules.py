@@ -21,8 +21,9 @@ class Redistribute(nn.Module):
     out in memory in the dim order the traced value had (`dim_order`), so the traced consumer
     (a `view` above all) accepts it as it accepted the traced value."""
 
-    def __init__(self, plan: RedistributePlan, mesh: Any, producer: str, consumer: str,
-                 dim_order: tuple[int, ...] | None = None):
+    def __init__(
+        self, plan: RedistributePlan, mesh: Any, producer: str, consumer: str, dim_order: tuple[int, ...] | None = None
+    ):
         super().__init__()
         self.plan, self.mesh, self.producer, self.consumer = plan, mesh, producer, consumer
         self.dim_order = dim_order
@@ -38,8 +39,11 @@ class Redistribute(nn.Module):
     def collectives(self, first: int = 0) -> list[tuple[str, str, str, tuple[int, ...], float]]:
         """(producer, consumer, kind, mesh dims, bytes) of each collective it runs from step
         `first` on, in order."""
-        return [(self.producer, self.consumer, st.kind, st.mesh_dims, st.bytes)
-                for st in self.plan.steps[first:] if st.kind in COLLECTIVE_KINDS]
+        return [
+            (self.producer, self.consumer, st.kind, st.mesh_dims, st.bytes)
+            for st in self.plan.steps[first:]
+            if st.kind in COLLECTIVE_KINDS
+        ]
 
 
 class Bucket(nn.Module):
@@ -57,20 +61,31 @@ class Bucket(nn.Module):
         return self.members[0].plan.steps[0].kind
 
     def forward(self, *xs: torch.Tensor) -> PendingBucket:
-        return launch_bucket([m.plan for m in self.members], xs, self.mesh, [m.dim_order for m in self.members],
-                             [m.names for m in self.members])
+        return launch_bucket(
+            [m.plan for m in self.members],
+            xs,
+            self.mesh,
+            [m.dim_order for m in self.members],
+            [m.names for m in self.members],
+        )
 
     def extra_repr(self) -> str:
         first = self.members[0].plan.steps[0]
         return f"{first.kind}{list(first.mesh_dims)} of {len(self.members)}: " + ", ".join(
-            m.producer for m in self.members)
+            m.producer for m in self.members
+        )
 
     def collectives(self) -> list[tuple[str, str, str, tuple[int, ...], float]]:
         """The shared first step (one collective carrying every member; producers joined by ','),
         then each member's remaining collectives."""
         first = self.members[0].plan.steps[0]
-        shared = (",".join(m.producer for m in self.members), self.name, first.kind, first.mesh_dims,
-                  sum(m.plan.steps[0].bytes for m in self.members))
+        shared = (
+            ",".join(m.producer for m in self.members),
+            self.name,
+            first.kind,
+            first.mesh_dims,
+            sum(m.plan.steps[0].bytes for m in self.members),
+        )
         return [shared] + [c for m in self.members for c in m.collectives(first=1)]
 
 

@@ -72,8 +72,7 @@ class SeededOp:
         digest = hashlib.blake2b(f"{stream.seed}/{stream.step}/{self.key}".encode(), digest_size=8).digest()
         seed = int.from_bytes(digest, "little") >> 1  # a non-negative 63-bit seed
         cuda = self.device_type == "cuda"
-        with torch.random.fork_rng(devices=[torch.cuda.current_device()] if cuda else [],
-                                   device_type=self.device_type):
+        with torch.random.fork_rng(devices=[torch.cuda.current_device()] if cuda else [], device_type=self.device_type):
             if cuda:
                 torch.cuda.manual_seed(seed)
             torch.random.default_generator.manual_seed(seed)

@@ -26,15 +26,38 @@ from autoshard.runtime.dryrun import DryRunResult
 from autoshard.problem.memory import MemoryFit
 
 # Top-level keys `plan_report` produces; anything else came in through `extra`.
-OWN_KEYS = ("mesh_shape", "mesh_names", "precision", "recompute", "reshard", "memory_fit", "parameters", "inputs", "nodes", "sinks",
-            "totals", "memory", "timings", "compare", "explain")
+OWN_KEYS = (
+    "mesh_shape",
+    "mesh_names",
+    "precision",
+    "recompute",
+    "reshard",
+    "memory_fit",
+    "parameters",
+    "inputs",
+    "nodes",
+    "sinks",
+    "totals",
+    "memory",
+    "timings",
+    "compare",
+    "explain",
+)
 EXPLAIN_CHANGES = 10  # redistribution changes listed per alternative (the rest counted)
 
 
-def plan_report(plan: Plan, *, program: Program | None = None, dry_run: DryRunResult | None = None,
-                device: DeviceProfile | None = None, timings: dict[str, float] | None = None,
-                explanation: Explanation | None = None, memory_fit: MemoryFit | None = None,
-                mesh_names: Sequence[str] | None = None, extra: dict | None = None) -> dict:
+def plan_report(
+    plan: Plan,
+    *,
+    program: Program | None = None,
+    dry_run: DryRunResult | None = None,
+    device: DeviceProfile | None = None,
+    timings: dict[str, float] | None = None,
+    explanation: Explanation | None = None,
+    memory_fit: MemoryFit | None = None,
+    mesh_names: Sequence[str] | None = None,
+    extra: dict | None = None,
+) -> dict:
     """Everything the plan chose, as JSON-ready data: parameters, non-parameter inputs, every
     op with its strategy and incoming redistributions, sinks (loss, gradients), and totals; with
     the `program` lowered from it, also the collectives that program runs; with its `dry_run`,
@@ -51,10 +74,16 @@ def plan_report(plan: Plan, *, program: Program | None = None, dry_run: DryRunRe
     report: dict[str, Any] = {
         "mesh_shape": list(plan.mesh_shape),
         **({"mesh_names": list(mesh_names)} if mesh_names else {}),
-        "precision": {"param_dtype": dtype_name(precision.param_dtype),
-                      "reduce_dtype": dtype_name(precision.reduce_dtype or precision.param_dtype),
-                      "output_dtype": dtype_name(precision.output_dtype), "summary": precision.describe()},
-        "recompute": {"blocks": list(plan.recompute_blocks), "ops": len(plan.recomputed) if plan.recompute_blocks else 0},
+        "precision": {
+            "param_dtype": dtype_name(precision.param_dtype),
+            "reduce_dtype": dtype_name(precision.reduce_dtype or precision.param_dtype),
+            "output_dtype": dtype_name(precision.output_dtype),
+            "summary": precision.describe(),
+        },
+        "recompute": {
+            "blocks": list(plan.recompute_blocks),
+            "ops": len(plan.recomputed) if plan.recompute_blocks else 0,
+        },
         "reshard": {"blocks": list(plan.reshard_blocks), "ops": len(plan.recomputed) if plan.reshard_blocks else 0},
         "parameters": parameters,
         "inputs": _input_entries(plan),
@@ -83,8 +112,9 @@ def _parameter_entries(plan: Plan) -> list[dict]:
     out = []
     for fqn, node in plan.graph.params.items():
         layout = plan.param_layouts[fqn]
-        out.append({"fqn": fqn, **_tensor_entry(node, layout, plan.mesh_shape),
-                    "default_order": layout.is_default_order})
+        out.append(
+            {"fqn": fqn, **_tensor_entry(node, layout, plan.mesh_shape), "default_order": layout.is_default_order}
+        )
     return out
 
 
@@ -103,8 +133,14 @@ def _input_entries(plan: Plan) -> list[dict]:
             kind, what = "buffer", buffer_fqn[node]
         else:
             kind, what = "tangent", "seed gradient of the loss"
-        out.append({"name": node.name, "kind": kind, "what": what,
-                    **_tensor_entry(node, plan.strategies[node.name].outputs[0], plan.mesh_shape)})
+        out.append(
+            {
+                "name": node.name,
+                "kind": kind,
+                "what": what,
+                **_tensor_entry(node, plan.strategies[node.name].outputs[0], plan.mesh_shape),
+            }
+        )
     return out
 
 
@@ -113,27 +149,33 @@ class _Texts(dict):
     hundred of them across ~60,000 entries."""
 
     def __missing__(self, key: Any) -> str:
-        value = self[key] = (" ".join(f"{s.kind}[{','.join(map(str, s.mesh_dims))}]" for s in key)
-                             if isinstance(key, tuple) else str(key))
+        value = self[key] = (
+            " ".join(f"{s.kind}[{','.join(map(str, s.mesh_dims))}]" for s in key)
+            if isinstance(key, tuple)
+            else str(key)
+        )
         return value
 
 
-def _node_entries(plan: Plan, dtypes: dict[str, str | None], by_consumer: dict[str, list[dict]],
-                  text: _Texts) -> list[dict]:
+def _node_entries(
+    plan: Plan, dtypes: dict[str, str | None], by_consumer: dict[str, list[dict]], text: _Texts
+) -> list[dict]:
     out = []
     for node in plan.graph.nodes:
         if node.op != "call_function" or node.name not in plan.strategies:
             continue  # getitem has no strategy: it aliases its parent's output
-        out.append({
-            "name": node.name,
-            "op": str(node.target),
-            "module": plan.module_paths.get(node.name, ""),
-            "phase": "backward" if plan.graph.is_backward(node) else "forward",
-            "dtype": dtypes[node.name],
-            "strategy": text[plan.strategies[node.name]],
-            "compute_s": plan.node_compute_s[node.name],
-            "redistributions": by_consumer.get(node.name, []),
-        })
+        out.append(
+            {
+                "name": node.name,
+                "op": str(node.target),
+                "module": plan.module_paths.get(node.name, ""),
+                "phase": "backward" if plan.graph.is_backward(node) else "forward",
+                "dtype": dtypes[node.name],
+                "strategy": text[plan.strategies[node.name]],
+                "compute_s": plan.node_compute_s[node.name],
+                "redistributions": by_consumer.get(node.name, []),
+            }
+        )
     return out
 
 
@@ -161,9 +203,16 @@ def _totals(plan: Plan, parameters: list[dict]) -> dict:
 
 
 def _memory_fit_entry(fit: MemoryFit) -> dict:
-    return {"limit_bytes": fit.limit, "modeled_bytes": fit.modeled_bytes, "peak_bytes": fit.peak_bytes,
-            "constrained": fit.constrained, "recompute": fit.recompute, "reshard": fit.reshard,
-            "tried": [{"mode": mode, "peak_bytes": peak} for mode, peak in fit.tried], "summary": fit.summary()}
+    return {
+        "limit_bytes": fit.limit,
+        "modeled_bytes": fit.modeled_bytes,
+        "peak_bytes": fit.peak_bytes,
+        "constrained": fit.constrained,
+        "recompute": fit.recompute,
+        "reshard": fit.reshard,
+        "tried": [{"mode": mode, "peak_bytes": peak} for mode, peak in fit.tried],
+        "summary": fit.summary(),
+    }
 
 
 def memory_entry(result: DryRunResult, device: DeviceProfile | None) -> dict:
@@ -197,11 +246,16 @@ def explain_entry(ex: Explanation, max_changes: int = EXPLAIN_CHANGES) -> dict:
     """An Explanation as report data; each alternative lists its `max_changes` largest
     redistribution changes (before -> after on one edge, `count` edges alike: one per block copy)
     and counts the edges changed in all (`changes_total`)."""
+
     def plan_entry(p: RedistributePlan | None) -> dict | None:
         if p is None:
             return None
-        return {"src": str(p.src), "dst": str(p.dst), "steps": [f"{s.kind}[{','.join(map(str, s.mesh_dims))}]"
-                                                               for s in p.steps], "cost_s": p.cost_s}
+        return {
+            "src": str(p.src),
+            "dst": str(p.dst),
+            "steps": [f"{s.kind}[{','.join(map(str, s.mesh_dims))}]" for s in p.steps],
+            "cost_s": p.cost_s,
+        }
 
     def grouped(changes) -> list[dict]:
         # the same change on every copy of a repeated block is one entry, with a count
@@ -212,23 +266,45 @@ def explain_entry(ex: Explanation, max_changes: int = EXPLAIN_CHANGES) -> dict:
             if key in groups:
                 groups[key]["count"] += 1
             else:
-                groups[key] = {"producer": c.producer, "consumer": c.consumer, "slot": c.slot, "count": 1,
-                               "param": ex.param_nodes.get(c.producer, ""), "delta_s": c.delta_s,
-                               "before": before, "after": after}
+                groups[key] = {
+                    "producer": c.producer,
+                    "consumer": c.consumer,
+                    "slot": c.slot,
+                    "count": 1,
+                    "param": ex.param_nodes.get(c.producer, ""),
+                    "delta_s": c.delta_s,
+                    "before": before,
+                    "after": after,
+                }
         return sorted(groups.values(), key=lambda g: -abs(g["delta_s"]) * g["count"])
 
     entry = {
-        "fqn": ex.fqn, "params": ex.params, "layout": str(ex.layout), "step_time_s": ex.step_time_s,
-        "tied": ex.tied, "candidates": ex.candidates, "solved": ex.solved,
-        "infeasible": [str(lay) for lay in ex.infeasible], "skipped": [str(lay) for lay in ex.skipped],
-        "method": ex.method, "seconds": ex.seconds,
-        "alternatives": [{
-            "layout": str(a.layout), "step_time_s": a.step_time_s, "delta_s": a.delta_s,
-            "compute_s": a.compute_s, "comm_s": a.comm_s, "status": a.status, "solve_s": a.solve_s,
-            "moved": {fqn: [str(b), str(c)] for fqn, (b, c) in a.moved.items()},
-            "changes_total": len(a.changes),
-            "changes": grouped(a.changes)[:max_changes],
-        } for a in ex.alternatives],
+        "fqn": ex.fqn,
+        "params": ex.params,
+        "layout": str(ex.layout),
+        "step_time_s": ex.step_time_s,
+        "tied": ex.tied,
+        "candidates": ex.candidates,
+        "solved": ex.solved,
+        "infeasible": [str(lay) for lay in ex.infeasible],
+        "skipped": [str(lay) for lay in ex.skipped],
+        "method": ex.method,
+        "seconds": ex.seconds,
+        "alternatives": [
+            {
+                "layout": str(a.layout),
+                "step_time_s": a.step_time_s,
+                "delta_s": a.delta_s,
+                "compute_s": a.compute_s,
+                "comm_s": a.comm_s,
+                "status": a.status,
+                "solve_s": a.solve_s,
+                "moved": {fqn: [str(b), str(c)] for fqn, (b, c) in a.moved.items()},
+                "changes_total": len(a.changes),
+                "changes": grouped(a.changes)[:max_changes],
+            }
+            for a in ex.alternatives
+        ],
     }
     return entry
 
@@ -237,8 +313,13 @@ def _tensor_entry(node: fx.Node, layout: Layout, mesh_shape: tuple[int, ...]) ->
     val = node.meta["val"]
     shape = tuple(val.shape)
     local = layout.local_shape(shape, mesh_shape)
-    return {"shape": list(shape), "dtype": dtype_name(val.dtype), "layout": str(layout),
-            "local_shape": list(local), "bytes_per_rank": math.prod(local) * val.dtype.itemsize}
+    return {
+        "shape": list(shape),
+        "dtype": dtype_name(val.dtype),
+        "layout": str(layout),
+        "local_shape": list(local),
+        "bytes_per_rank": math.prod(local) * val.dtype.itemsize,
+    }
 
 
 def _dtype(node: fx.Node) -> str | None:
@@ -266,5 +347,10 @@ def _redistribution_entry(r: Redistribution, dtype: str | None, text: _Texts) ->
 
 
 def _sink_entry(sink: Sink, by_consumer: dict) -> dict:
-    return {"name": sink.name, "kind": sink.kind, "fqn": sink.fqn, "layout": str(sink.layout),
-            "redistributions": by_consumer.get(sink.name, [])}
+    return {
+        "name": sink.name,
+        "kind": sink.kind,
+        "fqn": sink.fqn,
+        "layout": str(sink.layout),
+        "redistributions": by_consumer.get(sink.name, []),
+    }

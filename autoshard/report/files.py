@@ -27,8 +27,9 @@ def write_report(plan: Plan, out_dir: str | os.PathLike, **report_args: Any) -> 
     return write_report_files(plan_report(plan, **report_args), out_dir)
 
 
-def write_report_files(report: dict, out_dir: str | os.PathLike,
-                       metrics: list[dict] | None = None) -> tuple[Path, Path]:
+def write_report_files(
+    report: dict, out_dir: str | os.PathLike, metrics: list[dict] | None = None
+) -> tuple[Path, Path]:
     """`write_report` for a report dict already built (a caller that also prints it builds it once);
     also writes `report.html` beside them (`write_html`)."""
     out = Path(out_dir)

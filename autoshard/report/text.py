@@ -46,8 +46,10 @@ def _table(header: list[str], rows: list[list[str]], right: set[int] = frozenset
 
 def _redistribution_line(r: dict) -> str:
     path = " -> ".join(r["steps"]) or "(no steps)"
-    return (f"      <- {r['from']} [slot {r['slot']}] {r['src']} -> {r['dst']}: {path}"
-            f"  {human_time(r['cost_s'])}, {human_bytes(r['bytes'])} {r.get('dtype') or ''}").rstrip()
+    return (
+        f"      <- {r['from']} [slot {r['slot']}] {r['src']} -> {r['dst']}: {path}"
+        f"  {human_time(r['cost_s'])}, {human_bytes(r['bytes'])} {r.get('dtype') or ''}"
+    ).rstrip()
 
 
 _JSON_ONLY = {"solution"}  # machine-readable extras (the solver's choices) stay out of the log
@@ -59,9 +61,11 @@ def format_log(report: dict) -> str:
     roles = f" = {' x '.join(f'{name} {size}' for name, size in zip(names, shape))}" if names else ""
     out = [f"autoshard sharding log: mesh {shape}{roles}"]
     if names and "dp_replicate" in names and shape[names.index("dp_replicate")] > 1:
-        out.append(f"dp_replicate (mesh dim {names.index('dp_replicate')}): parameters replicated over it, the batch "
-                   "split; its placements planned first as data parallelism, then the other dims (the ILP's "
-                   "bound below holds with those placements fixed)")
+        out.append(
+            f"dp_replicate (mesh dim {names.index('dp_replicate')}): parameters replicated over it, the batch "
+            "split; its placements planned first as data parallelism, then the other dims (the ILP's "
+            "bound below holds with those placements fixed)"
+        )
     if "precision" in report:
         out.append(f"mixed precision: {report['precision']['summary']}")
     for key, value in report.items():  # run description etc. passed in as `extra`
@@ -90,16 +94,41 @@ def _parameter_lines(report: dict) -> list[str]:
     """The parameters and the other placeholders (inputs, buffers), one table each."""
     params = report["parameters"]
     out = ["", f"== parameters ({len(params)}) =="]
-    out += _table(["parameter (FQN)", "global shape", "dtype", "layout", "local shape", "bytes/rank"],
-                  [[p["fqn"], _shape(p["shape"]), p["dtype"], p["layout"], _shape(p["local_shape"]),
-                    human_bytes(p["bytes_per_rank"])] for p in params], right={5})
+    out += _table(
+        ["parameter (FQN)", "global shape", "dtype", "layout", "local shape", "bytes/rank"],
+        [
+            [
+                p["fqn"],
+                _shape(p["shape"]),
+                p["dtype"],
+                p["layout"],
+                _shape(p["local_shape"]),
+                human_bytes(p["bytes_per_rank"]),
+            ]
+            for p in params
+        ],
+        right={5},
+    )
 
     if report.get("inputs"):
         out += ["", f"== inputs and buffers ({len(report['inputs'])}) =="]
-        out += _table(["name", "kind", "what", "global shape", "dtype", "layout", "local shape", "bytes/rank"],
-                      [[i["name"], i["kind"], i["what"], _shape(i["shape"]), i["dtype"], i["layout"],
-                        _shape(i["local_shape"]), human_bytes(i["bytes_per_rank"])] for i in report["inputs"]],
-                      right={7})
+        out += _table(
+            ["name", "kind", "what", "global shape", "dtype", "layout", "local shape", "bytes/rank"],
+            [
+                [
+                    i["name"],
+                    i["kind"],
+                    i["what"],
+                    _shape(i["shape"]),
+                    i["dtype"],
+                    i["layout"],
+                    _shape(i["local_shape"]),
+                    human_bytes(i["bytes_per_rank"]),
+                ]
+                for i in report["inputs"]
+            ],
+            right={7},
+        )
     return out
 
 
@@ -107,8 +136,11 @@ def _node_lines(report: dict) -> list[str]:
     """Every op with its strategy, each followed by the redistributions of its inputs."""
     nodes = report["nodes"]
     n_redist = sum(len(n["redistributions"]) for n in nodes)
-    out = ["", f"== graph ({len(nodes)} ops, {n_redist} redistributions; '<-' = redistribution of an input, "
-                f"with its collective path and modeled cost) =="]
+    out = [
+        "",
+        f"== graph ({len(nodes)} ops, {n_redist} redistributions; '<-' = redistribution of an input, "
+        f"with its collective path and modeled cost) ==",
+    ]
     # Column widths capped so a few very long names (flash-attention backward) do not push every
     # line wide; those few cells just overflow.
     name_w = min(max((len(n["name"]) for n in nodes), default=0), 20)
@@ -117,8 +149,10 @@ def _node_lines(report: dict) -> list[str]:
     mod_w = min(max((len(n["module"] or "<step>") for n in nodes), default=0), 40)
     for n in nodes:
         phase = "bw" if n["phase"] == "backward" else "fw"
-        out.append(f"  {phase} {n['name']:<{name_w}}  {n['op']:<{op_w}}  {n.get('dtype') or '-':<{dtype_w}}  "
-                   f"{n['module'] or '<step>':<{mod_w}}  {n['strategy']}")
+        out.append(
+            f"  {phase} {n['name']:<{name_w}}  {n['op']:<{op_w}}  {n.get('dtype') or '-':<{dtype_w}}  "
+            f"{n['module'] or '<step>':<{mod_w}}  {n['strategy']}"
+        )
         out += [_redistribution_line(r) for r in n["redistributions"]]
     return out
 
@@ -126,8 +160,11 @@ def _node_lines(report: dict) -> list[str]:
 def _sink_lines(report: dict) -> list[str]:
     """The loss and gradients with the redistributions into their final layouts."""
     sinks = report["sinks"]
-    out = ["", f"== sinks: loss and gradients ({len(sinks)}, "
-                f"{sum(len(s['redistributions']) for s in sinks)} redistributions) =="]
+    out = [
+        "",
+        f"== sinks: loss and gradients ({len(sinks)}, "
+        f"{sum(len(s['redistributions']) for s in sinks)} redistributions) ==",
+    ]
     label_w = max((len(s["fqn"] or "loss") for s in sinks), default=0)
     for s in sinks:
         label = f"grad {s['fqn']:<{label_w}}" if s["kind"] == "grad" else f"loss {'':<{label_w}}"
@@ -140,27 +177,37 @@ def _totals_lines(report: dict) -> list[str]:
     """Modeled step, collectives per rank, parameters' device order and the ILP's figures."""
     t = report["totals"]
     out = ["", "== totals =="]
-    out.append(f"modeled step time per rank: {human_time(t['step_time_s'])} = compute {human_time(t['compute_s'])} "
-               f"+ optimizer {human_time(t.get('optimizer_s', 0.0))} + comm {human_time(t['comm_s'])} (no overlap)")
+    out.append(
+        f"modeled step time per rank: {human_time(t['step_time_s'])} = compute {human_time(t['compute_s'])} "
+        f"+ optimizer {human_time(t.get('optimizer_s', 0.0))} + comm {human_time(t['comm_s'])} (no overlap)"
+    )
     if "overlapped_step_s" in t:
-        out.append(f"as the program overlaps them (bucketed gathers and gradient reductions launched ahead, "
-                   f"compute and comm on two streams): {human_time(t['overlapped_step_s'])}, "
-                   f"{human_time(t['step_time_s'] - t['overlapped_step_s'])} of comm hidden")
+        out.append(
+            f"as the program overlaps them (bucketed gathers and gradient reductions launched ahead, "
+            f"compute and comm on two streams): {human_time(t['overlapped_step_s'])}, "
+            f"{human_time(t['step_time_s'] - t['overlapped_step_s'])} of comm hidden"
+        )
     kinds = sorted(set(t["count_by_collective"]) | set(t["bytes_by_collective"]))
     if kinds:
         out += ["collectives per rank:"]
-        rows = [[k, str(t["count_by_collective"].get(k, 0)), human_bytes(t["bytes_by_collective"].get(k, 0.0))]
-                for k in kinds]
+        rows = [
+            [k, str(t["count_by_collective"].get(k, 0)), human_bytes(t["bytes_by_collective"].get(k, 0.0))]
+            for k in kinds
+        ]
         rows.append(["total", str(sum(t["count_by_collective"].values())), human_bytes(t["comm_bytes"])])
         out += ["  " + line for line in _table(["kind", "count", "bytes"], rows, right={1, 2})]
         if "program_count_by_collective" in t:
-            out.append(f"as the program runs them (a block's parameter gathers / gradient scatters bucketed): "
-                       f"{_counts(t['program_count_by_collective'])}")
+            out.append(
+                f"as the program runs them (a block's parameter gathers / gradient scatters bucketed): "
+                f"{_counts(t['program_count_by_collective'])}"
+            )
     else:
         out.append("collectives per rank: none")
     out.append(f"redistributions: {t['redistributions']}")
-    out.append(f"parameters: {t['non_default_order_params']} / {t['params']} in non-default device order, "
-               f"{human_bytes(t['param_bytes_per_rank'])} per rank")
+    out.append(
+        f"parameters: {t['non_default_order_params']} / {t['params']} in non-default device order, "
+        f"{human_bytes(t['param_bytes_per_rank'])} per rank"
+    )
     out.append(_ilp_line(t["ilp"]))
     return out
 
@@ -172,6 +219,7 @@ def _signed_time(seconds: float) -> str:
 def explain_lines(ex: dict) -> list[str]:
     """The report's "explain" entry as text: the chosen layout, then each alternative with its
     step-time difference and the redistributions that change (before => after)."""
+
     def redist(r: dict | None) -> str:
         if r is None:
             return "none"
@@ -191,14 +239,18 @@ def explain_lines(ex: dict) -> list[str]:
     for i, a in enumerate(ex["alternatives"], 1):
         moved = f", {len(a['moved'])} other parameters change layout" if a["moved"] else ""
         status = "" if a["status"] == "optimal" else f" [{a['status']}]"
-        lines.append(f"  {i}. {a['layout']}: step {human_time(a['step_time_s'])} ({_signed_time(a['delta_s'])}; "
-                     f"compute {human_time(a['compute_s'])}, comm {human_time(a['comm_s'])}){status}; "
-                     f"{a['changes_total']} redistributions change{moved}")
+        lines.append(
+            f"  {i}. {a['layout']}: step {human_time(a['step_time_s'])} ({_signed_time(a['delta_s'])}; "
+            f"compute {human_time(a['compute_s'])}, comm {human_time(a['comm_s'])}){status}; "
+            f"{a['changes_total']} redistributions change{moved}"
+        )
         for c in a["changes"]:
             producer = f"{c['producer']} ({c['param']})" if c.get("param") else c["producer"]
             alike = f" (and {c['count'] - 1} edges alike)" if c["count"] > 1 else ""
-            lines.append(f"       {producer} -> {c['consumer']} [slot {c['slot']}]{alike} {_signed_time(c['delta_s'])}"
-                         f" each: {redist(c['before'])}  =>  {redist(c['after'])}")
+            lines.append(
+                f"       {producer} -> {c['consumer']} [slot {c['slot']}]{alike} {_signed_time(c['delta_s'])}"
+                f" each: {redist(c['before'])}  =>  {redist(c['after'])}"
+            )
         listed = sum(c["count"] for c in a["changes"])
         if a["changes_total"] > listed:
             lines.append(f"       ... and {a['changes_total'] - listed} more edges")
@@ -210,29 +262,39 @@ def _ilp_line(ilp: dict) -> str:
     if ilp.get("bound") is not None:  # plan.json files written before the bound was kept have none
         gap = (ilp["objective"] - ilp["bound"]) / ilp["objective"] if ilp["objective"] > 0 else 0.0
         bound = f"; proven lower bound {human_time(ilp['bound'])} (objective within {max(gap, 0.0):.3%})"
-    return (f"ILP: {ilp['variables']:,} variables, {ilp['constraints']:,} constraints "
-            f"({ilp['nodes']:,} nodes, {ilp['classes']:,} classes, {ilp['core']:,} core after presolve); "
-            f"{ilp['backend']} {ilp['status']} in {ilp['solve_s']:.2f} s{bound}")
+    return (
+        f"ILP: {ilp['variables']:,} variables, {ilp['constraints']:,} constraints "
+        f"({ilp['nodes']:,} nodes, {ilp['classes']:,} classes, {ilp['core']:,} core after presolve); "
+        f"{ilp['backend']} {ilp['status']} in {ilp['solve_s']:.2f} s{bound}"
+    )
 
 
 def summary_lines(report: dict) -> list[str]:
     """A compact console summary (at most 8 lines) of `plan_report`'s dict."""
     t = report["totals"]
     overlap = f", {human_time(t['overlapped_step_s'])} overlapped" if "overlapped_step_s" in t else ""
-    lines = [f"mesh {tuple(report['mesh_shape'])}: modeled step {human_time(t['step_time_s'])} per rank "
-             f"(compute {human_time(t['compute_s'])}, optimizer {human_time(t.get('optimizer_s', 0.0))}, "
-             f"comm {human_time(t['comm_s'])}{overlap})"]
+    lines = [
+        f"mesh {tuple(report['mesh_shape'])}: modeled step {human_time(t['step_time_s'])} per rank "
+        f"(compute {human_time(t['compute_s'])}, optimizer {human_time(t.get('optimizer_s', 0.0))}, "
+        f"comm {human_time(t['comm_s'])}{overlap})"
+    ]
     kinds = sorted(t["count_by_collective"])
-    comm = ", ".join(f"{k} {human_bytes(t['bytes_by_collective'].get(k, 0.0))} x{t['count_by_collective'][k]}"
-                     for k in kinds) or "none"
+    comm = (
+        ", ".join(
+            f"{k} {human_bytes(t['bytes_by_collective'].get(k, 0.0))} x{t['count_by_collective'][k]}" for k in kinds
+        )
+        or "none"
+    )
     if "program_count_by_collective" in t:
         comm += f"; run as {_counts(t['program_count_by_collective'])}"
     lines.append(f"comm per rank: {comm}")
     precision = report.get("precision")
     if precision and (precision["param_dtype"] != "param" or precision["reduce_dtype"] != "param"):
         lines.append(f"mixed precision: {precision['summary']}")
-    lines.append(f"parameters: {t['non_default_order_params']} / {t['params']} in non-default device order, "
-                 f"{human_bytes(t['param_bytes_per_rank'])} per rank")
+    lines.append(
+        f"parameters: {t['non_default_order_params']} / {t['params']} in non-default device order, "
+        f"{human_bytes(t['param_bytes_per_rank'])} per rank"
+    )
     lines.append(_ilp_line(t["ilp"]))
     if report.get("memory"):
         lines.append(memory_line(report["memory"]))
@@ -243,21 +305,37 @@ def summary_lines(report: dict) -> list[str]:
     return lines
 
 
-_MEMORY_COLUMNS = [("params", "params"), ("grads", "grads"), ("optimizer", "AdamW states"),
-                   ("activations", "saved activations"), ("gathered_params", "gathered params"),
-                   ("transient", "transient"), ("buffers", "buffers"), ("inputs", "inputs")]
+_MEMORY_COLUMNS = [
+    ("params", "params"),
+    ("grads", "grads"),
+    ("optimizer", "AdamW states"),
+    ("activations", "saved activations"),
+    ("gathered_params", "gathered params"),
+    ("transient", "transient"),
+    ("buffers", "buffers"),
+    ("inputs", "inputs"),
+]
 
 
 def _memory_lines(memory: dict) -> list[str]:
-    rows = [[str(r["rank"]), r["phase"], human_bytes(r["peak_bytes"]), *(human_bytes(r[k]) for k, _ in _MEMORY_COLUMNS)]
-            for r in memory["ranks"]]
-    lines = _table(["rank", "peak in", "peak", *(label for _, label in _MEMORY_COLUMNS)], rows,
-                   right=set(range(2, 3 + len(_MEMORY_COLUMNS))))
-    lines.append("(live at the peak; AdamW keeps two fp32 states per parameter element; saved activations "
-                 "are what the forward hands to the backward)")
+    rows = [
+        [str(r["rank"]), r["phase"], human_bytes(r["peak_bytes"]), *(human_bytes(r[k]) for k, _ in _MEMORY_COLUMNS)]
+        for r in memory["ranks"]
+    ]
+    lines = _table(
+        ["rank", "peak in", "peak", *(label for _, label in _MEMORY_COLUMNS)],
+        rows,
+        right=set(range(2, 3 + len(_MEMORY_COLUMNS))),
+    )
+    lines.append(
+        "(live at the peak; AdamW keeps two fp32 states per parameter element; saved activations "
+        "are what the forward hands to the backward)"
+    )
     for r in memory["ranks"]:
-        lines.append(f"rank {r['rank']}: forward peak {human_bytes(r['forward_peak_bytes'])}, backward peak "
-                     f"{human_bytes(r['backward_peak_bytes'])}, forward hands the backward {human_bytes(r['saved_bytes'])}")
+        lines.append(
+            f"rank {r['rank']}: forward peak {human_bytes(r['forward_peak_bytes'])}, backward peak "
+            f"{human_bytes(r['backward_peak_bytes'])}, forward hands the backward {human_bytes(r['saved_bytes'])}"
+        )
     lines.append(memory_line(memory))
     return lines
 
@@ -269,12 +347,16 @@ def _fit_lines(report: dict) -> list[str]:
         lines.append(report["memory_fit"]["summary"])
     blocks = (report.get("recompute") or {}).get("blocks")
     if blocks:
-        lines.append(f"activation checkpointing: the backward recomputes the forward of every block of "
-                     f"{', '.join(blocks)} ({report['recompute']['ops']} ops run twice)")
+        lines.append(
+            f"activation checkpointing: the backward recomputes the forward of every block of "
+            f"{', '.join(blocks)} ({report['recompute']['ops']} ops run twice)"
+        )
     resharded = (report.get("reshard") or {}).get("blocks")
     if resharded:
-        lines.append(f"reshard after forward: the backward gathers the parameters of every block of "
-                     f"{', '.join(resharded)} again ({report['reshard']['ops']} parameter casts and views run twice)")
+        lines.append(
+            f"reshard after forward: the backward gathers the parameters of every block of "
+            f"{', '.join(resharded)} again ({report['reshard']['ops']} parameter casts and views run twice)"
+        )
     return lines
 
 
@@ -297,9 +379,13 @@ def _counts(counts: dict[str, int]) -> str:
 def compare_lines(report: dict) -> list[str]:
     """This plan beside each plan under `report['compare']`, with the ratio ours / theirs."""
     t = report["totals"]
-    rows_of = [("step time", "step_time_s", human_time), ("compute", "compute_s", human_time),
-               ("comm", "comm_s", human_time), ("comm bytes", "comm_bytes", human_bytes),
-               ("param bytes/rank", "param_bytes_per_rank", human_bytes)]
+    rows_of = [
+        ("step time", "step_time_s", human_time),
+        ("compute", "compute_s", human_time),
+        ("comm", "comm_s", human_time),
+        ("comm bytes", "comm_bytes", human_bytes),
+        ("param bytes/rank", "param_bytes_per_rank", human_bytes),
+    ]
     lines = []
     for name, other in report.get("compare", {}).items():
         rows = []

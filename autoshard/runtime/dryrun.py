@@ -80,14 +80,32 @@ class MemoryEstimate:
 
     @property
     def peak_bytes(self) -> int:
-        return (self.params + self.buffers + self.inputs + self.optimizer + self.activations
-                + self.gathered_params + self.grads + self.transient)
+        return (
+            self.params
+            + self.buffers
+            + self.inputs
+            + self.optimizer
+            + self.activations
+            + self.gathered_params
+            + self.grads
+            + self.transient
+        )
 
     def summary(self) -> str:
         unit, scale = ("GiB", 2**30) if self.peak_bytes >= 2**30 else ("MiB", 2**20)
-        parts = ", ".join(f"{name} {getattr(self, name) / scale:.2f}"
-                          for name in ("params", "grads", "optimizer", "activations", "gathered_params",
-                                       "transient", "buffers", "inputs"))
+        parts = ", ".join(
+            f"{name} {getattr(self, name) / scale:.2f}"
+            for name in (
+                "params",
+                "grads",
+                "optimizer",
+                "activations",
+                "gathered_params",
+                "transient",
+                "buffers",
+                "inputs",
+            )
+        )
         return f"rank {self.rank}: peak {self.peak_bytes / scale:.2f} {unit} in the {self.phase} ({parts} {unit})"
 
 
@@ -116,8 +134,14 @@ def ranks_to_check(plan: Plan) -> list[int]:
     return [0]
 
 
-def dry_run(plan: Plan, ranks: Sequence[int] | None = None, *, mesh: Any = None,
-            mesh_dim_names: Sequence[str] | None = None, prefetch: int = 1) -> DryRunResult:
+def dry_run(
+    plan: Plan,
+    ranks: Sequence[int] | None = None,
+    *,
+    mesh: Any = None,
+    mesh_dim_names: Sequence[str] | None = None,
+    prefetch: int = 1,
+) -> DryRunResult:
     """Lower `plan` (with `prefetch`, as `parallelize` does) and run each of `ranks` (default
     `ranks_to_check`) on fake tensors under a fake process group. Inside an existing process group,
     runs this process's rank on `mesh` (default: a CPU mesh made here); that is collective, as
@@ -140,7 +164,7 @@ def dry_run(plan: Plan, ranks: Sequence[int] | None = None, *, mesh: Any = None,
         program = lower(plan, mesh, prefetch)
         result.ranks[mine], result.step = estimate(program, mine, plan.module_paths), program.step
     else:
-        for rank in (ranks_to_check(plan) if ranks is None else ranks):
+        for rank in ranks_to_check(plan) if ranks is None else ranks:
             if not 0 <= rank < world:
                 raise ValueError(f"rank {rank} is not on mesh {shape} ({world} ranks)")
             with tc.fake_process_group(world, rank):
@@ -163,8 +187,14 @@ def estimate(program: Program, rank: int = 0, module_paths: dict[str, str] | Non
         return account(program, args, tangent, rank=rank, module_paths=module_paths)
 
 
-def account(program: Program, forward_args: Sequence[torch.Tensor], tangent: torch.Tensor, *, rank: int = 0,
-            module_paths: dict[str, str] | None = None) -> MemoryEstimate:
+def account(
+    program: Program,
+    forward_args: Sequence[torch.Tensor],
+    tangent: torch.Tensor,
+    *,
+    rank: int = 0,
+    module_paths: dict[str, str] | None = None,
+) -> MemoryEstimate:
     """Run forward then backward on the given local tensors (fake or real) and account their live
     memory: the dry run's accounting, usable on real tensors to check it."""
     n_params, n_buffers = len(program.param_names), len(program.buffer_names)
@@ -194,9 +224,15 @@ def account(program: Program, forward_args: Sequence[torch.Tensor], tangent: tor
     at = live.at_peak
     del grads
     peak_phase = live.peak_phase
-    return MemoryEstimate(rank=rank, phase=peak_phase, **{k: at.get(k, 0) for k in CATEGORIES},
-                          optimizer=live.fixed, forward_peak_bytes=forward_peak, backward_peak_bytes=backward_peak,
-                          saved_bytes=saved_bytes)
+    return MemoryEstimate(
+        rank=rank,
+        phase=peak_phase,
+        **{k: at.get(k, 0) for k in CATEGORIES},
+        optimizer=live.fixed,
+        forward_peak_bytes=forward_peak,
+        backward_peak_bytes=backward_peak,
+        saved_bytes=saved_bytes,
+    )
 
 
 # ---------------------------------------------------------------------------------- running
@@ -222,8 +258,15 @@ class _Run(CheckedRun):
     """CheckedRun that files each value by what it is for (saved for the backward, a gathered
     parameter, a gradient) and turns any failure into a one-line DryRunError naming the node."""
 
-    def __init__(self, gm: fx.GraphModule, live: "_LiveBytes", rank: int, phase: str,
-                 module_paths: dict[str, str] | None, n_params: int = 0):
+    def __init__(
+        self,
+        gm: fx.GraphModule,
+        live: "_LiveBytes",
+        rank: int,
+        phase: str,
+        module_paths: dict[str, str] | None,
+        n_params: int = 0,
+    ):
         super().__init__(gm)
         self.live, self.rank, self.phase, self.paths = live, rank, phase, module_paths or {}
         live.phase = phase
@@ -238,8 +281,13 @@ class _Run(CheckedRun):
                 if n.op == "call_module" and isinstance(gm.get_submodule(n.target), Redistribute):
                     if n.args[0] in params:
                         self.from_param.add(n)
-                elif n.op == "call_function" and n.args and isinstance(n.args[0], fx.Node) \
-                        and n.args[0].op == "call_module" and isinstance(gm.get_submodule(n.args[0].target), AwaitBucket):
+                elif (
+                    n.op == "call_function"
+                    and n.args
+                    and isinstance(n.args[0], fx.Node)
+                    and n.args[0].op == "call_module"
+                    and isinstance(gm.get_submodule(n.args[0].target), AwaitBucket)
+                ):
                     launch = n.args[0].args[0]  # a bucket's item: the launch read the member's input
                     if launch.args[n.args[1]] in params:
                         self.from_param.add(n)
@@ -255,8 +303,11 @@ class _Run(CheckedRun):
         else:
             members = [module] if isinstance(module, Redistribute) else module.members
             plans, tensors = [(m.plan, m.dim_order) for m in members], args
-        key = (type(module), tuple((id(p), order) for p, order in plans),
-               tuple((tuple(a.shape), a.stride(), a.dtype) for a in tensors))
+        key = (
+            type(module),
+            tuple((id(p), order) for p, order in plans),
+            tuple((tuple(a.shape), a.stride(), a.dtype) for a in tensors),
+        )
         return self._replayed(key, lambda: super(_Run, self).call_module(target, args, kwargs), tensors)
 
     def call_function(self, target: Any, args: tuple, kwargs: dict) -> Any:
@@ -269,8 +320,9 @@ class _Run(CheckedRun):
         key = _op_key(target, args, kwargs, tensors)
         if key is None:
             return super().call_function(target, args, kwargs)
-        return self._replayed(key, lambda: super(_Run, self).call_function(target, args, kwargs), tensors,
-                              fake_only=True)
+        return self._replayed(
+            key, lambda: super(_Run, self).call_function(target, args, kwargs), tensors, fake_only=True
+        )
 
     def _replayed(self, key: tuple, run, tensors, fake_only: bool = False) -> Any:
         """The replay of `key`'s record on `tensors`; the first time, `run`'s result, recorded
@@ -316,8 +368,12 @@ _NO_REPLAY_TAGS = (torch.Tag.data_dependent_output, torch.Tag.dynamic_output_sha
 def _replayable(target: Any) -> bool:
     """Whether a call's outputs follow from its arguments' geometry: an aten-style op that is not a
     collective, does not mutate, and whose output shape does not depend on data."""
-    return tc.is_op_overload(target) and target.namespace not in _NO_REPLAY_NAMESPACES \
-        and not target._schema.is_mutable and not any(tag in target.tags for tag in _NO_REPLAY_TAGS)
+    return (
+        tc.is_op_overload(target)
+        and target.namespace not in _NO_REPLAY_NAMESPACES
+        and not target._schema.is_mutable
+        and not any(tag in target.tags for tag in _NO_REPLAY_TAGS)
+    )
 
 
 def _op_key(target: Any, args: tuple, kwargs: dict, tensors: list[torch.Tensor]) -> tuple | None:
@@ -396,19 +452,27 @@ class _Replay:
             outputs.append(("new", storages[id(st)], *meta, t.dtype, t.device))
         form = None if isinstance(result, torch.Tensor) or pending else type(result)
         fake = tc.fake_mode_of(outs[0]) if outs else None
-        return _Replay(store, outputs, form, max(0, excess - kept), pending and dataclasses.replace(pending, result=None),
-                       fake), result
+        return _Replay(
+            store, outputs, form, max(0, excess - kept), pending and dataclasses.replace(pending, result=None), fake
+        ), result
 
     def replay(self, live: "_LiveBytes", args) -> Any:
         if self.fake is not None:
-            outs = tc.make_fake_tensors(self.fake, self.storages, [
-                (i if kind == "new" else args[i].untyped_storage(), shape, stride, offset, dtype, device)
-                for kind, i, shape, stride, offset, dtype, device in self.outputs])
+            outs = tc.make_fake_tensors(
+                self.fake,
+                self.storages,
+                [
+                    (i if kind == "new" else args[i].untyped_storage(), shape, stride, offset, dtype, device)
+                    for kind, i, shape, stride, offset, dtype, device in self.outputs
+                ],
+            )
             live.add(outs, "transient")
         else:
             bufs = [torch.empty(n, dtype=dtype) for n, dtype in self.storages]
-            outs = [(bufs[i] if kind == "new" else args[i]).as_strided(shape, stride, offset)
-                    for kind, i, shape, stride, offset, _, _ in self.outputs]
+            outs = [
+                (bufs[i] if kind == "new" else args[i]).as_strided(shape, stride, offset)
+                for kind, i, shape, stride, offset, _, _ in self.outputs
+            ]
         live.update_peak(extra=self.excess)
         if self.pending is not None:
             return dataclasses.replace(self.pending, result=outs[0])

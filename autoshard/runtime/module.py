@@ -81,8 +81,9 @@ class ParallelModule(nn.Module):
     """Runs one training step's forward (returning the loss) on this rank's shards; `backward()`
     of the loss fills `.grad` of every DTensor parameter in its planned layout."""
 
-    def __init__(self, plan: Plan, mesh: Any, template: nn.Module, program: Program, *, compile: bool = False,
-                 seed: int = 0):
+    def __init__(
+        self, plan: Plan, mesh: Any, template: nn.Module, program: Program, *, compile: bool = False, seed: int = 0
+    ):
         super().__init__()
         if not isinstance(compile, bool):
             raise TypeError(f"compile must be True or False, got {compile!r}")
@@ -121,8 +122,9 @@ class ParallelModule(nn.Module):
 
     def _empty(self, fqn: str, like: torch.Tensor, layout: Layout, *, parameter: bool, persistent: bool = True) -> None:
         """Register an uninitialized DTensor in `layout` (values come from `load_full` / `init_weights`)."""
-        local = torch.empty(layout.local_shape(tuple(like.shape), self.plan.mesh_shape), dtype=like.dtype,
-                            device=self.mesh.device_type)
+        local = torch.empty(
+            layout.local_shape(tuple(like.shape), self.plan.mesh_shape), dtype=like.dtype, device=self.mesh.device_type
+        )
         value = tc.dtensor_from_local(local, self.mesh, layout.to_torch_placements(self.mesh), tuple(like.shape))
         owner, leaf = self._owner(fqn)
         self._owners[fqn] = (owner, leaf)
@@ -147,14 +149,18 @@ class ParallelModule(nn.Module):
             # a state dict leaves out non-persistent buffers (rotary tables): left empty, they are garbage
             missing = [n for n in self.program.buffer_names if n not in values]
             if missing:
-                raise KeyError(f"full values lack {len(missing)} buffers, e.g. {missing[:3]} (a state dict leaves "
-                               "out non-persistent ones: add dict(model.named_buffers()))")
+                raise KeyError(
+                    f"full values lack {len(missing)} buffers, e.g. {missing[:3]} (a state dict leaves "
+                    "out non-persistent ones: add dict(model.named_buffers()))"
+                )
         for fqn in names:
             if fqn not in values:
                 continue
             target, full = self._tensor(fqn), values[fqn]
             if tuple(full.shape) != tuple(target.shape):
-                raise ValueError(f"{fqn}: full value has shape {tuple(full.shape)}, the model has {tuple(target.shape)}")
+                raise ValueError(
+                    f"{fqn}: full value has shape {tuple(full.shape)}, the model has {tuple(target.shape)}"
+                )
             full = full.detach().to(device=self.mesh.device_type, dtype=target.dtype)
             shard = tc.distribute_local(full, self.mesh, target.placements)
             target.to_local().copy_(shard)
@@ -228,12 +234,22 @@ class ParallelModule(nn.Module):
             local = layout.local_shape(shape, self.plan.mesh_shape)
             if not isinstance(x, torch.Tensor) or tuple(x.shape) != local:
                 got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
-                raise ValueError(f"input {i}: expected a local shard of shape {local} (global {shape} in layout "
-                                 f"{layout} on mesh {self.plan.mesh_shape}), got {got}")
+                raise ValueError(
+                    f"input {i}: expected a local shard of shape {local} (global {shape} in layout "
+                    f"{layout} on mesh {self.plan.mesh_shape}), got {got}"
+                )
 
 
-def parallelize(plan: Plan, mesh: Any, model: nn.Module, prefetch: int = 1, *, bucket_bytes: float = DEFAULT_BUCKET_BYTES,
-                compile: bool = False, seed: int = 0) -> ParallelModule:
+def parallelize(
+    plan: Plan,
+    mesh: Any,
+    model: nn.Module,
+    prefetch: int = 1,
+    *,
+    bucket_bytes: float = DEFAULT_BUCKET_BYTES,
+    compile: bool = False,
+    seed: int = 0,
+) -> ParallelModule:
     """The parallel module of `plan` on `mesh`; values are copied from `model` unless it is on meta.
     Bucketed collectives run up to `prefetch` buckets ahead (0: each waited on where it is launched);
     gradient all-reduces run in buckets of at most `bucket_bytes`.

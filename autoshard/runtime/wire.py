@@ -36,14 +36,40 @@ _NAMESPACES = ("_c10d_functional", "_c10d_functional_autograd", "c10d")
 
 # op name (functional and c10d spellings) -> collective kind
 _KIND = {
-    **dict.fromkeys(("all_gather_into_tensor", "all_gather_into_tensor_out", "all_gather_into_tensor_coalesced",
-                     "allgather_", "_allgather_base_", "allgather_coalesced_", "allgather_into_tensor_coalesced_"),
-                    "all_gather"),
-    **dict.fromkeys(("reduce_scatter_tensor", "reduce_scatter_tensor_out", "reduce_scatter_tensor_coalesced",
-                     "reduce_scatter_", "_reduce_scatter_base_", "reduce_scatter_tensor_coalesced_"),
-                    "reduce_scatter"),
-    **dict.fromkeys(("all_reduce", "all_reduce_", "all_reduce_coalesced", "all_reduce_coalesced_",
-                     "allreduce_", "allreduce_coalesced_"), "all_reduce"),
+    **dict.fromkeys(
+        (
+            "all_gather_into_tensor",
+            "all_gather_into_tensor_out",
+            "all_gather_into_tensor_coalesced",
+            "allgather_",
+            "_allgather_base_",
+            "allgather_coalesced_",
+            "allgather_into_tensor_coalesced_",
+        ),
+        "all_gather",
+    ),
+    **dict.fromkeys(
+        (
+            "reduce_scatter_tensor",
+            "reduce_scatter_tensor_out",
+            "reduce_scatter_tensor_coalesced",
+            "reduce_scatter_",
+            "_reduce_scatter_base_",
+            "reduce_scatter_tensor_coalesced_",
+        ),
+        "reduce_scatter",
+    ),
+    **dict.fromkeys(
+        (
+            "all_reduce",
+            "all_reduce_",
+            "all_reduce_coalesced",
+            "all_reduce_coalesced_",
+            "allreduce_",
+            "allreduce_coalesced_",
+        ),
+        "all_reduce",
+    ),
     **dict.fromkeys(("all_to_all_single", "alltoall_", "alltoall_base_"), "all_to_all"),
 }
 # Not communication: waits and autograd plumbing.
@@ -76,8 +102,12 @@ class WireStats:
         return round(sum(self.bytes.values()))
 
     def to_json(self) -> dict[str, Any]:
-        return {"total_bytes": self.total_bytes, "bytes": {k: round(v) for k, v in sorted(self.bytes.items())},
-                "count": dict(sorted(self.count.items())), "unpriced": dict(sorted(self.unpriced.items()))}
+        return {
+            "total_bytes": self.total_bytes,
+            "bytes": {k: round(v) for k, v in sorted(self.bytes.items())},
+            "count": dict(sorted(self.count.items())),
+            "unpriced": dict(sorted(self.unpriced.items())),
+        }
 
 
 class WireMeter(tc.TorchDispatchMode):
@@ -128,6 +158,9 @@ def wire_row(stats: WireStats) -> dict[str, Any]:
 
     everyone: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, stats.to_json())
-    return {"wire_bytes_per_rank": [w["total_bytes"] for w in everyone],
-            "wire_bytes_by_kind": everyone[0]["bytes"], "wire_count_by_kind": everyone[0]["count"],
-            "wire_unpriced": everyone[0]["unpriced"]}
+    return {
+        "wire_bytes_per_rank": [w["total_bytes"] for w in everyone],
+        "wire_bytes_by_kind": everyone[0]["bytes"],
+        "wire_count_by_kind": everyone[0]["count"],
+        "wire_unpriced": everyone[0]["unpriced"],
+    }

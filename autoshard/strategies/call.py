@@ -40,8 +40,10 @@ class OpCall:
     def replicated(self) -> Found:
         """The all-replicate strategy: valid for every op."""
         rep = Layout.replicate(len(self.mesh_shape))
-        return (tuple(None if t is None else rep for t in self.out_vals),
-                tuple(None if t is None else rep for t in self.in_vals))
+        return (
+            tuple(None if t is None else rep for t in self.out_vals),
+            tuple(None if t is None else rep for t in self.in_vals),
+        )
 
 
 def _freeze(x: Any) -> Any:

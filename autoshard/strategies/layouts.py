@@ -24,8 +24,9 @@ def is_even(layout: Layout, shape: Sequence[int], mesh_shape: Sequence[int]) -> 
     return True
 
 
-def even_layouts(shape: tuple[int, ...], mesh_shape: tuple[int, ...], allow_partial: bool,
-                 all_orders: bool) -> tuple[Layout, ...]:
+def even_layouts(
+    shape: tuple[int, ...], mesh_shape: tuple[int, ...], allow_partial: bool, all_orders: bool
+) -> tuple[Layout, ...]:
     """Every even layout: R / S(d) (/ P(sum)) per mesh dim; with `all_orders`, every shard order of
     each tensor dim sharded over 2+ mesh dims, else the default (ascending) order only."""
     choices: list[Placement] = [R] + [S(d) for d in range(len(shape))] + ([P()] if allow_partial else [])

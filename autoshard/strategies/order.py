@@ -46,7 +46,9 @@ def order_variants(outs: Layouts, ins: Layouts, mesh_ndim: int) -> list[Found]:
         def reorder(lay: Layout | None) -> Layout | None:
             if lay is None or not any(len(mds) > 1 for _, mds in lay.order):
                 return lay
-            return Layout(lay.placements, tuple((td, tuple(sorted(mds, key=rank.__getitem__))) for td, mds in lay.order))
+            return Layout(
+                lay.placements, tuple((td, tuple(sorted(mds, key=rank.__getitem__))) for td, mds in lay.order)
+            )
 
         found.append((tuple(map(reorder, outs)), tuple(map(reorder, ins))))
     return found

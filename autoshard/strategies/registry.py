@@ -90,7 +90,7 @@ def _convert_spec(call: OpCall, spec: Any) -> Found | None:
         if lay is None and t is not None:
             return None
         layouts.append(lay)
-    return tuple(layouts[:call.n_out]), tuple(layouts[call.n_out:])
+    return tuple(layouts[: call.n_out]), tuple(layouts[call.n_out :])
 
 
 # A pending average pays for a mean loss (a scalar) and for the means themselves (RMSNorm's over a
@@ -147,9 +147,9 @@ class DTensorRegistry:
             rule = _rule_from_torch(torch_rule, ndims)
             if rule is None or (P("avg") in rule and not scalar_out and call.op not in _MEANS):
                 continue
-            if call.op in _MEANS and any(p is not None and p.kind == "P" for p in rule[len(metas):]):
+            if call.op in _MEANS and any(p is not None and p.kind == "P" for p in rule[len(metas) :]):
                 continue
-            full = rule[:call.n_out] + [None] * len(call.in_vals)  # back to one entry per input slot
+            full = rule[: call.n_out] + [None] * len(call.in_vals)  # back to one entry per input slot
             for j, pos in enumerate(slot_of):
                 full[pos] = rule[call.n_out + j]
             rules.append(full)
@@ -157,9 +157,10 @@ class DTensorRegistry:
 
     def from_multi_dim(self, call: OpCall, func: Any, schema_info: Any) -> list[Found | None]:
         mesh = self.mesh
-        cands = [None if t is None else self.layouts(t.shape, allow_partial=t.dtype.is_floating_point,
-                                                        all_orders=False)
-                 for t in call.in_vals]
+        cands = [
+            None if t is None else self.layouts(t.shape, allow_partial=t.dtype.is_floating_point, all_orders=False)
+            for t in call.in_vals
+        ]
         longest = max((len(c) for c in cands if c), default=1)
 
         def run(pick: dict[int, Layout]) -> list:

@@ -86,8 +86,11 @@ def resume_newest(out: Path, pmodel, optim) -> Checkpoint | None:
         except (Exception, CheckpointException) as err:  # noqa: BLE001 - also OSError, KeyError, RuntimeError...
             reason = _reason(err)
             errors.append(f"{ckpt.path.name}: {reason}")
-            log.warning("autoshard train: warning: checkpoint %s cannot be loaded (%s); trying the one before",
-                        ckpt.path, reason)
+            log.warning(
+                "autoshard train: warning: checkpoint %s cannot be loaded (%s); trying the one before",
+                ckpt.path,
+                reason,
+            )
             continue
         return ckpt
     if found:
@@ -159,7 +162,7 @@ class Checkpointer:
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         if self.keep:
-            for old in checkpoints(self.root.parent)[self.keep:]:  # never the newest: keep >= 1
+            for old in checkpoints(self.root.parent)[self.keep :]:  # never the newest: keep >= 1
                 shutil.rmtree(old.path, ignore_errors=True)
 
     @property

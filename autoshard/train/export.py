@@ -62,8 +62,9 @@ def _checkpoint(run: Path, step: int | None) -> Checkpoint:
     for ckpt in found:
         if ckpt.step == step:
             return ckpt
-    raise ValueError(f"{run}: no complete checkpoint of step {step} (there are: "
-                     f"{', '.join(str(c.step) for c in reversed(found))})")
+    raise ValueError(
+        f"{run}: no complete checkpoint of step {step} (there are: {', '.join(str(c.step) for c in reversed(found))})"
+    )
 
 
 def _shards(sizes: dict[str, int], limit: int) -> list[list[str]]:
@@ -80,8 +81,9 @@ def _shards(sizes: dict[str, int], limit: int) -> list[list[str]]:
     return groups
 
 
-def export_hf(run: str | os.PathLike, out: str | os.PathLike, *, step: int | None = None,
-              max_shard_bytes: int = MAX_SHARD_BYTES) -> Export:
+def export_hf(
+    run: str | os.PathLike, out: str | os.PathLike, *, step: int | None = None, max_shard_bytes: int = MAX_SHARD_BYTES
+) -> Export:
     """Write checkpoint `step` (default: the newest complete one) of training run `run` as a
     Hugging Face model directory `out` (it must not exist, or be empty). ValueError names what
     is wrong; nothing is left half-written."""
@@ -104,13 +106,19 @@ def export_hf(run: str | os.PathLike, out: str | os.PathLike, *, step: int | Non
         raise ValueError(f"{workload.name} has no Hugging Face form to export to")
     form = workload.hf_format()
     reader = FileSystemReader(str(ckpt.path))
-    tensors = {key.removeprefix("model."): meta for key, meta in reader.read_metadata().state_dict_metadata.items()
-               if key.startswith("model.") and hasattr(meta, "size")}
+    tensors = {
+        key.removeprefix("model."): meta
+        for key, meta in reader.read_metadata().state_dict_metadata.items()
+        if key.startswith("model.") and hasattr(meta, "size")
+    }
     names = {fqn: form.name(fqn) for fqn in tensors}
     sizes = {fqn: math.prod(meta.size) * meta.properties.dtype.itemsize for fqn, meta in tensors.items()}
     groups = _shards(sizes, max_shard_bytes)
-    files = ([WEIGHTS] if len(groups) == 1 else
-             [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))])
+    files = (
+        [WEIGHTS]
+        if len(groups) == 1
+        else [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
+    )
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
@@ -121,14 +129,19 @@ def export_hf(run: str | os.PathLike, out: str | os.PathLike, *, step: int | Non
             state = {fqn: torch.empty(tuple(tensors[fqn].size), dtype=tensors[fqn].properties.dtype) for fqn in group}
             with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
                 warnings.simplefilter("ignore", UserWarning)
-                dcp.load({"model": state}, storage_reader=reader, planner=DefaultLoadPlanner(allow_partial_load=True),
-                         no_dist=True)
+                dcp.load(
+                    {"model": state},
+                    storage_reader=reader,
+                    planner=DefaultLoadPlanner(allow_partial_load=True),
+                    no_dist=True,
+                )
             save_file({names[fqn]: t for fqn, t in state.items()}, str(tmp / file), metadata={"format": "pt"})
             del state
         if len(files) > 1:
             weight_map = {names[fqn]: file for file, group in zip(files, groups) for fqn in group}
-            (tmp / INDEX).write_text(json.dumps({"metadata": {"total_size": sum(sizes.values())},
-                                                 "weight_map": weight_map}, indent=2) + "\n")
+            (tmp / INDEX).write_text(
+                json.dumps({"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map}, indent=2) + "\n"
+            )
         for name, text in form.files.items():
             (tmp / name).write_text(text)
         if out.exists():

@@ -110,8 +110,10 @@ def _load_plan_file(path: str) -> dict:
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise UsageError(f"--plan-file {path}: not a plan file ({type(e).__name__}: {e})") from None
     if not isinstance(data, dict) or not isinstance(data.get("fingerprint"), str) or "solution" not in data:
-        raise UsageError(f"--plan-file {path}: not a plan file (no fingerprint/solution; write one with "
-                         "`python -m autoshard plan` or a training run)")
+        raise UsageError(
+            f"--plan-file {path}: not a plan file (no fingerprint/solution; write one with "
+            "`python -m autoshard plan` or a training run)"
+        )
     return data
 
 
@@ -123,8 +125,10 @@ def _init_distributed(settings: Settings) -> tuple[Any, str]:
     backend = "nccl" if device == "cuda" else "gloo"
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if math.prod(settings.mesh) != world:
-        raise UsageError(f"mesh {'x'.join(map(str, settings.mesh))} has {math.prod(settings.mesh)} devices "
-                         f"but the world size is {world} (torchrun --nproc_per_node={math.prod(settings.mesh)})")
+        raise UsageError(
+            f"mesh {'x'.join(map(str, settings.mesh))} has {math.prod(settings.mesh)} devices "
+            f"but the world size is {world} (torchrun --nproc_per_node={math.prod(settings.mesh)})"
+        )
     if "RANK" in os.environ:
         if device == "cuda":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
@@ -161,12 +165,25 @@ def _plan(settings: Settings, workload: Workload, mesh, plan_file: PlanFile | No
     saved = plan_file.data if plan_file is not None else {}
     config = settings.replace(
         recompute=settings.recompute or bool((saved.get("recompute") or {}).get("blocks")),
-        reshard_after_forward=settings.reshard_after_forward or bool((saved.get("reshard") or {}).get("blocks")))
-    planning = RankZeroPlanning(mesh, backend=config.backend, time_limit=config.time_limit, saved=None
-                                if plan_file is None else SavedSolution(saved["fingerprint"], saved["solution"],
-                                                                        plan_file.source, plan_file.required))
-    with AutoShard(model, example, mesh, config=config, loss_fn=workload.loss_fn,
-                   n_model_inputs=workload.n_model_inputs, compile=settings.compile) as auto:
+        reshard_after_forward=settings.reshard_after_forward or bool((saved.get("reshard") or {}).get("blocks")),
+    )
+    planning = RankZeroPlanning(
+        mesh,
+        backend=config.backend,
+        time_limit=config.time_limit,
+        saved=None
+        if plan_file is None
+        else SavedSolution(saved["fingerprint"], saved["solution"], plan_file.source, plan_file.required),
+    )
+    with AutoShard(
+        model,
+        example,
+        mesh,
+        config=config,
+        loss_fn=workload.loss_fn,
+        n_model_inputs=workload.n_model_inputs,
+        compile=settings.compile,
+    ) as auto:
         if settings.recipe is not None:
             from autoshard.problem.recipes import param_bytes_per_rank, recipe_layouts, recipe_pins
 
@@ -177,8 +194,9 @@ def _plan(settings: Settings, workload: Workload, mesh, plan_file: PlanFile | No
             plan = auto.optimize(planning=planning)
         except MemoryLimitError as err:  # every rank reached it alike: one line, from rank 0
             raise UsageError(str(err)) from None
-        pmodel = auto.apply(plan, prefetch=settings.prefetch, bucket_bytes=settings.bucket_cap_mb * 2**20,
-                            seed=settings.seed)
+        pmodel = auto.apply(
+            plan, prefetch=settings.prefetch, bucket_bytes=settings.bucket_cap_mb * 2**20, seed=settings.seed
+        )
     memory = auto.fit_dry_run  # fitting the memory limit dry-ran this very plan, or:
     if memory is None:
         memory = planning.dry_run(pmodel.program, plan)
@@ -189,11 +207,17 @@ def _plan(settings: Settings, workload: Workload, mesh, plan_file: PlanFile | No
 
 def _write_report(settings: Settings, run: PlannedRun) -> None:
     """Rank 0: sharding.log, plan.json (with what `--plan-file` needs) and report.html."""
-    paths = write_report(run.plan, Path(settings.out), program=run.pmodel.program, dry_run=run.memory,
-                         memory_fit=run.auto.fit, device=run.auto.device, timings=run.auto.timings,
-                         mesh_names=settings.mesh_names, extra={
-                             "fingerprint": run.fingerprint, "solution": run.plan.solution.to_json(),
-                             "settings": asdict(settings)})
+    paths = write_report(
+        run.plan,
+        Path(settings.out),
+        program=run.pmodel.program,
+        dry_run=run.memory,
+        memory_fit=run.auto.fit,
+        device=run.auto.device,
+        timings=run.auto.timings,
+        mesh_names=settings.mesh_names,
+        extra={"fingerprint": run.fingerprint, "solution": run.plan.solution.to_json(), "settings": asdict(settings)},
+    )
     for line in summary_lines(json.loads(paths[1].read_text())):
         log.info("  %s", line)
     log.info("autoshard train: sharding log %s", paths[0])
@@ -209,8 +233,10 @@ def _resume_check(settings: Settings, out: Path) -> bool:
     if settings.resume == "no" and newest is not None:
         job = os.environ.get("TORCHELASTIC_RUN_ID")
         if job is None or newest.run_id != job:
-            raise UsageError(f"--resume no: {out / 'checkpoints'} holds an earlier run's checkpoints (newest step "
-                             f"{newest.step}); remove them, choose another --out, or resume (--resume auto)")
+            raise UsageError(
+                f"--resume no: {out / 'checkpoints'} holds an earlier run's checkpoints (newest step "
+                f"{newest.step}); remove them, choose another --out, or resume (--resume auto)"
+            )
     return newest is not None
 
 
@@ -236,9 +262,14 @@ def train(settings: Settings) -> list[float]:
         rank = dist.get_rank()
         logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, format="%(message)s", force=True)
         profiled = settings.with_default_profiles(device)  # profiles not named: those of where it runs
-        log.info("autoshard train: %s on mesh %s (%s), %s/%s profiles", settings.model,
-                 "x".join(map(str, settings.mesh)), ",".join(settings.mesh_names), profiled.network,
-                 profiled.device_profile)
+        log.info(
+            "autoshard train: %s on mesh %s (%s), %s/%s profiles",
+            settings.model,
+            "x".join(map(str, settings.mesh)),
+            ",".join(settings.mesh_names),
+            profiled.network,
+            profiled.device_profile,
+        )
 
         run = _plan(profiled, workload, mesh, saved)
         if rank == 0:
@@ -250,7 +281,9 @@ def train(settings: Settings) -> list[float]:
         start_step = start.step if start is not None else 0
         run.pmodel.random.step = start_step  # random ops draw what an uninterrupted run draws
         metrics = MetricsFile(out, start_step if start is not None else None)
-        asynchronous = settings.checkpoint_writes == "async" or (settings.checkpoint_writes == "auto" and device == "cuda")
+        asynchronous = settings.checkpoint_writes == "async" or (
+            settings.checkpoint_writes == "auto" and device == "cuda"
+        )
         checkpointer = Checkpointer(out, settings.keep_checkpoints, asynchronous)
         try:
             losses = _steps(settings, workload, run, optim, metrics, checkpointer, signals, start_step)
@@ -282,8 +315,16 @@ def _resume(out: Path, run: PlannedRun, optim) -> Checkpoint | None:
     return found
 
 
-def _steps(settings: Settings, workload: Workload, run: PlannedRun, optim, metrics: MetricsFile,
-           checkpointer: Checkpointer, signals: StopSignals, start_step: int) -> list[float]:
+def _steps(
+    settings: Settings,
+    workload: Workload,
+    run: PlannedRun,
+    optim,
+    metrics: MetricsFile,
+    checkpointer: Checkpointer,
+    signals: StopSignals,
+    start_step: int,
+) -> list[float]:
     """Steps start_step + 1 .. settings.steps: one metrics row each, checkpoints as asked; stops
     early on a non-finite loss (UsageError) or a scheduler's signal (Preempted)."""
     pmodel, plan = run.pmodel, run.plan
@@ -312,10 +353,16 @@ def _steps(settings: Settings, workload: Workload, run: PlannedRun, optim, metri
         if not math.isfinite(value):  # the same loss on every rank: all stop here, nothing saved
             _broken(step, f"the loss is {value}", checkpointer)
         losses.append(value)
-        row = {"step": step, "loss": value, "step_s": elapsed, "tokens_per_s": tokens / elapsed,
-               "peak_rss_mb_per_rank": peaks, "modeled_step_s": plan.step_time_s,
-               "modeled_over_measured": plan.step_time_s / elapsed,
-               "modeled_overlapped_step_s": pmodel.program.step.overlapped_s}
+        row = {
+            "step": step,
+            "loss": value,
+            "step_s": elapsed,
+            "tokens_per_s": tokens / elapsed,
+            "peak_rss_mb_per_rank": peaks,
+            "modeled_step_s": plan.step_time_s,
+            "modeled_over_measured": plan.step_time_s / elapsed,
+            "modeled_overlapped_step_s": pmodel.program.step.overlapped_s,
+        }
         if meter is not None:
             row |= wire_row(meter.stats)  # every rank takes part
         if tracker is not None:
@@ -329,9 +376,17 @@ def _steps(settings: Settings, workload: Workload, run: PlannedRun, optim, metri
             row["checkpoint_s"] = time.perf_counter() - t1  # what the step loop waited (async: the staging)
         checkpointer.poll()
         metrics.append(row)
-        log.info("step %4d/%d  loss %.4f  %8.0f tok/s  peak rss %.0f MiB  step %.1f ms (modeled %.1f, x%.2f)",
-                 step, settings.steps, value, tokens / elapsed, max(peaks), elapsed * 1e3, plan.step_time_s * 1e3,
-                 plan.step_time_s / elapsed)
+        log.info(
+            "step %4d/%d  loss %.4f  %8.0f tok/s  peak rss %.0f MiB  step %.1f ms (modeled %.1f, x%.2f)",
+            step,
+            settings.steps,
+            value,
+            tokens / elapsed,
+            max(peaks),
+            elapsed * 1e3,
+            plan.step_time_s * 1e3,
+            plan.step_time_s / elapsed,
+        )
         if stop:
             _stop(step, stop, settings, checkpointer, pmodel, optim)
     return losses
@@ -341,8 +396,10 @@ def _broken(step: int, what: str, checkpointer: Checkpointer) -> NoReturn:
     """Stop the run (every rank alike) naming the newest good checkpoint."""
     checkpointer.finish()
     newest = checkpointer.newest
-    raise UsageError(f"step {step}: {what}; the newest good checkpoint is "
-                     f"{newest.path if newest else 'none (no checkpoint written)'}")
+    raise UsageError(
+        f"step {step}: {what}; the newest good checkpoint is "
+        f"{newest.path if newest else 'none (no checkpoint written)'}"
+    )
 
 
 def _check_finite(step: int, pmodel: ParallelModule, checkpointer: Checkpointer) -> None:
@@ -361,8 +418,10 @@ def _stop(step: int, signum: int, settings: Settings, checkpointer: Checkpointer
     _check_finite(step, pmodel, checkpointer)
     checkpointer.save(step, pmodel, optim, wait=True)
     path = Path(settings.out) / "checkpoints" / f"step-{step:06d}"
-    raise Preempted(signum, f"autoshard train: stopped by {name} after step {step}; checkpoint {path} "
-                            "(the same command resumes from it)")
+    raise Preempted(
+        signum,
+        f"autoshard train: stopped by {name} after step {step}; checkpoint {path} (the same command resumes from it)",
+    )
 
 
 def _compile_entry(pmodel: ParallelModule, reported: set[str], step: int) -> dict:
@@ -372,9 +431,14 @@ def _compile_entry(pmodel: ParallelModule, reported: set[str], step: int) -> dic
     if not compiled:
         return {}
     reported.update(compiled)
-    log.info("autoshard train: compiled %s on step %d (rank 0)", ", ".join(
-        f"{phase} in {st.seconds:.1f} s ({st.graphs} graph(s), {st.graph_breaks} graph break(s))"
-        for phase, st in compiled.items()), step)
+    log.info(
+        "autoshard train: compiled %s on step %d (rank 0)",
+        ", ".join(
+            f"{phase} in {st.seconds:.1f} s ({st.graphs} graph(s), {st.graph_breaks} graph break(s))"
+            for phase, st in compiled.items()
+        ),
+        step,
+    )
     return {"compile_s": sum(st.seconds for st in compiled.values())}
 
 
@@ -383,8 +447,13 @@ def _finish(settings: Settings, run: PlannedRun, metrics: MetricsFile, trained: 
     out = Path(settings.out)
     if trained:
         log.info("autoshard train: %s", step_time_line(run.plan.step_time_s, load_metrics(metrics.path)))
-        log.info("autoshard train: modeled step with the program's overlap %.1f ms (prefetch %d; no overlap %.1f ms)",
-                 run.pmodel.program.step.overlapped_s * 1e3, settings.prefetch, run.plan.step_time_s * 1e3)
+        log.info(
+            "autoshard train: modeled step with the program's overlap %.1f ms (prefetch %d; no overlap %.1f ms)",
+            run.pmodel.program.step.overlapped_s * 1e3,
+            settings.prefetch,
+            run.plan.step_time_s * 1e3,
+        )
     html_path = write_html(json.loads((out / JSON_NAME).read_text()), out, load_metrics(metrics.path))
-    log.info("autoshard train: done; metrics %s, sharding log %s, report %s", metrics.path, out / "sharding.log",
-             html_path)
+    log.info(
+        "autoshard train: done; metrics %s, sharding log %s, report %s", metrics.path, out / "sharding.log", html_path
+    )

@@ -53,8 +53,12 @@ def memory_row(tracker, memory: DryRunResult | None) -> dict:
     row = {"tracked_peak_bytes_per_rank": peaks}
     if memory is not None:
         row["dry_run_peak_bytes"] = memory.peak_bytes
-        log.info("memory: tracked peak %s per rank, dry run estimate %s (ratio %.3f)",
-                 [human_bytes(p) for p in peaks], human_bytes(memory.peak_bytes), memory.peak_bytes / max(max(peaks), 1))
+        log.info(
+            "memory: tracked peak %s per rank, dry run estimate %s (ratio %.3f)",
+            [human_bytes(p) for p in peaks],
+            human_bytes(memory.peak_bytes),
+            memory.peak_bytes / max(max(peaks), 1),
+        )
     return row
 
 
@@ -64,8 +68,10 @@ def step_time_line(modeled_s: float, rows: list[dict]) -> str:
     timed = [r for r in rows if r["step"] > WARMUP_STEPS] or rows
     measured = statistics.median(r["step_s"] for r in timed)
     steps = f"step {timed[0]['step']}" if len(timed) == 1 else f"steps {timed[0]['step']}-{timed[-1]['step']}"
-    return (f"step time: modeled {modeled_s * 1e3:.1f} ms, measured {measured * 1e3:.1f} ms (median of {steps}); "
-            f"modeled / measured {modeled_s / measured:.2f}")
+    return (
+        f"step time: modeled {modeled_s * 1e3:.1f} ms, measured {measured * 1e3:.1f} ms (median of {steps}); "
+        f"modeled / measured {modeled_s / measured:.2f}"
+    )
 
 
 def peak_rss_mb() -> float:

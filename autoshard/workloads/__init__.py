@@ -5,5 +5,12 @@ from autoshard.workloads.base import DataSource, Workload
 from autoshard.workloads.checkpoints import check_checkpoint, checkpoint_values, read_safetensors
 from autoshard.workloads.registry import get_workload, known_names
 
-__all__ = ["DataSource", "Workload", "check_checkpoint", "checkpoint_values", "get_workload", "known_names",
-           "read_safetensors"]
+__all__ = [
+    "DataSource",
+    "Workload",
+    "check_checkpoint",
+    "checkpoint_values",
+    "get_workload",
+    "known_names",
+    "read_safetensors",
+]

@@ -54,16 +54,21 @@ def check_checkpoint(workload: Workload, shapes: dict[str, tuple[int, ...]], pat
     known = dict(model.state_dict(keep_vars=True)) | params  # tied names (lm_head.weight) too
     missing = [name for name in params if name not in shapes]
     if missing:
-        raise ValueError(f"{path}: the checkpoint lacks {len(missing)} of the model's {len(params)} parameters, "
-                         f"e.g. {', '.join(missing[:3])}")
+        raise ValueError(
+            f"{path}: the checkpoint lacks {len(missing)} of the model's {len(params)} parameters, "
+            f"e.g. {', '.join(missing[:3])}"
+        )
     unknown = [name for name in shapes if name not in known]
     if unknown:
-        raise ValueError(f"{path}: the checkpoint holds {len(unknown)} tensors {workload.name} lacks, "
-                         f"e.g. {', '.join(unknown[:3])}")
+        raise ValueError(
+            f"{path}: the checkpoint holds {len(unknown)} tensors {workload.name} lacks, e.g. {', '.join(unknown[:3])}"
+        )
     for name, shape in shapes.items():
         if tuple(shape) != tuple(known[name].shape):
-            raise ValueError(f"{path}: {name} has shape {tuple(shape)} in the checkpoint, "
-                             f"{tuple(known[name].shape)} in {workload.name}")
+            raise ValueError(
+                f"{path}: {name} has shape {tuple(shape)} in the checkpoint, "
+                f"{tuple(known[name].shape)} in {workload.name}"
+            )
     return list(params)
 
 

@@ -109,13 +109,35 @@ def causal_sdpa() -> str:
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from transformers.masking_utils import sdpa_mask
 
-    def causal_or_sdpa_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
-                            attention_mask: torch.Tensor | None = None, local_size: int | None = None, **kwargs: Any):
-        if (attention_mask is None and local_size is None and q_length == kv_length
-                and isinstance(q_offset, int) and isinstance(kv_offset, int) and q_offset == kv_offset == 0):
+    def causal_or_sdpa_mask(
+        batch_size: int,
+        q_length: int,
+        kv_length: int,
+        q_offset: int = 0,
+        kv_offset: int = 0,
+        attention_mask: torch.Tensor | None = None,
+        local_size: int | None = None,
+        **kwargs: Any,
+    ):
+        if (
+            attention_mask is None
+            and local_size is None
+            and q_length == kv_length
+            and isinstance(q_offset, int)
+            and isinstance(kv_offset, int)
+            and q_offset == kv_offset == 0
+        ):
             return None  # SDPA runs with is_causal=True
-        return sdpa_mask(batch_size, q_length, kv_length, q_offset, kv_offset, attention_mask=attention_mask,
-                         local_size=local_size, **kwargs)
+        return sdpa_mask(
+            batch_size,
+            q_length,
+            kv_length,
+            q_offset,
+            kv_offset,
+            attention_mask=attention_mask,
+            local_size=local_size,
+            **kwargs,
+        )
 
     transformers.AttentionInterface.register(CAUSAL_SDPA, sdpa_attention_forward)
     transformers.AttentionMaskInterface.register(CAUSAL_SDPA, causal_or_sdpa_mask)
@@ -126,8 +148,10 @@ def causal_lm_class(config: Any, where: Any = "the config") -> type[nn.Module]:
     """The config's causal-LM class; ValueError when its architecture has none."""
     mapping = _transformers().MODEL_FOR_CAUSAL_LM_MAPPING
     if type(config) not in mapping:
-        raise ValueError(f"hf:{where}: model_type {config.model_type!r} has no causal-LM class in transformers "
-                         "(autoshard trains causal LMs: Llama, Qwen2, Qwen3, ...)")
+        raise ValueError(
+            f"hf:{where}: model_type {config.model_type!r} has no causal-LM class in transformers "
+            "(autoshard trains causal LMs: Llama, Qwen2, Qwen3, ...)"
+        )
     return mapping[type(config)]
 
 
@@ -157,7 +181,7 @@ def names() -> list[str]:
 
 def resolve(name: str, seq: int) -> Workload | None:
     """`hf:PATH`: the causal LM a local transformers config describes; None for other names."""
-    return workload(name[len(PREFIX):], seq) if name.startswith(PREFIX) else None
+    return workload(name[len(PREFIX) :], seq) if name.startswith(PREFIX) else None
 
 
 def workload(path: str, seq: int) -> Workload:

@@ -45,12 +45,22 @@ def resolve(name: str, seq: int) -> Workload | None:
     )
 
 
-_TOP = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
-        "output.weight": "lm_head.weight"}
-_LAYER = {"attention.wq": "self_attn.q_proj", "attention.wk": "self_attn.k_proj", "attention.wv": "self_attn.v_proj",
-          "attention.wo": "self_attn.o_proj", "feed_forward.w1": "mlp.gate_proj", "feed_forward.w3": "mlp.up_proj",
-          "feed_forward.w2": "mlp.down_proj", "attention_norm": "input_layernorm",
-          "ffn_norm": "post_attention_layernorm"}
+_TOP = {
+    "tok_embeddings.weight": "model.embed_tokens.weight",
+    "norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER = {
+    "attention.wq": "self_attn.q_proj",
+    "attention.wk": "self_attn.k_proj",
+    "attention.wv": "self_attn.v_proj",
+    "attention.wo": "self_attn.o_proj",
+    "feed_forward.w1": "mlp.gate_proj",
+    "feed_forward.w3": "mlp.up_proj",
+    "feed_forward.w2": "mlp.down_proj",
+    "attention_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
 _OURS = {v: k for k, v in _TOP.items()}
 _OURS_LAYER = {v: k for k, v in _LAYER.items()}
 
@@ -84,9 +94,22 @@ def from_hf_names(state_dict: dict[str, Any]) -> dict[str, Any]:
 
 def hf_config(cfg: Any) -> dict[str, Any]:
     """The config.json of LlamaForCausalLM with `cfg`'s shapes (fp32 weights, default rotary)."""
-    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": cfg.dim,
-            "intermediate_size": cfg.ffn_hidden, "num_hidden_layers": cfg.n_layers,
-            "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim,
-            "vocab_size": cfg.vocab_size, "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta,
-            "max_position_embeddings": cfg.max_seq_len, "hidden_act": "silu", "tie_word_embeddings": False,
-            "attention_bias": False, "mlp_bias": False, "dtype": "float32"}
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": cfg.dim,
+        "intermediate_size": cfg.ffn_hidden,
+        "num_hidden_layers": cfg.n_layers,
+        "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.n_kv_heads,
+        "head_dim": cfg.head_dim,
+        "vocab_size": cfg.vocab_size,
+        "rms_norm_eps": cfg.norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "max_position_embeddings": cfg.max_seq_len,
+        "hidden_act": "silu",
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "dtype": "float32",
+    }

@@ -14,8 +14,10 @@ from autoshard.strategies.strategy import Found
 aten = torch.ops.aten
 
 
-@rule(aten._scaled_dot_product_flash_attention_for_cpu.default,
-      aten._scaled_dot_product_flash_attention_for_cpu_backward.default)
+@rule(
+    aten._scaled_dot_product_flash_attention_for_cpu.default,
+    aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
+)
 def flash_attention(call: OpCall, layouts: LayoutCache) -> list[Found]:
     """Tensors [b, h, s, d] and logsumexp [b, h, s]: shard batch or heads of everything, or
     replicate. Outputs are never partial: attention is nonlinear in its inputs. Sequence sharding

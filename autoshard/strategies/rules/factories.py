@@ -12,8 +12,14 @@ from autoshard.strategies.strategy import Found
 aten = torch.ops.aten
 
 
-@rule(aten.full.default, aten.zeros.default, aten.ones.default, aten.empty.memory_format,
-      aten.scalar_tensor.default, aten.empty_strided.default)
+@rule(
+    aten.full.default,
+    aten.zeros.default,
+    aten.ones.default,
+    aten.empty.memory_format,
+    aten.scalar_tensor.default,
+    aten.empty_strided.default,
+)
 def fill_factory(call: OpCall, layouts: LayoutCache) -> list[Found] | None:
     """Constant-filled tensors can be created directly in any R/S layout (each rank makes its
     local shard), so the ILP is free to place them where their consumers want them."""
