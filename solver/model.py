@@ -278,5 +278,7 @@ def _run_cbc(model: Model, time_limit, msg: bool, rel_gap: float, mip: bool, cut
 
 
 def choices(model: Model) -> dict[int, int]:
-    """Chosen choice index per core class."""
-    return {c: int(idx[int(np.argmax(model.value[xs]))]) for c, (idx, xs) in model.x.items()}
+    """Chosen choice index per core class (after a `run` that found a solution)."""
+    value = model.value
+    assert value is not None, "choices() needs a solved model"
+    return {c: int(idx[int(np.argmax(value[xs]))]) for c, (idx, xs) in model.x.items()}

@@ -287,7 +287,9 @@ class Reduction:
         """Fold the budget's memory on edge c-nb into the two classes' if it splits as
         a[k] + b[l] over the live choices; whether it did."""
         ic, inb = np.flatnonzero(self.alive[c]), np.flatnonzero(self.alive[nb])
-        block = budget.oriented(c, nb)[np.ix_(ic, inb)]
+        edge = budget.oriented(c, nb)
+        assert edge is not None, "only an edge the budget counts is folded"
+        block = edge[np.ix_(ic, inb)]
         a, b = block[:, 0], block[0, :] - block[0, 0]
         if np.abs(block - a[:, None] - b[None, :]).max() > 1e-12 * max(float(np.abs(block).max()), 1.0):
             return False
@@ -356,9 +358,9 @@ class Reduction:
             load = budget.memory[c][idx] if c in budget.memory else np.zeros(len(idx))
             more = load[None, :] - load[:, None]
             for nb in self.adj[c]:
-                m = budget.oriented(c, nb)
-                if m is not None:
-                    m = m[idx][:, self.alive[nb]]
+                edge = budget.oriented(c, nb)
+                if edge is not None:
+                    m = edge[idx][:, self.alive[nb]]
                     more = more + (m[None, :, :] - m[:, None, :]).max(axis=2)
             gain[more > 0] = -np.inf
         tol = 1e-12 * scale

@@ -49,6 +49,7 @@ def solve_core(
         return result
     incumbent = None
     if status == "optimal":
+        assert model.objective is not None  # an optimal LP has a solution
         lower = model.objective
         result.lower = lower / model.scale
         if _reaches(red, model, stop_at):  # the bound less the LP's tolerance: still at least stop_at
@@ -86,16 +87,18 @@ def _ruled_out(red: Reduction, model: Model, threshold: float):
     """From the LP's reduced costs: keep-masks of the choices and forbid-masks of the edge
     entries that no solution better than the incumbent can use (reduced cost > threshold),
     and how many columns that rules out."""
+    reduced = model.reduced
+    assert reduced is not None, "reduced costs come from an optimal LP"
     keep, forbid, count = {}, {}, 0
     for c, (idx, xs) in model.x.items():
-        out = model.reduced[xs] > threshold
+        out = reduced[xs] > threshold
         keep[c] = red.alive[c].copy()
         keep[c][idx[out]] = False
         count += int(out.sum())
     for (a, b), (row_of, col_of, ys) in model.pairs.items():
         groups = np.zeros((row_of.max() + 1, col_of.max() + 1), bool)
         for (g, h), v in ys.items():
-            if model.reduced[v] > threshold:
+            if reduced[v] > threshold:
                 groups[g, h] = True
                 count += 1
         mask = np.zeros(red.mat[(a, b)].shape, bool)
@@ -135,6 +138,7 @@ def _reaches(red: Reduction, model: Model, stop_at: float | None) -> bool:
     if stop_at is None:
         return False
     lower = model.objective
+    assert lower is not None, "only an optimal LP proves a bound"
     return lower - _lp_tolerance(red, lower) >= stop_at * model.scale
 
 
@@ -163,13 +167,15 @@ def _tightened_lp(
         status = run(model, backend, left(), msg, rel_gap, mip=False)
         if status != "optimal" or budget <= 0 or round_ == rounds or _reaches(red, model, stop_at):
             break
-        frac = {c for c, (_, xs) in model.x.items() if model.value[xs].max() < 1 - 1e-6}
+        value = model.value
+        assert value is not None  # the LP is optimal
+        frac = {c for c, (_, xs) in model.x.items() if value[xs].max() < 1 - 1e-6}
         found = {
             tri
             for a in frac
             for b in red.adj[a]
             for c in red.adj[a] & red.adj[b]
-            if len(frac.intersection(tri := tuple(sorted((a, b, c))))) >= 2
+            if len(frac.intersection(tri := _triangle(a, b, c))) >= 2
         }
         added = 0
         for tri in sorted(found - done, key=lambda t: -len(frac.intersection(t))):
@@ -183,14 +189,22 @@ def _tightened_lp(
     return status, len(done)
 
 
+def _triangle(a: int, b: int, c: int) -> tuple[int, int, int]:
+    """The triangle's classes in increasing order."""
+    first, second, third = sorted((a, b, c))
+    return first, second, third
+
+
 def _incumbent(red: Reduction, model: Model, backend: str, msg: bool, time_limit):
     """A good solution from the LP optimum in `model`: round it, and if some classes are
     fractional also solve the sub-problem left when the LP-integral classes are pinned (after
     presolving it again it is small); polish by local search."""
+    value = model.value
+    assert value is not None, "the incumbent is rounded from an optimal LP"
     candidates = [choices(model)]
     keep = {}
     for c, (idx, xs) in model.x.items():
-        if model.value[xs].max() > 1 - 1e-6:
+        if value[xs].max() > 1 - 1e-6:
             keep[c] = np.zeros(len(red.alive[c]), bool)
             keep[c][candidates[0][c]] = True
     if len(keep) < len(model.x):

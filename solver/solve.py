@@ -126,6 +126,7 @@ def solve(
         if result.status == "infeasible":
             raise explain(problem, backend) if diagnose else InfeasibleError("infeasible (not diagnosed)")
         if result.status == "cutoff":
+            assert cutoff is not None and stop_at is not None  # 'cutoff' needs a stop_at
             bound = max(cutoff, cutoff - stop_at + result.lower)  # the max only guards rounding
             raise NoBetterError(f"no solution costs less than {cutoff:.6g}: the LP bound is {bound:.6g}", bound)
         if result.status == "none":

@@ -162,11 +162,14 @@ class AutoShard:
         self.precision = self.config.precision
         self.input_fn = input_fn
         self.mesh = mesh
-        self.mesh_shape = self.config.mesh
+        shape, network, device = self.config.mesh, self.config.network, self.config.device_profile
+        assert shape is not None  # _with_mesh gave the config one
+        assert network is not None and device is not None  # with_default_profiles filled them in
+        self.mesh_shape: tuple[int, ...] = shape
         self.loss_fn = loss_fn
         self.n_model_inputs = n_model_inputs
-        self.network = network_profile(self.config.network, self.mesh_shape, self.config.intra_node_dims)
-        self.device = device_profile(self.config.device_profile)
+        self.network = network_profile(network, self.mesh_shape, self.config.intra_node_dims)
+        self.device = device_profile(device)
         self._input_names: tuple[str, ...] | None = None  # keyword names when input_fn returns a dict
         self.spec = ProblemSpec(
             recompute=self.config.recompute,

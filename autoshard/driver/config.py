@@ -114,9 +114,10 @@ class PlanConfig:
     `reduce_dtype`. `memory_limit`: peak bytes per rank (None: the device's capacity less
     `MEMORY_RESERVE`; inf: no limit): the ILP may replicate parameters wherever the fitted plan stays
     under it; `memory_budget`: an extra cap on parameter bytes per rank (None: none; total / world
-    size forces full sharding, the FSDP level). `recompute` checkpoints every repeated block, `reshard_after_forward` gathers its
-    parameters again in the backward; under a limit the fit may turn either on. `unroll=False`
-    traces every repeated block instead of three (blocks whose code depends on their depth)."""
+    size forces full sharding, the FSDP level). `recompute` checkpoints every repeated block,
+    `reshard_after_forward` gathers its parameters again in the backward; under a limit the fit
+    may turn either on. `unroll=False` traces every repeated block instead of three (blocks whose
+    code depends on their depth)."""
 
     mesh: tuple[int, ...] | None = setting(None, "--mesh", type=parse_mesh, help="mesh shape, e.g. 8x8, 2x2 or 4")
     mesh_names: tuple[str, ...] | None = setting(
@@ -230,7 +231,7 @@ class PlanConfig:
     def replicate_dim(self) -> int | None:
         """The mesh dim of role dp_replicate, if there is one of size > 1: parameters are
         replicated over it and its placements are planned first (`driver.replicas`)."""
-        dims = [d for d, role in enumerate(self.roles) if role == "dp_replicate" and self.mesh[d] > 1]
+        dims = [d for d, role in enumerate(self.roles) if role == "dp_replicate" and self._size(d) > 1]
         return dims[0] if dims else None
 
     @property
@@ -238,12 +239,18 @@ class PlanConfig:
         """The mesh dims the data splits over: those whose role is dp_replicate or dp_shard."""
         return tuple(d for d, role in enumerate(self.roles) if role in ("dp_replicate", "dp_shard"))
 
+    def _size(self, dim: int) -> int:
+        """The size of mesh dim `dim`, one the mesh's names gave a role."""
+        assert self.mesh is not None, "mesh dims named without a mesh shape"
+        return self.mesh[dim]
+
     def check_batch(self, batch: int) -> None:
         """ValueError unless the global batch splits evenly over the data-parallel dims."""
         dims = self.data_parallel_dims
-        size = math.prod(self.mesh[d] for d in dims)
+        size = math.prod(self._size(d) for d in dims)
         if batch % size:
             names = self.mesh_names
+            assert names is not None  # dims come from the names
             which = " x ".join(f"{d} '{names[d]}'" for d in dims)
             raise ValueError(
                 f"--batch {batch} is not divisible by the dp size {size}: the batch splits over the "

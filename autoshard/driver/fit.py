@@ -212,7 +212,7 @@ def fit_memory(
             size_text(linear),
             size_text(result.peak_bytes),
         )
-        if result.peak_bytes < smallest.peak_bytes:
+        if smallest is None or result.peak_bytes < smallest.peak_bytes:
             smallest = result
         if result.peak_bytes <= limit:
             return fitted(candidate, option.sharding, option.mode, linear, result, True)
@@ -279,12 +279,13 @@ def _best_budgeted(options: list[_Option], steps: FitSteps, planner: Planner) ->
     """Each option's plan under its budget; the one with the lowest modeled step (None: none fits).
     Options are solved in order with the best step so far as their cutoff. An option whose last
     solve is not stale keeps its result: on a 70B problem one budgeted solve takes seconds."""
-    best = None
+    best: tuple[Plan, _Option] | None = None
     for option in options:
         cutoff = None if best is None else best[0].step_time_s
         if option.solved is None or option.solved.stale(option.budget, cutoff):
             option.solved = _solve_option(option, cutoff, steps, planner)
             if option.solved.cut is not None:
+                assert best is not None and cutoff is not None  # only a cutoff (the best's step) cuts
                 log.info(
                     "autoshard: memory fit: no %s plan under a budget of %s beats the %s plan's %.1f ms",
                     option.mode,
@@ -338,11 +339,14 @@ def _waited(wait: Callable[[], solver.Solution], cutoff: float | None) -> _Unbud
         return _Unbudgeted(None, _proven(err, cutoff))
 
 
-def _proven(err: solver.NoBetterError, cutoff: float) -> float:
+def _proven(err: solver.NoBetterError, cutoff: float | None) -> float:
     """The lower bound a cut proved: the LP's when the solver names it (at least the cutoff, often
     above it: the fit's cutoff rises as tighter budgets cost the best option more, and an option
     cut once stays cut until the cutoff passes this), else the cutoff itself."""
-    return cutoff if err.bound is None else err.bound
+    if err.bound is not None:
+        return err.bound
+    assert cutoff is not None, "NoBetterError comes only from a solve under a cutoff"
+    return cutoff
 
 
 def _next_budget(limit: float, budget: float, nonlinear: float, missed: list[tuple[float, float]]) -> float:
