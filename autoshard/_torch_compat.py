@@ -1,6 +1,9 @@
 """The one place autoshard touches private torch APIs (torch 2.11 through 2.14).
 
-Everything here may move between torch releases; keeping it in one file means one file to fix.
+Everything here may move between torch releases; keeping it in one place means one place to fix.
+Two sibling modules hold parts of it, and only this module imports them: `_torch_compat_runtime`
+(what `runtime/` needs, re-exported here) and `_torch_compat_legacy` (the torch 2.11 and 2.12
+shims). Every caller imports this module alone (`from autoshard import _torch_compat as tc`).
 The code reads as for torch 2.13 and 2.14; what 2.11 and 2.12 lack or do differently is made up
 for in the last section (and by the `*_single` collectives' fallback).
 """
@@ -8,7 +11,6 @@ for in the last section (and by the `*_single` collectives' fallback).
 from __future__ import annotations
 
 import contextlib
-import functools
 import math
 import threading
 from collections.abc import Iterator, Sequence
@@ -21,10 +23,15 @@ from torch._functorch._aot_autograd import descriptors as _desc
 from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._op_schema import OpSchema, OpSpec, OpStrategy, TupleStrategy
+from torch.distributed.tensor._op_schema import OpSchema
+from torch.distributed.tensor._op_schema import (
+    OpSpec as OpSpec,
+    OpStrategy as OpStrategy,
+    TupleStrategy as TupleStrategy,
+)
 from torch.distributed.tensor._ops import utils as _ops_utils
 from torch.distributed.tensor._ops import single_dim_strategy as _sds
-from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._python_dispatch import TorchDispatchMode as TorchDispatchMode, _disable_current_modes
 from torch.distributed._local_tensor import (
     LocalTensor,
     LocalTensorMode,
@@ -33,12 +40,14 @@ from torch.distributed._local_tensor import (
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, ShardOrderEntry, TensorMeta
 from torch.distributed.tensor.placement_types import (
-    Partial,
+    Partial as Partial,
     Placement,
-    Replicate,
-    Shard,
-    _StridedShard,
+    Replicate as Replicate,
+    Shard as Shard,
+    _StridedShard as _StridedShard,
 )
+
+from autoshard import _torch_compat_legacy as _legacy
 
 # Rank-specific helper code: run once per simulated rank under LocalTensorMode (returning
 # per-rank ints as SymInts), and plainly in a real process.
@@ -365,7 +374,7 @@ def single_dim_rules(info: Any, schema: OpSchema, out_meta: Any) -> list[list[An
     filled, the all-Replicate rule inserted) for one op call. Placeholders are filled from the
     input placements in `schema`, so give at least one input a `Shard` placement."""
     if not hasattr(_sds, "_PreparedSingleDimStrategy"):  # torch 2.11
-        return _single_dim_rules_2_11(info, schema, out_meta)
+        return _legacy.single_dim_rules_2_11(info, schema, out_meta)
     return _sds._PreparedSingleDimStrategy(info, schema, out_meta).expanded_strategies
 
 
@@ -415,205 +424,32 @@ def no_redistribute_costs() -> Iterator[None]:
                 # reaches torch's function through it
 
 
-# ---------------------------------------------------------------- parallel module (runtime/module.py)
-def dtensor_from_local(
-    local: torch.Tensor, mesh: DeviceMesh, placements: Sequence[Placement], global_shape: Sequence[int]
-) -> DTensor:
-    """Wrap this rank's shard as a DTensor without communication. The global shape and stride are
-    given: torch cannot infer them for `_StridedShard` placements."""
-    stride, acc = [], 1
-    for size in reversed(global_shape):
-        stride.append(acc)
-        acc *= size
-    return DTensor.from_local(
-        local, mesh, tuple(placements), run_check=False, shape=torch.Size(global_shape), stride=tuple(reversed(stride))
-    )
-
-
-def local_of(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local shard as it is stored, outside autograd (`to_local` records a backward)."""
-    return t._local_tensor if isinstance(t, DTensor) else t
-
-
-def dtensor_like(like: DTensor, local: torch.Tensor) -> DTensor:
-    """`local` as a DTensor of `like`'s mesh, placements and global shape (a gradient in its
-    parameter's layout), built directly: `from_local` is an autograd op with checks."""
-    return DTensor(local, like._spec, requires_grad=False)
-
-
-def distribute_local(full: torch.Tensor, mesh: DeviceMesh, placements: Sequence[Placement]) -> torch.Tensor:
-    """This rank's shard of `full` (which every rank holds): cut locally, no communication.
-    `src_data_rank=None` also keeps `_StridedShard` rows right under LocalTensorMode."""
-    from torch.distributed.tensor import distribute_tensor
-
-    return distribute_tensor(full, mesh, tuple(placements), src_data_rank=None).to_local()
-
-
-# ---------------------------------------------------------------- dry run (runtime/dryrun.py)
-DispatchMode = TorchDispatchMode  # base class of a mode that sees every aten op with its outputs
-
-WAIT_TENSOR = torch.ops._c10d_functional.wait_tensor.default  # returns its input (eager) or a fake copy
-
-
-def fake_mode_of(t: torch.Tensor) -> FakeTensorMode | None:
-    """The fake mode `t` belongs to (None: a real tensor)."""
-    from torch._subclasses.fake_tensor import FakeTensor
-
-    return t.fake_mode if isinstance(t, FakeTensor) else None
-
-
-def make_fake_tensors(
-    mode: FakeTensorMode,
-    new_storages: Sequence[tuple[int, torch.dtype]],
-    views: Sequence[tuple[Any, tuple[int, ...], tuple[int, ...], int, torch.dtype, Any]],
-) -> list[torch.Tensor]:
-    """Fake tensors of `mode` made directly, as its dispatch cache makes a hit's outputs, without
-    dispatching an op (a dispatch costs ~0.25 ms on a CPU core): `new_storages` (elements, dtype)
-    are made here; each view (storage, shape, stride, offset, dtype, device) looks at an existing
-    untyped storage or, given an int, at that new storage."""
-    from torch._subclasses.fake_tensor import FakeTensor, in_kernel_invocation_manager
-
-    out = []
-    with in_kernel_invocation_manager(mode):
-        made = [torch.empty(n, dtype=dtype, device="meta").untyped_storage() for n, dtype in new_storages]
-        for storage, shape, stride, offset, dtype, device in views:
-            meta = torch.empty(0, dtype=dtype, device="meta")
-            meta.set_(made[storage] if isinstance(storage, int) else storage, offset, shape, stride)
-            out.append((meta, device))
-    return [FakeTensor(mode, meta, device) for meta, device in out]
-
-
-def mem_tracker() -> Any:
-    """torch's own live-memory tracker (a dispatch mode; `get_tracker_snapshot("peak")`): the
-    independent measurement a dry run's accounting is checked against."""
-    from torch.distributed._tools.mem_tracker import MemTracker
-
-    return MemTracker()
-
-
-def tracker_total(snapshot: dict) -> int:
-    """Total bytes over all devices of a MemTracker snapshot."""
-    from torch.distributed._tools.mem_tracker import _TOTAL_KEY
-
-    return sum(dev[_TOTAL_KEY] for dev in snapshot.values())
-
-
-# ---------------------------------------------------------------- compiled program (runtime/module.py)
-def dispatch_mode_blocks_compile() -> bool:
-    """Whether torch.compile would run a frame eagerly right now: dynamo skips frames under a
-    non-infra dispatch mode (LocalTensorMode, WireMeter, MemTracker); dynamo's own test."""
-    from torch._dynamo import config
-    from torch.utils import _python_dispatch as pd
-
-    if config.inline_torch_dispatch_torch_compile:
-        return pd.any_torch_dispatch_mode_on_stack()
-    return pd.is_in_any_mode_without_ignore_compile_internals()
-
-
-def dynamo_counts() -> tuple[int, int]:
-    """(graphs compiled, graph breaks) so far in this process, from dynamo's own counters: how to
-    tell that a program traced as one graph (torch has no public API for them)."""
-    from torch._dynamo.utils import counters
-
-    return counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
-
-
-def inductor_unavailable(device_type: str) -> str | None:
-    """Why inductor cannot build kernels for `device_type` here (no C++ compiler for CPU, no
-    triton for CUDA), or None: inductor itself would only fail at the first compiled call."""
-    if device_type == "cuda":
-        from torch.utils._triton import has_triton
-
-        return None if has_triton() else "inductor needs triton for CUDA kernels, and it is not installed"
-    from torch._inductor import exc
-    from torch._inductor.cpp_builder import get_cpp_compiler
-
-    try:
-        get_cpp_compiler()
-    except exc.InvalidCxxCompiler as err:
-        return f"inductor needs a C++ compiler for CPU kernels: {err} (install g++ or set CXX)"
-    return None
+# ---------------------------------------------------------------- parallel module, dry run, compiled program
+# (runtime/): defined in _torch_compat_runtime, re-exported here as `tc.<name>`
+from autoshard._torch_compat_runtime import (  # noqa: E402
+    dtensor_from_local as dtensor_from_local,
+    local_of as local_of,
+    dtensor_like as dtensor_like,
+    distribute_local as distribute_local,
+    DispatchMode as DispatchMode,
+    WAIT_TENSOR as WAIT_TENSOR,
+    fake_mode_of as fake_mode_of,
+    make_fake_tensors as make_fake_tensors,
+    mem_tracker as mem_tracker,
+    tracker_total as tracker_total,
+    dispatch_mode_blocks_compile as dispatch_mode_blocks_compile,
+    dynamo_counts as dynamo_counts,
+    inductor_unavailable as inductor_unavailable,
+)
 
 
 # ---------------------------------------------------------------- torch 2.11 and 2.12 (drop with their support)
-_TORCH = tuple(int(v) for v in torch.__version__.split(".")[:2])
-
-
-def _single_dim_rules_2_11(info: Any, schema: OpSchema, out_meta: Any) -> list[list[Any]]:
-    """torch 2.11 has no _PreparedSingleDimStrategy: the steps its own expanded strategy function
-    takes (2.11 asserts that a rule list has no all-Replicate rule yet; 2.13 keeps the one there)."""
-    rules = info.func(schema.op, schema.args_meta, schema.kwargs_meta)
-    if not any(all(isinstance(p, Replicate) for p in rule) for rule in rules):
-        n_out = 0 if out_meta is None else 1 if isinstance(out_meta, TensorMeta) else len(out_meta)
-        rules = _sds._insert_single_dim_replication_strategy(rules, n_out, _sds._get_num_tensor_inputs(schema))
-    return _sds._fill_single_dim_strategy_placeholders(_sds._get_unique_placements(schema), rules)
-
-
-def _reductions_per_candidate() -> None:
-    """2.11's and 2.12's reduction rule lets one input candidate that must be replicated (pending
-    another reduction, uneven) replicate every later candidate too; 2.13 judges each alone. DTensor
-    passes one candidate, autoshard many: hand them to the rule one at a time."""
-    from torch.distributed.tensor._ops import _math_ops
-
-    reduce = _math_ops.common_reduction_strategy
-
-    def each(input_strategy: OpStrategy, *args: Any, **kwargs: Any) -> OpStrategy:
-        return OpStrategy(
-            [
-                out
-                for spec in input_strategy.strategies
-                for out in reduce(OpStrategy([spec]), *args, **kwargs).strategies
-            ]
-        )
-
-    _math_ops.common_reduction_strategy = functools.wraps(reduce)(each)
-
-
-def _teach_dynamo_mesh_shape() -> None:
-    """2.11's dynamo models a DeviceMesh by a fixed list of attributes without `shape`, which the
-    executor reads inside compiled programs (from 2.12 on, dynamo traces a DeviceMesh as an object)."""
-    from torch._dynamo.variables import ConstantVariable
-    from torch._dynamo.variables.distributed import DeviceMeshVariable
-
-    var_getattr = DeviceMeshVariable.var_getattr
-
-    def with_shape(self: Any, tx: Any, name: str) -> Any:
-        return ConstantVariable.create(tuple(self.value.shape)) if name == "shape" else var_getattr(self, tx, name)
-
-    DeviceMeshVariable.var_getattr = with_shape
-
-
-def _mem_tracker_2_12() -> Any:
-    """2.11's and 2.12's MemTracker also counts the global-size fake tensors of DTensor's sharding
-    propagation (an optimizer's first step seems to allocate whole parameters); 2.13's skips ops
-    under a fake mode other than the one at its entry: the same skip."""
-    from torch._guards import active_fake_mode
-    from torch.distributed._tools.mem_tracker import MemTracker
-
-    class Tracker(MemTracker):
-        def __enter__(self) -> Any:
-            self._fake_mode_on_entry = active_fake_mode()
-            return super().__enter__()
-
-        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-            if active_fake_mode() is not self._fake_mode_on_entry and not any(t is DTensor for t in types):
-                return func(*args, **(kwargs or {}))
-            return super().__torch_dispatch__(func, types, args, kwargs)
-
-    return Tracker()
-
-
-def _dense_input(collective: Any) -> Any:
-    """2.11's gather, reduce-scatter and all-to-all kernels refuse a non-contiguous input (2.13's
-    take it)."""
-    return functools.wraps(collective)(lambda x, *args: collective(x.contiguous(), *args))
-
-
-if _TORCH < (2, 13):
-    _reductions_per_candidate()
-    mem_tracker = _mem_tracker_2_12
-if _TORCH < (2, 12):
-    _teach_dynamo_mesh_shape()
+# the shims live in _torch_compat_legacy; applied here, where the names they replace are bound
+if _legacy.TORCH < (2, 13):
+    _legacy.reductions_per_candidate()
+    mem_tracker = _legacy.mem_tracker_2_12
+if _legacy.TORCH < (2, 12):
+    _legacy.teach_dynamo_mesh_shape()
     all_gather_now, reduce_scatter_now, all_to_all_now = map(
-        _dense_input, (all_gather_now, reduce_scatter_now, all_to_all_now)
+        _legacy.dense_input, (all_gather_now, reduce_scatter_now, all_to_all_now)
     )
