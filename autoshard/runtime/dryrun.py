@@ -13,7 +13,7 @@ fake op's dispatch costs ~0.25 ms on a CPU core, and a 70B step has ~25,000). A 
 cannot run (a wrong local shape, a consumer that rejects a redistributed value) raises
 `DryRunError` naming the node, in one line.
 
-Memory is counted by our own dispatch mode (`_LiveBytes`), not torch's MemTracker: it needs the
+Memory is counted by our own dispatch mode (`live_bytes.LiveBytes`), not torch's MemTracker: it needs the
 storages of the values the forward hands to the backward, the gathered parameters and the
 gradients told apart, which a node-aware interpreter knows and a module-hook tracker does not;
 and it costs one dictionary update per new storage (MemTracker also snapshots per module). The
@@ -28,11 +28,8 @@ adds one temporary the size of the largest parameter shard (AdamW's denominator,
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import time
-import weakref
-from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -42,12 +39,14 @@ import torch.distributed as dist
 from torch import fx
 
 from autoshard import _torch_compat as tc
-from autoshard.program.collectives import PendingBucket
 from autoshard.program.lower import LOCAL_SHAPE, CheckedRun, Program, lower
 from autoshard.program.modules import AwaitBucket, Redistribute
 from autoshard.program.schedule import StepModel
 from autoshard.problem.memory import ADAMW_STATE_BYTES
 from autoshard.problem.plan import Plan
+
+# the memory accounting lives in `live_bytes`; under this module's names (tests patch `dryrun._LiveBytes`)
+from autoshard.runtime.live_bytes import LiveBytes as _LiveBytes, Replay as _Replay, tensors_in as _tensors
 
 CATEGORIES = ("params", "buffers", "inputs", "activations", "gathered_params", "grads", "transient")
 
@@ -404,172 +403,3 @@ def _first_line(err: BaseException) -> str:
     text = str(err).strip().splitlines()
     line = text[0] if text else type(err).__name__
     return line if len(line) <= 300 else line[:297] + "..."
-
-
-# ---------------------------------------------------------------------------------- accounting
-@dataclass
-class _Replay:
-    """What one op or redistribution did to memory: its outputs (new storages or views of an
-    input), and how far above the bytes it keeps it peaked while running. On fake tensors a
-    replay makes its outputs directly, without dispatching an op."""
-
-    storages: list[tuple[int, torch.dtype]]  # new storages: (elements, dtype)
-    outputs: list[tuple[str, int, tuple, tuple, int, torch.dtype, Any]]
-    # ("new"|"input", index, shape, stride, offset, dtype, device) per output
-    form: type | None  # how the outputs came: None (one tensor), tuple or list
-    excess: int  # peak while running minus bytes it kept
-    pending: PendingBucket | None = None  # a bucket's launch, less its buffer: replayed with a new one
-    fake: Any = None  # the fake mode the outputs belong to (None: real tensors)
-
-    @staticmethod
-    def record(live: "_LiveBytes", run, args) -> tuple["_Replay | None", Any]:
-        """Run `run` (reading the tensors `args`) and record it; None if its outputs cannot be
-        replayed (not all tensors, or of symbolic shape)."""
-        start = live.total
-        live.window = start
-        result = run()
-        kept, excess = live.total - start, live.window - start
-        live.window = None
-        pending = result if isinstance(result, PendingBucket) else None
-        outs = [result] if isinstance(result, torch.Tensor) else [pending.result] if pending else result
-        if not isinstance(outs, (list, tuple)) or not all(isinstance(t, torch.Tensor) for t in outs):
-            return None, result
-        inputs = {id(a.untyped_storage()): i for i, a in enumerate(args)}
-        storages: dict[int, int] = {}
-        store: list[tuple[int, torch.dtype]] = []
-        outputs = []
-        for t in outs:
-            meta = (tuple(t.shape), t.stride(), t.storage_offset())
-            if not all(type(v) is int for v in (*meta[0], *meta[1], meta[2])):
-                return None, result  # symbolic sizes: each run may differ
-            st = t.untyped_storage()
-            if id(st) in inputs:
-                outputs.append(("input", inputs[id(st)], *meta, t.dtype, t.device))
-                continue
-            if id(st) not in storages:
-                storages[id(st)] = len(store)
-                store.append((st.nbytes() // t.element_size(), t.dtype))
-            outputs.append(("new", storages[id(st)], *meta, t.dtype, t.device))
-        form = None if isinstance(result, torch.Tensor) or pending else type(result)
-        fake = tc.fake_mode_of(outs[0]) if outs else None
-        return _Replay(
-            store, outputs, form, max(0, excess - kept), pending and dataclasses.replace(pending, result=None), fake
-        ), result
-
-    def replay(self, live: "_LiveBytes", args) -> Any:
-        if self.fake is not None:
-            outs = tc.make_fake_tensors(
-                self.fake,
-                self.storages,
-                [
-                    (i if kind == "new" else args[i].untyped_storage(), shape, stride, offset, dtype, device)
-                    for kind, i, shape, stride, offset, dtype, device in self.outputs
-                ],
-            )
-            live.add(outs, "transient")
-        else:
-            bufs = [torch.empty(n, dtype=dtype) for n, dtype in self.storages]
-            outs = [
-                (bufs[i] if kind == "new" else args[i]).as_strided(shape, stride, offset)
-                for kind, i, shape, stride, offset, _, _ in self.outputs
-            ]
-        live.update_peak(extra=self.excess)
-        if self.pending is not None:
-            return dataclasses.replace(self.pending, result=outs[0])
-        return outs[0] if self.form is None else self.form(outs)
-
-
-class _LiveBytes(tc.DispatchMode):
-    """Bytes of every live storage by category. A storage is counted once however many views
-    share it, from the op that creates it until it is freed; new storages start as `transient`
-    and are re-filed by the interpreter once it knows what the value is for. `fixed` bytes (the
-    optimizer states) are live throughout."""
-
-    def __init__(self):
-        super().__init__()
-        self.kind: dict[int, str] = {}  # id(storage) -> category
-        self.size: dict[int, int] = {}
-        self.live: Counter = Counter()
-        self.total = 0
-        self.fixed = 0
-        self.peak = 0  # per phase, fixed bytes included
-        self.overall = -1
-        self.at_peak: dict[str, int] = {}
-        self.peak_phase = ""
-        self.phase = ""
-        self.param_storages: set[int] = set()
-        self.window: int | None = None  # highest total since a redistribution started
-        self.replays: dict[tuple, _Replay] = {}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        if func is not tc.WAIT_TENSOR:  # eager returns its input; fake mode a copy that is not memory
-            for t in _tensors(out):
-                self._new(t)
-            self.update_peak()
-        return out
-
-    def add(self, value: Any, kind: str) -> None:
-        for t in _tensors(value):
-            self._new(t, kind)
-        self.update_peak()
-
-    def _new(self, t: torch.Tensor, kind: str = "transient") -> None:
-        st = t.untyped_storage()
-        key = id(st)
-        if key in self.kind:
-            return
-        nbytes = st.nbytes()
-        self.kind[key], self.size[key] = kind, nbytes
-        self.live[kind] += nbytes
-        self.total += nbytes
-        weakref.finalize(st, self._free, key)
-
-    def _free(self, key: int) -> None:
-        kind, nbytes = self.kind.pop(key, None), self.size.pop(key, 0)
-        if kind is not None:
-            self.live[kind] -= nbytes
-            self.total -= nbytes
-        self.param_storages.discard(key)
-
-    def tag(self, value: Any, kind: str) -> int:
-        """File the value's storages that are still `transient` under `kind`; their bytes."""
-        moved = 0
-        for t in _tensors(value):
-            key = id(t.untyped_storage())
-            if self.kind.get(key) == "transient":
-                self.kind[key] = kind
-                self.live["transient"] -= self.size[key]
-                self.live[kind] += self.size[key]
-                moved += self.size[key]
-        return moved
-
-    def mark_param_storage(self, value: Any) -> None:
-        self.param_storages.update(id(t.untyped_storage()) for t in _tensors(value))
-
-    def tag_saved(self, value: Any) -> int:
-        moved = 0
-        for t in _tensors(value):
-            key = id(t.untyped_storage())
-            moved += self.tag(t, "gathered_params" if key in self.param_storages else "activations")
-        return moved
-
-    def update_peak(self, extra: int = 0) -> None:
-        if self.window is not None:
-            self.window = max(self.window, self.total + extra)
-        now = self.total + self.fixed + extra
-        if now > self.peak:
-            self.peak = now
-        if now > self.overall:
-            self.overall = now
-            self.at_peak = dict(self.live)
-            self.at_peak["transient"] = self.at_peak.get("transient", 0) + extra
-            self.peak_phase = self.phase
-
-
-def _tensors(value: Any) -> list[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, (tuple, list)):
-        return [t for v in value for t in _tensors(v)]
-    return []
