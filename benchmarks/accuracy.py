@@ -1,7 +1,8 @@
 """Is the cost model right? Modeled vs measured step time on gloo CPU ranks, calibrated vs presets.
 
     python benchmarks/accuracy.py              # llama3-debug, 2x2, batch 8, seq 64, 12 steps per plan (~8 min a round)
-    python benchmarks/accuracy.py --two-ranks  # the same on 2 ranks, meshes 1x2 and 2x1 (a core per rank; ~2 min a round)
+    python benchmarks/accuracy.py --two-ranks  # the same on 2 ranks, meshes 1x2 and 2x1 (a core per rank;
+                                               # ~2 min a round)
     python benchmarks/accuracy.py --quick      # llama3-tiny, 4 steps, calibrated profile, two plans (smoke check)
 
 1. `torchrun ... -m autoshard calibrate --mesh M` writes a profile of this machine for the mesh.

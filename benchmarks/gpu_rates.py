@@ -199,7 +199,8 @@ def main(argv: list[str] | None = None) -> int:
     result = summary(rows)
     print(
         f"medians: bf16 matmuls {result['bf16_flops'] / 1e12:.0f} TFLOP/s (preset {profile.peak_flops / 1e12:.0f}), "
-        f"fp32 matmuls {result['fp32_flops'] / 1e12:.1f} TFLOP/s (preset {profile.peak_for(torch.float32) / 1e12:.0f}), "
+        f"fp32 matmuls {result['fp32_flops'] / 1e12:.1f} TFLOP/s "
+        f"(preset {profile.peak_for(torch.float32) / 1e12:.0f}), "
         f"elementwise {result['memory_bytes_s'] / 1e12:.2f} TB/s (preset {profile.mem_bw / 1e12:.2f}); "
         f"modeled / measured {result['modeled_over_measured']:.2f}"
     )

@@ -104,10 +104,14 @@ def _plan(case: Case, recipe: bool) -> dict:
             else ""
         )
     else:  # the plan as solved was dry-run first (fit.tried[0]) and did not fit
-        how = (
-            f"{'every block recomputed' if fit.recompute else 'blocks reshard after forward' if fit.reshard else 'budgeted layouts, no checkpointing'}; "
-            f"as solved {_size(fit.tried[0][1])}"
+        mode = (
+            "every block recomputed"
+            if fit.recompute
+            else "blocks reshard after forward"
+            if fit.reshard
+            else "budgeted layouts, no checkpointing"
         )
+        how = f"{mode}; as solved {_size(fit.tried[0][1])}"
     return dict(
         runs=True,
         limit_bytes=limit,

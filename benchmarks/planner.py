@@ -148,7 +148,8 @@ def run(quick: bool = False, profile: str = "h100-node") -> dict:
     print(f"\n4096x4096 bf16, profile {profile}: our plan cost vs torch's (W/T/L = ours cheaper/equal/dearer;")
     print("n/a = pairs torch cannot redistribute; cost ratio = sum of ours / sum of torch's over the others)")
     print(
-        f"{'mesh':<10}{'pairs':>6}  {'vs greedy W/T/L':>18} {'cost ratio':>10}  {'vs graph W/T/L':>18} {'cost ratio':>10}"
+        f"{'mesh':<10}{'pairs':>6}  {'vs greedy W/T/L':>18} {'cost ratio':>10}  "
+        f"{'vs graph W/T/L':>18} {'cost ratio':>10}"
     )
     for r in rows:
         cells = []
@@ -160,7 +161,8 @@ def run(quick: bool = False, profile: str = "h100-node") -> dict:
     print(f"\n{'mesh':<10}{'cached lookup':>15}{'uncached plan':>15}{'cold first plan':>17}")
     for r in lat:
         print(
-            f"{str(tuple(r['mesh'])):<10}{r['cached_us']:>12.2f} us{r['uncached_ms']:>12.3f} ms{r['cold_first_plan_ms']:>14.2f} ms"
+            f"{str(tuple(r['mesh'])):<10}{r['cached_us']:>12.2f} us{r['uncached_ms']:>12.3f} ms"
+            f"{r['cold_first_plan_ms']:>14.2f} ms"
         )
     return {"profile": profile, "shape": SHAPE, "dtype": str(DTYPE), "costs": rows, "latency": lat}
 

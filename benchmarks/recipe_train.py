@@ -25,11 +25,11 @@ import sys
 import time
 from pathlib import Path
 
-# This folder holds solver.py (the solver benchmark): keep it from shadowing the solver package.
+# Run as a script, this folder is first on sys.path: keep its modules (solver.py, plan.py, ...) from
+# shadowing top-level packages of those names.
 _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
 
-import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # noqa: E402

@@ -359,7 +359,8 @@ def _print(figures: dict, runs: list[RunFigures]) -> None:
     dtypes = f"param {w['param_dtype']}, reduce {w['reduce_dtype']}" if w.get("param_dtype") else "fp32"
     world = math.prod(int(size) for size in w["mesh"].split("x"))
     print(
-        f"\n{w['model']} on mesh {w['mesh']} ({dtypes}; gloo, {world} processes, OMP_NUM_THREADS=1): global batch {w['batch']}, "
+        f"\n{w['model']} on mesh {w['mesh']} ({dtypes}; gloo, {world} processes, OMP_NUM_THREADS=1): "
+        f"global batch {w['batch']}, "
         f"seq {w['seq']}, {w['steps']} steps; throughput = mean of steps {w['warmup'] + 1}-{w['steps']}; "
         f"wire = ring-model bytes per rank during step {w['wire_step']}; the median of {figures['repeats']} "
         f"run(s) per trainer"

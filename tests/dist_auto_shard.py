@@ -1,8 +1,9 @@
 """Run under `torchrun --standalone --nproc_per_node=4`: `auto_shard()` and `AutoShard.optimize()` in a
 real process group plan once, on rank 0, for every rank (driver.ranks).
 
-1. `auto_shard(model, ...)` on a (2,2) mesh, sharding forced (tests/plan_audit.py): how many times each rank ran the solver, the plan's
-   problem fingerprint and solution, and the first step's loss beside the single-device loss.
+1. `auto_shard(model, ...)` on a (2,2) mesh, sharding forced (tests/plan_audit.py): how many times
+   each rank ran the solver, the plan's problem fingerprint and solution, and the first step's loss
+   beside the single-device loss.
 2. The same step under a memory limit below the plan's dry-run peak: the fit's solves and dry runs
    run on rank 0 only, and every rank ends with the same fitted plan.
 3. Rank 0's solver stopping without a solution (a time limit too short): every rank raises, rank 0

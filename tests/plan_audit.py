@@ -73,10 +73,10 @@ def problems(facts: dict, *, params_sharded: bool = False, batch_split: bool = F
 
 
 def assert_shards(plan_or_facts: Any, *, params_sharded: bool = True, batch_split: bool = True) -> dict:
-    """Fail unless the plan spans more than one rank, runs a collective on every mesh dim (of size > 1), shards at least one
-    parameter (`params_sharded`) and splits the batch on mesh dim 0 (`batch_split`, where the test
-    means data parallelism). Takes a Plan or its `summary` (e.g. from a run's plan.json);
-    returns the summary."""
+    """Fail unless the plan spans more than one rank, runs a collective on every mesh dim (of size
+    over 1), shards at least one parameter (`params_sharded`) and splits the batch on mesh dim 0
+    (`batch_split`, where the test means data parallelism). Takes a Plan or its `summary` (e.g.
+    from a run's plan.json); returns the summary."""
     facts = plan_or_facts if isinstance(plan_or_facts, dict) else summary(plan_or_facts)
     found = problems(facts, params_sharded=params_sharded, batch_split=batch_split)
     assert not found, "the plan does not test sharding: " + "; ".join(found) + f"\n{facts}"

@@ -5,7 +5,6 @@ torchrun writes a profile the planner uses."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import itertools
 import math
-import os
 import random
 import re
 import subprocess

@@ -4,7 +4,6 @@ skipping a damaged checkpoint, stopping on a non-finite loss, and torchrun resta
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys

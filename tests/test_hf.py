@@ -81,8 +81,8 @@ def test_hf_causal_lm_trains_like_single_device(kind, mesh_shape, keywords, capl
     initial, ref = single_device(config, keywords)  # transformers' own sdpa, its causal mask made
     meta = hf.build(hf.training_config(config), "meta")  # is_causal SDPA, no mask
     if keywords:  # HF's own convention: keyword inputs, the loss from `.loss`
-        example = lambda: {
-            "input_ids": torch.empty(BATCH, SEQ, dtype=torch.int64, device="meta"),  # noqa: E731
+        example = lambda: {  # noqa: E731
+            "input_ids": torch.empty(BATCH, SEQ, dtype=torch.int64, device="meta"),
             "labels": torch.empty(BATCH, SEQ, dtype=torch.int64, device="meta"),
         }
         loss_fn = None
@@ -172,8 +172,8 @@ def test_a_padding_mask_is_kept_and_numerics_stay_exact():
     loss = model(input_ids=batch.inputs, attention_mask=mask, labels=batch.targets).loss
     loss.backward()
     want = {n: p.grad for n, p in model.named_parameters()}
-    example = lambda: {
-        "input_ids": torch.empty(BATCH, SEQ, dtype=torch.int64, device="meta"),  # noqa: E731
+    example = lambda: {  # noqa: E731
+        "input_ids": torch.empty(BATCH, SEQ, dtype=torch.int64, device="meta"),
         "attention_mask": torch.empty(BATCH, SEQ, dtype=torch.int64, device="meta"),
         "labels": torch.empty(BATCH, SEQ, dtype=torch.int64, device="meta"),
     }

@@ -18,7 +18,6 @@ from autoshard.strategies import Strategy
 from autoshard_models import build_model, cross_entropy_loss
 from autoshard_models.train_single import TrainSettings, train_single
 from plan_audit import assert_shards, force_sharding
-from simulation import simulated_mesh
 from test_apply import BATCH, SEQ, TINY, single_device, trains_like_single_device
 from test_train import SHARDED_ON_4, metrics, torchrun
 

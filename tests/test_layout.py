@@ -153,7 +153,10 @@ def test_pickle_across_processes():
     import subprocess
     import sys
 
-    code = "import pickle, sys; from autoshard.layout import Layout; sys.stdout.buffer.write(pickle.dumps(Layout.parse('S(0)S(0)[1,0]')))"
+    code = (
+        "import pickle, sys; from autoshard.layout import Layout; "
+        "sys.stdout.buffer.write(pickle.dumps(Layout.parse('S(0)S(0)[1,0]')))"
+    )
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, check=True, env=dict(os.environ, PYTHONHASHSEED="123")
     )

@@ -2,9 +2,10 @@
 
 States are layouts; edges are the steps below, priced by `NetworkProfile` on the local bytes of the
 state they leave (so a gather of a smaller shard is cheaper), plus the local copy a collective on a
-tensor dim other than the outermost needs (what the executor runs: gather, then move into place). Dijkstra (networkx) runs once per
-(source, shape, itemsize) and answers every destination, so the ILP's many cost queries for one
-edge share one search; shortest-path costs satisfy the triangle inequality by construction.
+tensor dim other than the outermost needs (what the executor runs: gather, then move into place).
+Dijkstra (networkx) runs once per (source, shape, itemsize) and answers every destination, so the
+ILP's many cost queries for one edge share one search; shortest-path costs satisfy the triangle
+inequality by construction.
 
 Steps (a tensor dim's order is a stack: only its last mesh dims can be popped; new ones are pushed):
   all_gather      pop the last k mesh dims of a tensor dim's order (k > 1: one flattened group)

@@ -1,19 +1,20 @@
 """Run a RedistributePlan on one rank's local tensor with torch functional collectives.
 
-A collective waited on where it runs is issued as the raw functional op on its process group's
-name, resolved when the plan is lowered (`group_names`): funcol's Python wrappers cost ~40 us a
-call on a CPU core. Every step is built from differentiable pieces (the functional collective ops
-carry their own autograd, and the local reshapes/narrows are ordinary ops), so the backward of each step is its dual, the
-gradient of a replicated value being a partial sum (R <-> P): all-gather <-> reduce-scatter,
-all-to-all <-> all-to-all, permute <-> inverse permute, all-reduce <-> all-reduce, and the local
-chunk / R->P steps <-> local zero-fill / mask (a partial gradient needs no communication).
+A collective waited on where it runs is issued as the raw functional op on its process group's name,
+resolved when the plan is lowered (`group_names`): funcol's Python wrappers cost ~40 us a call on a
+CPU core. Every step is built from differentiable pieces (the functional collective ops carry their
+own autograd, and the local reshapes/narrows are ordinary ops), so the backward of each step is its
+dual, the gradient of a replicated value being a partial sum (R <-> P): all-gather <->
+reduce-scatter, all-to-all <-> all-to-all, permute <-> inverse permute, all-reduce <-> all-reduce,
+and the local chunk / R->P steps <-> local zero-fill / mask (a partial gradient needs no
+communication).
 
 Collectives always run on dim 0 of a contiguous buffer; gathering or scattering another tensor dim
 is a reshape/movedim around that, which can leave a strided view. So the result is always made dense
 in the dim order the caller names (row-major by default): a traced `view` downstream needs the
-strides the traced value had, not whatever the last movedim left. A step over several mesh dims runs on the flattened mesh of those
-dims (ascending, as torch builds it); when the step's split order is not ascending, the chunks are
-permuted locally so that chunk index = row-major over the split order.
+strides the traced value had, not whatever the last movedim left. A step over several mesh dims runs
+on the flattened mesh of those dims (ascending, as torch builds it); when the step's split order is
+not ascending, the chunks are permuted locally so that chunk index = row-major over the split order.
 """
 
 from __future__ import annotations

@@ -41,17 +41,23 @@ MEMORY_PARTS = (
 MEMORY_COLORS = ("#1f6fd1", "#4e9de0", "#8430ce", "#e8710a", "#f2b632", "#c5221f", "#188038", "#7b8ea8")
 
 CSS = """
-body{font:14px/1.45 system-ui,-apple-system,"Segoe UI",sans-serif;color:#1d2330;margin:24px auto;max-width:1320px;padding:0 16px}
+body{font:14px/1.45 system-ui,-apple-system,"Segoe UI",sans-serif;color:#1d2330;margin:24px auto;max-width:1320px;
+padding:0 16px}
 h1{font-size:22px;margin:0 0 4px}h2{font-size:18px;margin:28px 0 8px;border-bottom:1px solid #d5dae3;padding-bottom:4px}
 h3{font-size:15px;margin:18px 0 6px}code,.mono{font-family:ui-monospace,"DejaVu Sans Mono",monospace;font-size:12.5px}
-.muted{color:#5f6b7c}.note{color:#5f6b7c;font-size:12.5px}.warn{color:#b3261e;font-weight:600}.ok{color:#188038;font-weight:600}
-dl.kv{display:grid;grid-template-columns:max-content auto;gap:2px 14px;margin:6px 0}dl.kv dt{color:#5f6b7c}dl.kv dd{margin:0}
-.cards{display:flex;flex-wrap:wrap;gap:14px}.card{border:1px solid #d5dae3;border-radius:6px;padding:8px 10px;background:#fbfcfe}
+.muted{color:#5f6b7c}.note{color:#5f6b7c;font-size:12.5px}.warn{color:#b3261e;font-weight:600}.ok{color:#188038;
+font-weight:600}
+dl.kv{display:grid;grid-template-columns:max-content auto;gap:2px 14px;margin:6px 0}dl.kv dt{color:#5f6b7c}
+dl.kv dd{margin:0}
+.cards{display:flex;flex-wrap:wrap;gap:14px}.card{border:1px solid #d5dae3;border-radius:6px;padding:8px 10px;
+background:#fbfcfe}
 .card .name{font-family:ui-monospace,monospace;font-size:12.5px;font-weight:600;word-break:break-all;max-width:300px}
-.card .sub{font-size:12px;color:#3c4657}.tag{display:inline-block;font-size:11px;padding:0 5px;border-radius:3px;background:#fdecd2;color:#8a4b00}
+.card .sub{font-size:12px;color:#3c4657}.tag{display:inline-block;font-size:11px;padding:0 5px;border-radius:3px;
+background:#fdecd2;color:#8a4b00}
 table{border-collapse:collapse;font-size:12.5px}th,td{padding:2px 10px 2px 0;text-align:left;vertical-align:top}
 th{color:#5f6b7c;font-weight:600;border-bottom:1px solid #d5dae3}td.num,th.num{text-align:right}
-.legend{display:flex;flex-wrap:wrap;gap:4px 14px;font-size:12.5px;margin:4px 0}.sw{display:inline-block;width:11px;height:11px;border-radius:2px;margin-right:4px;vertical-align:-1px}
+.legend{display:flex;flex-wrap:wrap;gap:4px 14px;font-size:12.5px;margin:4px 0}.sw{display:inline-block;width:11px;
+height:11px;border-radius:2px;margin-right:4px;vertical-align:-1px}
 details{margin:10px 0}summary{cursor:pointer;color:#1f4f9a}
 """
 

@@ -45,10 +45,10 @@ class Workload:
 
     The step is `loss_fn(model(*inputs[:n_model_inputs]), *inputs[n_model_inputs:])` (`loss_fn` None:
     the model returns the loss itself), `inputs = example_inputs(batch, seq, device)`.
-    `adapt_state_dict` maps a checkpoint's state dict (e.g. Hugging Face or torchtitan names) to this
-    model's parameter names; `hf_format` says how `export --hf` writes it for transformers. `initial_state(seed)` is the full value of
-    every parameter and buffer of a freshly initialized model (what training starts from; a
-    checkpoint leaves the buffers to it).
+    `adapt_state_dict` maps a checkpoint's state dict (e.g. Hugging Face or torchtitan names) to
+    this model's parameter names; `hf_format` says how `export --hf` writes it for transformers.
+    `initial_state(seed)` is the full value of every parameter and buffer of a freshly initialized
+    model (what training starts from; a checkpoint leaves the buffers to it).
     """
 
     name: str
