@@ -22,8 +22,9 @@ test suite checks it against MemTracker on a real step (tests/test_dryrun.py).
 The step modeled is the one `runtime.module.ParallelModule` runs, in steady state (from the second step
 on): parameters, buffers and the AdamW states (two fp32 values per parameter element) live
 throughout; the forward's saved values live until the backward returns (the backward is called
-with them as one argument tuple); gradients live from the backward to the optimizer step, which
-adds one temporary the size of the largest parameter shard (AdamW's denominator, foreach=False).
+with them as one argument tuple); gradients live from the backward to the optimizer step, which is
+modeled with one temporary the size of the largest parameter shard: what a per-parameter AdamW
+allocates for its denominator. The trainer's fused AdamW updates in place, so that errs high.
 """
 
 from __future__ import annotations
