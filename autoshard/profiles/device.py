@@ -24,11 +24,10 @@ ADAMW_STEP_BYTES = 28  # per fp32 parameter element: read value, gradient, two s
 # (None = this machine's RAM), per-op overhead s)
 _PRESETS = {
     # H100 SXM and H200: what one GPU sustains on the op shapes of llama3-8b and -70b plans (seq
-    # 8192, TP 8), measured on each (torch 2.11, CUDA 13, 2026-11-27): bf16 matmuls 640 TFLOP/s
-    # (median of 27 shapes; 430-790), fp32 matmuls without TF32 46 TFLOP/s, elementwise ops on
-    # activations 2.4 TB/s (H100, HBM3) and 2.85 TB/s (H200, HBM3e): 65-70% of the datasheets'
-    # 989 / 67 TFLOP/s and 3.35 / 4.8 TB/s. Fused AdamW streams at the same rate. 79.2 / 139.8 GiB
-    # as torch.cuda reports them; ~2 us per kernel launch that the GPU cannot hide behind the next.
+    # 8192, TP 8), measured on each by benchmarks/gpu_rates.py (docs/benchmarks.md, "GPU rates",
+    # has the figures, their spread and dates), not the datasheets' peaks, which plans never reach:
+    # bf16 and fp32 (no TF32) matmuls, elementwise ops on activations (fused AdamW streams at the
+    # same rate), the capacity torch.cuda reports, and the per-kernel launch the GPU cannot hide.
     "h100": (640e12, 46e12, 2.4e12, 85.0e9, 2e-6),
     "h200": (640e12, 46e12, 2.85e12, 150.1e9, 2e-6),
     # A small CPU share (the 2-core CI machine class): ~100 GFLOP/s fp32, ~20 GB/s DRAM. bf16 is
