@@ -166,7 +166,7 @@ def test_noisy_step_part_timings_keep_the_presets_figures(capsys):
     the profile's details; timings that do grow are fitted."""
     import torch
 
-    from autoshard.cli.calibrate import _device_profile
+    from autoshard.cli.calibrate_device import fit_device_profile as _device_profile
 
     flat = {
         "float32": {
@@ -196,7 +196,7 @@ def test_the_ops_of_a_measured_training_step_give_the_profiles_rates(capsys):
     slower than their dispatch are noise: the rates timed alone stand, with a note."""
     import torch
 
-    from autoshard.cli.calibrate import _device_profile
+    from autoshard.cli.calibrate_device import fit_device_profile as _device_profile
 
     assert fit_step_rates(2e9, 0.08, 2e8, 1000, 0.045, 5e-6) == pytest.approx((2.5e10, 5e9))
     with pytest.raises(ValueError, match="no more than their dispatch"):
@@ -239,7 +239,7 @@ def test_the_reference_step_runs_real_tensors_outside_the_trace(monkeypatch):
     from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
     import autoshard.profiles.calibrate as timing
-    from autoshard.cli.calibrate import time_reference_step
+    from autoshard.cli.calibrate_device import time_reference_step
 
     seen = []
 
@@ -248,7 +248,7 @@ def test_the_reference_step_runs_real_tensors_outside_the_trace(monkeypatch):
         return 0.1
 
     monkeypatch.setattr(timing, "_timed", timed_once)
-    monkeypatch.setattr("autoshard.cli.calibrate.REFERENCE", ("llama3-tiny", 1, 2, 16))
+    monkeypatch.setattr("autoshard.cli.calibrate_device.REFERENCE", ("llama3-tiny", 1, 2, 16))
     (row,) = time_reference_step(torch.device("cpu"), CalibrationSettings())
     ((modes, outputs),) = seen  # called once, on real tensors, with no mode active
     tensors = [t for t in outputs if isinstance(t, torch.Tensor)]
