@@ -220,3 +220,44 @@ def test_torchrun_restarts_after_sigkills_continue_with_the_same_losses():
     assert figures["clean_returncode"] == 0 and figures["returncode"] == 0, figures["stderr_tail"]
     assert len(figures["killed_at"]) == 2 and figures["rows"] == 20
     assert figures["differing_steps"] == []
+
+
+def test_a_torn_last_metrics_row_is_cut_with_a_warning_and_a_bad_one_before_it_named(tmp_path, caplog):
+    """A run killed while writing metrics.jsonl leaves its last line torn: resuming cuts it (and the
+    rows past the resumed step) with one warning naming the file and line; a bad line before the
+    last is an error naming them."""
+    import logging
+
+    from autoshard import _torch_compat as tc
+    from autoshard.train.metrics import MetricsFile
+
+    path = tmp_path / "metrics.jsonl"
+    rows = [json.dumps({"step": s, "loss": 1.0 / s}) for s in (1, 2, 3)]
+    with tc.fake_process_group(1):
+        path.write_text("\n".join(rows) + '\n{"step": 4, "lo')
+        with caplog.at_level(logging.WARNING, logger="autoshard"):
+            MetricsFile(tmp_path, keep_until=2)
+        assert path.read_text().splitlines() == rows[:2]
+        assert f"{path}:4 is a torn row" in caplog.text
+        path.write_text("\n".join([rows[0], "{not json", rows[2]]) + "\n")
+        with pytest.raises(ValueError, match=f"{path}:2: not a metrics row"):
+            MetricsFile(tmp_path, keep_until=3)
+
+
+@ONE_PROCESS
+def test_a_run_killed_mid_row_resumes_with_the_uninterrupted_losses(tmp_path):
+    """The torn row of a killed run (`python -m autoshard train`, checkpoint at step 2) no longer
+    blocks the same command: it resumes from step 2, cuts the row with a warning, and every
+    step's loss equals an uninterrupted run's."""
+    args = ["--steps", "4", "--checkpoint-every", "2"]
+    clean = train(*args, "--out", str(tmp_path / "clean"))
+    assert clean.returncode == 0, clean.stderr[-3000:]
+    out = tmp_path / "killed"
+    first = train("--steps", "2", "--checkpoint-every", "2", "--out", str(out))
+    assert first.returncode == 0, first.stderr[-3000:]
+    with (out / "metrics.jsonl").open("a") as f:
+        f.write('{"step": 3, "loss": 5.')
+    again = train(*args, "--out", str(out))
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"{out / 'metrics.jsonl'}:3 is a torn row" in again.stderr
+    assert losses(out) == losses(tmp_path / "clean")

@@ -23,15 +23,32 @@ WARMUP_STEPS = 2  # left out of the measured step time: the first steps allocate
 
 class MetricsFile:
     """RUN/metrics.jsonl, written by rank 0: a resumed run keeps the rows up to the step it resumes
-    from, so every step has one row."""
+    from, so every step has one row. A run killed while writing a row leaves it torn: that last
+    line is cut with a warning; a bad line before it is an error naming the file and line."""
 
     def __init__(self, out: Path, keep_until: int | None):
         self.path = out / METRICS_NAME
         if dist.get_rank() == 0:
             out.mkdir(parents=True, exist_ok=True)
-            lines = self.path.read_text().splitlines() if keep_until is not None and self.path.exists() else []
-            kept = [line for line in lines if line.strip() and json.loads(line)["step"] <= keep_until]
+            rows = self._rows() if keep_until is not None and self.path.exists() else []
+            kept = [line for line, row in rows if row["step"] <= keep_until]
             self.path.write_text("".join(line + "\n" for line in kept))
+
+    def _rows(self) -> list[tuple[str, dict]]:
+        numbered = [(n, line) for n, line in enumerate(self.path.read_text().splitlines(), 1) if line.strip()]
+        rows = []
+        for n, line in numbered:
+            try:
+                row = json.loads(line)
+                if not isinstance(row, dict) or not isinstance(row.get("step"), int):
+                    raise ValueError("no step number")
+            except ValueError as err:
+                if n == numbered[-1][0]:  # the row being written when the run was stopped
+                    log.warning("autoshard train: %s:%d is a torn row (%s); cut", self.path, n, err)
+                    break
+                raise ValueError(f"{self.path}:{n}: not a metrics row ({err})") from None
+            rows.append((line, row))
+        return rows
 
     def append(self, row: dict) -> None:
         if dist.get_rank() == 0:
