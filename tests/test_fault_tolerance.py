@@ -261,3 +261,30 @@ def test_a_run_killed_mid_row_resumes_with_the_uninterrupted_losses(tmp_path):
     assert again.returncode == 0, again.stderr[-3000:]
     assert f"{out / 'metrics.jsonl'}:3 is a torn row" in again.stderr
     assert losses(out) == losses(tmp_path / "clean")
+
+
+@ONE_PROCESS
+def test_a_resume_applies_a_new_lr_and_refuses_another_run_unless_forced(tmp_path):
+    """Resuming with another --lr uses it from the next update on (logged, and recorded in the first
+    resumed row); another --seq refuses with one error line naming old and new, and nothing is
+    written; `--resume force` continues and records the change."""
+    clean = train("--steps", "4", "--out", str(tmp_path / "clean"))
+    assert clean.returncode == 0, clean.stderr[-3000:]
+    out = tmp_path / "run"
+    assert train("--steps", "2", "--checkpoint-every", "2", "--out", str(out)).returncode == 0
+    refused = train("--steps", "4", "--seq", "32", "--out", str(out))
+    lines = [x for x in refused.stderr.splitlines() if x.startswith("error:")]
+    assert refused.returncode == 2 and len(lines) == 1 and "--seq 16 -> 32" in lines[0], refused.stderr[-2000:]
+    assert "Traceback" not in refused.stderr and len(losses(out)) == 2
+    lower = train("--steps", "4", "--lr", "0.0001", "--out", str(out))
+    assert lower.returncode == 0, lower.stderr[-3000:]
+    assert "--lr 0.0001 applies from here on (the checkpoint's optimizer had 0.003)" in lower.stderr
+    got, want = losses(out), losses(tmp_path / "clean")
+    assert got[3] == want[3] and got[4] != want[4]  # step 3's update is the first with the new lr
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert rows[2]["changed_on_resume"] == {"lr": [0.003, 0.0001]} and "changed_on_resume" not in rows[3]
+    forced = train("--steps", "6", "--seq", "32", "--resume", "force", "--out", str(out))
+    assert forced.returncode == 0, forced.stderr[-3000:]
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    # from the step-2 checkpoint again (the lr run saved none): its rows past step 2 replaced
+    assert rows[2]["changed_on_resume"] == {"seq": [16, 32]} and [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]

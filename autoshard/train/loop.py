@@ -40,8 +40,9 @@ from autoshard.report.text import summary_lines
 from autoshard.runtime.dryrun import DryRunResult
 from autoshard.runtime.module import ParallelModule
 from autoshard.runtime.wire import WireMeter, wire_row
-from autoshard.train.checkpoints import Checkpoint, Checkpointer, latest_checkpoint, resume_newest
+from autoshard.train.checkpoints import Checkpoint, Checkpointer, resume_newest
 from autoshard.train.metrics import MetricsFile, memory_row, memory_tracker, peak_rss_mb, step_time_line
+from autoshard.train.resume import apply_optimizer_settings, resume_check, run_changes
 from autoshard.train.settings import Settings
 from autoshard.train.signals import Preempted, StopSignals
 from autoshard.workloads import Workload, checkpoint_values, get_workload
@@ -224,22 +225,6 @@ def _write_report(settings: Settings, run: PlannedRun) -> None:
 
 
 # ---------------------------------------------------------------------------------- training
-def _resume_check(settings: Settings, out: Path) -> bool:
-    """Whether to look for a checkpoint of `out` to resume from; bad combinations raise (every
-    rank alike). `no` still resumes from checkpoints this very torchrun job wrote (a restart)."""
-    newest = latest_checkpoint(out)
-    if settings.resume == "yes" and newest is None:
-        raise UsageError(f"--resume: no complete checkpoint in {out / 'checkpoints'}")
-    if settings.resume == "no" and newest is not None:
-        job = os.environ.get("TORCHELASTIC_RUN_ID")
-        if job is None or newest.run_id != job:
-            raise UsageError(
-                f"--resume no: {out / 'checkpoints'} holds an earlier run's checkpoints (newest step "
-                f"{newest.step}); remove them, choose another --out, or resume (--resume auto)"
-            )
-    return newest is not None
-
-
 def train(settings: Settings) -> list[float]:
     """Plan, apply and train; returns this run's per-step losses. Raises `Preempted` when a
     scheduler's signal stopped it (after a checkpoint)."""
@@ -248,11 +233,14 @@ def train(settings: Settings) -> list[float]:
     workload = _workload(settings)
     initial = _initial_values(settings, workload)  # every rank: a bad checkpoint fails them together
     out = Path(settings.out)
-    resuming = _resume_check(settings, out)
+    resuming = resume_check(settings, out)
+    own = _own_plan(out) if resuming else None
+    # every rank reads the run's plan.json before rank 0 rewrites it: a refusal fails them together
+    changes = run_changes(settings, own.data.get("settings") or {}, out) if own is not None else {}
     if settings.plan_file:  # every rank reads it: fail together
         saved = PlanFile(_load_plan_file(settings.plan_file), f"--plan-file {settings.plan_file}", required=True)
     else:
-        saved = _own_plan(out) if resuming else None
+        saved = own
     _check_profiles(settings)
     with StopSignals() as signals:  # from here on a SIGTERM stops the run cleanly
         mesh, device = _init_distributed(settings)
@@ -281,6 +269,10 @@ def train(settings: Settings) -> list[float]:
         start_step = start.step if start is not None else 0
         run.pmodel.random.step = start_step  # random ops draw what an uninterrupted run draws
         metrics = MetricsFile(out, start_step if start is not None else None)
+        if start is not None:
+            changes |= apply_optimizer_settings(optim, settings)
+            if changes:  # on the first row this run writes
+                metrics.note_next({"changed_on_resume": changes})
         asynchronous = settings.checkpoint_writes == "async" or (
             settings.checkpoint_writes == "auto" and device == "cuda"
         )

@@ -28,6 +28,7 @@ class MetricsFile:
 
     def __init__(self, out: Path, keep_until: int | None):
         self.path = out / METRICS_NAME
+        self._note: dict = {}  # fields for the next row (`note_next`)
         if dist.get_rank() == 0:
             out.mkdir(parents=True, exist_ok=True)
             rows = self._rows() if keep_until is not None and self.path.exists() else []
@@ -50,7 +51,12 @@ class MetricsFile:
             rows.append((line, row))
         return rows
 
+    def note_next(self, fields: dict) -> None:
+        """Add `fields` to the next row written (what a resume changed)."""
+        self._note |= fields
+
     def append(self, row: dict) -> None:
+        row, self._note = {**row, **self._note}, {}
         if dist.get_rank() == 0:
             with self.path.open("a") as f:
                 f.write(json.dumps(row) + "\n")

@@ -10,7 +10,7 @@ from autoshard.driver.config import PlanConfig
 from autoshard.options import BATCH, INIT_FROM, MODEL, OUT, SEQ, redefault, run_name, setting
 
 
-RESUME_MODES = ("auto", "yes", "no")
+RESUME_MODES = ("auto", "yes", "no", "force")
 CHECKPOINT_WRITES = ("auto", "async", "sync")
 
 
@@ -83,7 +83,9 @@ class Settings(PlanConfig):
         choices=RESUME_MODES,
         help="auto: continue from the newest checkpoint in --out that loads, if there is one (also "
         "what a torchrun restart does); yes (or a bare --resume): there must be one; no: start "
-        "over, refusing to mix with an earlier run's checkpoints",
+        "over, refusing to mix with an earlier run's checkpoints. A resume refuses another --model, "
+        "--seq, --batch or --data-seed than the run's unless force (recorded in metrics.jsonl); "
+        "--lr applies to the restored optimizer",
     )
     wire_step: int = setting(
         0, type=int, help="meter step K's collectives into its metrics row (slows that step; 0: never)"
