@@ -271,3 +271,29 @@ def test_a_program_that_cannot_run_is_one_error_line_before_training(tmp_path, c
         "error: the planned program cannot run: dry run of rank 0, backward: node view_3 failed: cannot view"
     ]
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.ranks
+def test_bad_input_under_torchrun_prints_its_error_line_every_launch():
+    """Every rank checks its input alike and torchrun ends the others as soon as one exits, so the
+    line cannot wait for rank 0: whichever rank fails first says it, once per host (5 launches of a
+    mesh that is not the world size, and a --steps of 0)."""
+    for args, message in [(["--mesh", "2x4"], "mesh 2x4 has 8 devices but the world size is 4")] * 4 + [
+        (["--mesh", "2x2", "--steps", "0"], "--steps must be >= 1, got 0")
+    ]:
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=4",
+            "-m",
+            "autoshard",
+            "train",
+            *TINY,
+            *args,
+        ]
+        out = subprocess.run(cmd, env=child_env(), capture_output=True, text=True, timeout=300, cwd=ROOT)
+        lines = [x for x in (out.stdout + out.stderr).splitlines() if x.startswith("error:")]
+        assert out.returncode != 0 and len(lines) == 1 and message in lines[0], (args, out.stderr[-3000:])

@@ -31,9 +31,11 @@ Run without torchrun, it trains on one process (a world of 1).
 from __future__ import annotations
 
 import argparse
+import hashlib
 import logging
 import os
 import sys
+import tempfile
 
 import torch.distributed as dist
 
@@ -60,6 +62,24 @@ def _parse(argv: list[str] | None) -> Settings:
         raise UsageError(str(err)) from None
 
 
+def print_once_per_host(line: str) -> None:
+    """Print `line` to stderr once per torchrun job and host: every rank checks its input alike, and
+    whichever fails first may be the only one left to say why (torchrun ends the others, rank 0
+    included, as soon as one exits). The first rank of the host to claim the line prints it."""
+    job = os.environ.get("TORCHELASTIC_RUN_ID")
+    if job is not None:
+        key = hashlib.sha256(f"{job}\n{line}".encode()).hexdigest()[:24]
+        try:
+            os.close(
+                os.open(
+                    os.path.join(tempfile.gettempdir(), f"autoshard-said-{key}"), os.O_CREAT | os.O_EXCL | os.O_WRONLY
+                )
+            )
+        except FileExistsError:
+            return  # a rank of this job on this host said it
+    print(line, file=sys.stderr, flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     root = logging.getLogger()
     handlers, level = root.handlers[:], root.level  # train configures logging for its run; put it back
@@ -70,9 +90,7 @@ def main(argv: list[str] | None = None) -> int:
             print(stop, file=sys.stderr)
         return 128 + stop.signum  # the shell's code for "ended by this signal": not a finished run
     except ValueError as e:  # UsageError, unknown model, infeasible constraints...
-        # usage errors are the same on every rank (checked alike, or broadcast from rank 0): print once
-        if int(os.environ.get("RANK", "0")) == 0 or not isinstance(e, UsageError):
-            print(f"error: {e}", file=sys.stderr)
+        print_once_per_host(f"error: {e}")
         return 2
     finally:
         if dist.is_initialized():
