@@ -12,7 +12,7 @@ import math
 from typing import Any, Iterable, Sequence
 
 from autoshard.layout import Layout, split_digits
-from autoshard.report.text import human_bytes
+from autoshard.report.text import MEMORY_PARTS, human_bytes
 
 # One colour per mesh dim (split lines and names), and per bar segment kind.
 MESH_COLORS = ("#1f6fd1", "#e8710a", "#188038", "#c5221f", "#8430ce", "#8d6e63")
@@ -25,16 +25,6 @@ SEGMENT_COLORS = {
     "local": "#b8b8b8",
 }
 _MORE_COLORS = ("#2bb5a0", "#c9a227", "#6c757d")
-MEMORY_PARTS = (
-    ("params", "params"),
-    ("grads", "grads"),
-    ("optimizer", "AdamW states"),
-    ("activations", "saved activations"),
-    ("gathered_params", "gathered params"),
-    ("transient", "transient"),
-    ("buffers", "buffers"),
-    ("inputs", "inputs"),
-)
 MEMORY_COLORS = ("#1f6fd1", "#4e9de0", "#8430ce", "#e8710a", "#f2b632", "#c5221f", "#188038", "#7b8ea8")
 
 

@@ -305,7 +305,8 @@ def summary_lines(report: dict) -> list[str]:
     return lines
 
 
-_MEMORY_COLUMNS = [
+# the dry run's memory categories as the log, the page and its chart name them, in their order
+MEMORY_PARTS = [
     ("params", "params"),
     ("grads", "grads"),
     ("optimizer", "AdamW states"),
@@ -319,13 +320,13 @@ _MEMORY_COLUMNS = [
 
 def _memory_lines(memory: dict) -> list[str]:
     rows = [
-        [str(r["rank"]), r["phase"], human_bytes(r["peak_bytes"]), *(human_bytes(r[k]) for k, _ in _MEMORY_COLUMNS)]
+        [str(r["rank"]), r["phase"], human_bytes(r["peak_bytes"]), *(human_bytes(r[k]) for k, _ in MEMORY_PARTS)]
         for r in memory["ranks"]
     ]
     lines = _table(
-        ["rank", "peak in", "peak", *(label for _, label in _MEMORY_COLUMNS)],
+        ["rank", "peak in", "peak", *(label for _, label in MEMORY_PARTS)],
         rows,
-        right=set(range(2, 3 + len(_MEMORY_COLUMNS))),
+        right=set(range(2, 3 + len(MEMORY_PARTS))),
     )
     lines.append(
         "(live at the peak; AdamW keeps two fp32 states per parameter element; saved activations "
