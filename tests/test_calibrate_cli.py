@@ -20,7 +20,7 @@ from autoshard.profiles.device import DeviceProfile
 from autoshard.profiles.files import ProfileFile, device_profile, network_profile, read_profile
 from autoshard.profiles.network import NetworkProfile
 from test_calibrate import KINDS, TRUE
-from torchrun import child_env
+from torchrun import child_env, torchrun_command
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -182,12 +182,7 @@ def test_torchrun_calibrate_writes_a_profile_the_planner_uses(tmp_path):
     and the file plans llama3-tiny through the API with the flattened group's own link."""
     path = tmp_path / "profile.json"
     out = _run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node=4",
+        torchrun_command(
             "-m",
             "autoshard",
             "calibrate",
@@ -196,7 +191,7 @@ def test_torchrun_calibrate_writes_a_profile_the_planner_uses(tmp_path):
             "--quick",
             "--out",
             str(path),
-        ]
+        )
     )
     assert "collectives on mesh dims [0, 1] (4 ranks)" in out.stdout and f"--network {path}" in out.stdout
     data = read_profile(path)

@@ -8,7 +8,6 @@ import math
 import random
 import re
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -22,7 +21,7 @@ from autoshard.layout import Layout, P, R, S
 from autoshard.pricing.planner import Planner
 from ranks import coords
 from simulation import simulated_mesh
-from torchrun import child_env
+from torchrun import child_env, torchrun_command
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -264,14 +263,7 @@ def test_torchrun_gloo_2x2():
     """Real processes: torchrun, 4 gloo ranks on a (2,2) mesh, a handful of plans incl. an order
     change (permute) and one-shot steps, checked numerically inside the script."""
     env = child_env()
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node=4",
-        str(ROOT / "tests" / "dist_redistribute.py"),
-    ]
+    cmd = torchrun_command(str(ROOT / "tests" / "dist_redistribute.py"))
     start = time.time()
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, (

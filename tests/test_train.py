@@ -16,7 +16,7 @@ from autoshard.cli.train import main
 from autoshard_models import build_model, get_config
 from autoshard_models.train_single import TrainSettings, train_single
 from plan_audit import assert_shards, budget_bytes
-from torchrun import child_env
+from torchrun import child_env, torchrun_command
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--model", "llama3-tiny", "--batch", "8", "--seq", "16"]
@@ -27,17 +27,7 @@ SHARDED_ON_4 = ["--memory-budget", str(budget_bytes(build_model(get_config("llam
 def torchrun(*args: str, timeout: int = 400, nproc: int = 4, ok: bool = True) -> subprocess.CompletedProcess:
     """`train` under torchrun on `nproc` ranks; `ok`: it must succeed."""
     env = child_env()
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc_per_node={nproc}",
-        "-m",
-        "autoshard",
-        "train",
-        *args,
-    ]
+    cmd = torchrun_command("-m", "autoshard", "train", *args, nproc=nproc)
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
     assert out.returncode == 0 or not ok, f"torchrun failed:\n{out.stdout[-3000:]}\n{out.stderr[-6000:]}"
     return out

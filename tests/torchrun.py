@@ -34,17 +34,15 @@ def child_env(**extra: str) -> dict[str, str]:
     return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=path, **extra)
 
 
+def torchrun_command(*args: str, nproc: int = 4) -> list[str]:
+    """The command that starts `args` (a script, or `-m module ...`) on `nproc` ranks under torchrun."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *args]
+
+
 def run_ranks(script: str, timeout: int, nproc: int = 4) -> list[dict]:
     """torchrun `tests/<script>` on `nproc` ranks (one thread each); every rank's result dict, in
     rank order. Fails the test with the tail of both streams when torchrun does."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc_per_node={nproc}",
-        str(ROOT / "tests" / script),
-    ]
+    cmd = torchrun_command(str(ROOT / "tests" / script), nproc=nproc)
     start = time.time()
     out = subprocess.run(cmd, env=child_env(), capture_output=True, text=True, timeout=timeout)
     assert out.returncode == 0, (
