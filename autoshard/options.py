@@ -161,12 +161,6 @@ SEQ = option("--seq", type=positive_int, help="sequence length")
 OUT = option("--out", help="output directory")
 
 
-def redefault(cls: type, name: str, default: Any) -> Any:
-    """Field `name` of dataclass `cls`, option and all, with another default (for a subclass)."""
-    f = next(f for f in dataclasses.fields(cls) if f.name == name)
-    return dataclasses.field(default=default, metadata=f.metadata)
-
-
 def run_name(model: str, mesh: tuple[int, ...]) -> str:
     """`<model>-<mesh>` as one safe folder name: a `hf:PATH` model by its folder's name, and
     anything but letters, digits, `.`, `_` and `-` made `_` (`hf:/home/u/Llama-3-8B` on 2x8:

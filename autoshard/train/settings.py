@@ -7,7 +7,7 @@ import os
 from dataclasses import dataclass
 
 from autoshard.driver.config import PlanConfig
-from autoshard.options import BATCH, INIT_FROM, MODEL, OUT, SEQ, redefault, run_name, setting
+from autoshard.options import BATCH, INIT_FROM, MODEL, OUT, SEQ, run_name, setting
 
 
 RESUME_MODES = ("auto", "yes", "no", "force")
@@ -21,7 +21,6 @@ class Settings(PlanConfig):
     over the world torchrun launched (a world of 1 without torchrun); without `out`,
     `runs/<model>-<mesh>` (`run_name`)."""
 
-    mesh: tuple[int, ...] | None = redefault(PlanConfig, "mesh", None)
     model: str = setting("llama3-debug", MODEL)
     batch: int = setting(8, BATCH)
     seq: int = setting(64, SEQ)
