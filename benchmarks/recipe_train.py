@@ -202,4 +202,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    sys.stdout.flush()  # then leave without finalizing the interpreter: gloo's worker threads can
+    sys.stderr.flush()  # outlive the process group and now and then abort a finished rank's teardown
+    os._exit(code)

@@ -8,6 +8,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from autoshard.program.collectives import execute
 from autoshard.pricing.planner import Planner
+from torchrun import leave  # tests/, this script's own folder
 
 CASES = [  # (src, dst, step kinds the plan must contain)
     ("S(0)S(0)[0,1]", "S(0)S(0)[1,0]", ["permute"]),
@@ -67,6 +68,7 @@ def main() -> None:
     if dist.get_rank() == 0:
         print("ALL OK", flush=True)
     dist.destroy_process_group()
+    leave(0)
 
 
 if __name__ == "__main__":

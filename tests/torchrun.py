@@ -10,6 +10,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import NoReturn
 
 ROOT = Path(__file__).resolve().parents[1]
 PREFIX = "RESULT "
@@ -54,7 +55,7 @@ def run_ranks(script: str, timeout: int, nproc: int = 4) -> list[dict]:
 
 def report_ranks(result: dict) -> None:
     """Gather every rank's `result` to rank 0, which prints them for `run_ranks`; then leave the
-    process group together."""
+    process group together and end the process without finalizing the interpreter."""
     import torch.distributed as dist
 
     every = [None] * dist.get_world_size()
@@ -63,3 +64,14 @@ def report_ranks(result: dict) -> None:
         print(PREFIX + json.dumps(every), flush=True)
     dist.barrier()  # nobody tears the process group down while a peer still talks (a gloo abort)
     dist.destroy_process_group()
+    leave(0)
+
+
+def leave(code: int) -> NoReturn:
+    """Exit with `code` without finalizing the interpreter, as `python -m autoshard` does: gloo's
+    worker threads can outlive the process group, and a rank that frees them while Python tears
+    down now and then aborts ("terminate called without an active exception") after its work is
+    done, failing a launch that succeeded."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
