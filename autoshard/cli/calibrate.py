@@ -203,20 +203,25 @@ def calibrate(a: argparse.Namespace) -> int:
     timings = _median_rows([r["device"] for r in per_rank])
     step = _median_rows([r["step"] for r in per_rank])["step"]
     host = platform.node() or "host"
-    device_prof, by_dtype, step_details = fit_device_profile(
-        timings, step, device, f"calibrated {device.type} ({host})"
-    )
-    network, fit = None, None
-    if samples:
-        fit = fit_network(
-            [
-                CollectiveSample(s["kind"], tuple(s["mesh_dims"]), s["group_size"], s["in_bytes"], s["seconds"])
-                for s in samples
-            ],
-            mesh_shape,
-            device_prof.mem_bw,
-            name=f"calibrated {'x'.join(map(str, mesh_shape))} ({host})",
+    try:  # timings too noisy to fit (a busy machine, sizes too small) are the measurement's, not a bug
+        device_prof, by_dtype, step_details = fit_device_profile(
+            timings, step, device, f"calibrated {device.type} ({host})"
         )
+        network, fit = None, None
+        if samples:
+            fit = fit_network(
+                [
+                    CollectiveSample(s["kind"], tuple(s["mesh_dims"]), s["group_size"], s["in_bytes"], s["seconds"])
+                    for s in samples
+                ],
+                mesh_shape,
+                device_prof.mem_bw,
+                name=f"calibrated {'x'.join(map(str, mesh_shape))} ({host})",
+            )
+    except ValueError as err:
+        raise UsageError(
+            f"the timings cannot be fit to a profile ({err}); calibrate again on an idle machine"
+        ) from None
         extra = between_compute_s(
             fit,
             [
@@ -332,8 +337,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         return calibrate(calibrate_parser().parse_args(argv))
-    except ValueError as err:  # UsageError, a fit that cannot be made
-        if int(os.environ.get("RANK", "0")) == 0 or not isinstance(err, UsageError):
+    except UsageError as err:  # bad input, a fit that cannot be made; any other error is a bug: its traceback
+        if int(os.environ.get("RANK", "0")) == 0:
             print(f"error: {err}", file=sys.stderr)
         return 2
     finally:

@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
         if int(os.environ.get("RANK", "0")) == 0:
             print(stop, file=sys.stderr)
         return 128 + stop.signum  # the shell's code for "ended by this signal": not a finished run
-    except ValueError as e:  # UsageError, unknown model, infeasible constraints...
+    except UsageError as e:  # bad input, found alike on every rank; any other error is a bug: its traceback
         print_once_per_host(f"error: {e}")
         return 2
     finally:

@@ -37,6 +37,7 @@ from autoshard.capture.regions import find_repeated_blocks
 from autoshard.capture.repeat import trace_step
 from autoshard.capture.trace import mark_outputs
 from autoshard.driver.config import ROLES, UNIMPLEMENTED_ROLES, PlanConfig, role_of
+from autoshard.driver import limits
 from autoshard.driver.fit import FitSteps, fit_memory, solving_here
 from autoshard.driver.ranks import RankZeroPlanning, in_process_group
 from autoshard.driver.replicas import fix_replicate_dim
@@ -333,7 +334,7 @@ class AutoShard:
         for every rank."""
         if planning is not None:
             return lambda problem, cutoff=None: _outside_modes(planning.solve_problem, problem, cutoff)
-        return lambda problem, cutoff=None: solver.solve(
+        return lambda problem, cutoff=None: limits.solve(
             problem, backend=self.config.backend, time_limit=self.config.time_limit, cutoff=cutoff
         )
 
@@ -386,7 +387,7 @@ class AutoShard:
         matches when `fqn` names no parameter."""
         if self.sharding is None or self.plan is None or self.planner is None:
             raise ValueError("nothing to explain: call optimize() first")
-        with self._stage("explain"):
+        with self._stage("explain"), limits.within_time_limit(self.config.time_limit):
             return explain(
                 self.sharding,
                 self.plan,

@@ -46,6 +46,7 @@ from typing import Callable, TypeVar
 
 import autoshard_solver as solver
 
+from autoshard.driver import limits
 from autoshard.pricing.planner import Planner
 from autoshard.problem.build import ProblemSpec, ShardingProblem, with_options
 from autoshard.problem.memory import (
@@ -121,7 +122,7 @@ def solving_here(
     one the fit waits for first)."""
     gate = threading.Semaphore(AT_ONCE)
     return lambda problem, cutoff: in_background(
-        lambda: solver.solve(problem, backend=backend, time_limit=time_limit, diagnose=False, cutoff=cutoff), gate
+        lambda: limits.solve(problem, backend=backend, time_limit=time_limit, diagnose=False, cutoff=cutoff), gate
     )
 
 

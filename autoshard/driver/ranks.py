@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 import autoshard_solver as solver
 
+from autoshard.driver import limits
 from autoshard.driver.fit import AT_ONCE, FitSteps, in_background
 from autoshard.options import UsageError
 from autoshard.problem.build import ShardingProblem
@@ -111,7 +112,7 @@ class RankZeroPlanning:
         self.time_limit = time_limit
 
     def _solve(self, problem: solver.Problem, diagnose: bool = True, cutoff: float | None = None) -> solver.Solution:
-        return solver.solve(problem, backend=self.backend, time_limit=self.time_limit, diagnose=diagnose, cutoff=cutoff)
+        return limits.solve(problem, backend=self.backend, time_limit=self.time_limit, diagnose=diagnose, cutoff=cutoff)
 
     def solve(self, sharding: ShardingProblem) -> solver.Solution:
         """Every rank calls this with the problem it built; rank 0's answer for all."""
@@ -178,6 +179,8 @@ class RankZeroPlanning:
             return ("infeasible", str(err), None)
         except solver.NoBetterError as err:
             return ("no better", str(err), err.bound)
+        except limits.TimeLimitError as err:  # every rank's one error line
+            return ("usage", str(err), None)
 
     @staticmethod
     def _answer(outcome: Callable[[], tuple[str, str, float | None]]) -> solver.Solution:
@@ -187,6 +190,8 @@ class RankZeroPlanning:
             raise solver.InfeasibleError(payload)
         if kind == "no better":
             raise solver.NoBetterError(payload, bound)
+        if kind == "usage":
+            raise limits.TimeLimitError(payload)
         return solver.Solution.from_json(payload)
 
     def fit_steps(self, dry_runs: bool = True) -> FitSteps:

@@ -4,11 +4,14 @@ A checkpoint is written to `step-NNNNNN.tmp/` and renamed once every rank's part
 metadata are on disk, so a `step-*` directory is complete unless the disk lost it since. Saves
 are asynchronous by default (DCP's `async_save` on a process group of their own: the next steps
 run while it writes), at most one in flight; rank 0 renames a finished one and deletes the oldest
-beyond `keep`. Resuming takes the newest checkpoint that loads, warning about any it skips.
+beyond `keep`. Resuming takes the newest checkpoint that loads, warning about any it skips. A save
+the disk refuses (full, read-only) stops the run with one `CheckpointWriteError` line; its
+temporary directory is removed and the newest complete checkpoint stays as it was.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -17,8 +20,12 @@ import shutil
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 import torch.distributed as dist
+
+from autoshard.options import UsageError
+from autoshard.train.disk import reason, write_error
 
 log = logging.getLogger("autoshard")
 
@@ -108,6 +115,11 @@ def _reason(err: BaseException) -> str:
     return f"{type(err).__name__}: {' '.join(str(err).split())[:160]}"
 
 
+class CheckpointWriteError(UsageError):
+    """The disk refused a checkpoint (no space, read-only, no permission): the user's to fix, one
+    line naming the cause and the newest complete checkpoint, which the failed save left intact."""
+
+
 class Checkpointer:
     """Saves of one run, made by every rank alike. `keep`: complete checkpoints kept (0: all);
     `asynchronous`: DCP's async_save on a gloo group of its own, at most one save in flight."""
@@ -134,12 +146,13 @@ class Checkpointer:
             return
         self.finish()
         tmp = self.root / f"step-{step:06d}.tmp"
-        if self.group is None or wait:
-            dcp.save(_state(pmodel, optim), checkpoint_id=str(tmp))
-            self._complete(step, tmp)
-        else:  # the state is staged (copied) now; the writing overlaps the next steps
-            future = dcp.async_save(_state(pmodel, optim), checkpoint_id=str(tmp), process_group=self.group)
-            self.pending = (step, tmp, future)
+        with self._writing(step, tmp):
+            if self.group is None or wait:
+                dcp.save(_state(pmodel, optim), checkpoint_id=str(tmp))
+                self._complete(step, tmp)
+            else:  # the state is staged (copied) now; the writing overlaps the next steps
+                future = dcp.async_save(_state(pmodel, optim), checkpoint_id=str(tmp), process_group=self.group)
+                self.pending = (step, tmp, future)
 
     def poll(self) -> None:
         """Complete a save that has finished writing (cheap; call once a step)."""
@@ -151,8 +164,31 @@ class Checkpointer:
         if self.pending is not None:
             step, tmp, future = self.pending
             self.pending = None
-            future.result()  # on rank 0 this returns once every rank's part and the metadata are written
-            self._complete(step, tmp)
+            with self._writing(step, tmp):
+                future.result()  # on rank 0 this returns once every rank's part and the metadata are written
+                self._complete(step, tmp)
+
+    @contextlib.contextmanager
+    def _writing(self, step: int, tmp: Path) -> Iterator[None]:
+        """Around the writing of checkpoint `step` into `tmp`: a failure removes `tmp` (rank 0),
+        and one the disk explains (every rank gets DCP's gathered failures) becomes a
+        CheckpointWriteError naming the newest complete checkpoint; any other is raised as it is."""
+        from torch.distributed.checkpoint import CheckpointException  # a BaseException, not an Exception
+
+        try:
+            yield
+        except (OSError, CheckpointException) as err:
+            cause = write_error(err, tmp if tmp.is_dir() else self.root)  # before removing: the disk still full
+            if dist.get_rank() == 0:
+                shutil.rmtree(tmp, ignore_errors=True)  # never a complete checkpoint: no step.json, and gone
+            if cause is None:
+                raise
+            newest = self.newest
+            raise CheckpointWriteError(
+                f"cannot write checkpoint {tmp.with_name(f'step-{step:06d}')}: {reason(cause)}; the newest "
+                "complete checkpoint is "
+                + (f"{newest.path}, intact (the same command resumes from it)" if newest is not None else "none")
+            ) from None
 
     def _complete(self, step: int, tmp: Path) -> None:
         if dist.get_rank() != 0:

@@ -13,14 +13,17 @@ from __future__ import annotations
 import json
 import math
 import os
+import pickle
 import shutil
 import tempfile
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
+from autoshard.options import UsageError
 from autoshard.train.checkpoints import Checkpoint, checkpoints
 from autoshard.workloads import get_workload
 
@@ -67,6 +70,30 @@ def _checkpoint(run: Path, step: int | None) -> Checkpoint:
     )
 
 
+def _metadata(ckpt: Checkpoint, reader: Any, run: Path) -> Any:
+    """The checkpoint's DCP metadata, once every file it names is there in full: a damaged
+    checkpoint is one line naming the missing file, found before anything is written (DCP's
+    loader would fail halfway, with a traceback per rank)."""
+    others = [str(c.step) for c in reversed(checkpoints(run)) if c.step != ckpt.step]
+    hint = f" (export another with --step: {', '.join(others)})" if others else ""
+    try:
+        metadata = reader.read_metadata()
+    except FileNotFoundError:
+        raise UsageError(f"{ckpt.path}: damaged checkpoint: its .metadata is missing{hint}") from None
+    except (OSError, EOFError, pickle.UnpicklingError) as err:
+        raise UsageError(f"{ckpt.path}: damaged checkpoint: its .metadata cannot be read ({err}){hint}") from None
+    needed: dict[str, int] = {}  # file -> the bytes the metadata says it holds
+    for info in metadata.storage_data.values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    for name, size in sorted(needed.items()):
+        file = ckpt.path / name
+        if not file.is_file():
+            raise UsageError(f"{ckpt.path}: damaged checkpoint: {name} is missing{hint}")
+        if (has := file.stat().st_size) < size:
+            raise UsageError(f"{ckpt.path}: damaged checkpoint: {name} is truncated to {has} of its {size} bytes{hint}")
+    return metadata
+
+
 def _shards(sizes: dict[str, int], limit: int) -> list[list[str]]:
     """Tensor names in checkpoint order, grouped into files of at most `limit` bytes (a larger
     tensor alone)."""
@@ -108,7 +135,7 @@ def export_hf(
     reader = FileSystemReader(str(ckpt.path))
     tensors = {
         key.removeprefix("model."): meta
-        for key, meta in reader.read_metadata().state_dict_metadata.items()
+        for key, meta in _metadata(ckpt, reader, run).state_dict_metadata.items()
         if key.startswith("model.") and hasattr(meta, "size")
     }
     names = {fqn: form.name(fqn) for fqn in tensors}

@@ -63,6 +63,7 @@ def load_config(path: str | Path) -> Any:
     model_type = data["model_type"]
     if model_type not in transformers.CONFIG_MAPPING:
         raise ValueError(f"hf:{file}: transformers {transformers.__version__} knows no model_type {model_type!r}")
+    _check_sizes(data, transformers.CONFIG_MAPPING[model_type], file)
     data = {k: v for k, v in data.items() if k not in ("dtype", "torch_dtype")}  # fp32: the numerics contract
     try:
         config = transformers.CONFIG_MAPPING[model_type].from_dict(data, attn_implementation="sdpa")
@@ -70,6 +71,30 @@ def load_config(path: str | Path) -> Any:
         raise ValueError(f"hf:{file}: transformers rejects the config ({type(err).__name__}: {err})") from None
     causal_lm_class(config, file)  # fail now, not at build
     return training_config(config)
+
+
+# the sizes a causal LM's config gives (under these names, or its class's `attribute_map` aliases)
+SIZES = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "max_position_embeddings",
+)
+
+
+def _check_sizes(data: dict, config_class: Any, file: Path) -> None:
+    """Every size the file gives is a positive integer: transformers takes `"hidden_size": -8` or
+    0 layers as they are, and the model then fails deep in building or tracing (or plans a model of
+    nothing). Null (the class's default) is left to transformers."""
+    aliases = getattr(config_class, "attribute_map", {}) or {}
+    for name in (*SIZES, *(aliases[s] for s in SIZES if s in aliases)):
+        value = data.get(name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f'hf:{file}: "{name}" is {json.dumps(value)}; a size must be a positive integer')
 
 
 def training_config(config: Any) -> Any:
