@@ -204,7 +204,7 @@ def test_resume_no_refuses_an_earlier_runs_checkpoints(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.splitlines() == [
         f"error: --resume no: {out / 'checkpoints'} holds an earlier run's checkpoints "
-        "(newest step 2); remove them, choose another --out, or resume (--resume auto)"
+        "(newest step 2); choose another --out, resume (--resume auto), or --overwrite to replace that run"
     ]
 
 

@@ -41,10 +41,13 @@ from autoshard.runtime.dryrun import DryRunResult
 from autoshard.runtime.module import ParallelModule
 from autoshard.runtime.wire import WireMeter, wire_row
 from autoshard.train.checkpoints import Checkpoint, Checkpointer, resume_newest
+from autoshard.train.disk import check_out
 from autoshard.train.metrics import MetricsFile, memory_row, memory_tracker, peak_rss_mb, step_time_line
 from autoshard.train.resume import apply_optimizer_settings, resume_check, run_changes
+from autoshard.train.rundir import RunDirLock, first_attempt, refuse_earlier_run, run_directory
 from autoshard.train.settings import Settings
 from autoshard.train.signals import Preempted, StopSignals
+from autoshard.train.supervision import AgentWatch
 from autoshard.workloads import Workload, checkpoint_values, get_workload
 
 log = logging.getLogger("autoshard")
@@ -230,10 +233,15 @@ def train(settings: Settings) -> list[float]:
     scheduler's signal stopped it (after a checkpoint)."""
     from autoshard_models.train_single import TrainSettings, make_optimizer
 
+    check_out(Path(settings.out), settings.checkpoint_every > 0)  # first: a bad --out fails every rank alike
     workload = _workload(settings)
     initial = _initial_values(settings, workload)  # every rank: a bad checkpoint fails them together
     out = Path(settings.out)
-    resuming = resume_check(settings, out)
+    overwrite = settings.overwrite and first_attempt()  # a restart resumes what this job wrote
+    RunDirLock(out).refuse_if_held()  # every rank, before anything else about --out: "in use" says it all
+    resuming = not overwrite and resume_check(settings, out)
+    if not resuming and not overwrite:
+        refuse_earlier_run(out)
     own = _own_plan(out) if resuming else None
     # every rank reads the run's plan.json before rank 0 rewrites it: a refusal fails them together
     changes = run_changes(settings, own.data.get("settings") or {}, out) if own is not None else {}
@@ -242,13 +250,16 @@ def train(settings: Settings) -> list[float]:
     else:
         saved = own
     _check_profiles(settings)
-    with StopSignals() as signals:  # from here on a SIGTERM stops the run cleanly
+    with contextlib.ExitStack() as held:
+        signals = held.enter_context(StopSignals())  # from here on a SIGTERM stops the run cleanly
+        held.enter_context(AgentWatch())  # and a worker whose torchrun agent died stops too
         mesh, device = _init_distributed(settings)
+        rank = dist.get_rank()
+        logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, format="%(message)s", force=True)
+        held.enter_context(run_directory(out, overwrite))  # this run's alone until it ends
         why = tc.inductor_unavailable(device) if settings.compile else None
         if why is not None:  # every rank alike, before planning
             raise UsageError(f"--compile: {why}")
-        rank = dist.get_rank()
-        logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, format="%(message)s", force=True)
         profiled = settings.with_default_profiles(device)  # profiles not named: those of where it runs
         log.info(
             "autoshard train: %s on mesh %s (%s), %s/%s profiles",
@@ -281,9 +292,9 @@ def train(settings: Settings) -> list[float]:
             losses = _steps(settings, workload, run, optim, metrics, checkpointer, signals, start_step)
         finally:
             checkpointer.finish()  # a save in flight completes, whatever stopped the steps
-    dist.barrier()  # nobody tears the process group down while a peer still talks
-    if rank == 0:
-        _finish(settings, run, metrics, bool(losses))
+        dist.barrier()  # nobody tears the process group down while a peer still talks
+        if rank == 0:
+            _finish(settings, run, metrics, bool(losses))
     return losses
 
 

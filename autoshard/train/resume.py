@@ -31,7 +31,7 @@ def resume_check(settings: Settings, out: Path) -> bool:
         if job is None or newest.run_id != job:
             raise UsageError(
                 f"--resume no: {out / 'checkpoints'} holds an earlier run's checkpoints (newest step "
-                f"{newest.step}); remove them, choose another --out, or resume (--resume auto)"
+                f"{newest.step}); choose another --out, resume (--resume auto), or --overwrite to replace that run"
             )
     return newest is not None
 

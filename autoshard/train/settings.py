@@ -86,6 +86,11 @@ class Settings(PlanConfig):
         "--seq, --batch or --data-seed than the run's unless force (recorded in metrics.jsonl); "
         "--lr applies to the restored optimizer",
     )
+    overwrite: bool = setting(
+        False,
+        help="start over in an --out that holds an earlier run, deleting its metrics, plan, report and "
+        "checkpoints (without it such a start refuses; a torchrun restart of this job resumes as usual)",
+    )
     wire_step: int = setting(
         0, type=int, help="meter step K's collectives into its metrics row (slows that step; 0: never)"
     )
@@ -109,6 +114,8 @@ class Settings(PlanConfig):
         self.check_batch(self.batch)
         if self.resume not in RESUME_MODES:
             raise ValueError(f"--resume must be one of {', '.join(RESUME_MODES)}, got {self.resume!r}")
+        if self.overwrite and self.resume in ("yes", "force"):
+            raise ValueError(f"--overwrite starts over: it cannot be combined with --resume {self.resume}")
         for name in ("checkpoint_every", "keep_checkpoints", "wire_step", "memory_step", "prefetch"):
             if getattr(self, name) < 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
