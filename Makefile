@@ -72,7 +72,7 @@ test-torch-2.11: $(STAMP_OLD)
 
 train: $(STAMP)
 	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc_per_node=4 -m autoshard train \
-		--model llama3-debug --mesh 2x2 --batch 8 --seq 64 --steps 30 --out runs/debug
+		--model llama3-debug --mesh 2x2 --batch 8 --seq 64 --steps 30 --out runs/debug --overwrite
 	@echo "sharding log: runs/debug/sharding.log   report: runs/debug/report.html   plan: runs/debug/plan.json   metrics: runs/debug/metrics.jsonl"
 
 lint: $(STAMP)
