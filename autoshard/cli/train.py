@@ -42,7 +42,7 @@ import torch.distributed as dist
 from autoshard.cli.args import RaisingArgumentParser, add_dataclass_arguments
 from autoshard.options import UsageError, from_values
 from autoshard.train.loop import train
-from autoshard.train.signals import Preempted
+from autoshard.train.signals import Interrupted, Preempted
 from autoshard.train.settings import Settings
 
 
@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     handlers, level = root.handlers[:], root.level  # train configures logging for its run; put it back
     try:
         train(_parse(argv))
-    except Preempted as stop:  # checkpointed: the same command resumes
+    except (Preempted, Interrupted) as stop:  # checkpointed, or stopped while planning: the same command resumes
         if int(os.environ.get("RANK", "0")) == 0:
             print(stop, file=sys.stderr)
         return 128 + stop.signum  # the shell's code for "ended by this signal": not a finished run

@@ -91,7 +91,8 @@ AT_ONCE = 2  # solves run at once: the asked option's budgeted one and one start
 def in_background(work: Callable[[], T], gate: threading.Semaphore | None = None) -> Callable[[], T]:
     """Start `work` on a thread of its own (once `gate` lets it); the call returned waits for it
     and returns its result or raises its exception. A daemon thread: a solve nobody waits for
-    (the fit failed) does not hold the process at exit."""
+    (the fit failed, a signal stopped the wait: a join is interruptible, a solve in C is not)
+    does not hold the process at exit."""
     outcome: list = []
 
     def run() -> None:

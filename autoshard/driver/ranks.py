@@ -15,6 +15,7 @@ others' hang.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import threading
@@ -68,7 +69,9 @@ class RankZeroFailed(RuntimeError):
 def on_rank_zero(work: Callable[[], T]) -> T:
     """Rank 0's `work()`, on every rank. An exception in `work` on rank 0 is raised on every
     rank, rank 0's own there and a `RankZeroFailed` naming it elsewhere: the other ranks would
-    otherwise wait for rank 0's broadcast until the process group times out (30 minutes)."""
+    otherwise wait for rank 0's broadcast until the process group times out (30 minutes). An
+    interrupt of rank 0 meanwhile (KeyboardInterrupt, a stop signal: not an `Exception`) is
+    raised on every rank as it is: the others stop as rank 0 does, not on a broken connection."""
     outcome: tuple[str, Any] = ("", None)
     failure: BaseException | None = None
     if dist.get_rank() == 0:
@@ -76,7 +79,13 @@ def on_rank_zero(work: Callable[[], T]) -> T:
             outcome = ("ok", work())
         except Exception as err:  # noqa: BLE001 - every rank must hear of it
             outcome, failure = ("failed", f"{type(err).__name__}: {err}"), err
+        except BaseException as err:
+            with contextlib.suppress(Exception):  # the others may be stopping too (one signal to all)
+                broadcast(("interrupted", err))
+            raise
     kind, payload = broadcast(outcome)
+    if kind == "interrupted":
+        raise payload
     if kind == "failed":
         if failure is not None:
             raise failure
@@ -134,8 +143,8 @@ class RankZeroPlanning:
             if saved is not None:
                 log.info("autoshard: reusing the solution in %s", saved.source)
                 return ("ok", saved.solution)
-            try:
-                return ("ok", self._solve(sharding.problem).to_json())
+            try:  # on a thread: rank 0 waits for it where a signal can interrupt it
+                return ("ok", in_background(lambda: self._solve(sharding.problem))().to_json())
             except ValueError as e:  # infeasible constraints: a usage error on every rank
                 return ("error", str(e))
 
@@ -150,7 +159,7 @@ class RankZeroPlanning:
         """Rank 0 solves `problem` for every rank (InfeasibleError on every rank when nothing is
         feasible; `diagnose=False` skips finding out why, for callers that expect it;
         NoBetterError on every rank when nothing costs less than `cutoff`)."""
-        return self._answer(lambda: self._outcome(problem, cutoff, diagnose))
+        return self.start_problem(problem, cutoff, diagnose=diagnose)()
 
     def start_problem(
         self,

@@ -206,7 +206,7 @@ def memory_block(memory: dict | None) -> str:
                 else f'<span class="warn">does not fit ({escape(human_bytes(peak - capacity))} over)</span>'
             )
             out.append(
-                f"<p>rank {r['rank']}: peak {escape(human_bytes(peak))} in the {escape(r['phase'])} of "
+                f"<p>rank {escape(r['rank'])}: peak {escape(human_bytes(peak))} in the {escape(r['phase'])} of "
                 f"{escape(human_bytes(capacity))} on {escape(memory.get('device'))} ({share:.0%}): {verdict}</p>"
             )
             out.append(
@@ -220,7 +220,7 @@ def memory_block(memory: dict | None) -> str:
             )
         else:
             out.append(
-                f"<p>rank {r['rank']}: peak {escape(human_bytes(peak))} in the {escape(r['phase'])} "
+                f"<p>rank {escape(r['rank'])}: peak {escape(human_bytes(peak))} in the {escape(r['phase'])} "
                 "(no device capacity given)</p>"
             )
         segments = [

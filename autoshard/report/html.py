@@ -79,7 +79,7 @@ def layout_caption(shape: Sequence[int], layout: str, mesh_shape: Sequence[int],
     parts = []
     for td, mds in lay.order:
         axis = ("rows" if td == 0 else "columns" if td == 1 else "not drawn") if len(shape) >= 2 else "across"
-        steps = " then ".join(f"{_md(m, names)}&times;{mesh_shape[m]}" for m in mds)
+        steps = " then ".join(f"{_md(m, names)}&times;{_e(mesh_shape[m])}" for m in mds)
         parts.append(f"dim {td} ({axis}) split by {steps}")
     rep = [i for i, p in enumerate(lay.placements) if p.kind == "R"]
     partial = [i for i, p in enumerate(lay.placements) if p.kind == "P"]
@@ -266,16 +266,16 @@ def collectives_section(report: dict, colors: dict[str, str]) -> str:
         return '<section id="collectives"><h2>Collectives</h2><p>None: every rank computes on its own.</p></section>'
     biggest = max(sizes.values(), default=0.0) or 1.0
     rows = "".join(
-        f'<tr><td class="mono">{_e(k)}</td><td class="num">{counts.get(k, 0)}</td>'
-        + (f'<td class="num">{program.get(k, 0)}</td>' if program is not None else "")
+        f'<tr><td class="mono">{_e(k)}</td><td class="num">{_e(counts.get(k, 0))}</td>'
+        + (f'<td class="num">{_e(program.get(k, 0))}</td>' if program is not None else "")
         + f'<td class="num">{_e(human_bytes(sizes.get(k, 0.0)))}</td>'
         f'<td class="num">{_e(human_time(seconds.get(k, 0.0)))}</td>'
         f"<td>{_bar([(k, sizes.get(k, 0.0), _color(k, colors))], biggest, width=300, height=12)}</td></tr>"
         for k in kinds
     )
     total = (
-        f'<tr><th>total</th><th class="num">{sum(counts.values())}</th>'
-        + (f'<th class="num">{sum(program.values())}</th>' if program is not None else "")
+        f'<tr><th>total</th><th class="num">{_e(sum(counts.values()))}</th>'
+        + (f'<th class="num">{_e(sum(program.values()))}</th>' if program is not None else "")
         + f'<th class="num">{_e(human_bytes(t.get("comm_bytes", 0.0)))}</th>'
         f'<th class="num">{_e(human_time(t.get("comm_s", 0.0)))}</th><th></th></tr>'
     )
@@ -309,8 +309,8 @@ def summary_section(report: dict, names: Sequence[str], colors: dict[str, str]) 
         (
             "mesh",
             f"{_e(_shape(mesh))} = "
-            + " &times; ".join(f"{_md(i, names)}&nbsp;=&nbsp;{size}" for i, size in enumerate(mesh))
-            + f" ({math.prod(mesh)} ranks)",
+            + " &times; ".join(f"{_md(i, names)}&nbsp;=&nbsp;{_e(size)}" for i, size in enumerate(mesh))
+            + f" ({_e(math.prod(mesh))} ranks)",
         )
     ]
     if isinstance(run, dict):
@@ -368,7 +368,7 @@ def summary_section(report: dict, names: Sequence[str], colors: dict[str, str]) 
     items.append(
         (
             "parameters",
-            f"{t['params']}, {t['non_default_order_params']} in non-default device order; "
+            f"{_e(t['params'])}, {_e(t['non_default_order_params'])} in non-default device order; "
             f"{_e(human_bytes(t['param_bytes_per_rank']))} per rank",
         )
     )

@@ -271,6 +271,7 @@ def train(settings: Settings) -> list[float]:
         )
 
         run = _plan(profiled, workload, mesh, saved)
+        signals.arm()  # planned: a signal before this stopped the run at once, from here on it checkpoints
         if rank == 0:
             _write_report(settings, run)
         run.pmodel.load_full(initial)
