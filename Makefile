@@ -45,7 +45,7 @@ install: $(STAMP)
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[test,fast,hf,lint]'
+	$(PY) -m pip install --quiet -e '.[test,fast,hf,data,logging,wandb,lint]'
 	touch $(STAMP)
 
 # Headless chromium for tests/test_report_html.py (renders report.html in a real browser; the test

@@ -31,10 +31,13 @@ class MarkovTokens:
         self.vocab_size = vocab_size
         self.seed = seed
         gen = torch.Generator().manual_seed(seed)
-        # successors[t] = the tokens that may follow t; probs favour the first ones.
-        self.successors = torch.stack(
-            [torch.randperm(vocab_size, generator=gen)[:branching] for _ in range(vocab_size)]
-        )
+        # successors[t] = the tokens that may follow t; probs favour the first ones. Distinct without
+        # a permutation per token (O(vocab^2): vocab 65,536 exhausts memory): a random base plus the
+        # running sums of `branching` random steps in [1, vocab // branching], whose total stays below
+        # vocab, modulo vocab. O(vocab x branching).
+        base = torch.randint(vocab_size, (vocab_size, 1), generator=gen)
+        steps = torch.randint(1, vocab_size // branching + 1, (vocab_size, branching), generator=gen)
+        self.successors = (base + steps.cumsum(1)) % vocab_size
         weights = torch.tensor([2.0**-i for i in range(branching)])
         self.probs = weights / weights.sum()
 

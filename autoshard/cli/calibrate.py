@@ -222,6 +222,7 @@ def calibrate(a: argparse.Namespace) -> int:
         raise UsageError(
             f"the timings cannot be fit to a profile ({err}); calibrate again on an idle machine"
         ) from None
+    if fit is not None:
         extra = between_compute_s(
             fit,
             [

@@ -25,6 +25,10 @@ rank, measured the same way as any other program) and adds them to that step's m
 `--memory-step K` measures step K's live memory on every rank with torch's MemTracker, beside the
 dry run's estimate. `--compile` runs the program through torch.compile from step 2 on (step 1 is the
 checked run); the step that compiles logs its compile time and carries `compile_s` in its row.
+AdamW's lr follows `--lr-schedule` after `--warmup-steps` (torch's lr schedulers; a resume continues
+it at its step), `--weight-decay` applies to matrices only, and `--grad-clip` clips by the global
+gradient norm, which every row logs (`grad_norm`) beside `lr`, `mfu` and tokens/s per device; the
+rows also go to TensorBoard (`--out`/tensorboard, when installed) and W&B (`--wandb PROJECT`).
 Run without torchrun, it trains on one process (a world of 1).
 """
 

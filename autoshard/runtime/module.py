@@ -3,6 +3,7 @@
     pmodel = parallelize(plan, mesh, model)       # model real: its values are sharded in
     pmodel.init_weights(seed)                     # model on meta: same values as single-device
     loss = pmodel(*pmodel.shard_inputs(*batch))   # or local shards in the plan's input layouts
+    loss = pmodel(*pmodel.local_inputs(*rows))    # or from this rank's rows alone (`input_rows(i)`)
     loss.backward(); optim.step()                 # AdamW over pmodel.parameters() (DTensors)
 
 Parameters and buffers keep the original FQNs, so `state_dict()` has the original keys with DTensor
@@ -102,6 +103,7 @@ class ParallelModule(nn.Module):
         non_persistent = tc.non_persistent_buffer_names(template)
         shapes = dict(template.named_parameters()) | dict(template.named_buffers())
         object.__setattr__(self, "_owners", {})  # FQN -> (owning module, attribute), found once
+        object.__setattr__(self, "_input_index", {})  # input -> its index sets (`input_index`), found once
         for fqn in program.param_names:
             self._empty(fqn, shapes[fqn], plan.param_layouts[fqn], parameter=True)
         for fqn in program.buffer_names:
@@ -184,6 +186,54 @@ class ParallelModule(nn.Module):
                 raise ValueError(f"input {i}: global shape {tuple(x.shape)}, the plan was made for {shape}")
             x = x.to(self.mesh.device_type)
             out.append(tc.distribute_local(x, self.mesh, layout.to_torch_placements(self.mesh)))
+        return tuple(out)
+
+    def input_index(self, i: int) -> tuple[torch.Tensor, ...]:
+        """Per dim, the global indices this rank's shard of input `i` holds, in local order: a
+        block shard is the Cartesian product of these sets. Found by sharding index tensors as the
+        input is sharded, so that a loader reads only its rows (`input_rows`) and `local_inputs`
+        cuts the rest (any layout, device order included); computed once per input."""
+        cached = self._input_index.get(i)
+        if cached is not None:
+            return cached
+        shape, layout = self.program.input_shapes[i]
+        if any(p.kind == "P" for p in layout.placements):
+            raise ValueError(f"input {i}: layout {layout} is partial; an input holds values, not partial sums")
+        placements = layout.to_torch_placements(self.mesh)
+        sets = []
+        for d, size in enumerate(shape):
+            view = [1] * len(shape)
+            view[d] = size
+            index = torch.arange(size, device=self.mesh.device_type).view(view).expand(shape)
+            local = tc.distribute_local(index, self.mesh, placements)
+            if local.numel() == 0:  # an empty shard: only the count matters
+                sets.append(torch.zeros(local.shape[d], dtype=torch.int64, device=local.device))
+            else:
+                sets.append(local[tuple(slice(None) if k == d else 0 for k in range(len(shape)))])
+        self._input_index[i] = tuple(sets)
+        return self._input_index[i]
+
+    def input_rows(self, i: int) -> torch.Tensor:
+        """The rows (indices along dim 0, the batch) of input `i` that this rank holds: ranks that
+        share a data-parallel coordinate hold the same rows, and no two coordinates share one."""
+        return self.input_index(i)[0]
+
+    def local_inputs(self, *row_inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """This rank's inputs from the rows `input_rows(i)` names of each input (whole along the
+        other dims): what `shard_inputs` cuts from the global inputs, without anyone building them."""
+        if len(row_inputs) != len(self.program.input_shapes):
+            raise ValueError(f"the plan has {len(self.program.input_shapes)} inputs, got {len(row_inputs)}")
+        out = []
+        for i, (x, (shape, _)) in enumerate(zip(row_inputs, self.program.input_shapes)):
+            index = self.input_index(i)
+            want = (len(index[0]), *shape[1:])
+            if tuple(x.shape) != want:
+                raise ValueError(f"input {i}: rows of shape {tuple(x.shape)}, this rank holds {want} of {shape}")
+            x = x.to(self.mesh.device_type)
+            for d in range(1, len(shape)):
+                if len(index[d]) != shape[d]:  # split on this dim too (e.g. the sequence over tp)
+                    x = x.index_select(d, index[d])
+            out.append(x.contiguous())
         return tuple(out)
 
     # ------------------------------------------------------------------ running

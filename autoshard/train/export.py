@@ -1,7 +1,8 @@
 """A training run's checkpoint as a Hugging Face model directory (`export --hf OUT`).
 
 The weights of one checkpoint (the newest complete one, or a given step) go into safetensors files
-under the names transformers expects (the workload's `hf_format`), beside the model's config.json;
+under the names transformers expects (the workload's `hf_format`), beside the model's config.json
+(and the run's `--tokenizer` files, so that AutoTokenizer loads from OUT too);
 past `max_shard_bytes` they are split into several files with a `model.safetensors.index.json`, as
 `save_pretrained` writes them. Tensors are read from the DCP checkpoint one file's worth at a
 time, so the whole model is never in memory at once. Everything is written into a temporary
@@ -23,6 +24,7 @@ from typing import Any
 
 import torch
 
+from autoshard.data.text import tokenizer_files
 from autoshard.options import UsageError
 from autoshard.train.checkpoints import Checkpoint, checkpoints
 from autoshard.workloads import get_workload
@@ -129,6 +131,8 @@ def export_hf(
     settings = _run_settings(run)
     ckpt = _checkpoint(run, step)
     workload = get_workload(settings["model"], int(settings.get("seq", 1)))
+    if settings.get("vocab_size") and workload.resize_vocab is not None:  # trained with a tokenizer's vocabulary
+        workload = workload.resize_vocab(int(settings["vocab_size"]))
     if workload.hf_format is None:
         raise ValueError(f"{workload.name} has no Hugging Face form to export to")
     form = workload.hf_format()
@@ -169,7 +173,7 @@ def export_hf(
             (tmp / INDEX).write_text(
                 json.dumps({"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map}, indent=2) + "\n"
             )
-        for name, text in form.files.items():
+        for name, text in (form.files | tokenizer_files(settings.get("tokenizer"))).items():
             (tmp / name).write_text(text)
         if out.exists():
             out.rmdir()  # empty, checked above

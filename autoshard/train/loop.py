@@ -18,35 +18,33 @@ import json
 import logging
 import math
 import os
-import signal
 import tempfile
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from autoshard import _torch_compat as tc
+from autoshard.data import open_feed
 from autoshard.driver.api import AutoShard
 from autoshard.driver.fit import MemoryLimitError
 from autoshard.driver.ranks import RankZeroPlanning, SavedSolution
 from autoshard.options import UsageError
-from autoshard.problem.plan import Plan
 from autoshard.profiles.files import device_profile, network_profile
 from autoshard.report.files import JSON_NAME, load_metrics, write_html, write_report
 from autoshard.report.text import summary_lines
-from autoshard.runtime.dryrun import DryRunResult
-from autoshard.runtime.module import ParallelModule
-from autoshard.runtime.wire import WireMeter, wire_row
 from autoshard.train.checkpoints import Checkpoint, Checkpointer, resume_newest
 from autoshard.train.disk import check_out
-from autoshard.train.metrics import MetricsFile, memory_row, memory_tracker, peak_rss_mb, step_time_line
+from autoshard.train.loggers import Throughput, close_all, make_loggers
+from autoshard.train.metrics import MetricsFile, step_time_line
+from autoshard.train.optimizer import GradClip, ScheduledOptimizer, at_step, make_optimizer, make_schedule
 from autoshard.train.resume import apply_optimizer_settings, resume_check, run_changes
 from autoshard.train.rundir import RunDirLock, first_attempt, refuse_earlier_run, run_directory
 from autoshard.train.settings import Settings
-from autoshard.train.signals import Preempted, StopSignals
+from autoshard.train.signals import StopSignals
+from autoshard.train.steps import PlannedRun, StepParts, run_steps
 from autoshard.train.supervision import AgentWatch
 from autoshard.workloads import Workload, checkpoint_values, get_workload
 
@@ -61,18 +59,6 @@ class PlanFile:
     data: dict
     source: str
     required: bool
-
-
-@dataclass
-class PlannedRun:
-    """What planning gave a run: the plan, its parallel module, the AutoShard that made it, the
-    fingerprint of the problem it solves, and its dry run."""
-
-    plan: Plan
-    pmodel: ParallelModule
-    auto: AutoShard
-    fingerprint: str
-    memory: DryRunResult
 
 
 # ---------------------------------------------------------------------------------- set-up
@@ -231,10 +217,9 @@ def _write_report(settings: Settings, run: PlannedRun) -> None:
 def train(settings: Settings) -> list[float]:
     """Plan, apply and train; returns this run's per-step losses. Raises `Preempted` when a
     scheduler's signal stopped it (after a checkpoint)."""
-    from autoshard_models.train_single import TrainSettings, make_optimizer
-
     check_out(Path(settings.out), settings.checkpoint_every > 0)  # first: a bad --out fails every rank alike
     workload = _workload(settings)
+    settings, workload, feed = open_feed(settings, workload)  # bad data: every rank alike, before planning
     initial = _initial_values(settings, workload)  # every rank: a bad checkpoint fails them together
     out = Path(settings.out)
     overwrite = settings.overwrite and first_attempt()  # a restart resumes what this job wrote
@@ -256,10 +241,10 @@ def train(settings: Settings) -> list[float]:
         mesh, device = _init_distributed(settings)
         rank = dist.get_rank()
         logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, format="%(message)s", force=True)
-        held.enter_context(run_directory(out, overwrite))  # this run's alone until it ends
         why = tc.inductor_unavailable(device) if settings.compile else None
-        if why is not None:  # every rank alike, before planning
+        if why is not None:  # every rank alike, before planning (and before anything is written)
             raise UsageError(f"--compile: {why}")
+        held.enter_context(run_directory(out, overwrite))  # this run's alone until it ends
         profiled = settings.with_default_profiles(device)  # profiles not named: those of where it runs
         log.info(
             "autoshard train: %s on mesh %s (%s), %s/%s profiles",
@@ -276,27 +261,44 @@ def train(settings: Settings) -> list[float]:
             _write_report(settings, run)
         run.pmodel.load_full(initial)
         del initial
-        optim = make_optimizer(run.pmodel.parameters(), TrainSettings(lr=settings.lr))
+        optim = make_optimizer(run.pmodel.parameters(), settings)
         start = _resume(out, run, optim) if resuming else None
         start_step = start.step if start is not None else 0
         run.pmodel.random.step = start_step  # random ops draw what an uninterrupted run draws
         metrics = MetricsFile(out, start_step if start is not None else None)
         if start is not None:
-            changes |= apply_optimizer_settings(optim, settings)
+            changes |= apply_optimizer_settings(optim, settings, own.data.get("settings") if own else None)
             if changes:  # on the first row this run writes
                 metrics.note_next({"changed_on_resume": changes})
+        parts = _step_parts(settings, run, optim, metrics, start_step if start is not None else None)
+        held.callback(close_all, parts.loggers)
         asynchronous = settings.checkpoint_writes == "async" or (
             settings.checkpoint_writes == "auto" and device == "cuda"
         )
         checkpointer = Checkpointer(out, settings.keep_checkpoints, asynchronous)
         try:
-            losses = _steps(settings, workload, run, optim, metrics, checkpointer, signals, start_step)
+            losses = run_steps(settings, feed, run, parts, checkpointer, signals, start_step)
         finally:
             checkpointer.finish()  # a save in flight completes, whatever stopped the steps
         dist.barrier()  # nobody tears the process group down while a peer still talks
         if rank == 0:
             _finish(settings, run, metrics, bool(losses))
     return losses
+
+
+def _step_parts(
+    settings: Settings, run: PlannedRun, optim: torch.optim.Optimizer, metrics: MetricsFile, resumed_at: int | None
+) -> StepParts:
+    """The step's optimizer with its schedule (at the resumed step), clipping, loggers and
+    throughput figures, from the command line's settings."""
+    schedule = at_step(make_schedule(optim, settings), resumed_at or 0)
+    dtype = settings.precision.param_dtype or next(run.pmodel.parameters()).dtype  # what the matmuls run in
+    return StepParts(
+        ScheduledOptimizer(optim, schedule),
+        GradClip(settings.grad_clip),
+        make_loggers(settings, Path(settings.out), metrics, resumed_at),
+        Throughput(settings.batch * settings.seq, run.plan, run.auto.device, dtype),
+    )
 
 
 def _own_plan(out: Path) -> PlanFile | None:
@@ -317,133 +319,6 @@ def _resume(out: Path, run: PlannedRun, optim) -> Checkpoint | None:
     if found is not None:
         log.info("autoshard train: resumed from %s (step %d)", found.path, found.step)
     return found
-
-
-def _steps(
-    settings: Settings,
-    workload: Workload,
-    run: PlannedRun,
-    optim,
-    metrics: MetricsFile,
-    checkpointer: Checkpointer,
-    signals: StopSignals,
-    start_step: int,
-) -> list[float]:
-    """Steps start_step + 1 .. settings.steps: one metrics row each, checkpoints as asked; stops
-    early on a non-finite loss (UsageError) or a scheduler's signal (Preempted)."""
-    pmodel, plan = run.pmodel, run.plan
-    data = workload.data(settings.data_seed)
-    losses = []
-    reported: set[str] = set()  # program phases whose compile time is logged
-    tokens = settings.batch * settings.seq
-    for step in range(start_step + 1, settings.steps + 1):
-        t0 = time.perf_counter()
-        inputs = pmodel.shard_inputs(*data.batch(step - 1, settings.batch, settings.seq))  # to the mesh's device
-        meter = WireMeter() if step == settings.wire_step else None
-        tracker = memory_tracker(pmodel, optim, inputs) if step == settings.memory_step else None
-        with contextlib.ExitStack() as metering:
-            for m in (meter, tracker):
-                if m is not None:
-                    metering.enter_context(m)
-            loss = pmodel(*inputs)
-            loss.backward()
-            optim.step()
-            optim.zero_grad(set_to_none=True)
-            value = loss.item()
-        elapsed = time.perf_counter() - t0
-        gathered = [None] * dist.get_world_size()  # (peak RSS, a stop signal) of every rank
-        dist.all_gather_object(gathered, (round(peak_rss_mb(), 1), signals.received))
-        peaks = [peak for peak, _ in gathered]
-        if not math.isfinite(value):  # the same loss on every rank: all stop here, nothing saved
-            _broken(step, f"the loss is {value}", checkpointer)
-        losses.append(value)
-        row = {
-            "step": step,
-            "loss": value,
-            "step_s": elapsed,
-            "tokens_per_s": tokens / elapsed,
-            "peak_rss_mb_per_rank": peaks,
-            "modeled_step_s": plan.step_time_s,
-            "modeled_over_measured": plan.step_time_s / elapsed,
-            "modeled_overlapped_step_s": pmodel.program.step.overlapped_s,
-        }
-        if meter is not None:
-            row |= wire_row(meter.stats)  # every rank takes part
-        if tracker is not None:
-            row |= memory_row(tracker, run.memory)  # every rank takes part
-        row |= _compile_entry(pmodel, reported, step)
-        stop = max(signum for _, signum in gathered)
-        if settings.checkpoint_every and step % settings.checkpoint_every == 0:
-            _check_finite(step, pmodel, checkpointer)  # a checkpoint never holds a broken state
-            t1 = time.perf_counter()
-            checkpointer.save(step, pmodel, optim)
-            row["checkpoint_s"] = time.perf_counter() - t1  # what the step loop waited (async: the staging)
-        checkpointer.poll()
-        metrics.append(row)
-        log.info(
-            "step %4d/%d  loss %.4f  %8.0f tok/s  peak rss %.0f MiB  step %.1f ms (modeled %.1f, x%.2f)",
-            step,
-            settings.steps,
-            value,
-            tokens / elapsed,
-            max(peaks),
-            elapsed * 1e3,
-            plan.step_time_s * 1e3,
-            plan.step_time_s / elapsed,
-        )
-        if stop:
-            _stop(step, stop, settings, checkpointer, pmodel, optim)
-    return losses
-
-
-def _broken(step: int, what: str, checkpointer: Checkpointer) -> NoReturn:
-    """Stop the run (every rank alike) naming the newest good checkpoint."""
-    checkpointer.finish()
-    newest = checkpointer.newest
-    raise UsageError(
-        f"step {step}: {what}; the newest good checkpoint is "
-        f"{newest.path if newest else 'none (no checkpoint written)'}"
-    )
-
-
-def _check_finite(step: int, pmodel: ParallelModule, checkpointer: Checkpointer) -> None:
-    """Every rank: stop (naming the newest good checkpoint) unless every parameter shard is finite."""
-    shards = [p.to_local() for p in pmodel.parameters()]
-    flag = torch.tensor([int(all(bool(torch.isfinite(t).all()) for t in shards))], device=shards[0].device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    if not flag.item():
-        _broken(step, "the parameters hold non-finite values", checkpointer)
-
-
-def _stop(step: int, signum: int, settings: Settings, checkpointer: Checkpointer, pmodel, optim) -> None:
-    """A rank got a scheduler's signal: every rank checkpoints this step and raises Preempted."""
-    name = signal.Signals(signum).name
-    log.info("autoshard train: %s received; checkpointing step %d", name, step)
-    _check_finite(step, pmodel, checkpointer)
-    checkpointer.save(step, pmodel, optim, wait=True)
-    path = Path(settings.out) / "checkpoints" / f"step-{step:06d}"
-    raise Preempted(
-        signum,
-        f"autoshard train: stopped by {name} after step {step}; checkpoint {path} (the same command resumes from it)",
-    )
-
-
-def _compile_entry(pmodel: ParallelModule, reported: set[str], step: int) -> dict:
-    """`compile_s` for a step that compiled (part of) the program (its time is mostly compiling),
-    logged once per phase."""
-    compiled = {phase: st for phase, st in pmodel.compile_stats.items() if phase not in reported}
-    if not compiled:
-        return {}
-    reported.update(compiled)
-    log.info(
-        "autoshard train: compiled %s on step %d (rank 0)",
-        ", ".join(
-            f"{phase} in {st.seconds:.1f} s ({st.graphs} graph(s), {st.graph_breaks} graph break(s))"
-            for phase, st in compiled.items()
-        ),
-        step,
-    )
-    return {"compile_s": sum(st.seconds for st in compiled.values())}
 
 
 def _finish(settings: Settings, run: PlannedRun, metrics: MetricsFile, trained: bool) -> None:

@@ -27,6 +27,8 @@ log = logging.getLogger("autoshard")
 
 LOCK_NAME = "autoshard.lock"
 RUN_FILES = ("metrics.jsonl", "plan.json", "report.html", "sharding.log", "checkpoints")  # what a run writes
+# what the optional loggers write beside them: removed with the run it belongs to, not named in a refusal
+RUN_LOGS = ("tensorboard", "wandb")
 
 
 def first_attempt() -> bool:
@@ -59,6 +61,7 @@ def refuse_earlier_run(out: Path) -> None:
 def remove_earlier_run(out: Path) -> None:
     """Delete what an earlier run wrote into `out` (`--overwrite`), nothing else."""
     removed = earlier_run_files(out)
+    removed += [name for name in RUN_LOGS if removed and (out / name).exists()]
     for name in removed:
         path = out / name
         shutil.rmtree(path) if path.is_dir() else path.unlink()

@@ -3,15 +3,31 @@ is a command-line option of `train` (`autoshard.options.setting`): a new setting
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from dataclasses import dataclass
 
 from autoshard.driver.config import PlanConfig
-from autoshard.options import BATCH, INIT_FROM, MODEL, OUT, SEQ, run_name, setting
+from autoshard.data.files import DTYPES as DATA_DTYPES
+from autoshard.options import BATCH, INIT_FROM, MODEL, OUT, SEQ, positive_int, run_name, setting
+from autoshard.train.optimizer import LR_SCHEDULES
 
 
 RESUME_MODES = ("auto", "yes", "no", "force")
 CHECKPOINT_WRITES = ("auto", "async", "sync")
+
+
+def parse_betas(text: str) -> tuple[float, float]:
+    """'0.9,0.95' -> (0.9, 0.95): AdamW's betas, each in [0, 1), else ValueError."""
+    try:
+        betas = tuple(float(b) for b in text.split(","))
+    except ValueError:
+        betas = ()
+    if len(betas) != 2:
+        raise ValueError(f"bad betas {text!r}: expected two numbers B1,B2, e.g. 0.9,0.95")
+    if not all(0 <= b < 1 for b in betas):
+        raise ValueError(f"bad betas {text!r}: each must be in [0, 1)")
+    return betas[0], betas[1]
 
 
 @dataclass(frozen=True)
@@ -25,7 +41,40 @@ class Settings(PlanConfig):
     batch: int = setting(8, BATCH)
     seq: int = setting(64, SEQ)
     steps: int = setting(50, type=int, help="train until this step")
-    lr: float = setting(3e-3, type=float, help="AdamW learning rate")
+    lr: float = setting(3e-3, type=float, help="AdamW's (peak) learning rate")
+    lr_schedule: str = setting(
+        "constant",
+        choices=LR_SCHEDULES,
+        help="the lr over the steps after --warmup-steps: constant; cosine or linear from --lr down to "
+        "--min-lr at the last step; wsd (warmup-stable-decay): --lr, then a linear decay to --min-lr "
+        "over the last --decay-fraction of the steps",
+    )
+    warmup_steps: int = setting(
+        0, type=int, help="raise the lr linearly over the first N steps, from lr/(N+1) at step 1 to --lr at step N+1"
+    )
+    min_lr: float = setting(0.0, type=float, help="the lr cosine, linear and wsd decay to at the last step")
+    decay_fraction: float = setting(
+        0.2, type=float, metavar="F", help="wsd: decay over the last F of the steps (default 0.2)"
+    )
+    weight_decay: float = setting(
+        0.0,
+        type=float,
+        help="AdamW's decoupled weight decay, on matrices (parameters of 2+ dims) only: norms and biases never decay",
+    )
+    betas: tuple[float, float] = setting((0.9, 0.999), type=parse_betas, metavar="B1,B2", help="AdamW's betas")
+    grad_clip: float | None = setting(
+        None,
+        type=float,
+        metavar="MAX_NORM",
+        help="scale the gradients down to this global L2 norm when it is larger (torch's clip_grad_norm_); "
+        "the norm is logged every step (grad_norm) with or without it",
+    )
+    wandb: str | None = setting(
+        None,
+        metavar="PROJECT",
+        help="log every step to this Weights & Biases project too (needs wandb: pip install -e '.[wandb]'; "
+        "WANDB_MODE=offline writes it under --out/wandb without a network)",
+    )
     seed: int = setting(
         0,
         type=int,
@@ -36,6 +85,48 @@ class Settings(PlanConfig):
     data_seed: int = setting(
         0, type=int, help="seed of the training data (the batch of step N is a pure function of it and N)"
     )
+    # --data: train on files (autoshard.data, docs/data.md); without it, the synthetic Markov tokens
+    data: tuple[str, ...] | None = setting(
+        None,
+        action="append",
+        metavar="PATH",
+        help="train on these files instead of synthetic tokens (repeatable): a file, a directory or a glob "
+        "of token files (.bin, .npy) or text (.txt, .jsonl, .parquet: with --tokenizer); see docs/data.md",
+    )
+    data_dtype: str = setting(
+        "auto",
+        choices=DATA_DTYPES,
+        help="the token type of flat .bin files (auto: llm.c's header says, else uint16 when the vocabulary "
+        "has at most 65536 tokens, else uint32)",
+    )
+    tokenizer: str | None = setting(
+        None,
+        metavar="PATH",
+        help="a tokenizer.json, or a Hugging Face model directory with one (local files): tokenizes text "
+        "--data with its EOS token between documents; a llama3 model takes its vocabulary size",
+    )
+    data_cache: str | None = setting(
+        None, metavar="DIR", help="where tokenized text is cached, keyed by content (default ~/.cache/autoshard/tokens)"
+    )
+    vocab_size: int | None = setting(
+        None,
+        type=positive_int,
+        help="a llama3 model's vocabulary size (default: its config's, or with --tokenizer the tokenizer's)",
+    )
+    val_data: tuple[str, ...] | None = setting(
+        None, action="append", metavar="PATH", help="validation files, as --data (repeatable)"
+    )
+    val_fraction: float = setting(
+        0.0,
+        type=float,
+        metavar="F",
+        help="hold out the last documents of --data, about this fraction of its tokens, for validation "
+        "(documents end at --tokenizer's EOS token)",
+    )
+    eval_every: int = setting(
+        0, type=int, metavar="K", help="every K steps, the validation loss and perplexity into the metrics row"
+    )
+    eval_batches: int = setting(8, type=positive_int, metavar="N", help="validation batches per evaluation")
     compile: bool = setting(
         False,
         help="run the program's forward and backward through torch.compile (inductor) "
@@ -83,8 +174,9 @@ class Settings(PlanConfig):
         help="auto: continue from the newest checkpoint in --out that loads, if there is one (also "
         "what a torchrun restart does); yes (or a bare --resume): there must be one; no: start "
         "over, refusing to mix with an earlier run's checkpoints. A resume refuses another --model, "
-        "--seq, --batch or --data-seed than the run's unless force (recorded in metrics.jsonl); "
-        "--lr applies to the restored optimizer",
+        "--seq, --batch, --data, --tokenizer, --vocab-size, --val-fraction or --data-seed than the run's "
+        "unless force (recorded in metrics.jsonl); "
+        "--lr, --betas, --weight-decay, the lr schedule and --grad-clip apply from the resumed step on",
     )
     overwrite: bool = setting(
         False,
@@ -121,3 +213,56 @@ class Settings(PlanConfig):
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
         if not self.bucket_cap_mb > 0:
             raise ValueError(f"--bucket-cap-mb must be positive, got {self.bucket_cap_mb}")
+        self._check_optimizer()
+        self._check_data()
+
+    def _check_optimizer(self) -> None:
+        """The optimizer, schedule and logging flags: each bad value names its flag."""
+        if not self.lr > 0:
+            raise ValueError(f"--lr must be positive, got {self.lr}")
+        if not 0 <= self.min_lr <= self.lr:
+            raise ValueError(f"--min-lr must be between 0 and --lr {self.lr:g}, got {self.min_lr:g}")
+        if not 0 <= self.warmup_steps < self.steps:
+            raise ValueError(f"--warmup-steps must be >= 0 and below --steps {self.steps}, got {self.warmup_steps}")
+        if not 0 < self.decay_fraction <= 1:
+            raise ValueError(f"--decay-fraction must be in (0, 1], got {self.decay_fraction}")
+        if self.lr_schedule == "wsd":
+            decay = max(1, round(self.decay_fraction * self.steps))
+            if self.warmup_steps + decay > self.steps:
+                raise ValueError(
+                    f"--lr-schedule wsd: --warmup-steps {self.warmup_steps} and the decay's {decay} steps "
+                    f"(--decay-fraction {self.decay_fraction:g} of {self.steps}) exceed --steps {self.steps}"
+                )
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            raise ValueError(f"--betas must be two numbers in [0, 1), got {self.betas}")
+        object.__setattr__(self, "betas", (float(self.betas[0]), float(self.betas[1])))
+        if not self.weight_decay >= 0:
+            raise ValueError(f"--weight-decay must be >= 0, got {self.weight_decay}")
+        if self.grad_clip is not None and not self.grad_clip > 0:
+            raise ValueError(f"--grad-clip must be positive (leave it out to not clip), got {self.grad_clip:g}")
+        if self.wandb is not None and importlib.util.find_spec("wandb") is None:
+            raise ValueError(f"--wandb {self.wandb}: wandb is not installed (pip install -e '.[wandb]')")
+
+    def _check_data(self) -> None:
+        """The data flags: each bad value or combination names its flags."""
+        for name in ("data", "val_data"):
+            if getattr(self, name) is not None:  # argparse appends to a list
+                object.__setattr__(self, name, tuple(getattr(self, name)))
+        if not 0 <= self.val_fraction < 1:
+            raise ValueError(f"--val-fraction must be in [0, 1), got {self.val_fraction}")
+        if self.eval_every < 0:
+            raise ValueError(f"--eval-every must be >= 0, got {self.eval_every}")
+        if self.val_data and self.val_fraction:
+            raise ValueError("--val-data and --val-fraction both say what to validate on: give one")
+        needs_data = [f for f, v in (("--tokenizer", self.tokenizer), ("--val-data", self.val_data)) if v]
+        needs_data += ["--val-fraction"] if self.val_fraction else []
+        if needs_data and not self.data:
+            raise ValueError(f"{', '.join(needs_data)} without --data: the synthetic tokens need none")
+        if bool(self.eval_every) != bool(self.val_data or self.val_fraction):
+            raise ValueError(
+                "--eval-every K needs validation data (--val-data or --val-fraction)"
+                if self.eval_every
+                else "validation data (--val-data, --val-fraction) needs --eval-every K"
+            )
+        if self.val_fraction and not self.tokenizer:
+            raise ValueError("--val-fraction holds out by document: it needs --tokenizer (its EOS token ends one)")

@@ -60,6 +60,9 @@ class Workload:
     n_model_inputs: int = 1
     adapt_state_dict: Callable[[dict[str, Any]], dict[str, Any]] = identity_state_dict
     hf_format: Callable[[], HFFormat] | None = None  # None: no Hugging Face form (export refuses)
+    vocab_size: int | None = None  # the tokens it embeds (None: not a token model); data must fit in it
+    # the same model with another vocabulary (a tokenizer's, `--vocab-size`); None: the config's is fixed
+    resize_vocab: Callable[[int], Workload] | None = None
 
 
 def full_state(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -220,6 +220,7 @@ def workload(path: str, seq: int) -> Workload:
         data=lambda seed: token_batches(config.vocab_size, seed),
         initial_state=lambda seed: full_state(build(config, "cpu", seed)),
         hf_format=lambda: hf_format(path),
+        vocab_size=config.vocab_size,
     )
 
 

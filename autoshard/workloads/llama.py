@@ -26,13 +26,20 @@ def names() -> list[str]:
 def resolve(name: str, seq: int) -> Workload | None:
     """The workload of model config `name`, its rope tables long enough for `seq`; None when
     `name` is not one of ours."""
-    from autoshard_models import CONFIGS, build_model, cross_entropy_loss
+    from autoshard_models import CONFIGS
 
     cfg = CONFIGS.get(name)
     if cfg is None:
         return None
     if seq > cfg.max_seq_len:  # rope tables long enough for the asked sequence
         cfg = cfg.with_(max_seq_len=seq)
+    return _workload(name, cfg)
+
+
+def _workload(name: str, cfg: Any) -> Workload:
+    """The workload of config `cfg`; `resize_vocab` gives it another vocabulary (a tokenizer's)."""
+    from autoshard_models import build_model, cross_entropy_loss
+
     return Workload(
         name=name,
         build=lambda device: build_model(cfg, device=device),
@@ -42,6 +49,8 @@ def resolve(name: str, seq: int) -> Workload | None:
         initial_state=lambda seed: full_state(build_model(cfg, device="cpu", seed=seed)),
         adapt_state_dict=from_hf_names,
         hf_format=lambda: HFFormat({"config.json": json.dumps(hf_config(cfg), indent=2) + "\n"}, hf_name),
+        vocab_size=cfg.vocab_size,
+        resize_vocab=lambda n: _workload(name, cfg.with_(vocab_size=n)),
     )
 
 

@@ -1,0 +1,313 @@
+"""The training loop's optimizer, schedule, clipping and logging: every step's lr is torch's own
+schedulers' (a resumed run's too), the gradient norm and clipped losses are a single device's on
+sharded meshes, weight decay skips norms and biases, TensorBoard and W&B get the rows, and bad
+input is one error line."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import shutil
+
+import pytest
+import torch
+from torch.optim import lr_scheduler as sched
+
+from autoshard.cli.train import main
+from autoshard.train.optimizer import make_optimizer, make_schedule
+from autoshard.train.settings import Settings
+from autoshard_models import build_model, get_config
+from autoshard_models.data import MarkovTokens
+from autoshard_models.train_single import step_loss
+from plan_audit import assert_shards
+from test_train import SHARDED_ON_4, TINY, metrics, torchrun
+
+ONE_PROCESS = pytest.mark.replicated_plan  # a world of one: what is checked is the loop, not the plan
+
+
+def settings(**changes) -> Settings:
+    return Settings(**{"model": "llama3-tiny", "mesh": (1,), "batch": 8, "seq": 16, **changes})
+
+
+def torch_lrs(s: Settings) -> list[float]:
+    """The lr of steps 1..steps from torch's schedulers, built here as the docs describe them."""
+    optim = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=s.lr)
+    w, n, floor = s.warmup_steps, s.steps, s.min_lr / s.lr
+    decay = max(1, round(s.decay_fraction * n)) if s.lr_schedule == "wsd" else n - w
+    parts, starts = [], []
+    if w:
+        parts.append(sched.LinearLR(optim, 1 / (w + 1), 1.0, total_iters=w))
+        starts.append(w)
+    if s.lr_schedule == "cosine":
+        parts.append(sched.CosineAnnealingLR(optim, T_max=max(decay - 1, 1), eta_min=s.min_lr))
+    elif s.lr_schedule == "constant":
+        parts.append(sched.ConstantLR(optim, 1.0, total_iters=0))
+    else:
+        if s.lr_schedule == "wsd" and n - w - decay:
+            parts.append(sched.ConstantLR(optim, 1.0, total_iters=0))
+            starts.append(n - decay)
+        parts.append(sched.LinearLR(optim, 1.0, floor, total_iters=max(decay - 1, 1)))
+    schedule = parts[0] if len(parts) == 1 else sched.SequentialLR(optim, parts, milestones=starts)
+    lrs = []
+    for _ in range(n):
+        lrs.append(optim.param_groups[0]["lr"])
+        optim.step()
+        schedule.step()
+    return lrs
+
+
+def closed_form(s: Settings, step: int) -> float:
+    """The same schedule written out: warm-up from lr/(W+1), then the decay to min_lr at the end."""
+    w, n = s.warmup_steps, s.steps
+    if step <= w:
+        return s.lr * step / (w + 1)
+    decay = max(1, round(s.decay_fraction * n)) if s.lr_schedule == "wsd" else n - w
+    u, span = step - (n - decay) - 1, max(decay - 1, 1)  # index into the decay, its length
+    if s.lr_schedule == "constant" or u < 0:
+        return s.lr
+    if s.lr_schedule == "cosine":
+        return s.min_lr + (s.lr - s.min_lr) * (1 + math.cos(math.pi * u / span)) / 2
+    return s.lr - (s.lr - s.min_lr) * u / span
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {},
+        {"warmup_steps": 3},
+        {"lr_schedule": "cosine", "min_lr": 3e-4},
+        {"lr_schedule": "cosine", "warmup_steps": 4, "min_lr": 1e-4},
+        {"lr_schedule": "linear", "warmup_steps": 2},
+        {"lr_schedule": "wsd", "warmup_steps": 2, "min_lr": 1e-4},
+        {"lr_schedule": "wsd", "decay_fraction": 0.5},
+        {"lr_schedule": "cosine", "warmup_steps": 11},  # one step after the warm-up
+    ],
+)
+def test_schedules_are_torchs_schedulers(changes):
+    s = settings(steps=12, **changes)
+    optim = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=s.lr)
+    schedule, got = make_schedule(optim, s), []
+    for _ in range(s.steps):
+        got.append(optim.param_groups[0]["lr"])
+        optim.step()
+        schedule.step()
+    assert got == torch_lrs(s)
+    for step, lr in enumerate(got, 1):
+        assert lr == pytest.approx(closed_form(s, step), rel=1e-9, abs=1e-15), (step, got)
+    if s.lr_schedule != "constant" and s.warmup_steps < s.steps - 1:  # a decay of 2+ steps ends at min_lr
+        assert got[-1] == pytest.approx(s.min_lr, abs=1e-15)
+
+
+def test_weight_decay_applies_to_matrices_only():
+    model = build_model(get_config("llama3-tiny"), device="meta")
+    optim = make_optimizer(model.parameters(), settings(weight_decay=0.1, betas=(0.9, 0.95)))
+    decayed, kept = optim.param_groups
+    names = {id(p): n for n, p in model.named_parameters()}
+    assert decayed["weight_decay"] == 0.1 and kept["weight_decay"] == 0.0
+    assert all(g["betas"] == (0.9, 0.95) and g["fused"] for g in optim.param_groups)
+    assert {names[id(p)] for p in kept["params"]} == {n for n, p in model.named_parameters() if p.ndim < 2}
+    assert all("norm" in names[id(p)] for p in kept["params"]) and len(kept["params"]) == 5
+    assert {names[id(p)] for p in decayed["params"]} == {n for n, p in model.named_parameters() if p.ndim >= 2}
+
+
+def reference(steps: int, clip: float | None, lrs: list[float], weight_decay: float = 0.0) -> tuple[list, list]:
+    """One device: llama3-tiny (TINY's batch and seq) with torch's AdamW (decay on matrices),
+    `clip_grad_norm_` and the lrs given; (losses, gradient norms before clipping)."""
+    cfg = get_config("llama3-tiny")
+    model, data = build_model(cfg, seed=0), MarkovTokens(cfg.vocab_size, seed=0)
+    params = list(model.parameters())
+    groups = [
+        {"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
+        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+    ]
+    optim = torch.optim.AdamW(groups, lr=lrs[0], fused=True)
+    losses, norms = [], []
+    for step in range(steps):
+        for g in optim.param_groups:
+            g["lr"] = lrs[step]
+        batch = data.batch(step, 8, 16)
+        losses.append(step_loss(model, batch.inputs, batch.targets).item())
+        norm = torch.nn.utils.clip_grad_norm_(params, clip if clip is not None else math.inf)
+        norms.append(float(norm))
+        optim.step()
+        optim.zero_grad(set_to_none=True)
+    return losses, norms
+
+
+SCHEDULED = ["--lr-schedule", "cosine", "--warmup-steps", "2", "--min-lr", "3e-4", "--weight-decay", "0.1"]
+
+
+@ONE_PROCESS
+def test_a_run_logs_lr_and_grad_norm_and_resumes_on_the_same_lrs(tmp_path):
+    """One process: the lr of every row is torch's schedulers', grad_norm of step 1 is a single
+    device's, clipping keeps the single device's losses, and a run resumed from step 3 has the lrs
+    and losses of the uninterrupted one; resumed with another schedule, it uses that one from step
+    4 on and records the change."""
+    first = tmp_path / "first"
+    args = [*TINY, "--steps", "6", *SCHEDULED, "--grad-clip", "0.5", "--checkpoint-every", "3"]
+    assert main([*args, "--out", str(first)]) == 0
+    rows = metrics(first)
+    want = torch_lrs(settings(steps=6, lr_schedule="cosine", warmup_steps=2, min_lr=3e-4))
+    assert [r["lr"] for r in rows] == want
+    losses, norms = reference(6, 0.5, want, weight_decay=0.1)
+    assert rows[0]["grad_norm"] == pytest.approx(norms[0], rel=1e-5) and norms[0] > 0.5  # so it clips
+    for row, loss, norm in zip(rows, losses, norms, strict=True):
+        assert abs(row["loss"] - loss) <= 1e-5 and row["grad_norm"] == pytest.approx(norm, rel=1e-4)
+        assert row["tokens_per_s_per_device"] == row["tokens_per_s"] and 0 < row["mfu"] < 1
+
+    second = tmp_path / "second"
+    shutil.copytree(first, second)
+    shutil.rmtree(second / "checkpoints" / "step-000006")
+    assert main([*args, "--out", str(second)]) == 0
+    resumed = metrics(second)
+    assert [(r["lr"], r["loss"]) for r in resumed] == [(r["lr"], r["loss"]) for r in rows]
+
+    shutil.rmtree(second / "checkpoints" / "step-000006")
+    changed = [*args[:-2], "--lr-schedule", "linear", "--betas", "0.8,0.9", "--weight-decay", "0.2"]
+    assert main([*changed, "--checkpoint-every", "3", "--out", str(second)]) == 0
+    resumed = metrics(second)
+    linear = torch_lrs(settings(steps=6, lr_schedule="linear", warmup_steps=2, min_lr=3e-4))
+    assert [r["lr"] for r in resumed] == want[:3] + linear[3:]
+    assert resumed[3]["changed_on_resume"] == {
+        "betas": [[0.9, 0.999], [0.8, 0.9]],
+        "weight_decay": [0.1, 0.2],
+        "lr_schedule": ["cosine", "linear"],
+    }
+
+
+@ONE_PROCESS
+def test_without_clipping_the_norm_is_logged_and_nothing_scaled(tmp_path):
+    out = tmp_path / "run"
+    assert main([*TINY, "--steps", "3", "--out", str(out)]) == 0
+    rows = metrics(out)
+    losses, norms = reference(3, None, [3e-3] * 3)
+    for row, loss, norm in zip(rows, losses, norms, strict=True):
+        assert abs(row["loss"] - loss) <= 1e-5 and row["grad_norm"] == pytest.approx(norm, rel=1e-4)
+        assert row["lr"] == 3e-3
+    assert rows[0]["grad_norm"] == pytest.approx(norms[0], rel=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.ranks
+@pytest.mark.parametrize("mesh", ["4x1", "2x2"])
+def test_torchrun_clips_by_the_global_norm_like_one_device(tmp_path, executed_plans, mesh):
+    """4 gloo ranks, parameters sharded: grad_norm of step 1 is a single device's
+    `clip_grad_norm_`'s within 1e-5, and the clipped, scheduled, weight-decayed losses are its."""
+    out = tmp_path / "run"
+    torchrun(*TINY, *SHARDED_ON_4, "--mesh", mesh, "--steps", "5", *SCHEDULED, "--grad-clip", "0.5", "--out", str(out))
+    (facts,) = executed_plans()
+    assert_shards(facts, batch_split=False)
+    rows = metrics(out)
+    lrs = torch_lrs(settings(steps=5, lr_schedule="cosine", warmup_steps=2, min_lr=3e-4))
+    losses, norms = reference(5, 0.5, lrs, weight_decay=0.1)
+    assert rows[0]["grad_norm"] == pytest.approx(norms[0], rel=1e-5) and norms[0] > 0.5
+    assert [r["lr"] for r in rows] == lrs
+    for row, loss in zip(rows, losses, strict=True):
+        assert abs(row["loss"] - loss) <= 1e-5, (row, loss)
+        assert row["tokens_per_s_per_device"] == pytest.approx(row["tokens_per_s"] / 4)
+
+
+@ONE_PROCESS
+@pytest.mark.skipif(importlib.util.find_spec("tensorboard") is None, reason="tensorboard is not installed")
+def test_tensorboard_reads_back_the_loss_per_step(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out = tmp_path / "run"
+    assert main([*TINY, "--steps", "3", "--out", str(out)]) == 0
+    events = EventAccumulator(str(out / "tensorboard"))
+    events.Reload()
+    rows = metrics(out)
+    assert {"loss", "lr", "grad_norm", "mfu", "tokens_per_s_per_device"} <= set(events.Tags()["scalars"])
+    got = [(e.step, e.value) for e in events.Scalars("loss")]
+    assert got == [(r["step"], pytest.approx(r["loss"], rel=1e-6)) for r in rows]
+
+
+@ONE_PROCESS
+@pytest.mark.skipif(importlib.util.find_spec("wandb") is None, reason="wandb is not installed")
+def test_wandb_offline_writes_a_run_directory(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    out = tmp_path / "run"
+    assert main([*TINY, "--steps", "2", "--wandb", "autoshard-test", "--out", str(out)]) == 0
+    (run,) = (out / "wandb").glob("offline-run-*")
+    assert list(run.glob("run-*.wandb")), sorted(p.name for p in run.iterdir())
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--betas", "1.5,0.9"], "--betas: bad betas '1.5,0.9': each must be in [0, 1)"),
+        (["--betas", "0.9"], "--betas: bad betas '0.9': expected two numbers B1,B2"),
+        (["--warmup-steps", "5"], "--warmup-steps must be >= 0 and below --steps 5, got 5"),
+        (["--min-lr", "0.01"], "--min-lr must be between 0 and --lr 0.003, got 0.01"),
+        (["--grad-clip", "0"], "--grad-clip must be positive (leave it out to not clip), got 0"),
+        (["--lr", "0"], "--lr must be positive, got 0"),
+        (["--weight-decay", "-1"], "--weight-decay must be >= 0, got -1"),
+        (["--lr-schedule", "step"], "--lr-schedule: invalid choice: 'step'"),
+        (["--decay-fraction", "0"], "--decay-fraction must be in (0, 1], got 0"),
+        (
+            ["--lr-schedule", "wsd", "--warmup-steps", "4", "--decay-fraction", "0.4"],
+            "--lr-schedule wsd: --warmup-steps 4 and the decay's 2 steps (--decay-fraction 0.4 of 5) exceed --steps 5",
+        ),
+    ],
+)
+def test_bad_optimizer_input_is_one_line(tmp_path, capsys, args, message):
+    assert main([*TINY, "--steps", "5", *args, "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and message in lines[0], err
+    assert "Traceback" not in err and not (tmp_path / "run").exists()
+
+
+def test_wandb_asked_for_but_not_installed_is_one_line(tmp_path, capsys, monkeypatch):
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else find_spec(name, *a))
+    assert main([*TINY, "--wandb", "proj", "--out", str(tmp_path / "run")]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "error: --wandb proj: wandb is not installed (pip install -e '.[wandb]')"
+    ]
+
+
+def test_the_console_line_shows_progress_lr_mfu_and_eta(caplog):
+    from autoshard.train.loggers import ConsoleLog, duration
+
+    row = {
+        "step": 3,
+        "loss": 2.5,
+        "lr": 1e-3,
+        "grad_norm": 0.7,
+        "step_s": 2.0,
+        "tokens_per_s": 400.0,
+        "tokens_per_s_per_device": 100.0,
+        "mfu": 0.42,
+        "peak_rss_mb_per_rank": [10.0, 12.0],
+        "modeled_step_s": 1.0,
+        "modeled_over_measured": 0.5,
+    }
+    with caplog.at_level("INFO", logger="autoshard"):
+        ConsoleLog(total=100).log(row)
+    (line,) = caplog.messages
+    assert line.startswith("step    3/100  loss 2.5000  lr 0.001  grad norm 0.7")
+    assert "400 tok/s (100/device)  mfu 42.0%" in line and line.endswith("eta 3m14s")  # 97 steps x 2 s
+    assert [duration(s) for s in (5, 65, 3 * 3600 + 120)] == ["5s", "1m05s", "3h02m"]
+
+
+def test_mfu_counts_the_traced_steps_flops():
+    """The plan's model flops of llama3-tiny: 6 x its matmul parameters x tokens, plus attention."""
+    from autoshard.driver.api import AutoShard
+    from autoshard.profiles.device import DeviceProfile
+    from autoshard.train.loggers import Throughput
+
+    from autoshard_models import cross_entropy_loss
+
+    cfg = get_config("llama3-tiny")
+    model = build_model(cfg, device="meta")
+    example = lambda: (torch.empty(8, 16, dtype=torch.int64, device="meta"),) * 2  # noqa: E731
+    with AutoShard(model, example, (1,), loss_fn=cross_entropy_loss) as auto:
+        plan = auto.optimize(dry_run=False)
+    device = DeviceProfile(peak_flops=1e12, mem_bw=1e9)
+    figures = Throughput(128, plan, device, torch.float32)
+    matmul = sum(p.numel() for n, p in model.named_parameters() if p.ndim >= 2 and "tok_embeddings" not in n)
+    attention = 2 * 3 * cfg.n_layers * 2 * 8 * 16 * 16 * cfg.dim  # QK^T and AV, forward + 2x backward
+    assert figures.flops == pytest.approx(6 * matmul * 128 + attention, rel=0.02)
+    assert figures.row(0.5)["mfu"] == pytest.approx(figures.flops / 0.5 / 1e12)
