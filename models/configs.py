@@ -64,6 +64,8 @@ CONFIGS: dict[str, LlamaConfig] = {
             ffn_hidden=3072,
             max_seq_len=2048,
         ),
+        # llama 3.2 1B's shapes with an untied output (1.50B parameters): one GPU's training step
+        LlamaConfig("llama3-1b", dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, vocab_size=128256, ffn_hidden=8192),
         LlamaConfig("llama3-8b", dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=128256, ffn_hidden=14336),
         LlamaConfig("llama3-70b", dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, vocab_size=128256, ffn_hidden=28672),
     )

@@ -46,6 +46,12 @@ OTHER_TOOLS = {
     "--two-ranks",
     "--ddp",
     "--rounds",
+    "--calibrated",  # benchmarks/overlap.py
+    "--tiny",
+    "--big",  # benchmarks/gpu_check.py
+    "--no-index",
+    "--no-deps",
+    "--target",  # pip
 }
 
 

@@ -3,7 +3,9 @@
 Each op of the joint graph runs unchanged on this rank's shard; the only rewrites are
 - every edge the plan redistributes calls a `Redistribute` module that runs exactly the planner's
   plan (the one the ILP paid for) with our executor, and
-- size arguments of view/expand/factory ops become the output's local shape.
+- size arguments of view/expand/factory ops become the output's local shape, and
+- devices (casts, factory ops: the trace ran on CPU) become the mesh's device, and on a GPU mesh
+  the trace's CPU-only attention ops become the device's own (`attention.py`).
 
 A block's parameter gathers (gradient reduce-scatters) become one `Bucket` each, gradient all-reduces
 size-capped buckets in the backward's order (`buckets.py`). The joint graph is
@@ -28,6 +30,7 @@ import torch
 from torch import fx, nn
 
 from autoshard import _torch_compat as tc
+from autoshard.program.attention import ON_DEVICE
 from autoshard.program.collectives import dim_order, prepare_groups
 from autoshard.program.buckets import DEFAULT_BUCKET_BYTES, bucket, overlap
 from autoshard.program.modules import AWAIT, LOCAL_SHAPE, AwaitBucket, Bucket, Redistribute
@@ -87,6 +90,7 @@ class Program:
     comm: CommStats
     step: StepModel  # modeled step time on two streams, as this program overlaps its collectives
     random: RandomStream = field(default_factory=RandomStream)  # the seed and step its random ops draw from
+    device_type: str = "cpu"  # the mesh's: where its values live (a dry run makes its fakes there)
 
 
 def lower(plan: Plan, mesh: Any, prefetch: int = 1, bucket_bytes: float = DEFAULT_BUCKET_BYTES) -> Program:
@@ -120,6 +124,7 @@ def lower(plan: Plan, mesh: Any, prefetch: int = 1, bucket_bytes: float = DEFAUL
         comm,
         model_step(plan, [forward, backward]),
         stream,
+        mesh.device_type,
     )
 
 
@@ -161,11 +166,14 @@ def _local_joint_graph(plan: Plan, mesh: Any, stream: RandomStream) -> tuple[fx.
             args, kwargs = fx.node.map_arg(
                 (node.args, node.kwargs), lambda n: redistributed(env[n], node.name, next(slot))
             )
+            args, kwargs = _on_device(args, mesh.device_type), _on_device(kwargs, mesh.device_type)
             shapes = _local_shapes(node, strategy.outputs, ms)
             if node.target in _SIZE_ARG:
                 i = _SIZE_ARG[node.target]
                 args = args[:i] + (list(shapes),) + args[i + 1 :]
             target = node.target
+            if mesh.device_type != "cpu":  # CPU-only ops of the trace (attention): the device's own
+                target = ON_DEVICE.get(target, target)
             if draws(node):  # drawn as DTensor would: the same on every rank holding its shard
                 target = SeededOp(target, stream, shard_key(node, strategy.outputs[0], coordinate), mesh.device_type)
             new = out.call_function(target, args, kwargs)
@@ -177,6 +185,16 @@ def _local_joint_graph(plan: Plan, mesh: Any, stream: RandomStream) -> tuple[fx.
     grads = [redistributed(env[graph.grads[fqn]], plan.grad_sinks[fqn].name, 0) for fqn in graph.params]
     out.output((loss, *grads))
     return out, modules
+
+
+def _on_device(values: Any, device_type: str) -> Any:
+    """`values` (an op's args or kwargs) with every device on the mesh's: the step is traced on
+    CPU fake tensors, so casts and factory ops carry `device=cpu`, which on a CUDA mesh would copy
+    each value to the host (or make it there) and fail at the next op."""
+    on = lambda v: torch.device(device_type) if isinstance(v, torch.device) and v.type != device_type else v  # noqa: E731
+    if isinstance(values, dict):
+        return {k: on(v) for k, v in values.items()}
+    return tuple(on(v) for v in values)
 
 
 def _local_shapes(node: fx.Node, layouts, mesh_shape) -> Any:

@@ -181,9 +181,8 @@ def estimate(program: Program, rank: int = 0, module_paths: dict[str, str] | Non
     mesh's own bookkeeping tensors (rank ids, read when a flattened group is first made) are real:
     fake mode takes them as constants."""
     with tc.new_fake_mode(allow_non_fake_inputs=True):
-        args = [_fake(n) for n in _placeholders(program.forward)]
-        tangent_node = _placeholders(program.backward)[-1]
-        tangent = _fake(tangent_node)
+        args = [_fake(n, program.device_type) for n in _placeholders(program.forward)]
+        tangent = _fake(_placeholders(program.backward)[-1], program.device_type)
         return account(program, args, tangent, rank=rank, module_paths=module_paths)
 
 
@@ -247,11 +246,12 @@ def _placeholders(gm: fx.GraphModule) -> list[fx.Node]:
     return [n for n in gm.graph.nodes if n.op == "placeholder"]
 
 
-def _fake(node: fx.Node) -> torch.Tensor:
-    """An uninitialized tensor of the placeholder's local shape and traced dtype (in fake mode)."""
+def _fake(node: fx.Node, device_type: str = "cpu") -> torch.Tensor:
+    """An uninitialized tensor of the placeholder's local shape and traced dtype (in fake mode), on
+    the program's device: a program lowered on a CUDA mesh makes its values there."""
     val = node.meta["autoshard_source"].meta["val"]
     shape = node.meta.get(LOCAL_SHAPE)
-    return torch.empty(shape if shape is not None else tuple(val.shape), dtype=val.dtype)
+    return torch.empty(shape if shape is not None else tuple(val.shape), dtype=val.dtype, device=device_type)
 
 
 class _Run(CheckedRun):

@@ -81,7 +81,8 @@ class Replay:
             )
             live.add(outs, "transient")
         else:
-            bufs = [torch.empty(n, dtype=dtype) for n, dtype in self.storages]
+            on = {i: device for kind, i, *_, device in self.outputs if kind == "new"}  # a GPU value's storage too
+            bufs = [torch.empty(n, dtype=dtype, device=on.get(i)) for i, (n, dtype) in enumerate(self.storages)]
             outs = [
                 (bufs[i] if kind == "new" else args[i]).as_strided(shape, stride, offset)
                 for kind, i, shape, stride, offset, _, _ in self.outputs
