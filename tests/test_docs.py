@@ -51,7 +51,10 @@ OTHER_TOOLS = {
     "--big",  # benchmarks/gpu_check.py
     "--no-index",
     "--no-deps",
-    "--target",  # pip
+    "--target",
+    "--only-binary",
+    "--python-version",
+    "--platform",  # pip
 }
 
 
