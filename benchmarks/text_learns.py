@@ -55,6 +55,8 @@ if str(ROOT) not in sys.path:
 
 import numpy as np  # noqa: E402
 
+from benchmarks.training import _torchrun  # noqa: E402
+
 MIN_BYTES = 1_000_000
 VOCAB = 2048
 EOS = "<|endoftext|>"
@@ -188,12 +190,6 @@ def unigram_entropy(corpus: Path, tokenizer: Path, cache: Path, val_fraction: fl
 
 
 # ---------------------------------------------------------------------------------- training
-def _torchrun() -> list[str]:
-    """torchrun next to this interpreter (a fresh venv has one), else torch's module entry point."""
-    exe = Path(sys.executable).parent / "torchrun"
-    return [str(exe)] if exe.exists() else [sys.executable, "-m", "torch.distributed.run"]
-
-
 def train_args(corpus: Path, tokenizer: Path, cache: Path, run: Path, a: argparse.Namespace) -> list[str]:
     every = min(a.eval_every, a.steps)
     return [
