@@ -100,6 +100,45 @@ def test_fit_refuses_missing_dims_and_flat_timings():
     assert fit_network(one, (1, 2), 10e9).profile.beta[1] == pytest.approx(0.5e9, rel=1e-6)
 
 
+def test_calibrate_times_a_flat_group_again_before_the_fit_refuses_it(monkeypatch):
+    """A burst of load can flatten one group's timings (here: faster the more bytes it moves);
+    that group alone is timed again."""
+    from autoshard.cli import calibrate as cli
+    from autoshard.profiles import calibrate as timing
+
+    rows = [
+        {
+            "kind": s.kind,
+            "mesh_dims": list(s.mesh_dims),
+            "group_size": s.group_size,
+            "in_bytes": s.in_bytes,
+            "seconds": 1e-3 * (4096 / s.in_bytes) ** 0.1 if s.mesh_dims == (0, 1) else s.seconds,
+        }
+        for s in synthetic(TRUE)
+    ]
+    good = [dict(r, seconds=s.seconds) for r, s in zip(rows, synthetic(TRUE))]
+    calls: list = []
+
+    def timed(mesh, settings, say, only=None):
+        calls.append(only)
+        if only is None:
+            return rows
+        return [r for r in good if tuple(r["mesh_dims"]) in only] if len(calls) == 3 else rows[-32:]
+
+    said: list[str] = []
+    monkeypatch.setattr(timing, "time_collectives", timed)
+    samples = cli._collective_samples(None, (2, 2), None, said.append)
+    assert calls == [None, ((0, 1),), ((0, 1),)] and len(said) == 2 and "timing again" in said[0]
+    assert fit_network([cli._sample(r) for r in samples], (2, 2), 10e9).profile.link((0, 1)) == pytest.approx(
+        (70e-6, 0.4e9), rel=1e-6
+    )
+    calls.clear()  # still flat after RETIMES: the samples go to the fit, which refuses them
+    monkeypatch.setattr(timing, "time_collectives", lambda mesh, settings, say, only=None: calls.append(only) or rows)
+    with pytest.raises(ValueError, match=r"group\(s\) \[\(0, 1\)\] do not grow"):
+        fit_network([cli._sample(r) for r in cli._collective_samples(None, (2, 2), None, said.append)], (2, 2), 1.0)
+    assert len(calls) == 1 + cli.RETIMES
+
+
 def test_fit_rate_and_nnls():
     work = [1e6, 1e7, 1e8, 1e9]
     fit = fit_rate(work, [2e-5 + w / 3e10 for w in work])

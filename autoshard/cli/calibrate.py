@@ -25,7 +25,7 @@ import statistics
 import sys
 import tempfile
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from autoshard.cli.args import RaisingArgumentParser, add_option, arg_type
 from autoshard.cli.calibrate_device import fit_device_profile, time_reference_step
@@ -165,13 +165,45 @@ def _median_rows(per_rank: list[dict]) -> dict:
     return out
 
 
+RETIMES = 2
+
+
+def _collective_samples(mesh: Any, mesh_shape: tuple[int, ...], settings: Any, say: Callable[[str], None]) -> list:
+    """Collective timings on every rank; a group whose timings do not grow with the bytes (a
+    burst of load from elsewhere) is timed again, up to RETIMES times, before the fit refuses it.
+    Every rank holds the same timings, so every rank makes the same choice."""
+    from autoshard.pricing.fit import FlatTimings, fit_network
+    from autoshard.profiles.calibrate import time_collectives
+
+    samples = time_collectives(mesh, settings, say)
+    for _ in range(RETIMES):
+        try:
+            fit_network([_sample(s) for s in samples], mesh_shape, mem_bw=1.0)
+            return samples
+        except FlatTimings as flat:
+            say(
+                f"note: timings of group(s) {list(flat.groups)} do not grow with the bytes "
+                "(a busy machine?): timing again"
+            )
+            again = time_collectives(mesh, settings, say, only=flat.groups)
+            samples = [s for s in samples if tuple(s["mesh_dims"]) not in flat.groups] + again
+        except ValueError:  # another fault: the fit below reports it
+            return samples
+    return samples
+
+
+def _sample(row: dict) -> Any:
+    from autoshard.pricing.fit import CollectiveSample
+
+    return CollectiveSample(row["kind"], tuple(row["mesh_dims"]), row["group_size"], row["in_bytes"], row["seconds"])
+
+
 def calibrate(a: argparse.Namespace) -> int:
     import torch.distributed as dist
     from torch import __version__ as torch_version
 
-    from autoshard.pricing.fit import BetweenCompute, CollectiveSample, between_compute_s, fit_network
+    from autoshard.pricing.fit import BetweenCompute, between_compute_s, fit_network
     from autoshard.profiles.calibrate import (
-        time_collectives,
         time_collectives_between_compute,
         time_device,
         time_step_parts,
@@ -191,7 +223,7 @@ def calibrate(a: argparse.Namespace) -> int:
         f"{world} rank(s) on {device.type}, mesh {'x'.join(map(str, mesh_shape))} ({','.join(names)}), "
         f"torch {torch_version}"
     )
-    samples = time_collectives(mesh, settings, say) if mesh is not None else []
+    samples = _collective_samples(mesh, mesh_shape, settings, say) if mesh is not None else []
     between = time_collectives_between_compute(mesh, settings, say) if mesh is not None else []
     parts = time_step_parts(device, settings, say)
     parts["reference"] = time_reference_step(device, settings, say)
@@ -210,10 +242,7 @@ def calibrate(a: argparse.Namespace) -> int:
         network, fit = None, None
         if samples:
             fit = fit_network(
-                [
-                    CollectiveSample(s["kind"], tuple(s["mesh_dims"]), s["group_size"], s["in_bytes"], s["seconds"])
-                    for s in samples
-                ],
+                [_sample(s) for s in samples],
                 mesh_shape,
                 device_prof.mem_bw,
                 name=f"calibrated {'x'.join(map(str, mesh_shape))} ({host})",
@@ -234,9 +263,7 @@ def calibrate(a: argparse.Namespace) -> int:
         )
         network = dataclasses.replace(fit.profile, launch_s=fit.profile.launch_s + extra)
         for s in samples:  # the back-to-back fit's price: what the fit error is measured on
-            s["model_s"] = fit.model_s(
-                CollectiveSample(s["kind"], tuple(s["mesh_dims"]), s["group_size"], s["in_bytes"], s["seconds"])
-            )
+            s["model_s"] = fit.model_s(_sample(s))
     details = {
         "created": datetime.datetime.now().isoformat(timespec="seconds"),
         "host": host,

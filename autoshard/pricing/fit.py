@@ -36,6 +36,18 @@ from autoshard.pricing.ring import COLLECTIVE_KINDS, collective_terms
 from autoshard.profiles.network import NetworkProfile
 
 
+class FlatTimings(ValueError):
+    """Some groups' collective timings do not grow with the bytes moved (noise on a busy machine,
+    or sizes too small): no bandwidth to fit. `groups` names them, so a caller can time again."""
+
+    def __init__(self, groups: Sequence[tuple[int, ...]]):
+        self.groups = tuple(groups)
+        super().__init__(
+            f"timings of group(s) {list(self.groups)} do not grow with the bytes moved: no bandwidth to fit "
+            "(use larger sizes)"
+        )
+
+
 @dataclass(frozen=True)
 class CollectiveSample:
     """One timed collective: `seconds` per call over the group of `mesh_dims` (ascending)."""
@@ -131,7 +143,7 @@ def fit_network(
     profile's per-dim values, groups over 2+ dims its `groups` overrides, and each kind's own
     (alpha, beta) per group its `kinds` overrides. Every mesh dim of size > 1 needs samples of its
     own; size-1 dims (never in a collective) get the slowest fitted link.
-    ValueError when samples are missing or cannot determine a bandwidth."""
+    ValueError when samples are missing, FlatTimings when they cannot determine a bandwidth."""
     mesh_shape = tuple(mesh_shape)
     active = [m for m, s in enumerate(mesh_shape) if s > 1]
     if not active:
@@ -159,9 +171,7 @@ def fit_network(
     launch_s, alphas, inv_betas = float(x[0]), x[1 : 1 + k], x[1 + k :]
     flat = [g for g, inv in zip(groups, inv_betas) if not inv > 0]
     if flat:
-        raise ValueError(
-            f"timings of group(s) {flat} do not grow with the bytes moved: no bandwidth to fit (use larger sizes)"
-        )
+        raise FlatTimings(flat)
     group_errors = _rel_errors(rows @ x, seconds)
     kinds, predicted = _fit_kinds(samples, rows, column, x, seconds)
     errors = _rel_errors(predicted, seconds)

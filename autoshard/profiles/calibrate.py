@@ -115,10 +115,14 @@ def _buffer(nbytes: int, group_size: int, device: torch.device) -> torch.Tensor:
 
 
 def time_collectives(
-    mesh: Any, settings: CalibrationSettings, progress: Callable[[str], None] = lambda line: None
+    mesh: Any,
+    settings: CalibrationSettings,
+    progress: Callable[[str], None] = lambda line: None,
+    only: Sequence[tuple[int, ...]] | None = None,
 ) -> list[dict]:
     """Every rank calls this at once. Returns one row per (kind, group, size) — kind, mesh_dims,
-    group_size, in_bytes, seconds (median over calls, then over ranks) — on every rank."""
+    group_size, in_bytes, seconds (median over calls, then over ranks) — on every rank; of the
+    groups in `only` when given (to time those again)."""
     device = _mesh_device(mesh)
     shape = tuple(mesh.shape)
     groups = planner_groups(shape)
@@ -126,7 +130,7 @@ def time_collectives(
         _group(mesh, dims)
     mine: list[float] = []
     keys: list[tuple[str, tuple[int, ...], int, int]] = []
-    for dims in groups:
+    for dims in groups if only is None else [g for g in groups if g in set(only)]:
         n = math.prod(shape[m] for m in dims)
         group = _group(mesh, dims)
         start = time.perf_counter()
