@@ -3,7 +3,9 @@
 Everything here may move between torch releases; keeping it in one place means one place to fix.
 Two sibling modules hold parts of it, and only this module imports them: `_torch_compat_runtime`
 (what `runtime/` needs, re-exported here) and `_torch_compat_legacy` (the torch 2.11 and 2.12
-shims). Every caller imports this module alone (`from autoshard import _torch_compat as tc`).
+shims); a third, `_torch_compat_checkpoint`, holds DCP's reader and planner without their
+unrestricted unpicklers (re-exported here). Every caller imports this module alone
+(`from autoshard import _torch_compat as tc`).
 The code reads as for torch 2.13 and 2.14; what 2.11 and 2.12 lack or do differently is made up
 for in the last section (and by the `*_single` collectives' fallback).
 """
@@ -442,6 +444,13 @@ from autoshard._torch_compat_runtime import (  # noqa: E402
     inductor_unavailable as inductor_unavailable,
 )
 
+
+# ---------------------------------------------------------------- checkpoints read without running their pickles
+# (train/): defined in _torch_compat_checkpoint, re-exported here as `tc.<name>`
+from autoshard._torch_compat_checkpoint import (  # noqa: E402
+    dcp_reader as dcp_reader,
+    dcp_planner as dcp_planner,
+)
 
 # ---------------------------------------------------------------- torch 2.11 and 2.12 (drop with their support)
 # the shims live in _torch_compat_legacy; applied here, where the names they replace are bound

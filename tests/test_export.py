@@ -174,3 +174,92 @@ def test_an_hf_model_trained_on_2x2_exports_back_to_transformers(tmp_path, execu
     )
     first = json.loads((again / "metrics.jsonl").read_text().splitlines()[0])["loss"]
     assert abs(first - batch_loss(exported, workload, 0)) <= 1e-5 * first
+
+
+def greedy(model, prompt: torch.Tensor, new: int) -> torch.Tensor:
+    """`new` tokens appended by argmax, recomputing the whole sequence each time (no cache)."""
+    tokens = prompt
+    with torch.no_grad():
+        for _ in range(new):
+            out = model(tokens)
+            tokens = torch.cat([tokens, getattr(out, "logits", out)[:, -1].argmax(-1, keepdim=True)], dim=1)
+    return tokens
+
+
+@ONE_PROCESS
+def test_a_bf16_export_is_the_fp32_one_cast_at_half_the_size(tmp_path, one_step_run):
+    """An fp32 run exports in fp32 by default: transformers computes the trained model's logits
+    within 1e-5 and generates its greedy tokens. `dtype="bf16"`: every tensor is the fp32 export's
+    cast to bf16, config.json says bfloat16 (from_pretrained loads it so), the logits are within
+    bf16 rounding of the fp32 ones, and the files are half the size."""
+    fp32, bf16 = export_hf(one_step_run, tmp_path / "fp32"), export_hf(one_step_run, tmp_path / "bf16", dtype="bf16")
+    assert (fp32.dtype, bf16.dtype, bf16.bytes * 2) == ("fp32", "bf16", fp32.bytes)
+    ratio = (tmp_path / "bf16" / "model.safetensors").stat().st_size / (
+        tmp_path / "fp32" / "model.safetensors"
+    ).stat().st_size
+    assert 0.5 <= ratio < 0.51, ratio
+    full = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "fp32")
+    half = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "bf16")
+    assert json.loads((tmp_path / "bf16" / "config.json").read_text())["dtype"] == "bfloat16"
+    assert {p.dtype for p in full.parameters()} == {torch.float32} and {p.dtype for p in half.parameters()} == {
+        torch.bfloat16
+    }
+    halves = half.state_dict()
+    for name, value in full.state_dict().items():
+        assert torch.equal(halves[name], value.to(torch.bfloat16)), name
+    ours = get_workload("llama3-tiny", 16).build("cpu")
+    ours.load_state_dict(checkpoint_tensors(one_step_run / "checkpoints" / "step-000001"), strict=False)
+    tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        logits = full(tokens).logits
+        torch.testing.assert_close(logits, ours(tokens), rtol=1e-5, atol=1e-5)
+        scale = logits.abs().max().item()
+        torch.testing.assert_close(half(tokens).logits.float(), logits, rtol=0.02, atol=0.02 * scale)
+    prompt = tokens[:, :8]
+    generated = full.generate(prompt, max_new_tokens=6, do_sample=False, attention_mask=torch.ones_like(prompt))
+    assert torch.equal(generated, greedy(ours, prompt, 6))
+
+
+@ONE_PROCESS
+def test_an_hf_run_in_bf16_exports_bf16_with_its_tokenizer_and_chat_template(tmp_path, capsys):
+    """`train --model hf:DIR --param-dtype bf16`: export defaults to bf16 and copies DIR's
+    tokenizer files (binary ones too), chat template and generation_config.json byte for byte;
+    AutoTokenizer loads OUT with that template."""
+    from test_data import make_tokenizer
+    from tokenizers import Tokenizer
+
+    source = tmp_path / "m"
+    transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(
+            vocab_size=320,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=8,
+            use_cache=False,
+        )
+    ).save_pretrained(source)
+    make_tokenizer(source)
+    Tokenizer.from_file(str(source / "tokenizer.json")).model.save(str(source))  # vocab.json, merges.txt
+    eos = {"eos_token": "<|endoftext|>"}
+    (source / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast", **eos}))
+    (source / "special_tokens_map.json").write_text(json.dumps(eos))
+    template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+    (source / "chat_template.jinja").write_text(template)
+    (source / "tokenizer.model").write_bytes(bytes(range(256)))  # stands for a sentencepiece model
+    run, out = tmp_path / "run", tmp_path / "hf"
+    args = ["--model", f"hf:{source}", "--mesh", "1", "--batch", "8", "--seq", "16", "--param-dtype", "bf16"]
+    assert train_main([*args, "--steps", "1", "--checkpoint-every", "1", "--out", str(run)]) == 0
+    capsys.readouterr()
+    assert autoshard_main(["export", str(run), "--hf", str(out)]) == 0
+    assert "of bf16 in 1 file(s)" in capsys.readouterr().out
+    copied = ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt"]
+    for name in [*copied, "chat_template.jinja", "tokenizer.model", "generation_config.json"]:
+        assert (out / name).read_bytes() == (source / name).read_bytes(), name
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+    tokenizer = transformers.AutoTokenizer.from_pretrained(out)
+    assert tokenizer.eos_token == "<|endoftext|>" and tokenizer.chat_template == template
+    model = transformers.AutoModelForCausalLM.from_pretrained(out)
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}

@@ -27,8 +27,9 @@ STAGES = (
     "runtime",
 )
 ALLOWED: dict[str, set[str]] = {
-    "_torch_compat": {"_torch_compat_runtime", "_torch_compat_legacy"},
+    "_torch_compat": {"_torch_compat_runtime", "_torch_compat_legacy", "_torch_compat_checkpoint"},
     "_torch_compat_runtime": set(),
+    "_torch_compat_checkpoint": set(),
     "_torch_compat_legacy": set(),
     "options": set(),
     "layout": {"_torch_compat"},
@@ -211,7 +212,12 @@ def test_solver_imports_no_torch_and_models_no_autoshard():
 
 
 # the modules that may use private torch APIs: `_torch_compat` and the siblings only it imports
-TORCH_COMPAT = {"autoshard._torch_compat", "autoshard._torch_compat_runtime", "autoshard._torch_compat_legacy"}
+TORCH_COMPAT = {
+    "autoshard._torch_compat",
+    "autoshard._torch_compat_runtime",
+    "autoshard._torch_compat_legacy",
+    "autoshard._torch_compat_checkpoint",
+}
 _PRIVATE = re.compile(r"\btorch(?:\.[A-Za-z]\w*)*\._\w+")
 
 

@@ -1,7 +1,8 @@
 """`python -m autoshard export RUN_DIR --hf OUT`: a training run's checkpoint as a Hugging Face model
-directory (safetensors + config.json) that `transformers.AutoModelForCausalLM.from_pretrained(OUT)`
-loads. Bad input (not a run directory, no such checkpoint, OUT not writable or not empty) is one
-`error: ...` line, exit code 2, and nothing is written.
+directory (safetensors in the run's dtype or --dtype, config.json, the tokenizer's files) that
+`transformers.AutoModelForCausalLM.from_pretrained(OUT)` loads. Bad input (not a run directory, no
+such checkpoint, a crafted checkpoint, OUT not writable or not empty) is one `error: ...` line,
+exit code 2, and nothing is written.
 """
 
 from __future__ import annotations
@@ -24,6 +25,11 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--step", type=arg_type(positive_int), help="the checkpoint of this step (default: the newest)")
     parser.add_argument(
+        "--dtype",
+        choices=("bf16", "fp16", "fp32"),
+        help="the weights' dtype (default: bf16 when the run computed in bf16, else fp32)",
+    )
+    parser.add_argument(
         "--max-shard-size",
         type=arg_type(parse_bytes),
         default=5e9,
@@ -36,11 +42,13 @@ def run_export(args: argparse.Namespace) -> int:
     from autoshard.train.export import export_hf
 
     try:
-        done = export_hf(args.run_dir, args.hf, step=args.step, max_shard_bytes=int(args.max_shard_size))
+        done = export_hf(
+            args.run_dir, args.hf, step=args.step, max_shard_bytes=int(args.max_shard_size), dtype=args.dtype
+        )
     except ValueError as err:
         fail(str(err))
     print(
-        f"exported step {done.step} of {args.run_dir}: {done.tensors} tensors, {done.bytes / 2**20:.1f} MiB in "
-        f"{len(done.files)} file(s), to {done.path}"
+        f"exported step {done.step} of {args.run_dir}: {done.tensors} tensors, {done.bytes / 2**20:.1f} MiB of "
+        f"{done.dtype} in {len(done.files)} file(s), with {', '.join(done.others)}, to {done.path}"
     )
     return 0

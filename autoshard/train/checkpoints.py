@@ -71,26 +71,44 @@ def _state(pmodel, optim) -> dict:
 
 def load_checkpoint(path: Path, pmodel, optim) -> None:
     """Every rank calls this: the model's and the optimizer's state from checkpoint `path`. A part
-    that cannot be read raises on every rank alike (DCP gathers the ranks' errors)."""
+    that cannot be read raises on every rank alike (DCP gathers the ranks' errors). Its pickled
+    pieces are read as `safe_metadata` does (every rank reads `.metadata` itself, so a crafted one
+    is refused by all alike, before DCP starts), never by torch's unrestricted unpicklers."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
+    from autoshard import _torch_compat as tc
+    from autoshard.train.safe_metadata import load_value, read_metadata
+
     state = _state(pmodel, optim)
-    dcp.load(state, checkpoint_id=str(path))
+    metadata = read_metadata(path)
+    dcp.load(
+        state,
+        storage_reader=tc.dcp_reader(path, metadata),
+        planner=tc.dcp_planner(lambda value, file: load_value(value, str(path / file))),
+    )
     set_state_dict(pmodel, optim, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
 
 def resume_newest(out: Path, pmodel, optim) -> Checkpoint | None:
     """Every rank calls this: load the newest checkpoint of `out` that loads; one warning line per
-    one skipped. None when there is none; ValueError when there are some but none loads."""
+    one skipped. None when there is none; ValueError when there are some but none loads, and
+    UnsafeCheckpointError at once for a crafted one (not skipped: someone is tampering with it)."""
     from torch.distributed.checkpoint import CheckpointException  # a BaseException, not an Exception
+
+    from autoshard.train.safe_metadata import UnsafeCheckpointError
 
     found = checkpoints(out)
     errors = []
     for ckpt in found:
         try:
             load_checkpoint(ckpt.path, pmodel, optim)
+        except UnsafeCheckpointError:
+            raise
         except (Exception, CheckpointException) as err:  # noqa: BLE001 - also OSError, KeyError, RuntimeError...
+            unsafe = [f for f in _failures(err) if isinstance(f, UnsafeCheckpointError)]
+            if unsafe:  # a value DCP read refused (on some rank): the same error on every rank
+                raise unsafe[0] from None
             reason = _reason(err)
             errors.append(f"{ckpt.path.name}: {reason}")
             log.warning(
@@ -103,6 +121,12 @@ def resume_newest(out: Path, pmodel, optim) -> Checkpoint | None:
     if found:
         raise ValueError(f"no checkpoint in {out / 'checkpoints'} can be loaded ({'; '.join(errors)})")
     return None
+
+
+def _failures(err: BaseException) -> list[BaseException]:
+    """The ranks' own errors inside a CheckpointException (rank -> exception or (exception, traceback))."""
+    failures = getattr(err, "failures", None) or {}
+    return [f[0] if isinstance(f, tuple) else f for f in failures.values()]
 
 
 def _reason(err: BaseException) -> str:

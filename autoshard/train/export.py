@@ -1,12 +1,16 @@
 """A training run's checkpoint as a Hugging Face model directory (`export --hf OUT`).
 
 The weights of one checkpoint (the newest complete one, or a given step) go into safetensors files
-under the names transformers expects (the workload's `hf_format`), beside the model's config.json
-(and the run's `--tokenizer` files, so that AutoTokenizer loads from OUT too);
-past `max_shard_bytes` they are split into several files with a `model.safetensors.index.json`, as
-`save_pretrained` writes them. Tensors are read from the DCP checkpoint one file's worth at a
-time, so the whole model is never in memory at once. Everything is written into a temporary
-directory beside OUT and renamed to OUT at the end: OUT is complete or absent.
+under the names transformers expects (the workload's `hf_format`), in the run's compute dtype
+(bf16 for a bf16 run, else fp32) or `--dtype`, beside the model's config.json (its `dtype` said),
+generation_config.json, and the tokenizer's files and chat template: those of the run's
+`--tokenizer`, else of the `hf:` model's own directory, so that AutoTokenizer loads from OUT too.
+Past `max_shard_bytes` the weights are split into several files with a `model.safetensors.index.json`,
+as `save_pretrained` writes them. Each file is written tensor by tensor: one tensor is read from the
+DCP checkpoint (cast as it is copied), written out and dropped, so memory holds about one tensor,
+never a file's worth or the model. The checkpoint's pickled metadata is read by `safe_metadata`
+(a crafted one is refused, nothing of it run). Everything is written into a temporary directory
+beside OUT and renamed to OUT at the end: OUT is complete or absent.
 """
 
 from __future__ import annotations
@@ -16,34 +20,69 @@ import math
 import os
 import pickle
 import shutil
+import struct
 import tempfile
 import warnings
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
+from autoshard import _torch_compat as tc
 from autoshard.data.text import tokenizer_files
 from autoshard.options import UsageError
 from autoshard.train.checkpoints import Checkpoint, checkpoints
+from autoshard.train.safe_metadata import load_value, read_metadata
 from autoshard.workloads import get_workload
 
 MAX_SHARD_BYTES = 5 * 10**9  # transformers' default max_shard_size, "5GB"
 WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}  # --dtype
+_HF_DTYPE = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}  # config.json's
+_SAFETENSORS = {  # the safetensors format's dtype names
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.bfloat16: "BF16",
+    torch.float16: "F16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+# what a Hugging Face model directory carries for its tokenizer and chat (save_pretrained's names)
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "tokenizer.model",
+    "spiece.model",
+    "vocab.json",
+    "vocab.txt",
+    "merges.txt",
+    "chat_template.jinja",
+    "chat_template.json",
+)
+GENERATION = "generation_config.json"
 
 
 @dataclass(frozen=True)
 class Export:
-    """What `export_hf` wrote: the directory, the checkpoint's step, the weight files, and how
-    many tensors and bytes they hold."""
+    """What `export_hf` wrote: the directory, the checkpoint's step, the weight files, how many
+    tensors and bytes they hold and in which dtype, and the files written beside them."""
 
     path: Path
     step: int
     files: list[str]
     tensors: int
     bytes: int
+    dtype: str = "fp32"
+    others: tuple[str, ...] = ()
 
 
 def _run_settings(run: Path) -> dict:
@@ -72,17 +111,17 @@ def _checkpoint(run: Path, step: int | None) -> Checkpoint:
     )
 
 
-def _metadata(ckpt: Checkpoint, reader: Any, run: Path) -> Any:
-    """The checkpoint's DCP metadata, once every file it names is there in full: a damaged
-    checkpoint is one line naming the missing file, found before anything is written (DCP's
-    loader would fail halfway, with a traceback per rank)."""
+def _metadata(ckpt: Checkpoint, run: Path) -> Any:
+    """The checkpoint's DCP metadata (read safely: a crafted one raises UnsafeCheckpointError), once
+    every file it names is there in full: a damaged checkpoint is one line naming the missing
+    file, found before anything is written (DCP's loader would fail halfway, with a traceback)."""
     others = [str(c.step) for c in reversed(checkpoints(run)) if c.step != ckpt.step]
     hint = f" (export another with --step: {', '.join(others)})" if others else ""
     try:
-        metadata = reader.read_metadata()
+        metadata = read_metadata(ckpt.path)
     except FileNotFoundError:
         raise UsageError(f"{ckpt.path}: damaged checkpoint: its .metadata is missing{hint}") from None
-    except (OSError, EOFError, pickle.UnpicklingError) as err:
+    except (OSError, pickle.UnpicklingError) as err:
         raise UsageError(f"{ckpt.path}: damaged checkpoint: its .metadata cannot be read ({err}){hint}") from None
     needed: dict[str, int] = {}  # file -> the bytes the metadata says it holds
     for info in metadata.storage_data.values():
@@ -110,22 +149,93 @@ def _shards(sizes: dict[str, int], limit: int) -> list[list[str]]:
     return groups
 
 
+def default_dtype(settings: dict) -> str:
+    """bf16 for a run that computed in bf16 (`--param-dtype bf16`), else fp32: the precision the
+    trained model was evaluated in, not more."""
+    computed = str(settings.get("param_dtype") or "").strip().lower().removeprefix("torch.")
+    return "bf16" if computed in ("bf16", "bfloat16") else "fp32"
+
+
+def _source_files(settings: dict) -> dict[str, Path]:
+    """The tokenizer's files, chat template and generation_config.json to copy (name -> file):
+    from the run's `--tokenizer` directory, else from the `hf:` model's directory (its files
+    are what it was trained with); none that are not there (any more)."""
+    tokenizer, model = settings.get("tokenizer"), str(settings["model"])
+    if tokenizer:
+        folder = Path(tokenizer).expanduser()
+    elif model.startswith("hf:"):
+        folder = Path(model[3:]).expanduser()
+        folder = folder if folder.is_dir() else folder.parent
+    else:
+        return {}
+    return {name: folder / name for name in (*TOKENIZER_FILES, GENERATION) if (folder / name).is_file()}
+
+
+def _config(text: str, dtype: torch.dtype) -> str:
+    """config.json saying the weights' dtype (transformers loads in it by default)."""
+    config = {k: v for k, v in json.loads(text).items() if k != "torch_dtype"}
+    return json.dumps(config | {"dtype": _HF_DTYPE[dtype]}, indent=2) + "\n"
+
+
+def _write_safetensors(
+    path: Path, entries: list[tuple[str, torch.Size, torch.dtype, Callable[[], torch.Tensor]]]
+) -> None:
+    """A safetensors file of `entries` (name, shape, dtype, values), each tensor's values read while
+    it is written and dropped after: the file is streamed, never held. The format (an 8-byte
+    little-endian header length, a JSON header padded with spaces to 8 bytes, then the tensors'
+    bytes in header order) is what safetensors' own writer makes."""
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, shape, dtype, _ in entries:
+        size = math.prod(shape) * dtype.itemsize
+        header[name] = {"dtype": _SAFETENSORS[dtype], "shape": list(shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw)
+        for name, shape, dtype, values in entries:
+            tensor = values()
+            assert tensor.dtype == dtype and tensor.shape == shape, (name, tensor.dtype, tensor.shape)
+            f.write(tensor.contiguous().reshape(-1).view(torch.uint8).numpy().data)
+            del tensor
+
+
+def _tensor_reader(ckpt: Checkpoint, metadata: Any) -> Callable[[str, Any, torch.dtype], torch.Tensor]:
+    """fqn -> that one tensor of the checkpoint, in `dtype`: DCP copies (and casts) each stored
+    chunk into it, so memory holds it and one chunk."""
+    import torch.distributed.checkpoint as dcp
+
+    reader = tc.dcp_reader(ckpt.path, metadata)
+
+    def read(fqn: str, meta: Any, dtype: torch.dtype) -> torch.Tensor:
+        tensor = torch.empty(tuple(meta.size), dtype=dtype)
+        planner = tc.dcp_planner(lambda value, file: load_value(value, str(ckpt.path / file)), allow_partial_load=True)
+        with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load({"model": {fqn: tensor}}, storage_reader=reader, planner=planner, no_dist=True)
+        return tensor
+
+    return read
+
+
 def export_hf(
-    run: str | os.PathLike, out: str | os.PathLike, *, step: int | None = None, max_shard_bytes: int = MAX_SHARD_BYTES
+    run: str | os.PathLike,
+    out: str | os.PathLike,
+    *,
+    step: int | None = None,
+    max_shard_bytes: int = MAX_SHARD_BYTES,
+    dtype: str | None = None,
 ) -> Export:
     """Write checkpoint `step` (default: the newest complete one) of training run `run` as a
-    Hugging Face model directory `out` (it must not exist, or be empty). ValueError names what
-    is wrong; nothing is left half-written."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
-
-    try:
-        from safetensors.torch import save_file
-    except ImportError:
-        raise ValueError("export needs safetensors: pip install 'autoshard[hf]'") from None
+    Hugging Face model directory `out` (it must not exist, or be empty), its floating tensors in
+    `dtype` (bf16, fp16, fp32; default `default_dtype`). ValueError names what is wrong; nothing
+    is left half-written."""
     run, out = Path(run), Path(out)
     if max_shard_bytes < 1:
         raise ValueError(f"the largest file must hold at least one byte, got {max_shard_bytes}")
+    if dtype is not None and dtype not in DTYPES:
+        raise ValueError(f"--dtype {dtype}: use one of {', '.join(DTYPES)}")
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ValueError(f"{out} exists and is not an empty directory")
     settings = _run_settings(run)
@@ -136,45 +246,57 @@ def export_hf(
     if workload.hf_format is None:
         raise ValueError(f"{workload.name} has no Hugging Face form to export to")
     form = workload.hf_format()
-    reader = FileSystemReader(str(ckpt.path))
+    dtype = dtype or default_dtype(settings)
+    metadata = _metadata(ckpt, run)
     tensors = {
         key.removeprefix("model."): meta
-        for key, meta in _metadata(ckpt, reader, run).state_dict_metadata.items()
+        for key, meta in metadata.state_dict_metadata.items()
         if key.startswith("model.") and hasattr(meta, "size")
     }
+    stored = {fqn: meta.properties.dtype for fqn, meta in tensors.items()}
+    dtypes = {fqn: DTYPES[dtype] if d.is_floating_point else d for fqn, d in stored.items()}
+    if unknown := sorted({str(d) for d in dtypes.values() if d not in _SAFETENSORS}):
+        raise ValueError(f"{ckpt.path}: holds tensors of dtype {', '.join(unknown)}, which safetensors cannot hold")
     names = {fqn: form.name(fqn) for fqn in tensors}
-    sizes = {fqn: math.prod(meta.size) * meta.properties.dtype.itemsize for fqn, meta in tensors.items()}
+    sizes = {fqn: math.prod(meta.size) * dtypes[fqn].itemsize for fqn, meta in tensors.items()}
     groups = _shards(sizes, max_shard_bytes)
     files = (
         [WEIGHTS]
         if len(groups) == 1
         else [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
     )
+    texts = dict(form.files) | tokenizer_files(settings.get("tokenizer"))  # the tokenizer's, or made for it
+    texts["config.json"] = _config(texts["config.json"], DTYPES[dtype])
+    copies = {name: file for name, file in _source_files(settings).items() if name not in texts}
+    read = _tensor_reader(ckpt, metadata)
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     except OSError as err:
         raise ValueError(f"cannot write {out}: {err}") from None
     try:
-        for file, group in zip(files, groups):  # one file's tensors in memory at a time
-            state = {fqn: torch.empty(tuple(tensors[fqn].size), dtype=tensors[fqn].properties.dtype) for fqn in group}
-            with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
-                warnings.simplefilter("ignore", UserWarning)
-                dcp.load(
-                    {"model": state},
-                    storage_reader=reader,
-                    planner=DefaultLoadPlanner(allow_partial_load=True),
-                    no_dist=True,
-                )
-            save_file({names[fqn]: t for fqn, t in state.items()}, str(tmp / file), metadata={"format": "pt"})
-            del state
+        for file, group in zip(files, groups):
+            _write_safetensors(
+                tmp / file,
+                [
+                    (
+                        names[fqn],
+                        torch.Size(tensors[fqn].size),
+                        dtypes[fqn],
+                        partial(read, fqn, tensors[fqn], dtypes[fqn]),
+                    )
+                    for fqn in sorted(group, key=lambda fqn: -dtypes[fqn].itemsize)  # stable: widest first, aligned
+                ],
+            )
         if len(files) > 1:
             weight_map = {names[fqn]: file for file, group in zip(files, groups) for fqn in group}
             (tmp / INDEX).write_text(
                 json.dumps({"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map}, indent=2) + "\n"
             )
-        for name, text in (form.files | tokenizer_files(settings.get("tokenizer"))).items():
+        for name, text in texts.items():
             (tmp / name).write_text(text)
+        for name, source in copies.items():
+            shutil.copyfile(source, tmp / name)
         if out.exists():
             out.rmdir()  # empty, checked above
         os.replace(tmp, out)
@@ -184,4 +306,5 @@ def export_hf(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return Export(out, ckpt.step, files, len(tensors), sum(sizes.values()))
+    others = tuple(sorted(set(texts) | set(copies)))
+    return Export(out, ckpt.step, files, len(tensors), sum(sizes.values()), dtype, others)
