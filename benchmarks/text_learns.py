@@ -12,8 +12,8 @@
    per file: field lines such as `Files:` and `Copyright:` dropped, then only paragraphs of at
    least 12 words, 80% of them words and 15% common ones such as `the` and `of` (not lists of
    names or files), without an e-mail address and never seen before in the corpus: the same
-   license text in many packages counts once). The documents are shuffled with a fixed seed, so
-   that the held-out last 5% mixes the sources, and written as `corpus.jsonl` (`text` field).
+   license text in many packages counts once). The documents are shuffled with a fixed seed and
+   written as `corpus.jsonl` (`text` field); `--val-fraction` holds out a random 5% of them.
 2. A byte-level BPE tokenizer trained on it by the `tokenizers` library (vocabulary 2048: small, so
    that a small model learns it quickly; `<|endoftext|>` as its EOS), saved as `tokenizer.json`.
 3. The bar: the unigram entropy of the training split in nats per token, -sum p ln p over the
@@ -172,7 +172,9 @@ def unigram_entropy(corpus: Path, tokenizer: Path, cache: Path, val_fraction: fl
 
     tok = load_tokenizer(str(tokenizer))
     stream = Tokens([tokenized(corpus, tok, cache)])
-    train, val = split_by_document(stream, val_fraction, tok.eos_id)
+    split = split_by_document(stream, val_fraction, tok.eos_id, seed=0)  # train's default --data-seed
+    assert split is not None
+    train, val = split.train, split.val
     counts = np.bincount(train.read(0, len(train)).astype(np.int64), minlength=tok.vocab_size)
     p = counts[counts > 0] / len(train)
     entropy = float(-(p * np.log(p)).sum())

@@ -94,6 +94,7 @@ def feed_settings(**kw) -> SimpleNamespace:
         batch=4,
         seq=8,
         steps=10,
+        grad_accum=1,
     )
     out = SimpleNamespace(**(base | kw))
     out.replace = lambda **changes: SimpleNamespace(**(vars(out) | changes))
@@ -181,13 +182,76 @@ def test_windows_shuffle_per_epoch_deterministically():
     assert not np.array_equal(windows.shuffled(np.arange(30), seed=4), order)
 
 
-def test_validation_holds_out_whole_documents():
-    eos = 0
-    stream = np.array([5, 6, 0, 7, 8, 9, 0, 1, 2, 0, 3, 4, 4, 0])
-    train, val = split_by_document(Tokens([stream]), 0.3, eos)
-    assert train.read(0, len(train)).tolist() == [5, 6, 0, 7, 8, 9, 0, 1, 2, 0]
-    assert val.read(0, len(val)).tolist() == [3, 4, 4, 0]
-    assert split_by_document(Tokens([np.array([1, 2, 3])]), 0.3, eos) is None
+def corpus_of_documents(n: int, seed: int = 0) -> tuple[list[np.ndarray], np.ndarray]:
+    """`n` documents of 3-60 tokens, document d's tokens all d + 1 and EOS 0 after each but the last,
+    cut into two token files mid-document; (the files, each document's length with its EOS)."""
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(3, 61, n)
+    docs = [np.r_[np.full(k, d + 1), [0] if d < n - 1 else []] for d, k in enumerate(lengths)]
+    stream = np.concatenate(docs).astype("<u4")
+    cut = len(stream) // 3 + 1
+    return [stream[:cut], stream[cut:]], np.array([len(d) for d in docs])
+
+
+def documents_in(tokens: Tokens) -> dict[int, int]:
+    """Document id -> how many of its tokens (EOS included) `tokens` holds, by EOS-ended runs."""
+    values = tokens.read(0, len(tokens))
+    ids, counts = np.unique(values[values > 0] - 1, return_counts=True)
+    held = dict(zip(ids.tolist(), counts.tolist()))
+    for eos_at in np.flatnonzero(values == 0):  # an EOS belongs to the document before it
+        held[int(values[eos_at - 1]) - 1] += 1
+    return held
+
+
+def test_validation_holds_out_random_whole_documents():
+    """About F of the documents, drawn from the data seed: whole (every token and its EOS on one
+    side), spread over the corpus rather than its end, the same for the same seed, other for
+    another, and never inside a training window."""
+    files, lengths = corpus_of_documents(400)
+    tokens = Tokens(files)
+    split = split_by_document(tokens, 0.2, 0, seed=7)
+    assert split is not None and split.documents == 400 and len(split.train) + len(split.val) == len(tokens)
+    val, train = documents_in(split.val), documents_in(split.train)
+    assert split.held == len(val) and set(val).isdisjoint(train) and set(val) | set(train) == set(range(400))
+    assert all(val[d] == lengths[d] for d in val) and all(train[d] == lengths[d] for d in train)  # whole
+    held = sorted(val)
+    assert 0.12 < len(held) / 400 < 0.28 and 0.12 < len(split.val) / len(tokens) < 0.28  # about F, both ways
+    assert held[0] < 100 and held != list(range(400 - len(held), 400))  # not the last documents
+    assert min(sum(d < 200 for d in held), sum(d >= 200 for d in held)) > 0.3 * len(held)  # over the whole corpus
+    again = split_by_document(Tokens(files), 0.2, 0, seed=7)
+    assert again is not None and sorted(documents_in(again.val)) == held  # a pure function of the seed
+    other = split_by_document(Tokens(files), 0.2, 0, seed=8)
+    assert other is not None and sorted(documents_in(other.val)) != held
+    windows = Windows(split.train, seq=15)
+    seen = windows.read(windows.shuffled(np.arange(2 * windows.count), seed=3))  # two epochs of training
+    assert set(np.unique(seen[seen > 0] - 1).tolist()).isdisjoint(held)
+    assert windows.count == len(split.train) // 16
+
+
+def test_validation_holds_out_at_least_one_document_and_not_all():
+    two = Tokens([np.array([5, 6, 0, 7, 8, 9, 0])])
+    for fraction in (0.001, 0.999):
+        split = split_by_document(two, fraction, 0, seed=0)
+        assert split is not None and split.held == 1 and sorted([len(split.train), len(split.val)]) == [3, 4]
+    tail = split_by_document(Tokens([np.array([5, 6, 0, 7, 8])]), 0.5, 0, seed=0)  # the last document has no EOS
+    assert tail is not None and tail.documents == 2
+    assert sorted([tail.train.read(0, len(tail.train)).tolist(), tail.val.read(0, len(tail.val)).tolist()]) == [
+        [5, 6, 0],
+        [7, 8],
+    ]
+    assert split_by_document(Tokens([np.array([1, 2, 3])]), 0.3, 0, seed=0) is None  # one document: no EOS
+    assert split_by_document(Tokens([np.array([1, 2, 0])]), 0.3, 0, seed=0) is None  # one document
+
+
+def test_chosen_ranges_read_as_one_stream_across_files():
+    tokens = Tokens([np.arange(1, 10, dtype="<u2"), np.zeros(0, "<u2"), np.arange(10, 30, dtype="<u4")])
+    picked = tokens.select([2, 15], [5, 25])
+    assert picked.read(0, len(picked)).tolist() == [3, 4, 5, *range(16, 26)]
+    again = picked.select([1, 5], [4, 12])  # ranges of ranges
+    assert again.read(0, len(again)).tolist() == [4, 5, 16, *range(18, 25)]
+    assert np.concatenate([c for _, c in again.chunks()]).tolist() == again.read(0, len(again)).tolist()
+    with pytest.raises(IndexError):
+        picked.read(0, len(picked) + 1)
 
 
 # ---------------------------------------------------------------------------- rows per rank
@@ -301,6 +365,10 @@ TINY = ["--model", "llama3-tiny", "--mesh", "1", "--batch", "4", "--seq", "8", "
         (["--data", "{tmp}/ok.bin", "--eval-every", "2"], "--eval-every K needs validation data"),
         (["--data", "{tmp}/ok.bin", "--val-data", "{tmp}/ok.bin"], "needs --eval-every K"),
         (["--data", "{tmp}/ok.bin", "--val-fraction", "0.1", "--eval-every", "1"], "it needs --tokenizer"),
+        (
+            ["--data", "{tmp}/docs.jsonl", "--tokenizer", "{tok}", "--val-fraction", "0.1", "--eval-every", "1"],
+            "--val-fraction: --data holds fewer than two documents",
+        ),
         (["--tokenizer", "{tok}"], "--tokenizer without --data"),
         (["--data", "{tmp}/ok.bin", "--val-fraction", "1.5"], "--val-fraction must be in [0, 1)"),
     ],

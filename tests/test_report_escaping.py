@@ -1,6 +1,7 @@
 """report.html takes every value from files (plan.json, metrics.jsonl), which anyone may have
 edited: each is escaped or refused as a number, so a crafted file shows its text and never adds
-markup (issue 51). The page embeds no script, so no JSON inside one to break out of either."""
+markup (issue 51), the validation loss and perplexity included. The page embeds no script, so no
+JSON inside one to break out of either."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import pytest
 from autoshard.__main__ import main
 from autoshard.report.files import write_report_files
 from autoshard.report.html import render_html
-from test_report_html import METRICS, Page, report  # noqa: F401 - `report` is the fixture these tests use
+from test_report_html import VAL_METRICS, Page, report  # noqa: F401 - `report` is the fixture these tests use
 
 X = "<script>alert(1)</script>"
 CLOSE = "</script><script>alert(2)</script>"  # what would end a script block the page embedded
@@ -86,7 +87,7 @@ def test_every_value_and_key_of_plan_json_is_escaped_or_refused(full):
             for path in chosen:
                 at(data, path[:-1])[path[-1]] = X
             try:
-                text = render_html(data, METRICS)
+                text = render_html(data, VAL_METRICS)
             except REFUSED:
                 continue
             shown += X in "".join(assert_no_markup_added(text).text)
@@ -98,7 +99,7 @@ def test_every_value_and_key_of_plan_json_is_escaped_or_refused(full):
                 if key in obj:
                     obj[X] = obj.pop(key)
             try:
-                text = render_html(data, METRICS)
+                text = render_html(data, VAL_METRICS)
             except REFUSED:
                 continue
             shown += X in "".join(assert_no_markup_added(text).text)
@@ -122,10 +123,13 @@ def test_a_crafted_run_directory_shows_its_text_escaped(full, tmp_path):
     data["totals"]["count_by_collective"][CLOSE] = 1
     write_report_files(full, tmp_path)
     (tmp_path / "plan.json").write_text(json.dumps(data))
-    rows = [dict(r) for r in METRICS]
+    rows = [dict(r) for r in VAL_METRICS]
     rows[0] |= {"loss": X, "note": CLOSE}
     rows[1] |= {"step": X}
     rows[2] |= {"tokens_per_s": CLOSE}
+    rows[4] |= {"val_loss": X, "val_ppl": CLOSE}  # validation fields: not numbers, so not shown
+    rows[9] |= {"val_ppl": X}
+    rows[19] |= {"val_ppl": CLOSE, X: 1.0}
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
 
     assert main(["report", str(tmp_path)]) == 0
@@ -133,4 +137,6 @@ def test_a_crafted_run_directory_shows_its_text_escaped(full, tmp_path):
     words = "".join(assert_no_markup_added(text).text)
     assert words.count(X) >= 10 and words.count(CLOSE) >= 5, words
     assert "&lt;script&gt;alert(1)&lt;/script&gt;" in text
-    assert text.count("<polyline") == 2  # the curves, of the rows that hold numbers
+    assert text.count("<polyline") == 3  # the curves and the validation marks' line, of the rows that hold numbers
+    assert "validation loss: 3.600 at step 20 (3 evaluations)" in words  # the crafted perplexity left out
+    assert text[text.index('id="training"') :].count("<circle") == 3

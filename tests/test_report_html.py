@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import re
 import shutil
 import subprocess
@@ -25,6 +26,11 @@ from autoshard_models import build_model, cross_entropy_loss, get_config
 
 VOID = {"area", "base", "br", "col", "embed", "hr", "img", "input", "link", "meta", "source", "track", "wbr"}
 METRICS = [{"step": s, "loss": 5.5 - 0.1 * s, "step_s": 0.5, "tokens_per_s": 1000.0 + 10 * s} for s in range(1, 21)]
+# the same run evaluated every 5 steps (--eval-every 5), as train writes it
+VAL_METRICS = [r | ({"val_loss": 5.6 - 0.1 * r["step"], "val_ppl": 0.0} if r["step"] % 5 == 0 else {}) for r in METRICS]
+for _row in VAL_METRICS:
+    if "val_loss" in _row:
+        _row["val_ppl"] = math.exp(_row["val_loss"])
 
 
 @pytest.fixture(scope="module")
@@ -102,6 +108,32 @@ def test_curves_appear_only_with_metrics(report):
     assert "<polyline" not in render_html(report)
 
 
+def test_validation_loss_is_marked_beside_the_loss(report):
+    """Rows with val_loss: a mark per evaluation on the loss chart, joined by a dashed line, and the
+    last validation loss and perplexity; the page of rows without any is the one it always was."""
+    text = render_html(report, VAL_METRICS)
+    page = Page(text)
+    assert not page.errors
+    training = text[text.index('id="training"') :]
+    assert training.count("<circle") == 4 and text.count("<polyline") == 3 and 'stroke-dasharray="4 3"' in training
+    words = "\n".join(page.text)
+    assert "validation loss: 3.600, perplexity 36.60 at step 20 (4 evaluations)" in words
+    assert "step 5: validation loss 5.100" in words and "validation loss (every --eval-every steps)" in words
+    assert "loss: 3.500 at step 20 (20 steps)" in words  # the training loss's line as before
+    plain = render_html(report, METRICS)
+    assert "validation" not in plain and "<circle" not in plain[plain.index('id="training"') :]
+    unevaluated = [{k: v for k, v in r.items() if not k.startswith("val_")} for r in VAL_METRICS]
+    assert render_html(report, unevaluated) == plain
+    one = render_html(report, [*METRICS[:-1], METRICS[-1] | {"val_loss": 3.25, "val_ppl": math.inf}])
+    assert "validation loss: 3.250, perplexity inf at step 20 (1 evaluation)" in "\n".join(Page(one).text)
+    assert one.count("<polyline") == 2 and one[one.index('id="training"') :].count("<circle") == 1
+    diverged = [*VAL_METRICS[:-1], VAL_METRICS[-1] | {"val_loss": math.nan, "val_ppl": math.nan}]
+    text = render_html(report, diverged)  # the last evaluation said nan: told, not drawn
+    assert "validation loss: nan, perplexity nan at step 20" in "\n".join(Page(text).text)
+    assert text[text.index('id="training"') :].count("<circle") == 3
+    assert not any("nan" in points for points in re.findall(r'(?:points|cx|cy)="[^"]*"', text))
+
+
 def test_a_block_that_differs_is_named(report):
     changed = copy.deepcopy(report)
     p = next(p for p in changed["parameters"] if p["fqn"] == "layers.1.attention.wq.weight")
@@ -140,6 +172,24 @@ def test_report_command_rebuilds_the_page_with_curves(report, tmp_path, capsys):
     assert "wrote" in capsys.readouterr().out
     assert (tmp_path / "report.html").read_text() == render_html(report, load_metrics(tmp_path / "metrics.jsonl"))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl", "plan.json", "report.html", "sharding.log"]
+
+
+def test_report_command_shows_a_run_directorys_validation_loss(report, tmp_path):
+    """A run directory whose metrics.jsonl has val_loss rows (json writes an infinite perplexity as
+    Infinity): the rebuilt page shows them; the same run without them gives the page it gave before."""
+    write_report_files(report, tmp_path)
+    rows = [*VAL_METRICS[:-1], VAL_METRICS[-1] | {"val_loss": 710.0, "val_ppl": math.inf}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert "Infinity" in (tmp_path / "metrics.jsonl").read_text()
+    assert main(["report", str(tmp_path)]) == 0
+    text = (tmp_path / "report.html").read_text()
+    words = "\n".join(Page(text).text)
+    assert "validation loss: 710.000, perplexity inf at step 20 (4 evaluations)" in words
+    assert text[text.index('id="training"') :].count("<circle") == 4
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in METRICS))
+    assert main(["report", str(tmp_path)]) == 0
+    again = (tmp_path / "report.html").read_text()
+    assert again == render_html(report, METRICS) and "validation" not in again
 
 
 @pytest.mark.parametrize(
@@ -218,7 +268,7 @@ def test_console_check_catches_a_broken_page(tmp_path):
 
 
 def test_report_renders_in_chromium(report, tmp_path):
-    write_report_files(report, tmp_path, metrics=METRICS)
+    write_report_files(report, tmp_path, metrics=VAL_METRICS)
     page = tmp_path / "report.html"
     dom, console = _chromium_run(page, tmp_path, "--dump-dom")
     assert console == []

@@ -110,12 +110,20 @@ def test_weight_decay_applies_to_matrices_only():
     assert {names[id(p)] for p in decayed["params"]} == {n for n, p in model.named_parameters() if p.ndim >= 2}
 
 
-def reference(steps: int, clip: float | None, lrs: list[float], weight_decay: float = 0.0) -> tuple[list, list]:
-    """One device: llama3-tiny (TINY's batch and seq) with torch's AdamW (decay on matrices),
-    `clip_grad_norm_` and the lrs given; (losses, gradient norms before clipping)."""
-    cfg = get_config("llama3-tiny")
-    model, data = build_model(cfg, seed=0), MarkovTokens(cfg.vocab_size, seed=0)
-    params = list(model.parameters())
+def reference(
+    steps: int,
+    clip: float | None,
+    lrs: list[float],
+    weight_decay: float = 0.0,
+    model: str = "llama3-tiny",
+    batch: int = 8,
+    seq: int = 16,
+) -> tuple[list, list]:
+    """One device: `model` (default llama3-tiny at TINY's batch and seq) with torch's AdamW (decay
+    on matrices), `clip_grad_norm_` and the lrs given; (losses, gradient norms before clipping)."""
+    cfg = get_config(model)
+    net, data = build_model(cfg, seed=0), MarkovTokens(cfg.vocab_size, seed=0)
+    params = list(net.parameters())
     groups = [
         {"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
         {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
@@ -125,8 +133,8 @@ def reference(steps: int, clip: float | None, lrs: list[float], weight_decay: fl
     for step in range(steps):
         for g in optim.param_groups:
             g["lr"] = lrs[step]
-        batch = data.batch(step, 8, 16)
-        losses.append(step_loss(model, batch.inputs, batch.targets).item())
+        rows = data.batch(step, batch, seq)
+        losses.append(step_loss(net, rows.inputs, rows.targets).item())
         norm = torch.nn.utils.clip_grad_norm_(params, clip if clip is not None else math.inf)
         norms.append(float(norm))
         optim.step()
@@ -189,12 +197,13 @@ def test_without_clipping_the_norm_is_logged_and_nothing_scaled(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.ranks
-@pytest.mark.parametrize("mesh", ["4x1", "2x2"])
+@pytest.mark.parametrize("mesh", ["4x1", "2x2", "2x2x2"])
 def test_torchrun_clips_by_the_global_norm_like_one_device(tmp_path, executed_plans, mesh):
-    """4 gloo ranks, parameters sharded: grad_norm of step 1 is a single device's
+    """4 or 8 gloo ranks, parameters sharded: grad_norm of step 1 is a single device's
     `clip_grad_norm_`'s within 1e-5, and the clipped, scheduled, weight-decayed losses are its."""
-    out = tmp_path / "run"
-    torchrun(*TINY, *SHARDED_ON_4, "--mesh", mesh, "--steps", "5", *SCHEDULED, "--grad-clip", "0.5", "--out", str(out))
+    out, world = tmp_path / "run", math.prod(map(int, mesh.split("x")))
+    args = [*TINY, *SHARDED_ON_4, "--mesh", mesh, "--steps", "5", *SCHEDULED, "--grad-clip", "0.5", "--out", str(out)]
+    torchrun(*args, nproc=world)
     (facts,) = executed_plans()
     assert_shards(facts, batch_split=False)
     rows = metrics(out)
@@ -204,7 +213,7 @@ def test_torchrun_clips_by_the_global_norm_like_one_device(tmp_path, executed_pl
     assert [r["lr"] for r in rows] == lrs
     for row, loss in zip(rows, losses, strict=True):
         assert abs(row["loss"] - loss) <= 1e-5, (row, loss)
-        assert row["tokens_per_s_per_device"] == pytest.approx(row["tokens_per_s"] / 4)
+        assert row["tokens_per_s_per_device"] == pytest.approx(row["tokens_per_s"] / world)
 
 
 @ONE_PROCESS

@@ -34,11 +34,15 @@ log = logging.getLogger("autoshard")
 class SyntheticFeed:
     """The workload's own data source: the global batch of a step, cut to this rank's shards."""
 
-    def __init__(self, source: Any, batch: int, seq: int):
-        self.source, self.batch, self.seq = source, batch, seq
+    def __init__(self, source: Any, batch: int, seq: int, micro_batches: int = 1):
+        self.source, self.batch, self.seq, self.micro_batches = source, batch, seq, micro_batches
 
-    def inputs(self, index: int, pmodel: Any) -> tuple[torch.Tensor, ...]:
-        return pmodel.shard_inputs(*self.source.batch(index, self.batch, self.seq))
+    def inputs(self, index: int, pmodel: Any, micro: int = 0) -> tuple[torch.Tensor, ...]:
+        """This rank's inputs of micro-batch `micro` (rows micro * m .. of the global batch, m
+        rows each) of step `index + 1`."""
+        m = self.batch // self.micro_batches
+        rows = slice(micro * m, (micro + 1) * m)
+        return pmodel.shard_inputs(*(x[rows] for x in self.source.batch(index, self.batch, self.seq)))
 
     def evaluate(self, step: int, pmodel: Any) -> dict[str, float]:
         return {}
@@ -58,17 +62,21 @@ class CorpusFeed:
         vocab_size: int | None,
         eval_every: int = 0,
         eval_batches: int = 1,
+        micro_batches: int = 1,
     ):
         self.train, self.val, self.batch, self.seed = train, val, batch, seed
+        self.micro_batches = micro_batches
         self.vocab_size, self.eval_every, self.eval_batches = vocab_size, eval_every, eval_batches
         self.summary: str | None = None  # logged at the first step (logging is set up by then)
 
-    def inputs(self, index: int, pmodel: Any) -> tuple[torch.Tensor, ...]:
-        """This rank's inputs of step `index + 1` (tokens, targets)."""
+    def inputs(self, index: int, pmodel: Any, micro: int = 0) -> tuple[torch.Tensor, ...]:
+        """This rank's inputs (tokens, targets) of micro-batch `micro` of step `index + 1`: rows
+        micro * m .. (micro + 1) * m - 1 of its global batch, m = batch / micro_batches."""
         if self.summary is not None:
             log.info("%s", self.summary)
             self.summary = None
-        return self._local(pmodel, self.train, lambda rows: self.train.shuffled(index * self.batch + rows, self.seed))
+        first = index * self.batch + micro * (self.batch // self.micro_batches)
+        return self._local(pmodel, self.train, lambda rows: self.train.shuffled(first + rows, self.seed))
 
     def rows(self, index: int, rows: np.ndarray) -> np.ndarray:
         """Rows `rows` of the global batch of step `index + 1`: [len(rows), seq + 1] windows."""
@@ -82,12 +90,14 @@ class CorpusFeed:
             return {}
         drawn = pmodel.random.step  # the next step's random ops draw as if no evaluation had run
         total = 0.0
+        micro = self.batch // self.micro_batches  # the rows the program takes
+        count = self.eval_batches * self.micro_batches
         with torch.no_grad():
-            for k in range(self.eval_batches):
-                ids = lambda rows, k=k: (k * self.batch + rows) % val.count  # noqa: E731
+            for k in range(count):
+                ids = lambda rows, k=k: (k * micro + rows) % val.count  # noqa: E731
                 total += float(pmodel(*self._local(pmodel, val, ids)).item())
         pmodel.random.step = drawn
-        loss = total / self.eval_batches
+        loss = total / count
         ppl = math.exp(loss) if loss < 700 else math.inf
         log.info("step %4d  val loss %.4f  val ppl %.2f", step, loss, ppl)
         return {"val_loss": loss, "val_ppl": ppl}
@@ -116,21 +126,23 @@ def open_feed(settings: Any, workload: Any) -> tuple[Any, Any, Feed]:
     tokenizer = load_tokenizer(settings.tokenizer) if settings.tokenizer else None
     settings, workload = _fit_vocab(settings, workload, tokenizer)
     if not settings.data:
-        return settings, workload, SyntheticFeed(workload.data(settings.data_seed), settings.batch, settings.seq)
+        source = workload.data(settings.data_seed)
+        return settings, workload, SyntheticFeed(source, settings.batch, settings.seq, settings.grad_accum)
     vocab = tokenizer.vocab_size if tokenizer is not None else workload.vocab_size
     stream = _stream(settings, "--data", settings.data, tokenizer, vocab, workload.vocab_size)
-    val = None
+    val, held = None, ""
     if settings.val_data:
         val = _stream(settings, "--val-data", settings.val_data, tokenizer, vocab, workload.vocab_size)
     elif settings.val_fraction:
         assert tokenizer is not None  # Settings asks for one
-        split = split_by_document(stream, settings.val_fraction, tokenizer.eos_id)
+        split = split_by_document(stream, settings.val_fraction, tokenizer.eos_id, settings.data_seed)
         if split is None:
             raise UsageError(
-                f"--val-fraction: --data holds no EOS token ({tokenizer.eos_id}) to cut a document at; "
-                "give --val-data instead"
+                f"--val-fraction: --data holds fewer than two documents (EOS token {tokenizer.eos_id} ends one) "
+                "to hold some out; give --val-data instead"
             )
-        stream, val = split
+        stream, val = split.train, split.val
+        held = f" in {split.held} of {split.documents} documents"
     train = _windows("--data", stream, settings.seq)
     feed = CorpusFeed(
         train,
@@ -140,11 +152,12 @@ def open_feed(settings: Any, workload: Any) -> tuple[Any, Any, Feed]:
         vocab_size=workload.vocab_size,
         eval_every=settings.eval_every,
         eval_batches=settings.eval_batches,
+        micro_batches=settings.grad_accum,
     )
     feed.summary = (
         f"autoshard data: {len(stream)} tokens, {train.count} windows of {train.size} "
         f"({settings.steps * settings.batch / train.count:.2f} epochs in {settings.steps} steps)"
-        + (f"; validation: {len(val)} tokens" if val is not None else "")
+        + (f"; validation: {len(val)} tokens{held}" if val is not None else "")
     )
     return settings, workload, feed
 

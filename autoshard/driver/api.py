@@ -210,6 +210,14 @@ class AutoShard:
         self.config = self.config.replace(memory_budget=param_bytes_per_rank)
         self.spec.param_memory_bytes = param_bytes_per_rank
 
+    def accumulate(self, micro_batches: int) -> None:
+        """Plan for gradient accumulation: the example inputs are one of `micro_batches` per
+        optimizer step. The plan prices what `apply()`'s module then runs: the optimizer step and
+        the gradient all-reduces `no_sync()` holds once per step, the rest once per micro-batch."""
+        if not isinstance(micro_batches, int) or micro_batches < 1:
+            raise ValueError(f"micro_batches must be a positive int, got {micro_batches!r}")
+        self.spec.micro_batches = micro_batches
+
     def memory_limit(self, bytes_per_rank: float | None) -> None:
         """Peak memory per rank a plan must fit in, as `PlanConfig.memory_limit` means it: `math.inf`
         for no limit, None for the default, the device profile's capacity less `MEMORY_RESERVE`
@@ -400,12 +408,20 @@ class AutoShard:
             )
 
     def apply(
-        self, plan: Plan | None = None, *, prefetch: int = 1, bucket_bytes: float = DEFAULT_BUCKET_BYTES, seed: int = 0
+        self,
+        plan: Plan | None = None,
+        *,
+        prefetch: int = 1,
+        bucket_bytes: float = DEFAULT_BUCKET_BYTES,
+        seed: int = 0,
+        accumulate: bool | None = None,
     ) -> ParallelModule:
         """The parallel module of `plan` (default: the last `optimize()` result) on this mesh.
         Bucketed gathers and gradient reductions run up to `prefetch` buckets ahead (0: none);
         gradient all-reduces run in buckets of at most `bucket_bytes` (DDP's bucket_cap_mb).
-        Its random ops (dropout) draw from `seed`: the same values on every rank holding a value."""
+        Its random ops (dropout) draw from `seed`: the same values on every rank holding a value.
+        `accumulate` (default: when the plan is for micro-batches, `spec.micro_batches` > 1): its
+        `no_sync()` holds gradient all-reduces for the last micro-batch."""
         plan = plan if plan is not None else self.plan
         if plan is None:
             raise ValueError("nothing to apply: call optimize() first or pass a plan")
@@ -417,7 +433,14 @@ class AutoShard:
             )
         with self._stage("apply"):
             return parallelize(
-                plan, mesh, self.model, prefetch=prefetch, bucket_bytes=bucket_bytes, compile=self.compile, seed=seed
+                plan,
+                mesh,
+                self.model,
+                prefetch=prefetch,
+                bucket_bytes=bucket_bytes,
+                compile=self.compile,
+                seed=seed,
+                accumulate=plan.micro_batches > 1 if accumulate is None else accumulate,
             )
 
     def dry_run(self, plan: Plan | None = None) -> DryRunResult:

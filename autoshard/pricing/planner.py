@@ -78,6 +78,25 @@ class RedistributePlan:
         return f"{self.src} -> {self.dst} ({self.cost_s * 1e6:.1f} us): {body}"
 
 
+def reduces(plan: RedistributePlan) -> bool:
+    """Whether the redistribution sums partial values (a mesh dim partial before, not after)."""
+    return any(a.kind == "P" and b.kind != "P" for a, b in zip(plan.src.placements, plan.dst.placements))
+
+
+def holds_for_accumulation(plan: RedistributePlan) -> bool:
+    """Whether a gradient's reduction can wait for the last of several micro-batches (a reduction
+    is linear: reducing the sum once equals summing the reductions): all-reduces only (beside
+    local steps), no partial mesh dim left after it, its input no larger on a rank than its
+    output (so holding it costs no memory beyond the gradient's own size)."""
+    kinds = {st.kind for st in plan.steps if st.kind in COLLECTIVE_KINDS}
+    return (
+        kinds == {"all_reduce"}
+        and reduces(plan)
+        and not any(p.kind == "P" for p in plan.dst.placements)
+        and plan.src.local_shape(plan.shape, plan.mesh_shape) == plan.dst.local_shape(plan.shape, plan.mesh_shape)
+    )
+
+
 # move = (per-byte coefficient of the total tensor bytes, fixed seconds, kind, mesh_dims,
 #         tensor_dims, group size)
 _Move = tuple[float, float, str, tuple[int, ...], tuple[int, ...], int]

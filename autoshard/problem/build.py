@@ -30,7 +30,7 @@ from autoshard_solver.problem import problem_to_json
 from autoshard.profiles.device import DeviceProfile
 from autoshard.layout import Layout
 from autoshard.pricing.compute import ComputePricer
-from autoshard.pricing.planner import Planner, RedistributePlan
+from autoshard.pricing.planner import Planner, RedistributePlan, holds_for_accumulation
 from autoshard.capture.precision import gradient_tail, is_cast
 from autoshard.capture.regions import assign_blocks, block_of, find_repeated_blocks
 from autoshard.strategies import Strategy, StrategyCatalog
@@ -92,6 +92,18 @@ class ShardingProblem:
     reshard_blocks: tuple[str, ...] = ()
     # the graph's repeated blocks, kept for `with_options` (the memory fit's other options)
     repeated: list[list[list[fx.Node]]] | None = field(default=None, repr=False, compare=False)
+    # gradient accumulation: the graph is a micro-batch, this many per optimizer step; the ILP
+    # prices one micro-batch plus 1/micro_batches of what runs once a step (the optimizer, the
+    # gradient all-reduces the program holds: `pricing.planner.holds_for_accumulation`)
+    micro_batches: int = 1
+
+    def choice_costs(self, name: str) -> list[float]:
+        """A node's cost per choice in the ILP: its compute, plus a parameter's optimizer step
+        (once per `micro_batches`)."""
+        compute, step = self.compute_s[name], self.optimizer_s.get(name)
+        if step is None:
+            return compute
+        return [c + o / self.micro_batches for c, o in zip(compute, step)]
 
     def fingerprint(self) -> str:
         """Hash of the whole ILP (nodes, choice labels and costs, edges, constraints): equal
@@ -158,6 +170,7 @@ def build_problem(
         recomputed=recomputed,
         reshard_blocks=reshard_blocks,
         repeated=repeated,
+        micro_batches=spec.micro_batches,
     )
     _fill_solver_problem(sharding, planner, spec, graph.param_names, repeated)
     return sharding
@@ -182,7 +195,7 @@ def with_options(sp: ShardingProblem, spec: ProblemSpec) -> ShardingProblem:
         if times is not None and node.name in compute_s:
             key = (id(choices), times)
             if key not in scaled:
-                costs = _choice_costs(compute_s[node.name], sp.optimizer_s.get(node.name))
+                costs = dataclasses.replace(sp, compute_s=compute_s).choice_costs(node.name)
                 scaled[key] = [solver.Choice(c.label, cost, c.memory, c.tags) for c, cost in zip(choices, costs)]
             choices = scaled[key]
         problem.nodes.append(solver.Node(node.name, choices))
@@ -218,11 +231,6 @@ def _runs_twice(
         blocks, nodes = _resharded(graph, repeated)
         return (), blocks, nodes
     return (), (), frozenset()
-
-
-def _choice_costs(compute: list[float], step: list[float] | None) -> list[float]:
-    """A node's cost per choice in the ILP: its compute, plus a parameter's optimizer step."""
-    return compute if step is None else [c + o for c, o in zip(compute, step)]
 
 
 def _bucket_shares(graph: JointGraph, inputs: dict[str, list[Producer]]) -> dict[tuple[str, str], BucketShare]:
@@ -263,7 +271,7 @@ def _fill_solver_problem(
         memory = [0.0] * len(choices)
         if node in param_fqn and name == node.name:
             memory = [_local_bytes(s.outputs[0], node.meta["val"], mesh_shape) for s in choices]
-        costs = _choice_costs(sp.compute_s[name], sp.optimizer_s.get(name))
+        costs = sp.choice_costs(name)
         key = (tuple(map(id, choices)), tuple(costs), tuple(memory))
         if key not in choice_lists:
             choice_lists[key] = [
@@ -278,6 +286,7 @@ def _fill_solver_problem(
     matrix_by_id: dict = {}  # by Strategy identity
     variants: dict = {}  # (key, without reduction, priced twice) -> that variant of the key's matrix
     reduce_dtypes = _gradient_reduce_dtypes(sp)
+    held = sp.micro_batches > 1  # gradient edges: a held all-reduce costs 1/micro_batches
     for consumer, producers in sp.inputs.items():
         merged: dict[str, list[list[float]]] = {}
         for slot, producer in enumerate(producers):
@@ -304,15 +313,20 @@ def _fill_solver_problem(
                     matrix = matrix_cache[by_value] = _cost_matrix(planner, srcs, dsts, shape, dtype.itemsize, share)
                 matrix_by_id[key] = matrix
             twice = consumer in sp.recomputed  # the recomputation redistributes its inputs again
-            if no_reduction or twice:
-                variant = variants.get((key, no_reduction, twice))
+            once = held and share is not None and share.kinds == GRAD_BUCKET_KINDS
+            if no_reduction or twice or once:
+                variant = variants.get((key, no_reduction, twice, once))
                 if variant is None:
                     variant = matrix
                     if no_reduction:
                         variant = _without_reduction(variant, src_choices, producer.output, dst_choices, slot)
                     if twice:
                         variant = [[2 * c for c in row] for row in variant]
-                    variants[(key, no_reduction, twice)] = variant
+                    if once:
+                        variant = _held(
+                            variant, src_choices, producer.output, dst_choices, slot, shape, dtype, sp, planner
+                        )
+                    variants[(key, no_reduction, twice, once)] = variant
                 matrix = variant
             if producer.node in merged:
                 merged[producer.node] = [
@@ -415,6 +429,22 @@ def _without_reduction(matrix, src_choices, output: int, dst_choices, slot: int)
     srcs = [s.outputs[output] for s in src_choices]
     dsts = [s.inputs[slot] for s in dst_choices]
     return [[math.inf if reduces(src, dst) else cost for dst, cost in zip(dsts, row)] for src, row in zip(srcs, matrix)]
+
+
+def _held(matrix, src_choices, output: int, dst_choices, slot: int, shape, dtype, sp, planner: Planner):
+    """`matrix` (edges into a gradient's sink or tail) with the reductions gradient accumulation
+    holds for the last micro-batch at 1/`sp.micro_batches` of their cost."""
+    srcs = [s.outputs[output] for s in src_choices]
+    dsts = [s.inputs[slot] for s in dst_choices]
+
+    def price(src: Layout | None, dst: Layout | None, cost: float) -> float:
+        if src is None or dst is None or not 0 < cost < math.inf:
+            return cost
+        return (
+            cost / sp.micro_batches if holds_for_accumulation(planner.plan(src, dst, shape, dtype.itemsize)) else cost
+        )
+
+    return [[price(src, dst, cost) for dst, cost in zip(dsts, row)] for src, row in zip(srcs, matrix)]
 
 
 def _ilp_names(sp: ShardingProblem, copy: Sequence[fx.Node]) -> list[str]:

@@ -87,6 +87,7 @@ class ProblemSpec:
     recompute: bool = False  # activation checkpointing of every repeated block
     reshard: bool = False  # reshard after forward: every repeated block gathers its parameters again in the backward
     fixed_dim: FixedMeshDim | None = None  # placements decided on one mesh dim before the ILP
+    micro_batches: int = 1  # gradient accumulation: the graph is one of these per optimizer step
 
 
 def _placeholder_strategies(

@@ -13,8 +13,8 @@ import autoshard_solver as solver
 
 from autoshard.pricing.ring import COLLECTIVE_KINDS
 from autoshard.layout import Layout
-from autoshard.pricing.planner import Planner, RedistributePlan
-from autoshard.problem.build import LOSS_SINK, ShardingProblem, grad_sink
+from autoshard.pricing.planner import Planner, RedistributePlan, holds_for_accumulation
+from autoshard.problem.build import GRAD_BUCKET_KINDS, LOSS_SINK, ShardingProblem, grad_sink
 from autoshard.strategies import Strategy
 from autoshard.capture.trace import JointGraph
 
@@ -67,12 +67,19 @@ class Plan:
     # reshard after forward: prefixes of the block lists whose parameters the backward gathers
     # again (the ops it runs again, casts and transposes of parameters, are in `recomputed`)
     reshard_blocks: tuple[str, ...] = ()
+    # gradient accumulation: the graph is one of `micro_batches` per optimizer step; the gradient
+    # all-reduces held for the last one (`comm_s` includes them) cost `held_comm_s` once per step
+    micro_batches: int = 1
+    held_comm_s: float = 0.0
 
     @property
     def step_time_s(self) -> float:
         """Modeled time of one training step: compute + optimizer + communication, no overlap
-        assumed (the ILP's objective)."""
-        return self.compute_s + self.optimizer_s + self.comm_s
+        assumed (the ILP's objective, times `micro_batches`). With gradient accumulation the
+        graph is a micro-batch: all but the held reductions and the optimizer run once per
+        micro-batch."""
+        per_micro = self.compute_s + self.comm_s - self.held_comm_s
+        return self.micro_batches * per_micro + self.held_comm_s + self.optimizer_s
 
     @property
     def comm_bytes(self) -> float:
@@ -110,7 +117,8 @@ def decode(sp: ShardingProblem, solution: solver.Solution, planner: Planner) -> 
 
     redistributions = []
     bytes_by, count_by = Counter(), Counter()
-    comm_s = 0.0
+    comm_s = held_comm_s = 0.0
+    gradient_edges = {edge for edge, share in sp.bucket_shares.items() if share.kinds == GRAD_BUCKET_KINDS}
     for consumer, producers in sp.inputs.items():
         for slot, producer in enumerate(producers):
             src = chosen[producer.node].outputs[producer.output]
@@ -124,6 +132,8 @@ def decode(sp: ShardingProblem, solution: solver.Solution, planner: Planner) -> 
             redistributions.append(Redistribution(producer.node, consumer, slot, plan, cost))
             runs = 2 if consumer in sp.recomputed else 1  # once more in the recomputation
             comm_s += runs * cost
+            if sp.micro_batches > 1 and (producer.node, consumer) in gradient_edges and holds_for_accumulation(plan):
+                held_comm_s += cost
             for step in plan.steps:
                 if step.kind in COLLECTIVE_KINDS:
                     bytes_by[step.kind] += runs * step.bytes
@@ -148,4 +158,6 @@ def decode(sp: ShardingProblem, solution: solver.Solution, planner: Planner) -> 
         recompute_blocks=sp.recompute_blocks,
         recomputed=sp.recomputed,
         reshard_blocks=sp.reshard_blocks,
+        micro_batches=sp.micro_batches,
+        held_comm_s=held_comm_s,
     )

@@ -30,6 +30,7 @@ import torch
 from torch import fx, nn
 
 from autoshard import _torch_compat as tc
+from autoshard.program.accumulate import ACCUMULATOR, Accumulator, HeldReductions, held_outputs, hold_reductions, prune
 from autoshard.program.attention import ON_DEVICE
 from autoshard.program.collectives import dim_order, prepare_groups
 from autoshard.program.buckets import DEFAULT_BUCKET_BYTES, bucket, overlap
@@ -78,9 +79,24 @@ class CommStats:
 
 
 @dataclass
+class HeldBackward:
+    """The backward of every micro-batch but the last (`accumulate.py`): `graph(*saved, tangent,
+    *accumulated) -> (*grads of the parameters not held, *accumulated)`, the held reductions'
+    sums returned instead of reduced."""
+
+    graph: fx.GraphModule
+    params: list[int]  # positions in `param_names` of the parameters whose gradients are held
+    accumulators: list[Accumulator]
+    comm: CommStats  # forward and held backward: the collectives of such a micro-batch
+    step: StepModel  # the modeled forward + held backward
+
+
+@dataclass
 class Program:
     """The per-rank step: `forward(*params, *buffers, *inputs) -> (loss, *saved)` and
-    `backward(*saved, tangent) -> grads` (one per parameter, in `param_names` order)."""
+    `backward(*saved, tangent) -> grads` (one per parameter, in `param_names` order). Lowered to
+    accumulate (`held` set), the backward also takes the held reductions' sums so far, after the
+    tangent, and reduces them with its own."""
 
     forward: fx.GraphModule
     backward: fx.GraphModule
@@ -91,12 +107,32 @@ class Program:
     step: StepModel  # modeled step time on two streams, as this program overlaps its collectives
     random: RandomStream = field(default_factory=RandomStream)  # the seed and step its random ops draw from
     device_type: str = "cpu"  # the mesh's: where its values live (a dry run makes its fakes there)
+    held: HeldBackward | None = None  # lowered to accumulate gradients over micro-batches
+
+    def step_s(self, micro_batches: int = 1) -> float:
+        """Modeled seconds of an optimizer step of `micro_batches` micro-batches, on two streams:
+        all but the last run the held backward, and no optimizer step."""
+        if micro_batches == 1:
+            return self.step.overlapped_s
+        if self.held is None:
+            raise ValueError("the program was not lowered to accumulate gradients (accumulate=True)")
+        held = self.held.step
+        return (micro_batches - 1) * (held.overlapped_s - held.optimizer_s) + self.step.overlapped_s
+
+    @property
+    def backward_held(self) -> fx.GraphModule:
+        if self.held is None:
+            raise ValueError("the program was not lowered to accumulate gradients (accumulate=True)")
+        return self.held.graph
 
 
-def lower(plan: Plan, mesh: Any, prefetch: int = 1, bucket_bytes: float = DEFAULT_BUCKET_BYTES) -> Program:
+def lower(
+    plan: Plan, mesh: Any, prefetch: int = 1, bucket_bytes: float = DEFAULT_BUCKET_BYTES, accumulate: bool = False
+) -> Program:
     """The per-rank program of `plan` on `mesh` (a DeviceMesh of the plan's mesh shape). Bucketed
     collectives run `prefetch` buckets ahead of their use (`buckets.overlap`); 0 waits on each at once.
-    Gradient all-reduces are bucketed up to `bucket_bytes` each (DDP's bucket_cap_mb)."""
+    Gradient all-reduces are bucketed up to `bucket_bytes` each (DDP's bucket_cap_mb).
+    `accumulate`: also the backward that holds gradient all-reduces for a later micro-batch."""
     if prefetch < 0:
         raise ValueError(f"prefetch must be >= 0, got {prefetch}")
     if not bucket_bytes > 0:
@@ -111,10 +147,21 @@ def lower(plan: Plan, mesh: Any, prefetch: int = 1, bucket_bytes: float = DEFAUL
     prepare_groups([r.plan for r in plan.redistributions], mesh)
     stream = RandomStream()
     joint, modules = _local_joint_graph(plan, mesh, stream)
+    held = hold_reductions(plan, joint, modules) if accumulate else None
     bucket(plan, joint, modules, mesh, bucket_bytes)
-    forward, backward, comm = _split(plan, joint, modules, prefetch)
+    forward, backward, backward_held, comm = _split(plan, joint, modules, prefetch, held)
     graph = plan.graph
     inputs = [(tuple(n.meta["val"].shape), lay) for n, lay in zip(graph.inputs, plan.input_layouts)]
+    held_backward = None
+    if held is not None and backward_held is not None:
+        names = list(graph.params)
+        held_backward = HeldBackward(
+            backward_held,
+            [i for i, fqn in enumerate(names) if fqn in held.params],
+            held.accumulators,
+            _comm_stats(forward, backward_held),
+            model_step(plan, [forward, backward_held]),
+        )
     return Program(
         forward,
         backward,
@@ -125,6 +172,7 @@ def lower(plan: Plan, mesh: Any, prefetch: int = 1, bucket_bytes: float = DEFAUL
         model_step(plan, [forward, backward]),
         stream,
         mesh.device_type,
+        held_backward,
     )
 
 
@@ -206,16 +254,20 @@ def _local_shapes(node: fx.Node, layouts, mesh_shape) -> Any:
 
 
 # ---------------------------------------------------------------------------------- forward / backward split
-def _split(plan: Plan, joint: fx.Graph, modules: dict[str, nn.Module], prefetch: int):
+def _split(
+    plan: Plan, joint: fx.Graph, modules: dict[str, nn.Module], prefetch: int, held: HeldReductions | None = None
+):
     """Forward = the loss and everything it depends on; backward = every other node. Values of a
     recomputed block (`plan.recompute_blocks`) that the backward reads are not handed over but
-    computed again in the backward, from the block's inputs, just before their first use there."""
+    computed again in the backward, from the block's inputs, just before their first use there.
+    With `held` reductions, also the backward that returns their sums instead (else None)."""
     output = next(iter(reversed(joint.nodes)))
     loss, *grads = output.args[0]
     tangents = set(plan.graph.tangents)
-    placeholders = [n for n in joint.nodes if n.op == "placeholder"]
+    placeholders = [n for n in joint.nodes if n.op == "placeholder" and ACCUMULATOR not in n.meta]
     primal_inputs = [n for n in placeholders if n.meta["autoshard_source"] not in tangents]
     tangent_inputs = [n for n in placeholders if n.meta["autoshard_source"] in tangents]
+    tangent_inputs += held.placeholders if held is not None else []
 
     needed: set[fx.Node] = set()
     stack = [loss]
@@ -255,12 +307,21 @@ def _split(plan: Plan, joint: fx.Graph, modules: dict[str, nn.Module], prefetch:
 
     fwd = _subgraph(primal_inputs, forward_nodes, [loss, *saved])
     bwd = _backward_graph(saved, tangent_inputs, backward_nodes, grads, recomputed, modules, plan.recomputed)
+    graphs = [fwd, bwd]
+    if held is not None:
+        outputs = held_outputs(grads, list(plan.graph.params), held)
+        graphs.append(
+            _backward_graph(saved, tangent_inputs, backward_nodes, outputs, recomputed, modules, plan.recomputed)
+        )
+        prune(graphs[-1])
     modules[AWAIT] = AwaitBucket()
-    for g in (fwd, bwd):
+    for g in graphs:
         overlap(g, modules, prefetch)
-    forward = tc.lazy_graph_module({k: modules[k] for k in _used_modules(fwd)}, fwd, "AutoshardForward")
-    backward = tc.lazy_graph_module({k: modules[k] for k in _used_modules(bwd)}, bwd, "AutoshardBackward")
-    return forward, backward, _comm_stats(forward, backward, modules)
+    forward, backward, *rest = (
+        tc.lazy_graph_module({k: modules[k] for k in _used_modules(g)}, g, name)
+        for g, name in zip(graphs, ("AutoshardForward", "AutoshardBackward", "AutoshardHeldBackward"))
+    )
+    return forward, backward, rest[0] if rest else None, _comm_stats(forward, backward)
 
 
 def _recomputable(
@@ -348,7 +409,7 @@ def _backward_graph(
     return g
 
 
-def _comm_stats(forward: fx.GraphModule, backward: fx.GraphModule, modules: dict[str, nn.Module]) -> CommStats:
+def _comm_stats(forward: fx.GraphModule, backward: fx.GraphModule) -> CommStats:
     """The collectives each phase of the program runs, in program order."""
     comm = CommStats()
     for phase, gm in (("forward", forward), ("backward", backward)):
@@ -356,7 +417,7 @@ def _comm_stats(forward: fx.GraphModule, backward: fx.GraphModule, modules: dict
         for n in gm.graph.nodes:
             if n.op != "call_module" or n.target == AWAIT:
                 continue
-            for producer, consumer, kind, mesh_dims, size in modules[n.target].collectives():
+            for producer, consumer, kind, mesh_dims, size in gm.get_submodule(n.target).collectives():
                 count[kind] += 1
                 nbytes[kind] += size
                 steps.append((producer, consumer, kind, mesh_dims))

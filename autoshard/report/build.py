@@ -94,7 +94,16 @@ def plan_report(
     if program is not None:  # what the program runs, buckets counted once
         report["totals"]["program_count_by_collective"] = dict(sorted(program.comm.total_count().items()))
     step = program.step if program is not None else dry_run.step if dry_run is not None else None
-    if step is not None:  # the program's schedule: bucketed collectives overlap compute
+    if program is not None and program.held is not None:  # one step is micro_batches of the program
+        report["totals"]["overlapped_step_s"] = program.step_s(plan.micro_batches)
+        names = program.param_names
+        report["accumulation"] = {
+            "micro_batches": plan.micro_batches,
+            "held_params": [names[i] for i in program.held.params],
+            "held_reductions": len(program.held.accumulators),
+            "held_comm_s": plan.held_comm_s,
+        }
+    elif step is not None:  # the program's schedule: bucketed collectives overlap compute
         report["totals"]["overlapped_step_s"] = step.overlapped_s
     if dry_run is not None:
         report["memory"] = memory_entry(dry_run, device)
@@ -233,6 +242,8 @@ def modeled_figures(plan: Plan) -> dict[str, Any]:
     """A plan's modeled step time and communication, as the report (and comparisons) show them."""
     return {
         "step_time_s": plan.step_time_s,
+        "micro_batches": plan.micro_batches,
+        "held_comm_s": plan.held_comm_s,
         "compute_s": plan.compute_s,
         "optimizer_s": plan.optimizer_s,
         "comm_s": plan.comm_s,

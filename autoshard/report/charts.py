@@ -1,6 +1,7 @@
 """The drawing behind report.html: the palette (one colour per mesh dim, per collective kind and per
 memory category) and the hand-written SVG: a horizontal stacked bar, a parameter's global shape
-split by the mesh dims that shard it, a metric's curve over the steps, and the memory per rank
+split by the mesh dims that shard it, a metric's curve over the steps (with the validation loss's
+marks beside the loss), and the memory per rank
 (peak beside capacity, what is live at the peak); with the escaping and number formatting they
 share. Strings in, strings out: `report.html` lays the page's sections out around them.
 """
@@ -155,12 +156,22 @@ def layout_svg(shape: Sequence[int], layout: str, mesh_shape: Sequence[int], nam
 
 
 # ------------------------------------------------------------------------------------ curves
-def curve_svg(xs: Sequence[float], ys: Sequence[float], color: str, y_label: str, fmt=fmt_number) -> str:
-    """One polyline (x = step) with its axes, min/max ticks and the last value."""
+def curve_svg(
+    xs: Sequence[float],
+    ys: Sequence[float],
+    color: str,
+    y_label: str,
+    fmt=fmt_number,
+    dots: Sequence[tuple[float, float]] = (),
+    dots_color: str = "#1f6fd1",
+    dots_label: str = "",
+) -> str:
+    """One polyline (x = step) with its axes, min/max ticks and the last value; `dots`, (step, value)
+    points measured now and then (validation), drawn on the same axes as marks joined by a dashed line."""
     w, h, left, bottom, top, right = 620, 190, 64, 26, 10, 16
     pw, ph = w - left - right, h - top - bottom
-    x0, x1 = min(xs), max(xs)
-    y0, y1 = min(ys), max(ys)
+    x0, x1 = min([*xs, *(x for x, _ in dots)]), max([*xs, *(x for x, _ in dots)])
+    y0, y1 = min([*ys, *(y for _, y in dots)]), max([*ys, *(y for _, y in dots)])
     if y1 == y0:
         y0, y1 = y0 - 1, y1 + 1
     sx = (lambda x: left + pw * (x - x0) / (x1 - x0)) if x1 > x0 else (lambda x: left + pw / 2)
@@ -169,6 +180,16 @@ def curve_svg(xs: Sequence[float], ys: Sequence[float], color: str, y_label: str
     ticks = "".join(
         f'<text x="{left - 6}" y="{sy(v) + 4:.1f}" font-size="11" text-anchor="end">{escape(fmt(v))}</text>'
         for v in (y0, y1)
+    )
+    marks = (
+        f'<polyline points="{" ".join(f"{sx(x):.1f},{sy(y):.1f}" for x, y in dots)}" fill="none" '
+        f'stroke="{dots_color}" stroke-width="1.4" stroke-dasharray="4 3"></polyline>'
+        if len(dots) > 1
+        else ""
+    ) + "".join(
+        f'<circle cx="{sx(x):.1f}" cy="{sy(y):.1f}" r="3" fill="{dots_color}">'
+        f"<title>{escape(f'step {int(x)}: {dots_label} {fmt(y)}')}</title></circle>"
+        for x, y in dots
     )
     return (
         f'<svg width="{w}" height="{h}" role="img"><rect x="{left}" y="{top}" width="{pw}" height="{ph}" '
@@ -182,6 +203,7 @@ def curve_svg(xs: Sequence[float], ys: Sequence[float], color: str, y_label: str
             if len(xs) == 1
             else ""
         )
+        + marks
         + "</svg>"
     )
 

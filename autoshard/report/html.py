@@ -5,7 +5,8 @@ Plan objects, so the page, the log and plan.json can never disagree.
 Sections: the summary (mesh, modeled step split compute / communication, peak memory per rank
 beside the device's capacity), each parameter's layout drawn as a grid (one representative per
 repeated block, every FQN listed), the modeled step per block as stacked bars, the collectives by
-kind, and, given the training metrics rows, loss and tokens/s curves.
+kind, and, given the training metrics rows, loss and tokens/s curves (the validation loss beside
+the loss, and its last value and perplexity, when the run evaluated).
 """
 
 from __future__ import annotations
@@ -394,24 +395,56 @@ def summary_section(report: dict, names: Sequence[str], colors: dict[str, str]) 
 
 
 # ------------------------------------------------------------------------------------ training
+VAL_COLOR = "#1f6fd1"
+
+
+def _points(metrics: Sequence[dict], key: str) -> list[tuple[float, float]]:
+    """(step, value) of the rows where both are finite numbers: any other value is not drawn."""
+    return [
+        (float(r["step"]), float(r[key]))
+        for r in metrics
+        if isinstance(r.get(key), (int, float))
+        and isinstance(r.get("step"), (int, float))
+        and math.isfinite(r[key])
+        and math.isfinite(r["step"])
+    ]
+
+
+def validation_line(metrics: Sequence[dict]) -> str:
+    """The last validation loss and perplexity, at its step; '' without one (no --eval-every)."""
+    rows = [r for r in metrics if isinstance(r.get("val_loss"), (int, float))]
+    if not rows:
+        return ""
+    last = rows[-1]
+    loss, ppl, step = float(last["val_loss"]), last.get("val_ppl"), last.get("step")
+    text = f"validation loss: {loss:.3f}"
+    text += f", perplexity {float(ppl):,.2f}" if isinstance(ppl, (int, float)) else ""
+    text += f" at step {int(step)}" if isinstance(step, (int, float)) and math.isfinite(step) else ""
+    return f"<h3>{_e(text)} ({len(rows)} evaluation{'s' if len(rows) > 1 else ''})</h3>"
+
+
 def training_section(metrics: Sequence[dict]) -> str:
+    """The loss curve (with the validation loss's marks when the run evaluated) and tokens/s."""
     out = ['<section id="training"><h2>Training</h2>']
     for key, label, color, fmt in (
         ("loss", "loss", "#c5221f", lambda v: f"{v:.3f}"),
         ("tokens_per_s", "tokens/s", "#188038", lambda v: f"{v:,.0f}"),
     ):
-        pts = [
-            (float(r["step"]), float(r[key]))
-            for r in metrics
-            if isinstance(r.get(key), (int, float)) and isinstance(r.get("step"), (int, float))
-        ]
+        pts = _points(metrics, key)
         if not pts:
             continue
         xs, ys = zip(*pts)
-        out.append(
-            f"<h3>{_e(label)}: {_e(fmt(ys[-1]))} at step {int(xs[-1])} ({len(pts)} steps)</h3>"
-            + curve_svg(xs, ys, color, label, fmt)
-        )
+        out.append(f"<h3>{_e(label)}: {_e(fmt(ys[-1]))} at step {int(xs[-1])} ({len(pts)} steps)</h3>")
+        val = validation_line(metrics) if key == "loss" else ""
+        if val:
+            dots = _points(metrics, "val_loss")
+            out.append(
+                val
+                + curve_svg(xs, ys, color, label, fmt, dots=dots, dots_color=VAL_COLOR, dots_label="validation loss")
+                + _legend([("training loss", color), ("validation loss (every --eval-every steps)", VAL_COLOR)])
+            )
+        else:
+            out.append(curve_svg(xs, ys, color, label, fmt))
     out.append("</section>")
     return "".join(out)
 

@@ -177,10 +177,18 @@ def _totals_lines(report: dict) -> list[str]:
     """Modeled step, collectives per rank, parameters' device order and the ILP's figures."""
     t = report["totals"]
     out = ["", "== totals =="]
-    out.append(
-        f"modeled step time per rank: {human_time(t['step_time_s'])} = compute {human_time(t['compute_s'])} "
-        f"+ optimizer {human_time(t.get('optimizer_s', 0.0))} + comm {human_time(t['comm_s'])} (no overlap)"
-    )
+    k, held = t.get("micro_batches", 1), t.get("held_comm_s", 0.0)
+    if k > 1:  # gradient accumulation: the figures below are one micro-batch's
+        out.append(
+            f"modeled step time per rank: {human_time(t['step_time_s'])} = {k} micro-batches x (compute "
+            f"{human_time(t['compute_s'])} + comm {human_time(t['comm_s'] - held)}) + gradient all-reduces held "
+            f"for the last {human_time(held)} + optimizer {human_time(t.get('optimizer_s', 0.0))} (no overlap)"
+        )
+    else:
+        out.append(
+            f"modeled step time per rank: {human_time(t['step_time_s'])} = compute {human_time(t['compute_s'])} "
+            f"+ optimizer {human_time(t.get('optimizer_s', 0.0))} + comm {human_time(t['comm_s'])} (no overlap)"
+        )
     if "overlapped_step_s" in t:
         out.append(
             f"as the program overlaps them (bucketed gathers and gradient reductions launched ahead, "
@@ -189,7 +197,7 @@ def _totals_lines(report: dict) -> list[str]:
         )
     kinds = sorted(set(t["count_by_collective"]) | set(t["bytes_by_collective"]))
     if kinds:
-        out += ["collectives per rank:"]
+        out += [f"collectives per rank{' and micro-batch (held all-reduces: once a step)' if k > 1 else ''}:"]
         rows = [
             [k, str(t["count_by_collective"].get(k, 0)), human_bytes(t["bytes_by_collective"].get(k, 0.0))]
             for k in kinds

@@ -180,10 +180,12 @@ def estimate(program: Program, rank: int = 0, module_paths: dict[str, str] | Non
     placeholders' local shapes; the step's memory. Raises DryRunError if a node fails. The
     mesh's own bookkeeping tensors (rank ids, read when a flattened group is first made) are real:
     fake mode takes them as constants."""
+    held = program.held.accumulators if program.held is not None else []
     with tc.new_fake_mode(allow_non_fake_inputs=True):
         args = [_fake(n, program.device_type) for n in _placeholders(program.forward)]
-        tangent = _fake(_placeholders(program.backward)[-1], program.device_type)
-        return account(program, args, tangent, rank=rank, module_paths=module_paths)
+        tangent = _fake(_placeholders(program.backward)[-1 - len(held)], program.device_type)
+        accumulated = [a.zeros(program.device_type) for a in held]
+        return account(program, args, tangent, rank=rank, module_paths=module_paths, accumulated=accumulated)
 
 
 def account(
@@ -193,14 +195,19 @@ def account(
     *,
     rank: int = 0,
     module_paths: dict[str, str] | None = None,
+    accumulated: Sequence[torch.Tensor] = (),
 ) -> MemoryEstimate:
     """Run forward then backward on the given local tensors (fake or real) and account their live
-    memory: the dry run's accounting, usable on real tensors to check it."""
+    memory: the dry run's accounting, usable on real tensors to check it. A program lowered to
+    accumulate runs its last micro-batch's backward, with the held reductions' sums `accumulated`
+    (gradients: live through the step, as the held ones are until the last backward)."""
     n_params, n_buffers = len(program.param_names), len(program.buffer_names)
     live = _LiveBytes()
     kinds = ["params"] * n_params + ["buffers"] * n_buffers + ["inputs"] * (len(forward_args) - n_params - n_buffers)
     for value, kind in zip(forward_args, kinds):
         live.add(value, kind)
+    for value in accumulated:
+        live.add(value, "grads")
     params = list(forward_args[:n_params])
     live.fixed = ADAMW_STATE_BYTES * sum(p.numel() for p in params)  # AdamW states: steady state
 
@@ -213,7 +220,7 @@ def account(
     live.peak = 0
     bwd = _Run(program.backward, live, rank, "backward", module_paths)
     with live:
-        grads = _one_line(bwd.run, *saved, tangent)
+        grads = _one_line(bwd.run, *saved, tangent, *accumulated)
     bwd.env.clear()
     backward_peak = live.peak
     saved_bytes = fwd.saved_bytes

@@ -6,6 +6,11 @@
     loss = pmodel(*pmodel.local_inputs(*rows))    # or from this rank's rows alone (`input_rows(i)`)
     loss.backward(); optim.step()                 # AdamW over pmodel.parameters() (DTensors)
 
+    pmodel = parallelize(plan, mesh, model, accumulate=True)   # K micro-batches per optimizer step:
+    for k, micro in enumerate(micro_batches):                   # the gradients it all-reduces are
+        with pmodel.no_sync() if k < K - 1 else nullcontext():  # reduced once, in the last backward
+            (pmodel(*micro) / K).backward()
+
 Parameters and buffers keep the original FQNs, so `state_dict()` has the original keys with DTensor
 values. A parameter whose layout has a non-default device order is stored physically as
 `_StridedShard` (torch's own encoding of that order), so `torch.distributed.checkpoint` computes
@@ -22,6 +27,7 @@ rank's shard: fine for the CPU models this runs on; a per-parameter path is futu
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import time
 from collections.abc import Mapping
@@ -57,6 +63,7 @@ class _JointStep(torch.autograd.Function):
         params = flat[:n_params]
         loss, *saved = runner._run("forward", (*(tc.local_of(p) for p in params), *flat[n_params:]))
         ctx.runner, ctx.saved, ctx.n_rest = runner, saved, len(flat) - n_params
+        ctx.holding = runner._holding  # as DDP: a forward inside no_sync() holds its backward's reductions
         ctx.params = params
         return loss
 
@@ -65,8 +72,13 @@ class _JointStep(torch.autograd.Function):
         saved, ctx.saved = ctx.saved, None  # free activations as soon as they are used
         if saved is None:
             raise RuntimeError("autoshard: backward ran twice through the same step; call the module again")
-        grads = ctx.runner._run("backward", (*saved, grad_loss))
-        return (None, None, *map(tc.dtensor_like, ctx.params, grads), *([None] * ctx.n_rest))
+        grads = ctx.runner._backward(saved, grad_loss, ctx.holding)
+        return (
+            None,
+            None,
+            *(None if g is None else tc.dtensor_like(p, g) for p, g in zip(ctx.params, grads)),
+            *([None] * ctx.n_rest),
+        )
 
 
 @dataclass
@@ -96,7 +108,9 @@ class ParallelModule(nn.Module):
         object.__setattr__(self, "_template", template)  # kept out of the module tree
         object.__setattr__(self, "program", program)
         program.random.seed = seed
-        self._checked = {"forward": False, "backward": False}
+        self._checked = {"forward": False, "backward": False, "backward_held": False}
+        self._holding = False  # inside `no_sync()`
+        self._accumulated: list[torch.Tensor] | None = None  # the held reductions' sums so far
         self.compiled = compile  # (`compile` is nn.Module's method)
         self.compile_stats: dict[str, CompileStats] = {}
         object.__setattr__(self, "_compiled", {})  # phase -> torch.compile'd program half
@@ -252,6 +266,46 @@ class ParallelModule(nn.Module):
             return self._run("forward", (*map(tc.local_of, params), *buffers, *inputs))[0]
         return _JointStep.apply(self, len(params), *params, *buffers, *inputs)
 
+    @contextlib.contextmanager
+    def no_sync(self):
+        """The backward of a forward run inside holds the gradients the plan all-reduces
+        (replicated parameters'): their partial sums accumulate here, unreduced, and their `.grad`
+        is left as it is; the first backward of a forward outside reduces the sums of every
+        micro-batch once, into `.grad`.
+        Gradients the plan reduce-scatters (sharded parameters') are reduced into `.grad` at
+        every backward, as FSDP2 does. DDP's `no_sync()`, for a module from
+        `parallelize(..., accumulate=True)`."""
+        if self.program.held is None:
+            raise ValueError("no_sync() needs a module lowered to accumulate: parallelize(..., accumulate=True)")
+        self._holding = True
+        try:
+            yield
+        finally:
+            self._holding = False
+
+    def _backward(self, saved: list, grad_loss: torch.Tensor, holding: bool) -> list[torch.Tensor | None]:
+        """One backward: every gradient in `param_names` order; `holding` (its forward ran inside
+        `no_sync()`), the held ones are None (their sums stay here)."""
+        held = self.program.held
+        if held is None:
+            return list(self._run("backward", (*saved, grad_loss)))
+        sums = self._accumulated
+        if sums is None:
+            sums = [a.zeros(grad_loss.device) for a in held.accumulators]
+        if not holding:
+            self._accumulated = None
+            return list(self._run("backward", (*saved, grad_loss, *sums)))
+        out = self._run("backward_held", (*saved, grad_loss, *sums))
+        kept = len(out) - len(sums)
+        self._accumulated = list(out[kept:])
+        grads: list[torch.Tensor | None] = [None] * len(self.program.param_names)
+        others = iter(out[:kept])
+        skip = set(held.params)
+        for i in range(len(grads)):
+            if i not in skip:
+                grads[i] = next(others)
+        return grads
+
     def _run(self, phase: str, args: tuple) -> tuple:
         gm = getattr(self.program, phase)
         if not self._checked[phase]:  # the first run checks every node's local shape, uncompiled
@@ -299,13 +353,15 @@ def parallelize(
     bucket_bytes: float = DEFAULT_BUCKET_BYTES,
     compile: bool = False,
     seed: int = 0,
+    accumulate: bool = False,
 ) -> ParallelModule:
     """The parallel module of `plan` on `mesh`; values are copied from `model` unless it is on meta.
     Bucketed collectives run up to `prefetch` buckets ahead (0: each waited on where it is launched);
-    gradient all-reduces run in buckets of at most `bucket_bytes`.
+    gradient all-reduces run in buckets of at most `bucket_bytes`. `accumulate=True`: its
+    `no_sync()` holds gradient all-reduces for the last of several micro-batches.
     `compile=True`: its program runs through torch.compile from the second step on. `seed`: what
     its random ops (dropout) draw from, the same on every rank (`autoshard.program.random`)."""
-    program = lower(plan, mesh, prefetch, bucket_bytes)
+    program = lower(plan, mesh, prefetch, bucket_bytes, accumulate)
     pmodel = ParallelModule(plan, mesh, model, program, compile=compile, seed=seed)
     params = dict(model.named_parameters()) | dict(model.named_buffers())
     if not any(t.is_meta for t in params.values()):

@@ -172,7 +172,7 @@ class Throughput:
 
     def __init__(self, tokens: int, plan: Plan, device: DeviceProfile, compute_dtype: torch.dtype | None):
         self.tokens, self.world = tokens, math.prod(plan.mesh_shape)
-        self.flops = graph_work(plan.graph.gm.graph).flops
+        self.flops = graph_work(plan.graph.gm.graph).flops * plan.micro_batches  # the graph is one micro-batch
         self.peak = device.peak_for(compute_dtype) * self.world
 
     def row(self, step_s: float) -> dict[str, float]:

@@ -149,7 +149,7 @@ def _restart_store() -> dist.Store | None:
 # ---------------------------------------------------------------------------------- planning
 def _plan(settings: Settings, workload: Workload, mesh, plan_file: PlanFile | None) -> PlannedRun:
     """Plan on every rank (rank 0 solving and dry-running for all) and apply."""
-    example = lambda: workload.example_inputs(settings.batch, settings.seq, "meta")  # noqa: E731
+    example = lambda: workload.example_inputs(settings.micro_batch, settings.seq, "meta")  # noqa: E731
     model = workload.build("meta")
     # a plan file whose plan recomputes or reshards the blocks (the fit chose it) solves that problem
     saved = plan_file.data if plan_file is not None else {}
@@ -174,6 +174,7 @@ def _plan(settings: Settings, workload: Workload, mesh, plan_file: PlanFile | No
         n_model_inputs=workload.n_model_inputs,
         compile=settings.compile,
     ) as auto:
+        auto.accumulate(settings.grad_accum)
         if settings.recipe is not None:
             from autoshard.problem.recipes import param_bytes_per_rank, recipe_layouts, recipe_pins
 
@@ -328,7 +329,7 @@ def _finish(settings: Settings, run: PlannedRun, metrics: MetricsFile, trained: 
         log.info("autoshard train: %s", step_time_line(run.plan.step_time_s, load_metrics(metrics.path)))
         log.info(
             "autoshard train: modeled step with the program's overlap %.1f ms (prefetch %d; no overlap %.1f ms)",
-            run.pmodel.program.step.overlapped_s * 1e3,
+            run.pmodel.program.step_s(settings.grad_accum) * 1e3,
             settings.prefetch,
             run.plan.step_time_s * 1e3,
         )

@@ -39,6 +39,14 @@ class Settings(PlanConfig):
 
     model: str = setting("llama3-debug", MODEL)
     batch: int = setting(8, BATCH)
+    grad_accum: int = setting(
+        1,
+        type=positive_int,
+        metavar="K",
+        help="run each step as K micro-batches of --batch/K rows (the plan is made for one): gradients "
+        "of replicated parameters are all-reduced once per step, sharded ones reduce-scattered every "
+        "micro-batch",
+    )
     seq: int = setting(64, SEQ)
     steps: int = setting(50, type=int, help="train until this step")
     lr: float = setting(3e-3, type=float, help="AdamW's (peak) learning rate")
@@ -120,8 +128,8 @@ class Settings(PlanConfig):
         0.0,
         type=float,
         metavar="F",
-        help="hold out the last documents of --data, about this fraction of its tokens, for validation "
-        "(documents end at --tokenizer's EOS token)",
+        help="hold out a random set of documents of --data for validation: each with this probability, "
+        "drawn from --data-seed (about this fraction of its tokens; documents end at --tokenizer's EOS token)",
     )
     eval_every: int = setting(
         0, type=int, metavar="K", help="every K steps, the validation loss and perplexity into the metrics row"
@@ -204,6 +212,15 @@ class Settings(PlanConfig):
         if self.steps < 1:
             raise ValueError(f"--steps must be >= 1, got {self.steps}")
         self.check_batch(self.batch)
+        if self.batch % self.grad_accum:
+            raise ValueError(f"--grad-accum {self.grad_accum} does not divide --batch {self.batch}")
+        try:
+            self.check_batch(self.micro_batch)
+        except ValueError:
+            raise ValueError(
+                f"--grad-accum {self.grad_accum}: a micro-batch of {self.micro_batch} rows (--batch {self.batch} / "
+                f"{self.grad_accum}) does not split over the data-parallel mesh dims; use a smaller --grad-accum"
+            ) from None
         if self.resume not in RESUME_MODES:
             raise ValueError(f"--resume must be one of {', '.join(RESUME_MODES)}, got {self.resume!r}")
         if self.overwrite and self.resume in ("yes", "force"):
@@ -215,6 +232,11 @@ class Settings(PlanConfig):
             raise ValueError(f"--bucket-cap-mb must be positive, got {self.bucket_cap_mb}")
         self._check_optimizer()
         self._check_data()
+
+    @property
+    def micro_batch(self) -> int:
+        """The rows of one micro-batch: what the plan is made for."""
+        return self.batch // self.grad_accum
 
     def _check_optimizer(self) -> None:
         """The optimizer, schedule and logging flags: each bad value names its flag."""

@@ -74,6 +74,7 @@ def run_steps(
     params = list(pmodel.parameters())
     losses = []
     reported: set[str] = set()  # program phases whose compile time is logged
+    micro_batches = settings.grad_accum
     for step in range(start_step + 1, settings.steps + 1):
         t0 = time.perf_counter()
         inputs = feed.inputs(step - 1, pmodel)  # this rank's local inputs, on the mesh's device
@@ -83,12 +84,17 @@ def run_steps(
             for m in (meter, tracker):
                 if m is not None:
                     metering.enter_context(m)
-            loss = pmodel(*inputs)
-            loss.backward()
+            value = 0.0
+            for micro in range(micro_batches):  # the last one reduces what no_sync() held
+                if micro:
+                    inputs = feed.inputs(step - 1, pmodel, micro)
+                with pmodel.no_sync() if micro < micro_batches - 1 else contextlib.nullcontext():
+                    loss = pmodel(*inputs)
+                    (loss / micro_batches if micro_batches > 1 else loss).backward()
+                value += loss.item() / micro_batches
             with tc.no_dispatch_modes():  # the norm's scalar all-reduces are no part of the metered program
                 grad_norm = parts.clip(params)
             lr = parts.optimizer.step()
-            value = loss.item()
         elapsed = time.perf_counter() - t0
         gathered = [None] * dist.get_world_size()  # (peak RSS, a stop signal) of every rank
         dist.all_gather_object(gathered, (round(peak_rss_mb(), 1), signals.received))
@@ -106,7 +112,7 @@ def run_steps(
             "peak_rss_mb_per_rank": peaks,
             "modeled_step_s": plan.step_time_s,
             "modeled_over_measured": plan.step_time_s / elapsed,
-            "modeled_overlapped_step_s": pmodel.program.step.overlapped_s,
+            "modeled_overlapped_step_s": pmodel.program.step_s(micro_batches),
         }
         if meter is not None:
             row |= wire_row(meter.stats)  # every rank takes part

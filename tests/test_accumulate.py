@@ -1,0 +1,193 @@
+"""Gradient accumulation (`program/accumulate.py`, `ParallelModule.no_sync`): K micro-batches give
+the gradients and the AdamW trajectory of their whole batch on one device, with the all-reduces
+of replicated parameters' gradients run once per optimizer step and reduce-scatters every time."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from contextlib import nullcontext
+
+import pytest
+import torch
+
+from autoshard import _torch_compat as tc
+from autoshard.driver.api import AutoShard
+from autoshard.profiles.device import DeviceProfile
+from autoshard.runtime.module import parallelize
+from autoshard_models import MarkovTokens, build_model, cross_entropy_loss, get_config
+from autoshard_models.train_single import TrainSettings, make_optimizer
+from plan_audit import assert_shards
+from simulation import simulated_mesh
+from test_train import SHARDED_ON_4, metrics, torchrun
+from test_train import TINY as TRAIN_TINY
+from test_train_loop import SCHEDULED, reference, torch_lrs
+from test_train_loop import settings as train_settings
+
+TINY = get_config("llama3-tiny")
+BATCH, SEQ, K = 8, 16, 4
+MICRO = BATCH // K
+# attention replicated on dp (its gradients all-reduced: held), the rest sharded on dp too
+# (reduce-scattered every micro-batch): both kinds in one plan, on a batch split on dp
+PINS = {
+    "layers.*.attention.*.weight": "RS(0)",
+    "layers.*.feed_forward.*.weight": "S(0)S(1)",
+    "tok_embeddings.weight": "S(0)R",
+}
+
+
+def plan_micro(mesh_shape=(2, 2)):
+    meta = build_model(TINY, device="meta")
+    example = lambda: (torch.empty(MICRO, SEQ, dtype=torch.int64, device="meta"),) * 2  # noqa: E731
+    # compute priced 1000x slower than the cpu preset: computing the micro-batch split on dp (and
+    # reducing gradients) wins over gathering it, which the tiny model would otherwise do
+    slow = DeviceProfile(1e8, 2e7, "slow", peak_flops_fp32=1e8)
+    with AutoShard(meta, example, mesh_shape, loss_fn=cross_entropy_loss, device=slow) as auto:
+        auto.constrain_inputs("S(0)R", "S(0)R")
+        auto.pin(PINS)
+        plan = auto.optimize()
+    assert_shards(plan, params_sharded=True, batch_split=True)
+    return plan
+
+
+def single_device(steps: int):
+    model = build_model(TINY, seed=0)
+    optim = make_optimizer(model.parameters(), TrainSettings())
+    data = MarkovTokens(TINY.vocab_size, seed=0)
+    losses, first = [], None
+    for step in range(steps):
+        batch = data.batch(step, BATCH, SEQ)
+        loss = cross_entropy_loss(model(batch.inputs), batch.targets)
+        loss.backward()
+        first = first or {n: p.grad.clone() for n, p in model.named_parameters()}
+        optim.step()
+        optim.zero_grad()
+        losses.append(loss.item())
+    return losses, first
+
+
+def test_micro_batches_train_like_their_whole_batch_and_all_reduce_once():
+    plan = plan_micro()
+    ref_losses, ref_grads = single_device(3)
+    data = MarkovTokens(TINY.vocab_size, seed=0)
+    with simulated_mesh((2, 2)) as (mesh, mode):
+        pmodel = parallelize(plan, mesh, build_model(TINY, device="meta"), accumulate=True)
+        pmodel.init_weights(0)
+        held = pmodel.program.held
+        names = pmodel.program.param_names
+        held_names = {names[i] for i in held.params}
+        assert held_names and all(".attention." in n for n in held_names)
+        assert not any(".feed_forward." in n for n in held_names)
+        # a micro-batch under no_sync runs no all-reduce of a held gradient; the last runs them all
+        full = pmodel.program.comm.count["backward"]
+        holding = held.comm.count["backward"]
+        assert full["all_reduce"] > holding["all_reduce"]
+        assert holding["reduce_scatter"] == full["reduce_scatter"] > 0
+        optim = make_optimizer(pmodel.parameters(), TrainSettings())
+        for step, ref in enumerate(ref_losses):
+            with mode.disable():
+                batch = data.batch(step, BATCH, SEQ)
+            total = 0.0
+            for k in range(K):
+                rows = slice(k * MICRO, (k + 1) * MICRO)
+                with pmodel.no_sync() if k < K - 1 else nullcontext():
+                    loss = pmodel(*pmodel.shard_inputs(batch.inputs[rows], batch.targets[rows]))
+                    (loss / K).backward()
+                if k < K - 1:  # held gradients stay out of .grad until the last backward
+                    assert all(p.grad is None for n, p in pmodel.named_parameters() if n in held_names)
+                with mode.disable():
+                    total += next(iter(tc.rank_values(loss).values())).item() / K
+            assert pmodel._accumulated is None
+            if step == 0:
+                for fqn, p in pmodel.named_parameters():
+                    assert p.grad.placements == p.placements, fqn
+                    with mode.disable():
+                        for got in tc.rank_values(p.grad.full_tensor()).values():
+                            torch.testing.assert_close(got, ref_grads[fqn], rtol=1e-5, atol=1e-6, msg=fqn)
+            optim.step()
+            optim.zero_grad()
+            assert abs(total - ref) <= 1e-5 * abs(ref), (step, total, ref)
+
+
+def test_no_sync_needs_a_module_lowered_to_accumulate():
+    plan = plan_micro()
+    with simulated_mesh((2, 2)) as (mesh, _):
+        pmodel = parallelize(plan, mesh, build_model(TINY, device="meta"))
+        assert pmodel.program.held is None
+        with pytest.raises(ValueError, match="accumulate=True"):
+            with pmodel.no_sync():
+                pass
+
+
+def test_lowering_to_accumulate_leaves_the_ordinary_step_alone():
+    """The backward of the last micro-batch runs the collectives of the program without
+    accumulation, in the same order."""
+    plan = plan_micro()
+    with simulated_mesh((2, 2)) as (mesh, _):
+        plain = parallelize(plan, mesh, build_model(TINY, device="meta")).program
+        accumulating = parallelize(plan, mesh, build_model(TINY, device="meta"), accumulate=True).program
+    assert accumulating.comm.steps == plain.comm.steps
+    assert Counter(accumulating.comm.total_count()) == Counter(plain.comm.total_count())
+
+
+@pytest.mark.slow
+@pytest.mark.ranks
+@pytest.mark.parametrize(
+    "model, plan_args",
+    [
+        (["--model", "llama3-debug", "--seq", "32", "--batch", "16", "--mesh", "4"], []),
+        (TRAIN_TINY, SHARDED_ON_4),
+    ],
+    ids=["ddp-held", "sharded-scattered"],
+)
+def test_torchrun_grad_accum_trains_like_the_whole_batch(tmp_path, executed_plans, model, plan_args):
+    """4 gloo ranks, `--grad-accum 4`: the losses, clipped gradient norms and lrs of the whole
+    batch on one device. llama3-debug on mesh 4 (batch 16: micro-batches of 4, split over
+    the ranks) plans DDP's layouts, which hold every gradient all-reduce for the last micro-batch; llama3-tiny's
+    parameters, sharded on 2x2 by a budget, reduce-scatter at every one (batch 8: micro-batches of 2)."""
+    out = tmp_path / "run"
+    args = [*TRAIN_TINY, "--mesh", "2x2", *model, *plan_args, "--grad-accum", "4", "--steps", "5", *SCHEDULED]
+    torchrun(*args, "--grad-clip", "0.5", "--out", str(out))
+    (facts,) = executed_plans()
+    held = not plan_args
+    assert_shards(facts, params_sharded=not held, batch_split=False)
+    rows = metrics(out)
+    lrs = torch_lrs(train_settings(steps=5, lr_schedule="cosine", warmup_steps=2, min_lr=3e-4))
+    name, seq, batch = (model[1], int(model[3]), int(model[5])) if held else ("llama3-tiny", 16, 8)
+    losses, norms = reference(5, 0.5, lrs, weight_decay=0.1, model=name, seq=seq, batch=batch)
+    assert [r["lr"] for r in rows] == lrs
+    for row, loss, norm in zip(rows, losses, norms, strict=True):
+        assert abs(row["loss"] - loss) <= 1e-5 * abs(loss), (row, loss)
+        assert row["grad_norm"] == pytest.approx(norm, rel=1e-4)
+    plan = json.loads((out / "plan.json").read_text())
+    assert plan["settings"]["grad_accum"] == 4 and plan["totals"]["micro_batches"] == 4
+    held_params = plan["accumulation"]["held_params"]
+    if held:  # DDP's layouts: every block's gradients all-reduced, once a step
+        blocks = {p["fqn"] for p in plan["parameters"] if p["fqn"].startswith("layers.")}
+        assert blocks and blocks <= set(held_params) and plan["totals"]["held_comm_s"] > 0
+    else:  # sharded parameters: their reduce-scatters are not held
+        sharded = {p["fqn"] for p in plan["parameters"] if "S" in p["layout"]}
+        assert sharded and not sharded & set(held_params)
+    log = (out / "sharding.log").read_text()
+    assert "4 micro-batches x (compute" in log
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--grad-accum", "3"], "--grad-accum 3 does not divide --batch 8"),
+        (["--grad-accum", "0"], "--grad-accum: "),
+        (
+            ["--mesh", "4", "--grad-accum", "4"],
+            "--grad-accum 4: a micro-batch of 2 rows (--batch 8 / 4) does not split over the data-parallel mesh dims",
+        ),
+    ],
+)
+def test_bad_grad_accum_is_one_line(tmp_path, capsys, args, message):
+    from autoshard.cli.train import main
+
+    assert main([*TRAIN_TINY, "--steps", "5", *args, "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and message in lines[0], err
+    assert "Traceback" not in err and not (tmp_path / "run").exists()
