@@ -191,3 +191,36 @@ def test_bad_grad_accum_is_one_line(tmp_path, capsys, args, message):
     lines = [line for line in err.splitlines() if line.startswith("error:")]
     assert len(lines) == 1 and message in lines[0], err
     assert "Traceback" not in err and not (tmp_path / "run").exists()
+
+
+def test_micro_batch_counts_follow_the_data_parallel_split():
+    from autoshard.train.planning import micro_batch_counts
+    from autoshard.train.settings import Settings
+
+    s = Settings(model="llama3-tiny", mesh=(2, 2), batch=8, seq=16)  # dp: mesh dim 0 (2 ranks)
+    assert micro_batch_counts(s) == [1, 2, 4]
+    assert micro_batch_counts(s, first=2) == [2, 1, 4]  # a resumed run's own count first
+    assert micro_batch_counts(s.replace(grad_accum=2)) == [2]  # asked for: only that
+    assert micro_batch_counts(s.replace(batch=12)) == [1, 2]  # 12 / 4 = 3 rows do not split over 2
+
+
+@pytest.mark.replicated_plan  # a world of one: what is checked is the choice and the loop
+def test_a_batch_over_the_memory_limit_runs_as_micro_batches(tmp_path, capsys):
+    """llama3-tiny, batch 8, seq 256 on one process: its dry-run peak is ~32 MiB as one batch,
+    ~17 MiB as two micro-batches of 4. Under a 20 MiB limit, one batch fits only by recomputing;
+    two micro-batches fit as they are and model faster, so train runs those, with the losses of the
+    whole batch on one device."""
+    from autoshard.cli.train import main
+
+    out = tmp_path / "run"
+    args = ["--model", "llama3-tiny", "--mesh", "1", "--batch", "8", "--seq", "256", "--steps", "2"]
+    assert main([*args, "--memory-limit", "20MiB", "--out", str(out)]) in (0, None)
+    captured = capsys.readouterr()
+    chose = [line for line in (captured.out + captured.err).splitlines() if "micro-batches of" in line]
+    assert len(chose) == 1 and "--batch 8 runs as 2 micro-batches of 4 rows" in chose[0], chose
+    assert "1: " in chose[0] and "(recompute)" in chose[0]
+    plan = json.loads((out / "plan.json").read_text())
+    assert plan["settings"]["grad_accum"] == 2 and plan["totals"]["micro_batches"] == 2
+    losses, _ = reference(2, None, [3e-3, 3e-3], model="llama3-tiny", batch=8, seq=256)
+    for row, loss in zip(metrics(out), losses, strict=True):
+        assert abs(row["loss"] - loss) <= 1e-5 * abs(loss), (row["loss"], loss)

@@ -127,7 +127,7 @@ def open_feed(settings: Any, workload: Any) -> tuple[Any, Any, Feed]:
     settings, workload = _fit_vocab(settings, workload, tokenizer)
     if not settings.data:
         source = workload.data(settings.data_seed)
-        return settings, workload, SyntheticFeed(source, settings.batch, settings.seq, settings.grad_accum)
+        return settings, workload, SyntheticFeed(source, settings.batch, settings.seq, settings.grad_accum or 1)
     vocab = tokenizer.vocab_size if tokenizer is not None else workload.vocab_size
     stream = _stream(settings, "--data", settings.data, tokenizer, vocab, workload.vocab_size)
     val, held = None, ""
@@ -152,7 +152,7 @@ def open_feed(settings: Any, workload: Any) -> tuple[Any, Any, Feed]:
         vocab_size=workload.vocab_size,
         eval_every=settings.eval_every,
         eval_batches=settings.eval_batches,
-        micro_batches=settings.grad_accum,
+        micro_batches=settings.grad_accum or 1,
     )
     feed.summary = (
         f"autoshard data: {len(stream)} tokens, {train.count} windows of {train.size} "

@@ -19,7 +19,7 @@ import logging
 import math
 import os
 import tempfile
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -28,9 +28,6 @@ import torch.distributed as dist
 
 from autoshard import _torch_compat as tc
 from autoshard.data import open_feed
-from autoshard.driver.api import AutoShard
-from autoshard.driver.fit import MemoryLimitError
-from autoshard.driver.ranks import RankZeroPlanning, SavedSolution
 from autoshard.options import UsageError
 from autoshard.profiles.files import device_profile, network_profile
 from autoshard.report.files import JSON_NAME, load_metrics, write_html, write_report
@@ -43,22 +40,13 @@ from autoshard.train.optimizer import GradClip, ScheduledOptimizer, at_step, mak
 from autoshard.train.resume import apply_optimizer_settings, resume_check, run_changes
 from autoshard.train.rundir import RunDirLock, first_attempt, refuse_earlier_run, run_directory
 from autoshard.train.settings import Settings
+from autoshard.train.planning import PlanFile, plan_run
 from autoshard.train.signals import StopSignals
 from autoshard.train.steps import PlannedRun, StepParts, run_steps
 from autoshard.train.supervision import AgentWatch
 from autoshard.workloads import Workload, checkpoint_values, get_workload
 
 log = logging.getLogger("autoshard")
-
-
-@dataclass(frozen=True)
-class PlanFile:
-    """A plan.json to take the solution from (`required`: an error when it solves another problem,
-    else planning solves afresh)."""
-
-    data: dict
-    source: str
-    required: bool
 
 
 # ---------------------------------------------------------------------------------- set-up
@@ -146,56 +134,6 @@ def _restart_store() -> dist.Store | None:
     return dist.PrefixStore(f"autoshard/attempt-{attempt}", store)
 
 
-# ---------------------------------------------------------------------------------- planning
-def _plan(settings: Settings, workload: Workload, mesh, plan_file: PlanFile | None) -> PlannedRun:
-    """Plan on every rank (rank 0 solving and dry-running for all) and apply."""
-    example = lambda: workload.example_inputs(settings.micro_batch, settings.seq, "meta")  # noqa: E731
-    model = workload.build("meta")
-    # a plan file whose plan recomputes or reshards the blocks (the fit chose it) solves that problem
-    saved = plan_file.data if plan_file is not None else {}
-    config = settings.replace(
-        recompute=settings.recompute or bool((saved.get("recompute") or {}).get("blocks")),
-        reshard_after_forward=settings.reshard_after_forward or bool((saved.get("reshard") or {}).get("blocks")),
-    )
-    planning = RankZeroPlanning(
-        mesh,
-        backend=config.backend,
-        time_limit=config.time_limit,
-        saved=None
-        if plan_file is None
-        else SavedSolution(saved["fingerprint"], saved["solution"], plan_file.source, plan_file.required),
-    )
-    with AutoShard(
-        model,
-        example,
-        mesh,
-        config=config,
-        loss_fn=workload.loss_fn,
-        n_model_inputs=workload.n_model_inputs,
-        compile=settings.compile,
-    ) as auto:
-        auto.accumulate(settings.grad_accum)
-        if settings.recipe is not None:
-            from autoshard.problem.recipes import param_bytes_per_rank, recipe_layouts, recipe_pins
-
-            auto.pin(recipe_pins(settings.recipe))
-            if settings.memory_budget is None:
-                auto.memory_budget(param_bytes_per_rank(model, recipe_layouts(model, settings.recipe), settings.mesh))
-        try:
-            plan = auto.optimize(planning=planning)
-        except MemoryLimitError as err:  # every rank reached it alike: one line, from rank 0
-            raise UsageError(str(err)) from None
-        pmodel = auto.apply(
-            plan, prefetch=settings.prefetch, bucket_bytes=settings.bucket_cap_mb * 2**20, seed=settings.seed
-        )
-    memory = auto.fit_dry_run  # fitting the memory limit dry-ran this very plan, or:
-    if memory is None:
-        memory = planning.dry_run(pmodel.program, plan)
-        auto.timings["dry_run"] = memory.seconds
-    log.info("autoshard train: dry run estimate: %s", memory.summary())
-    return PlannedRun(plan, pmodel, auto, auto.sharding.fingerprint(), memory)
-
-
 def _write_report(settings: Settings, run: PlannedRun) -> None:
     """Rank 0: sharding.log, plan.json (with what `--plan-file` needs) and report.html."""
     paths = write_report(
@@ -256,7 +194,9 @@ def train(settings: Settings) -> list[float]:
             profiled.device_profile,
         )
 
-        run = _plan(profiled, workload, mesh, saved)
+        run = plan_run(profiled, workload, mesh, saved)
+        settings = settings.replace(grad_accum=run.plan.micro_batches)  # what it runs, also when it chose
+        feed.micro_batches = run.plan.micro_batches
         signals.arm()  # planned: a signal before this stopped the run at once, from here on it checkpoints
         if rank == 0:
             _write_report(settings, run)

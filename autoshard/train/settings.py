@@ -39,13 +39,14 @@ class Settings(PlanConfig):
 
     model: str = setting("llama3-debug", MODEL)
     batch: int = setting(8, BATCH)
-    grad_accum: int = setting(
-        1,
+    grad_accum: int | None = setting(
+        None,
         type=positive_int,
         metavar="K",
         help="run each step as K micro-batches of --batch/K rows (the plan is made for one): gradients "
         "of replicated parameters are all-reduced once per step, sharded ones reduce-scattered every "
-        "micro-batch",
+        "micro-batch (default: 1, or when the batch fits the memory limit only by resharding or "
+        "recomputing, the fastest modeled of 2, 4, ... micro-batches that fits)",
     )
     seq: int = setting(64, SEQ)
     steps: int = setting(50, type=int, help="train until this step")
@@ -212,7 +213,7 @@ class Settings(PlanConfig):
         if self.steps < 1:
             raise ValueError(f"--steps must be >= 1, got {self.steps}")
         self.check_batch(self.batch)
-        if self.batch % self.grad_accum:
+        if self.grad_accum is not None and self.batch % self.grad_accum:
             raise ValueError(f"--grad-accum {self.grad_accum} does not divide --batch {self.batch}")
         try:
             self.check_batch(self.micro_batch)
@@ -235,8 +236,8 @@ class Settings(PlanConfig):
 
     @property
     def micro_batch(self) -> int:
-        """The rows of one micro-batch: what the plan is made for."""
-        return self.batch // self.grad_accum
+        """The rows of one micro-batch: what the plan is made for (--grad-accum not chosen yet: the batch)."""
+        return self.batch // (self.grad_accum or 1)
 
     def _check_optimizer(self) -> None:
         """The optimizer, schedule and logging flags: each bad value names its flag."""

@@ -1,0 +1,151 @@
+"""Planning a run: trace, solve (rank 0 for all), fit the memory limit, apply; and, unless
+`--grad-accum` says, how many micro-batches a step runs as.
+
+A batch that fits the memory limit as it is (no resharding after the forward, no recomputation)
+runs as one. One that does not (the fit reshards or recomputes, or finds no plan) is planned again
+as 2, 4, ... micro-batches while a micro-batch still splits over the data-parallel dims, until one
+fits as it is; of the plans that fit, the lowest modeled step wins (`Plan.step_time_s`: K
+micro-batches, the held all-reduces and the optimizer once). Every rank makes the same choice: the
+fits are decided on rank 0 and broadcast (`driver.ranks`).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from autoshard.driver.api import AutoShard
+from autoshard.driver.fit import MemoryLimitError
+from autoshard.driver.ranks import RankZeroPlanning, SavedSolution
+from autoshard.options import UsageError
+from autoshard.problem.plan import Plan
+from autoshard.train.settings import Settings
+from autoshard.train.steps import PlannedRun
+from autoshard.workloads import Workload
+
+log = logging.getLogger("autoshard")
+
+
+@dataclass(frozen=True)
+class PlanFile:
+    """A plan.json to take the solution from (`required`: an error when it solves another problem,
+    else planning solves afresh)."""
+
+    data: dict
+    source: str
+    required: bool
+
+
+@dataclass
+class _Solved:
+    micro_batches: int
+    auto: AutoShard
+    plan: Plan
+    planning: RankZeroPlanning
+
+    @property
+    def as_is(self) -> bool:
+        """Whether it fits without resharding or recomputing (or there is no limit to fit)."""
+        return self.auto.fit is None or self.auto.fit.mode == "keep"
+
+
+def micro_batch_counts(settings: Settings, first: int | None = None) -> list[int]:
+    """The micro-batch counts to plan for: `--grad-accum`'s, else 1, 2, 4, ... while a micro-batch
+    splits over the data-parallel dims (`first`, a resumed run's own count, tried first)."""
+    if settings.grad_accum is not None:
+        return [settings.grad_accum]
+    counts, k = [], 1
+    while settings.batch % k == 0:
+        try:
+            settings.check_batch(settings.batch // k)
+        except ValueError:
+            break
+        counts.append(k)
+        k *= 2
+    if first in counts:
+        counts = [first] + [k for k in counts if k != first]
+    return counts
+
+
+def plan_run(settings: Settings, workload: Workload, mesh, plan_file: PlanFile | None) -> PlannedRun:
+    """Plan on every rank (rank 0 solving and dry-running for all), choose the micro-batch count,
+    apply. UsageError when no count fits the memory limit (the first one's message)."""
+    saved = plan_file.data if plan_file is not None else {}
+    counts = micro_batch_counts(settings, (saved.get("settings") or {}).get("grad_accum"))
+    best: _Solved | None = None
+    failure: MemoryLimitError | None = None
+    tried: list[str] = []
+    for k in counts:
+        try:
+            solved = _solve(settings.replace(grad_accum=k), workload, mesh, plan_file)
+        except MemoryLimitError as err:  # every rank reached it alike
+            failure = failure or err
+            tried.append(f"{k}: none fits")
+            continue
+        how = "" if solved.as_is or solved.auto.fit is None else f" ({solved.auto.fit.mode})"
+        tried.append(f"{k}: {solved.plan.step_time_s * 1e3:.1f} ms{how}")
+        if best is None or solved.plan.step_time_s < best.plan.step_time_s:
+            best = solved
+        if solved.as_is:
+            break
+    if best is None:
+        assert failure is not None
+        raise UsageError(str(failure))
+    if len(tried) > 1:
+        log.info(
+            "autoshard train: --batch %d runs as %d micro-batches of %d rows, the fastest plan that fits the "
+            "memory limit (modeled step by micro-batch count: %s)",
+            settings.batch,
+            best.micro_batches,
+            settings.batch // best.micro_batches,
+            "; ".join(tried),
+        )
+    auto, plan = best.auto, best.plan
+    pmodel = auto.apply(
+        plan, prefetch=settings.prefetch, bucket_bytes=settings.bucket_cap_mb * 2**20, seed=settings.seed
+    )
+    memory = auto.fit_dry_run  # fitting the memory limit dry-ran this very plan, or:
+    if memory is None:
+        memory = best.planning.dry_run(pmodel.program, plan)
+        auto.timings["dry_run"] = memory.seconds
+    log.info("autoshard train: dry run estimate: %s", memory.summary())
+    return PlannedRun(plan, pmodel, auto, auto.sharding.fingerprint(), memory)
+
+
+def _solve(settings: Settings, workload: Workload, mesh, plan_file: PlanFile | None) -> _Solved:
+    """The plan of `settings.grad_accum` micro-batches of `settings.micro_batch` rows."""
+    example = lambda: workload.example_inputs(settings.micro_batch, settings.seq, "meta")  # noqa: E731
+    model = workload.build("meta")
+    # a plan file whose plan recomputes or reshards the blocks (the fit chose it) solves that problem
+    saved = plan_file.data if plan_file is not None else {}
+    config = settings.replace(
+        recompute=settings.recompute or bool((saved.get("recompute") or {}).get("blocks")),
+        reshard_after_forward=settings.reshard_after_forward or bool((saved.get("reshard") or {}).get("blocks")),
+    )
+    planning = RankZeroPlanning(
+        mesh,
+        backend=config.backend,
+        time_limit=config.time_limit,
+        saved=None
+        if plan_file is None
+        else SavedSolution(saved["fingerprint"], saved["solution"], plan_file.source, plan_file.required),
+    )
+    auto = AutoShard(
+        model,
+        example,
+        mesh,
+        config=config,
+        loss_fn=workload.loss_fn,
+        n_model_inputs=workload.n_model_inputs,
+        compile=settings.compile,
+    )
+    assert settings.grad_accum is not None
+    auto.accumulate(settings.grad_accum)
+    if settings.recipe is not None:
+        from autoshard.problem.recipes import param_bytes_per_rank, recipe_layouts, recipe_pins
+
+        auto.pin(recipe_pins(settings.recipe))
+        if settings.memory_budget is None:
+            auto.memory_budget(param_bytes_per_rank(model, recipe_layouts(model, settings.recipe), settings.mesh))
+    plan = auto.optimize(planning=planning)
+    return _Solved(settings.grad_accum, auto, plan, planning)
