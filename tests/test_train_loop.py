@@ -295,7 +295,7 @@ def test_the_console_line_shows_progress_lr_mfu_and_eta(caplog):
     }
     with caplog.at_level("INFO", logger="autoshard"):
         ConsoleLog(total=100).log(row)
-    (line,) = caplog.messages
+    line = caplog.messages[0]  # then the note that the model is off by 2x
     assert line.startswith("step    3/100  loss 2.5000  lr 0.001  grad norm 0.7")
     assert "400 tok/s (100/device)  mfu 42.0%" in line and line.endswith("eta 3m14s")  # 97 steps x 2 s
     assert [duration(s) for s in (5, 65, 3 * 3600 + 120)] == ["5s", "1m05s", "3h02m"]
@@ -320,3 +320,27 @@ def test_mfu_counts_the_traced_steps_flops():
     attention = 2 * 3 * cfg.n_layers * 2 * 8 * 16 * 16 * cfg.dim  # QK^T and AV, forward + 2x backward
     assert figures.flops == pytest.approx(6 * matmul * 128 + attention, rel=0.02)
     assert figures.row(0.5)["mfu"] == pytest.approx(figures.flops / 0.5 / 1e12)
+
+
+def test_a_model_off_by_more_than_1_5x_says_so_once_with_the_calibrate_command(caplog):
+    from autoshard.train.loggers import ConsoleLog
+
+    console = ConsoleLog(10, "cpu-gloo/cpu", "torchrun --nproc_per_node=4 -m autoshard calibrate --mesh 2x2")
+    row = {
+        "loss": 2.5,
+        "lr": 1e-3,
+        "grad_norm": 0.7,
+        "step_s": 0.3,
+        "tokens_per_s": 400.0,
+        "tokens_per_s_per_device": 100.0,
+        "peak_rss_mb_per_rank": [10.0],
+        "modeled_step_s": 0.1,
+    }
+    with caplog.at_level("INFO", logger="autoshard"):
+        for step, ratio in [(1, 0.2), (2, 0.2), (3, 1.2), (4, 0.33), (5, 0.3), (6, 4.0)]:
+            console.log(row | {"step": step, "modeled_over_measured": ratio})
+    notes = [m for m in caplog.messages if m.startswith("note:")]
+    assert len(notes) == 1, notes  # once, and not during warm-up (steps 1-2)
+    assert notes[0].startswith("note: the modeled step is 3.0x shorter than the measured one on this machine")
+    assert "(profiles cpu-gloo/cpu)" in notes[0] and "autoshard calibrate --mesh 2x2" in notes[0]
+    assert caplog.messages.index(notes[0]) == 4  # right after step 4's line

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from autoshard.pricing.compute import graph_work
 from autoshard.problem.plan import Plan
 from autoshard.profiles.device import DeviceProfile
-from autoshard.train.metrics import MetricsFile
+from autoshard.train.metrics import WARMUP_STEPS, MetricsFile
 
 log = logging.getLogger("autoshard")
 
@@ -65,12 +65,17 @@ class MetricsLog:
 class ConsoleLog:
     """One line per step: step/total, loss, lr, gradient norm, throughput, MFU, memory, the step
     time beside the modeled one, and the time left (the mean of this run's steps after its first,
-    which warms up, times the steps left)."""
+    which warms up, times the steps left). The first step after warm-up whose modeled time is off
+    by more than `OFF` either way adds a note, once: the profiles the model used (`profiles`) and
+    the command that measures this machine (`calibrate`)."""
 
-    def __init__(self, total: int):
+    OFF = 1.5
+
+    def __init__(self, total: int, profiles: str = "", calibrate: str = ""):
         self.total = total
         self.last: float | None = None  # when the previous row came
         self.spent, self.timed = 0.0, 0  # wall time between rows, and how many
+        self.profiles, self.calibrate, self.noted = profiles, calibrate, False
 
     def log(self, row: dict) -> None:
         now = time.perf_counter()
@@ -96,6 +101,19 @@ class ConsoleLog:
             row["modeled_over_measured"],
             duration(per_step * (self.total - row["step"])),
         )
+        ratio = row["modeled_over_measured"]
+        if not self.noted and row["step"] > WARMUP_STEPS and not 1 / self.OFF <= ratio <= self.OFF:
+            self.noted = True
+            off = max(ratio, 1 / ratio)
+            log.info(
+                "note: the modeled step is %.1fx %s than the measured one on this machine (profiles %s): "
+                "plans are chosen by the model; measure this machine with `%s` and plan with the file it "
+                "writes (--network FILE --device FILE); see docs/calibration.md",
+                off,
+                "shorter" if ratio < 1 else "longer",
+                self.profiles or "the presets",
+                self.calibrate or "python -m autoshard calibrate",
+            )
 
     def close(self) -> None:
         pass
@@ -146,10 +164,20 @@ class WandbLog:
         self.run.finish()
 
 
-def make_loggers(settings: Any, out: Path, metrics: MetricsFile, resumed_at: int | None) -> list[Logger]:
-    """metrics.jsonl and the console line always; TensorBoard when it is installed and W&B when
-    asked for (`--wandb`), on rank 0."""
-    loggers: list[Logger] = [MetricsLog(metrics), ConsoleLog(settings.steps)]
+def make_loggers(
+    settings: Any, out: Path, metrics: MetricsFile, resumed_at: int | None, profiles: str = ""
+) -> list[Logger]:
+    """metrics.jsonl and the console line always (`profiles`: the network and device profiles the
+    plan was priced with); TensorBoard when it is installed and W&B when asked for (`--wandb`), on
+    rank 0."""
+    world = math.prod(settings.mesh)
+    mesh = "x".join(map(str, settings.mesh))
+    command = (
+        f"torchrun --nproc_per_node={world} -m autoshard calibrate --mesh {mesh} --out calibrated-{mesh}.json"
+        if world > 1
+        else f"python -m autoshard calibrate --out calibrated-{mesh}.json"
+    )
+    loggers: list[Logger] = [MetricsLog(metrics), ConsoleLog(settings.steps, profiles, command)]
     if dist.get_rank() == 0:
         if importlib.util.find_spec("tensorboard") is not None:
             loggers.append(TensorBoardLog(out, resumed_at))

@@ -237,9 +237,14 @@ def _step_parts(
     return StepParts(
         ScheduledOptimizer(optim, schedule),
         GradClip(settings.grad_clip),
-        make_loggers(settings, Path(settings.out), metrics, resumed_at),
+        make_loggers(settings, Path(settings.out), metrics, resumed_at, _profiles(run)),
         Throughput(settings.batch * settings.seq, run.plan, run.auto.device, dtype),
     )
+
+
+def _profiles(run: PlannedRun) -> str:
+    """The network and device profiles the plan was priced with, as the console names them."""
+    return f"{run.auto.config.network}/{run.auto.config.device_profile}"
 
 
 def _own_plan(out: Path) -> PlanFile | None:
@@ -266,7 +271,8 @@ def _finish(settings: Settings, run: PlannedRun, metrics: MetricsFile, trained: 
     """Rank 0, after the last step: modeled vs measured step time, report.html with the curves."""
     out = Path(settings.out)
     if trained:
-        log.info("autoshard train: %s", step_time_line(run.plan.step_time_s, load_metrics(metrics.path)))
+        line = step_time_line(run.plan.step_time_s, load_metrics(metrics.path))
+        log.info("autoshard train: %s (profiles %s)", line, _profiles(run))
         log.info(
             "autoshard train: modeled step with the program's overlap %.1f ms (prefetch %d; no overlap %.1f ms)",
             run.pmodel.program.step_s(settings.grad_accum) * 1e3,
