@@ -34,30 +34,38 @@ PINS = {
     "layers.*.feed_forward.*.weight": "S(0)S(1)",
     "tok_embeddings.weight": "S(0)R",
 }
+# on 3 ranks (the planner splits only evenly: ffn_hidden 192 is the dim that splits in 3), a
+# micro-batch of 3 rows, one per rank
+PINS_3 = {
+    "layers.*.attention.*.weight": "R",
+    "layers.*.feed_forward.w[13].weight": "S(0)",
+    "layers.*.feed_forward.w2.weight": "S(1)",
+}
+CASES = {"2x2": ((2, 2), 8, "S(0)R", PINS), "3": ((3,), 12, "S(0)", PINS_3)}
 
 
-def plan_micro(mesh_shape=(2, 2)):
+def plan_micro(mesh_shape=(2, 2), micro=MICRO, inputs="S(0)R", pins=PINS):
     meta = build_model(TINY, device="meta")
-    example = lambda: (torch.empty(MICRO, SEQ, dtype=torch.int64, device="meta"),) * 2  # noqa: E731
+    example = lambda: (torch.empty(micro, SEQ, dtype=torch.int64, device="meta"),) * 2  # noqa: E731
     # compute priced 1000x slower than the cpu preset: computing the micro-batch split on dp (and
     # reducing gradients) wins over gathering it, which the tiny model would otherwise do
     slow = DeviceProfile(1e8, 2e7, "slow", peak_flops_fp32=1e8)
     with AutoShard(meta, example, mesh_shape, loss_fn=cross_entropy_loss, device=slow) as auto:
-        auto.constrain_inputs("S(0)R", "S(0)R")
-        auto.pin(PINS)
+        auto.constrain_inputs(inputs, inputs)
+        auto.pin(pins)
         plan = auto.optimize()
     assert_shards(plan, params_sharded=True, batch_split=True)
     return plan
 
 
-def single_device(steps: int):
+def single_device(steps: int, batch: int = BATCH):
     model = build_model(TINY, seed=0)
     optim = make_optimizer(model.parameters(), TrainSettings())
     data = MarkovTokens(TINY.vocab_size, seed=0)
     losses, first = [], None
     for step in range(steps):
-        batch = data.batch(step, BATCH, SEQ)
-        loss = cross_entropy_loss(model(batch.inputs), batch.targets)
+        rows = data.batch(step, batch, SEQ)
+        loss = cross_entropy_loss(model(rows.inputs), rows.targets)
         loss.backward()
         first = first or {n: p.grad.clone() for n, p in model.named_parameters()}
         optim.step()
@@ -66,18 +74,22 @@ def single_device(steps: int):
     return losses, first
 
 
-def test_micro_batches_train_like_their_whole_batch_and_all_reduce_once():
-    plan = plan_micro()
-    ref_losses, ref_grads = single_device(3)
+@pytest.mark.parametrize("case", CASES, ids=list(CASES))
+def test_micro_batches_train_like_their_whole_batch_and_all_reduce_once(case):
+    mesh_shape, batch_rows, inputs, pins = CASES[case]
+    micro_rows = batch_rows // K
+    plan = plan_micro(mesh_shape, micro_rows, inputs, pins)
+    ref_losses, ref_grads = single_device(3, batch_rows)
     data = MarkovTokens(TINY.vocab_size, seed=0)
-    with simulated_mesh((2, 2)) as (mesh, mode):
+    with simulated_mesh(mesh_shape) as (mesh, mode):
         pmodel = parallelize(plan, mesh, build_model(TINY, device="meta"), accumulate=True)
         pmodel.init_weights(0)
         held = pmodel.program.held
         names = pmodel.program.param_names
         held_names = {names[i] for i in held.params}
-        assert held_names and all(".attention." in n for n in held_names)
-        assert not any(".feed_forward." in n for n in held_names)
+        attention = {n for n in names if ".attention.w" in n}  # replicated on the batch's dim
+        assert attention & held_names  # held (where the plan all-reduces them)
+        assert not any(".feed_forward." in n for n in held_names)  # sharded: reduce-scattered
         # a micro-batch under no_sync runs no all-reduce of a held gradient; the last runs them all
         full = pmodel.program.comm.count["backward"]
         holding = held.comm.count["backward"]
@@ -86,10 +98,10 @@ def test_micro_batches_train_like_their_whole_batch_and_all_reduce_once():
         optim = make_optimizer(pmodel.parameters(), TrainSettings())
         for step, ref in enumerate(ref_losses):
             with mode.disable():
-                batch = data.batch(step, BATCH, SEQ)
+                batch = data.batch(step, batch_rows, SEQ)
             total = 0.0
             for k in range(K):
-                rows = slice(k * MICRO, (k + 1) * MICRO)
+                rows = slice(k * micro_rows, (k + 1) * micro_rows)
                 with pmodel.no_sync() if k < K - 1 else nullcontext():
                     loss = pmodel(*pmodel.shard_inputs(batch.inputs[rows], batch.targets[rows]))
                     (loss / K).backward()
