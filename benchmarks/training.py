@@ -26,6 +26,7 @@ each collective it sees (functional or c10d) with the ring model.
     python benchmarks/training.py --json out.json [--out runs/bench-training]
     python benchmarks/training.py --param-dtype bf16 --reduce-dtype fp32   # both trainers in bf16
     python benchmarks/training.py --wide --repeats 1   # llama3-wide, batch 4, seq 512: TP should win on paper
+    python benchmarks/training.py --make-train   # make train's configuration: llama3-debug 2x2, batch 8, seq 64
 """
 
 from __future__ import annotations
@@ -110,6 +111,7 @@ class Workload:
 FULL = Workload("llama3-debug", batch=8, seq=256, steps=20)
 TWO_RANKS = Workload("llama3-debug", batch=8, seq=256, steps=20, mesh="2x1")  # a core per rank: nothing shared
 QUICK = Workload("llama3-tiny", batch=8, seq=32, steps=5)
+MAKE_TRAIN = Workload("llama3-debug", batch=8, seq=64, steps=20)  # what `make train` runs first (there 30 steps)
 # where tensor parallelism should win on paper: wide layers, a small batch of long sequences
 WIDE = Workload("llama3-wide", batch=4, seq=512, steps=8)  # batch: pure FSDP2 splits it over 4 ranks
 
@@ -233,7 +235,7 @@ def _trainers(work: Workload, quick: bool) -> list[tuple[str, list[str], Workloa
         *([("ddp", [*recipe, "--ddp"], every_rank)] if not work.param_dtype else []),
         *(
             [("autoshard_sync", ["-m", "autoshard", "train", "--prefetch", "0"], work)]
-            if not quick and tp > 1 and work.model == FULL.model
+            if not quick and tp > 1 and (work.model, work.seq) == (FULL.model, FULL.seq)
             else []
         ),
     ]
@@ -246,16 +248,17 @@ def run(
     repeats: int | None = None,
     wide: bool = False,
     two_ranks: bool = False,
+    make_train: bool = False,
 ) -> dict:
     """Train the parallel versions `repeats` times each (default 3, 1 with `quick`) and the
     reference once; print and return the comparison. `precision`: (param dtype, reduce dtype) for
     every trainer and the reference, e.g. ("bf16", "fp32"). Raises `LossMismatch` (after printing)
-    when a parallel loss curve leaves the reference. `wide` / `two_ranks`: the WIDE / TWO_RANKS
-    workload instead."""
+    when a parallel loss curve leaves the reference. `wide` / `two_ranks` / `make_train`: the WIDE /
+    TWO_RANKS / MAKE_TRAIN workload instead."""
     from autoshard.capture.precision import parse_dtype
     from autoshard_models.train_single import TrainSettings, train_single
 
-    work = WIDE if wide else TWO_RANKS if two_ranks else QUICK if quick else FULL
+    work = WIDE if wide else TWO_RANKS if two_ranks else MAKE_TRAIN if make_train else QUICK if quick else FULL
     repeats = repeats or (1 if quick else 3)
     if precision:
         work = replace(work, param_dtype=precision[0], reduce_dtype=precision[1])
@@ -429,6 +432,12 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help=f"{TWO_RANKS.model} on 2 ranks (mesh {TWO_RANKS.mesh}) against DDP and FSDP2 on 2 ranks",
     )
+    p.add_argument(
+        "--make-train",
+        action="store_true",
+        help=f"`make train`'s configuration: {MAKE_TRAIN.model}, mesh 2x2, batch {MAKE_TRAIN.batch}, "
+        f"seq {MAKE_TRAIN.seq}, {MAKE_TRAIN.steps} steps",
+    )
     a = p.parse_args(argv)
     code = 0
     try:
@@ -438,6 +447,7 @@ def main(argv: list[str] | None = None) -> int:
             repeats=a.repeats,
             wide=a.wide,
             two_ranks=a.two_ranks,
+            make_train=a.make_train,
             precision=(a.param_dtype, a.reduce_dtype) if a.param_dtype else None,
         )
     except LossMismatch as e:

@@ -236,3 +236,26 @@ def test_a_batch_over_the_memory_limit_runs_as_micro_batches(tmp_path, capsys):
     losses, _ = reference(2, None, [3e-3, 3e-3], model="llama3-tiny", batch=8, seq=256)
     for row, loss in zip(metrics(out), losses, strict=True):
         assert abs(row["loss"] - loss) <= 1e-5 * abs(loss), (row["loss"], loss)
+
+
+@pytest.mark.replicated_plan  # a world of one: what is checked is which draws a resumed run makes
+def test_a_resumed_run_with_micro_batches_draws_the_dropout_of_an_uninterrupted_one(tmp_path):
+    """A tiny HF GPT-2 with dropout 0.1, `--grad-accum 2`: the program runs twice a step, so a run
+    resumed from step 2 must draw from where two micro-batches a step left the stream; its steps 3
+    and 4 have the uninterrupted run's losses exactly."""
+    import transformers
+
+    from autoshard.cli.train import main
+
+    source = tmp_path / "gpt2"
+    config = transformers.GPT2Config(n_embd=32, n_layer=2, n_head=2, vocab_size=128, n_positions=64)
+    config.resid_pdrop = config.embd_pdrop = config.attn_pdrop = 0.1
+    transformers.GPT2LMHeadModel(config).save_pretrained(source)
+    args = ["--model", f"hf:{source}", "--mesh", "1", "--batch", "4", "--seq", "16", "--grad-accum", "2"]
+    assert main([*args, "--steps", "4", "--out", str(tmp_path / "whole")]) in (0, None)
+    resumed = tmp_path / "resumed"
+    assert main([*args, "--steps", "2", "--checkpoint-every", "2", "--out", str(resumed)]) in (0, None)
+    assert main([*args, "--steps", "4", "--out", str(resumed)]) in (0, None)
+    whole = [r["loss"] for r in metrics(tmp_path / "whole")]
+    again = [r["loss"] for r in metrics(resumed) if "loss" in r]
+    assert len(set(whole)) == 4 and again == whole, (whole, again)

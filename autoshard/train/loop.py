@@ -44,7 +44,7 @@ from autoshard.train.planning import PlanFile, plan_run
 from autoshard.train.signals import StopSignals
 from autoshard.train.steps import PlannedRun, StepParts, run_steps
 from autoshard.train.supervision import AgentWatch
-from autoshard.workloads import Workload, checkpoint_values, get_workload
+from autoshard.workloads import CheckpointSlices, Start, Workload, get_workload
 
 log = logging.getLogger("autoshard")
 
@@ -57,13 +57,14 @@ def _workload(settings: Settings) -> Workload:
         raise UsageError(str(err)) from None
 
 
-def _initial_values(settings: Settings, workload: Workload) -> dict[str, torch.Tensor]:
-    """Full values to train from: the --init-from checkpoint (buffers from the seed's init), else
-    the seed's init."""
+def _initial_values(settings: Settings, workload: Workload) -> Start:
+    """What to train from: the --init-from checkpoint (checked now from its headers; buffers from
+    the seed's init), else the seed's init. Loaded after planning, each rank reading its shards
+    alone (`Start.load_into`)."""
     if settings.init_from is None:
-        return workload.initial_state(settings.seed)
+        return Start(workload, settings.seed)
     try:
-        return checkpoint_values(workload, settings.init_from, settings.seed)
+        return Start(workload, settings.seed, CheckpointSlices(workload, settings.init_from))
     except ValueError as err:
         raise UsageError(f"--init-from {err}") from None
 
@@ -200,12 +201,12 @@ def train(settings: Settings) -> list[float]:
         signals.arm()  # planned: a signal before this stopped the run at once, from here on it checkpoints
         if rank == 0:
             _write_report(settings, run)
-        run.pmodel.load_full(initial)
-        del initial
+        initial.load_into(run.pmodel)  # one tensor, or one rank's slices, at a time
         optim = make_optimizer(run.pmodel.parameters(), settings)
         start = _resume(out, run, optim) if resuming else None
         start_step = start.step if start is not None else 0
-        run.pmodel.random.step = start_step  # random ops draw what an uninterrupted run draws
+        # random ops draw what an uninterrupted run draws: the program has run once per micro-batch
+        run.pmodel.random.step = start_step * run.plan.micro_batches
         metrics = MetricsFile(out, start_step if start is not None else None)
         if start is not None:
             changes |= apply_optimizer_settings(optim, settings, own.data.get("settings") if own else None)
