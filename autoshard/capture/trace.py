@@ -9,6 +9,7 @@ path), which the sharding log shows and repeated-layer detection keys on.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import logging
@@ -189,14 +190,17 @@ def trace_joint(
     wrapper = _StepModule(model, step_fn)
     with _fake_parameters(model, fake_mode, device):
         joint = _export(stack, wrapper, model, args, precision)
-    return _describe(joint, precision, _tied_aliases(model))
+    return _describe(joint, precision, tied_names(model))
 
 
-def _tied_aliases(model: nn.Module) -> set[str]:
-    """Names under which a parameter is seen a second time (`lm_head.weight` tied to the input
-    embedding): the model has one parameter there, so the graph must too."""
-    first = {name for name, _ in model.named_parameters()}
-    return {name for name, _ in model.named_parameters(remove_duplicate=False) if name not in first}
+def tied_names(model: nn.Module) -> dict[str, str]:
+    """Every name of a parameter seen under several (`lm_head.weight` tied to the input
+    embedding) -> its first name, the one `named_parameters()` and state dicts list it under:
+    the model has one parameter there, so the graph must too."""
+    first: dict[int, str] = {}
+    names = {name: first.setdefault(id(p), name) for name, p in model.named_parameters(remove_duplicate=False)}
+    count = collections.Counter(names.values())
+    return {name: canonical for name, canonical in names.items() if count[canonical] > 1}
 
 
 def _export(stack: contextlib.ExitStack, wrapper: nn.Module, model: nn.Module, args: tuple, precision: Precision):
@@ -235,15 +239,41 @@ def _strip(fqn: str) -> str:
     return fqn[len(prefix) :] if fqn.startswith(prefix) else fqn
 
 
-def _describe(joint, precision: Precision, tied: set[str] = frozenset()) -> JointGraph:
-    gm = joint.graph_module
-    params, buffers, inputs, tangents = {}, {}, [], []
+def _one_per_tied_group(gm: fx.GraphModule, tied: dict[str, str]) -> dict[fx.Node, str]:
+    """Parameter placeholder -> the name it is planned under. Dynamo's capture lists a tied
+    parameter under each of its names and the forward reads one of them, not always the first
+    (BERT's `cls.predictions.decoder.bias`, T5's `encoder.embed_tokens.weight`): that placeholder
+    is kept, under the first name (the one state dicts use), and the unread ones are erased."""
+    groups: dict[str, list[fx.Node]] = {}
     for node in gm.graph.find_nodes(op="placeholder"):
         kind, target = tc.describe_input(node.meta.get("desc"))
-        if kind == "param" and _strip(target) in tied and not node.users:
-            gm.graph.erase_node(node)  # dynamo's capture lists a tied parameter under both names
-        elif kind == "param":
-            params[_strip(target)] = node
+        if kind == "param":
+            name = _strip(target)
+            groups.setdefault(tied.get(name, name), []).append(node)
+    out = {}
+    for name, nodes in groups.items():
+        read = [n for n in nodes if n.users]
+        if len(read) > 1:
+            raise NotImplementedError(
+                f"the traced step reads parameter {name} under {len(read)} of its tied names: "
+                "autoshard plans one placeholder per parameter"
+            )
+        keep = read[0] if read else nodes[0]
+        out[keep] = name
+        for node in nodes:
+            if node is not keep:
+                gm.graph.erase_node(node)
+    return out
+
+
+def _describe(joint, precision: Precision, tied: dict[str, str] | None = None) -> JointGraph:
+    gm = joint.graph_module
+    params, buffers, inputs, tangents = {}, {}, [], []
+    planned = _one_per_tied_group(gm, tied or {})
+    for node in gm.graph.find_nodes(op="placeholder"):
+        kind, target = tc.describe_input(node.meta.get("desc"))
+        if kind == "param":
+            params[planned[node]] = node
         elif kind == "buffer":
             buffers[_strip(target)] = node
         elif kind == "input":
@@ -263,7 +293,8 @@ def _describe(joint, precision: Precision, tied: set[str] = frozenset()) -> Join
                 raise ValueError("the step function must return exactly one tensor (the loss)")
             loss = value
         elif kind == "grad" and value is not None:
-            grads[_strip(target)] = value
+            name = _strip(target)
+            grads[(tied or {}).get(name, name)] = value
     missing = sorted(set(params) - set(grads))
     if missing:
         raise ValueError(f"these parameters get no gradient from the loss: {', '.join(missing)}")

@@ -9,8 +9,9 @@ or in one call: `pmodel = auto_shard(model, input_fn, mesh, loss_fn=cross_entrop
 is a `PlanConfig` (`config=`); the keyword arguments are sugar for its fields. Inside a process
 group of more than one rank (torchrun) rank 0 solves for every rank (`driver.ranks`).
 
-The step traced is `loss_fn(model(*inputs[:n_model_inputs]), *inputs[n_model_inputs:])` (or just
-`model(*inputs)` when it returns the loss itself), with `inputs = input_fn()` in GLOBAL shapes.
+The step traced is `loss_fn(model(*inputs[:n_model_inputs]), *inputs[n_model_inputs:])`, or with
+`loss_fn=None` the loss `model(*inputs)` returns (a scalar, a tuple's `loss_output`-th element,
+default the first scalar, or `.loss`), with `inputs = input_fn()` in GLOBAL shapes.
 """
 
 from __future__ import annotations
@@ -138,6 +139,7 @@ class AutoShard:
         config: PlanConfig | None = None,
         loss_fn: Callable[..., torch.Tensor] | None = None,
         n_model_inputs: int = 1,
+        loss_output: int | str | None = None,
         network: NetworkProfile | str | None = None,
         device: DeviceProfile | str | None = None,
         unroll: bool | None = None,
@@ -169,6 +171,7 @@ class AutoShard:
         self.mesh_shape: tuple[int, ...] = shape
         self.loss_fn = loss_fn
         self.n_model_inputs = n_model_inputs
+        self.loss_output = loss_output  # which of the model's outputs is its loss (loss_fn=None)
         self.network = network_profile(network, self.mesh_shape, self.config.intra_node_dims)
         self.device = device_profile(device)
         self._input_names: tuple[str, ...] | None = None  # keyword names when input_fn returns a dict
@@ -238,9 +241,8 @@ class AutoShard:
 
     # ------------------------------------------------------------------ planning
     def _step(self, model: nn.Module, *inputs: Any) -> torch.Tensor:
-        return run_step(
-            self._with_casts(model), self.loss_fn, inputs, self._input_names, self.n_model_inputs, self._mark_outputs
-        )
+        how = (self._input_names, self.n_model_inputs, self._mark_outputs, self.loss_output)
+        return run_step(self._with_casts(model), self.loss_fn, inputs, *how)
 
     def _with_casts(self, model: nn.Module) -> Callable[..., Any]:
         """The model as the step calls it under the mixed precision policy: floating inputs cast to
@@ -480,7 +482,7 @@ def auto_shard(
     **options: Any,
 ) -> ParallelModule:
     """Plan and apply in one call: the parallel module for `model` on the DeviceMesh `mesh`.
-    `options` go to `AutoShard` (config, n_model_inputs, network, device, unroll, mp_policy, recompute,
+    `options` go to `AutoShard` (config, n_model_inputs, loss_output, network, device, unroll, mp_policy, recompute,
     reshard_after_forward, compile). Under torchrun, rank 0 solves for every rank. Random ops
     (dropout) draw from `seed`, the same values on every rank holding a value."""
     auto = AutoShard(model, input_fn, mesh, loss_fn=loss_fn, **options)

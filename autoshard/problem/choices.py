@@ -15,6 +15,7 @@ import operator
 from dataclasses import dataclass, field
 from typing import Sequence
 
+import torch
 from torch import fx
 
 from autoshard.capture.trace import JointGraph
@@ -174,6 +175,11 @@ def collect_choices(
                 kept = spec.fixed_dim.keep(node.name, choices)
                 choices, costs = [choices[i] for i in kept], [costs[i] for i in kept]
             c.strategies[node.name], c.compute_s[node.name] = list(choices), list(costs)
+        elif node.op == "get_attr" and isinstance(node.meta.get("val"), torch.Tensor):
+            # a constant the forward made (`torch.tensor(...)`, a scalar written into a tensor):
+            # every rank holds all of it; its readers take it in whatever layout is cheapest
+            c.strategies[node.name] = [Strategy(outputs=(Layout.replicate(len(mesh_shape)),), inputs=())]
+            c.compute_s[node.name] = [0.0]
         else:
             continue
         c.fx_nodes[node.name] = node

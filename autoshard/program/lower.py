@@ -204,6 +204,9 @@ def _local_joint_graph(plan: Plan, mesh: Any, stream: RandomStream) -> tuple[fx.
         if node.op == "placeholder":
             new = out.placeholder(node.name)
             new.meta[LOCAL_SHAPE] = _local_shapes(node, plan.strategies[node.name].outputs, ms)
+        elif node.op == "get_attr":  # a constant the forward made: every rank holds all of it
+            new = out.call_function(Constant(getattr(graph.gm, node.target), mesh.device_type, node.name), ())
+            new.meta[LOCAL_SHAPE] = tuple(node.meta["val"].shape)
         elif node.target is operator.getitem:
             parent, index = node.args
             new = out.call_function(operator.getitem, (env[parent], index))
@@ -233,6 +236,18 @@ def _local_joint_graph(plan: Plan, mesh: Any, stream: RandomStream) -> tuple[fx.
     grads = [redistributed(env[graph.grads[fqn]], plan.grad_sinks[fqn].name, 0) for fqn in graph.params]
     out.output((loss, *grads))
     return out, modules
+
+
+class Constant:
+    """A call_function target that gives a constant of the traced step (`torch.tensor(...)` in a
+    forward) on the mesh's device, lifted as the trace lifted it: a fake copy under a dry run's
+    fake mode, a fresh copy otherwise (an op that writes into it leaves the constant as it is)."""
+
+    def __init__(self, value: torch.Tensor, device_type: str, name: str):
+        self.value, self.__name__, self.__module__ = value.detach().to(device_type), name, __name__
+
+    def __call__(self) -> torch.Tensor:
+        return aten.lift_fresh_copy.default(self.value)
 
 
 def _on_device(values: Any, device_type: str) -> Any:

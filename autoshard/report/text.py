@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 from autoshard.report.build import OWN_KEYS
 
@@ -210,7 +211,7 @@ def _totals_lines(report: dict) -> list[str]:
                 f"{_counts(t['program_count_by_collective'])}"
             )
     else:
-        out.append("collectives per rank: none")
+        out.append(f"collectives per rank: {no_collectives(report) or 'none'}")
     out.append(f"redistributions: {t['redistributions']}")
     out.append(
         f"parameters: {t['non_default_order_params']} / {t['params']} in non-default device order, "
@@ -295,7 +296,7 @@ def summary_lines(report: dict) -> list[str]:
     )
     if "program_count_by_collective" in t:
         comm += f"; run as {_counts(t['program_count_by_collective'])}"
-    lines.append(f"comm per rank: {comm}")
+    lines.append(f"comm per rank: {no_collectives(report) or comm}")
     precision = report.get("precision")
     if precision and (precision["param_dtype"] != "param" or precision["reduce_dtype"] != "param"):
         lines.append(f"mixed precision: {precision['summary']}")
@@ -367,6 +368,19 @@ def _fit_lines(report: dict) -> list[str]:
             f"{', '.join(resharded)} again ({report['reshard']['ops']} parameter casts and views run twice)"
         )
     return lines
+
+
+def no_collectives(report: dict) -> str | None:
+    """What a plan with no collective on a mesh of several ranks means, and what would change it
+    (None: it has one): it is the cheapest modeled step, but no faster than one device."""
+    t, shape = report["totals"], report["mesh_shape"]
+    if t["count_by_collective"] or t.get("program_count_by_collective") or math.prod(shape) <= 1:
+        return None
+    return (
+        f"none: every one of the {math.prod(shape)} ranks holds every parameter and computes the whole "
+        "batch, as one device would (no speed-up); a larger batch, or a memory limit or parameter "
+        "budget the whole model does not fit in (--memory-limit, --memory-budget), makes the plan split the work"
+    )
 
 
 def memory_line(memory: dict) -> str:
