@@ -9,6 +9,8 @@ that hand-written parallel plans and logs read the same.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -139,11 +141,23 @@ class Transformer(nn.Module):
         Values are drawn on CPU in `named_parameters()` order and copied in, so a model built on
         `meta` and materialized with `to_empty(device=...)` gets exactly the same weights.
         """
+        params = dict(self.named_parameters())
+        for name, values in self.initial_values(seed):
+            if name in params:
+                params[name].copy_(values.to(dtype=params[name].dtype))
+            else:
+                self.get_buffer(name).copy_(values)
+
+    @torch.no_grad()
+    def initial_values(self, seed: int = 0) -> Iterator[tuple[str, torch.Tensor]]:
+        """What `init_weights(seed)` writes, one full fp32 CPU tensor at a time (parameters in its
+        order, then the rope tables): a sharded copy of a model on `meta` keeps each one's shard
+        and drops it, so no rank ever holds the whole model."""
         gen = torch.Generator(device="cpu").manual_seed(seed)
         residual_std = 0.02 / (2 * self.cfg.n_layers) ** 0.5
         for name, param in self.named_parameters():
             if name.endswith("norm.weight"):
-                values = torch.ones(param.shape)
+                values = torch.ones(param.shape, device="cpu")
             else:
                 if name == "tok_embeddings.weight":
                     std = 1.0
@@ -153,11 +167,12 @@ class Transformer(nn.Module):
                     std = residual_std
                 else:
                     std = 0.02
-                values = torch.empty(param.shape).normal_(0.0, std, generator=gen)
-            param.copy_(values.to(dtype=param.dtype))
+                values = torch.empty(param.shape, device="cpu").normal_(0.0, std, generator=gen)
+            yield name, values
+            del values
         cos, sin = rope_tables(self.cfg.head_dim, self.cfg.max_seq_len, self.cfg.rope_theta)
-        self.rope_cos.copy_(cos)
-        self.rope_sin.copy_(sin)
+        yield "rope_cos", cos
+        yield "rope_sin", sin
 
 
 def cross_entropy_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

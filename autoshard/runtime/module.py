@@ -21,8 +21,10 @@ run on: the first run of each stays the checked, node-by-node one (`CheckedRun`)
 lowering bug's node where compiled code could not. Dynamo traces the executor's functional
 collectives into the graph; a phase that graph-breaks still runs (`compile_stats` counts the breaks).
 
-Materializing from a model on `meta` builds one full CPU copy at a time on every rank and keeps each
-rank's shard: fine for the CPU models this runs on; a per-parameter path is future work.
+Values come in one full tensor at a time (`load_each`: an init that yields each tensor;
+`init_weights` when the template has `initial_values(seed)`) or by slices (`load_slices`: each
+rank reads only its own part of a checkpoint), so no rank holds the whole model; `load_full` takes
+a state dict that is already whole.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import time
-from collections.abc import Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,6 +45,7 @@ from autoshard.program.buckets import DEFAULT_BUCKET_BYTES
 from autoshard.program.lower import CheckedRun, CommStats, Program, lower
 from autoshard.program.random import RandomStream
 from autoshard.problem.plan import Plan
+from autoshard.runtime.shards import SliceReader, read_local
 
 
 # Inductor's pass that moves each collective's wait to just before the first use of its result.
@@ -170,19 +173,66 @@ class ParallelModule(nn.Module):
                     "out non-persistent ones: add dict(model.named_buffers()))"
                 )
         for fqn in names:
-            if fqn not in values:
-                continue
-            target, full = self._tensor(fqn), values[fqn]
-            if tuple(full.shape) != tuple(target.shape):
-                raise ValueError(
-                    f"{fqn}: full value has shape {tuple(full.shape)}, the model has {tuple(target.shape)}"
-                )
-            full = full.detach().to(device=self.mesh.device_type, dtype=target.dtype)
-            shard = tc.distribute_local(full, self.mesh, target.placements)
-            target.to_local().copy_(shard)
+            if fqn in values:
+                self._take(fqn, values[fqn])
+
+    @torch.no_grad()
+    def load_each(self, values: Iterable[tuple[str, torch.Tensor]], *, exclude: Collection[str] = ()) -> None:
+        """Take full values one at a time, each rank keeping its shard of each: with an init that
+        yields a tensor and drops it, no rank ever holds more than one whole tensor. Every
+        parameter and buffer not in `exclude` must come (a later value of a name replaces an
+        earlier one); names the module lacks are skipped. The values are made outside any
+        dispatch mode: one global value, not one per simulated rank."""
+        left = {n for n in (*self.program.param_names, *self.program.buffer_names) if n not in exclude}
+        items = iter(values)
+        while True:
+            with tc.no_dispatch_modes():
+                item = next(items, None)
+            if item is None:
+                break
+            fqn, full = item
+            del item
+            if fqn in self._owners and fqn not in exclude:
+                self._take(fqn, full, by_box=True)
+                left.discard(fqn)
+            del full  # before the next one is made
+        if left:
+            raise KeyError(f"the values lack {len(left)} parameters or buffers, e.g. {sorted(left)[:3]}")
+
+    @torch.no_grad()
+    def load_slices(self, read: SliceReader) -> None:
+        """Every parameter from `read(fqn, box)`: the part of its full value inside `box` (one
+        slice per dim, `shards.shard_box`), which is exactly this rank's shard, so a checkpoint
+        read this way is never whole on any rank. Buffers are left to `load_each`."""
+        for fqn in self.program.param_names:
+            target = self._tensor(fqn)
+            local = target.to_local()
+            layout = self.plan.param_layouts[fqn]
+            local.copy_(read_local(read, fqn, layout, tuple(target.shape), self.mesh, local))
+
+    def _take(self, fqn: str, full: torch.Tensor, *, by_box: bool = False) -> None:
+        """This rank's shard of `full`, the whole value of `fqn`, into its local tensor; `by_box`:
+        copied straight from its box of `full` (no intermediate shards, as `distribute_local`
+        makes for an ordered layout), unless the layout is partial."""
+        target = self._tensor(fqn)
+        if tuple(full.shape) != tuple(target.shape):
+            raise ValueError(f"{fqn}: full value has shape {tuple(full.shape)}, the model has {tuple(target.shape)}")
+        layout = self.plan.param_layouts.get(fqn) or self.plan.strategies[self.plan.graph.buffers[fqn].name].outputs[0]
+        local, full = target.to_local(), full.detach()
+        if by_box and not any(p.kind == "P" for p in layout.placements):
+            local.copy_(read_local(lambda _, box: full[box], fqn, layout, tuple(target.shape), self.mesh, local))
+            return
+        full = full.to(device=self.mesh.device_type, dtype=target.dtype)
+        local.copy_(tc.distribute_local(full, self.mesh, target.placements))
 
     def init_weights(self, seed: int = 0) -> None:
-        """The values `template.init_weights(seed)` gives the single-device model, sharded."""
+        """The values `template.init_weights(seed)` gives the single-device model, sharded: one
+        tensor at a time when the template has `initial_values(seed)` (our llama family), else
+        from one whole CPU copy of the model."""
+        stream = getattr(self._template, "initial_values", None)
+        if stream is not None:
+            self.load_each(stream(seed))
+            return
         if not hasattr(self._template, "init_weights"):
             raise TypeError(f"{type(self._template).__name__} has no init_weights(seed); use load_full(state_dict)")
         with tc.no_dispatch_modes():  # one global value: not per simulated rank under LocalTensorMode

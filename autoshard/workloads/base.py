@@ -12,6 +12,7 @@ never a stage package.
 
 from __future__ import annotations
 
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
@@ -48,7 +49,9 @@ class Workload:
     `adapt_state_dict` maps a checkpoint's state dict (e.g. Hugging Face or torchtitan names) to
     this model's parameter names; `hf_format` says how `export --hf` writes it for transformers.
     `initial_state(seed)` is the full value of every parameter and buffer of a freshly initialized
-    model (what training starts from; a checkpoint leaves the buffers to it).
+    model (what training starts from; a checkpoint leaves the buffers to it); `initial_values(seed,
+    want)` the same values one tensor at a time (only the names in `want`, None: all), so that
+    a rank keeps its shard of each and never holds the whole model (None: `initial_state`'s).
     """
 
     name: str
@@ -63,6 +66,22 @@ class Workload:
     vocab_size: int | None = None  # the tokens it embeds (None: not a token model); data must fit in it
     # the same model with another vocabulary (a tokenizer's, `--vocab-size`); None: the config's is fixed
     resize_vocab: Callable[[int], Workload] | None = None
+    initial_values: Callable[[int, Collection[str] | None], Iterator[tuple[str, torch.Tensor]]] | None = None
+
+
+def initial_stream(
+    workload: Workload, seed: int, want: Collection[str] | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The workload's initial values one tensor at a time (from `initial_state`, all at once, for a
+    workload with no stream of its own), only those named in `want` (None: all)."""
+    if workload.initial_values is not None:
+        yield from workload.initial_values(seed, want)
+        return
+    state = workload.initial_state(seed)
+    for name in list(state):
+        value = state.pop(name)
+        if want is None or name in want:
+            yield name, value
 
 
 def full_state(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from autoshard.workloads import hf_init
 from autoshard.workloads.base import HFFormat, Workload, full_state, token_batches, token_inputs
 
 ORDER = 10  # asked after the plain model names
@@ -219,6 +220,7 @@ def workload(path: str, seq: int) -> Workload:
         loss_fn=logits_loss,
         data=lambda seed: token_batches(config.vocab_size, seed),
         initial_state=lambda seed: full_state(build(config, "cpu", seed)),
+        initial_values=lambda seed, want=None: hf_init.initial_values(config, causal_lm_class(config), seed, want),
         hf_format=lambda: hf_format(path),
         vocab_size=config.vocab_size,
     )

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterator
 from typing import Any
 
 from autoshard.workloads.base import HFFormat, Workload, full_state, token_batches, token_inputs
@@ -47,11 +48,21 @@ def _workload(name: str, cfg: Any) -> Workload:
         loss_fn=cross_entropy_loss,
         data=lambda seed: token_batches(cfg.vocab_size, seed),
         initial_state=lambda seed: full_state(build_model(cfg, device="cpu", seed=seed)),
+        initial_values=lambda seed, want=None: _initial_values(cfg, seed, want),
         adapt_state_dict=from_hf_names,
         hf_format=lambda: HFFormat({"config.json": json.dumps(hf_config(cfg), indent=2) + "\n"}, hf_name),
         vocab_size=cfg.vocab_size,
         resize_vocab=lambda n: _workload(name, cfg.with_(vocab_size=n)),
     )
+
+
+def _initial_values(cfg: Any, seed: int, want: Any) -> Iterator[tuple[str, Any]]:
+    """`build_model(cfg, seed=seed)`'s values one tensor at a time, drawn from a model on meta."""
+    from autoshard_models import build_model
+
+    for name, value in build_model(cfg, device="meta").initial_values(seed):
+        if want is None or name in want:
+            yield name, value
 
 
 _TOP = {
