@@ -3,12 +3,13 @@
 A replicated parameter's gradient is all-reduced (DDP's reduction), and a reduction is linear:
 reducing the sum of K micro-batches' partial gradients once gives what K reductions summed give.
 Lowering with `accumulate=True` (`hold_reductions`) gives each such reduction an accumulator input,
-added to the partial gradient just before it. The program's `held` backward (`held_backward`)
-runs for every micro-batch but the last: it returns those sums instead of reducing them. The
-ordinary backward runs last and reduces the sums of all K, overlapped with its own compute as
-always. Gradients whose reduction also splits them (reduce-scatter: sharded parameters, FSDP's)
-are reduced every micro-batch, as FSDP2 does by default: holding them would need their unsharded
-size. Only reductions whose accumulator is no larger than the gradient they produce are held.
+added to the partial gradient just before it. The program's held backward (`Program.held`, made
+with `held_outputs` and `prune`) runs for every micro-batch but the last: it returns those sums
+instead of reducing them. The ordinary backward runs last and reduces the sums of all K,
+overlapped with its own compute as always. Gradients whose reduction also splits them
+(reduce-scatter: sharded parameters, FSDP's) are reduced every micro-batch, as FSDP2 does by
+default: holding them would need their unsharded size. Only reductions whose accumulator is no
+larger than the gradient they produce are held.
 """
 
 from __future__ import annotations
