@@ -92,12 +92,16 @@ def plan_run(settings: Settings, workload: Workload, mesh, plan_file: PlanFile |
         assert failure is not None
         raise UsageError(str(failure))
     if len(tried) > 1:
+        runs = (
+            "as one batch"
+            if best.micro_batches == 1
+            else f"as {best.micro_batches} micro-batches of {settings.batch // best.micro_batches} rows"
+        )
         log.info(
-            "autoshard train: --batch %d runs as %d micro-batches of %d rows, the fastest plan that fits the "
-            "memory limit (modeled step by micro-batch count: %s)",
+            "autoshard train: --batch %d runs %s, the fastest plan that fits the memory limit "
+            "(modeled step by micro-batch count: %s)",
             settings.batch,
-            best.micro_batches,
-            settings.batch // best.micro_batches,
+            runs,
             "; ".join(tried),
         )
     auto, plan = best.auto, best.plan
