@@ -9,6 +9,7 @@ import os
 import pickle
 import signal
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -245,3 +246,36 @@ def test_a_signal_while_planning_ends_every_rank_within_seconds(tmp_path, target
         assert f"exitcode  : {128 + sig}" in output, output[-3000:]  # rank 0's code, in torchrun's summary
     assert not out.exists() or not any(out.iterdir()), sorted(p.name for p in out.iterdir())
     print(f"{target}: every rank ended {took:.1f} s after {signal.Signals(sig).name}")
+
+
+def test_an_interrupt_swallowed_by_a_weakref_callback_is_not_printed_and_arm_raises_it(monkeypatch):
+    """A signal can land while Python runs a weakref callback or a finalizer, which drops what it
+    raises and prints it as 'Exception ignored in'; the stop is raised again by `arm()`, so that
+    print was a second, misleading copy of the stop line (seen once in CI)."""
+    import gc
+    import weakref
+
+    from autoshard.train.signals import Interrupted, StopSignals
+
+    class Thing:
+        pass
+
+    def interrupted(_ref) -> None:
+        raise Interrupted(signal.SIGTERM)
+
+    def broken(_ref) -> None:
+        raise ValueError("a real bug")
+
+    seen: list = []  # what reaches the hook that prints 'Exception ignored in'
+    monkeypatch.setattr(sys, "unraisablehook", lambda info: seen.append(info.exc_value))
+    printing = sys.unraisablehook
+    with pytest.raises(Interrupted):
+        with StopSignals() as stops:
+            stops.received = signal.SIGTERM  # as the handler notes it before raising
+            a, b = Thing(), Thing()
+            refs = [weakref.ref(a, interrupted), weakref.ref(b, broken)]
+            del a, b
+            gc.collect()
+            stops.arm()
+    assert refs and [type(e) for e in seen] == [ValueError], seen  # the bug still prints; the stop does not
+    assert sys.unraisablehook is printing

@@ -1,12 +1,13 @@
 """Planning a run: trace, solve (rank 0 for all), fit the memory limit, apply; and, unless
 `--grad-accum` says, how many micro-batches a step runs as.
 
-A batch that fits the memory limit as it is (no resharding after the forward, no recomputation)
-runs as one. One that does not (the fit reshards or recomputes, or finds no plan) is planned again
-as 2, 4, ... micro-batches while a micro-batch still splits over the data-parallel dims, until one
-fits as it is; of the plans that fit, the lowest modeled step wins (`Plan.step_time_s`: K
-micro-batches, the held all-reduces and the optimizer once). Every rank makes the same choice: the
-fits are decided on rank 0 and broadcast (`driver.ranks`).
+A batch that fits the memory limit (as it is, or by resharding after the forward or recomputing)
+runs as one. One that does not fit at all is planned again as 2, 4, ... micro-batches while a
+micro-batch still splits over the data-parallel dims, until one fits as it is; of the plans that
+fit, the lowest modeled step wins (`Plan.step_time_s`: K micro-batches, the held all-reduces and
+the optimizer once). A plan file (a resumed run's own, or `--plan-file`) that records its count is
+planned with that count alone. Every rank makes the same choice: the fits are decided on rank 0 and
+broadcast (`driver.ranks`).
 """
 
 from __future__ import annotations
@@ -49,9 +50,9 @@ class _Solved:
         return self.auto.fit is None or self.auto.fit.mode == "keep"
 
 
-def micro_batch_counts(settings: Settings, first: int | None = None) -> list[int]:
+def micro_batch_counts(settings: Settings) -> list[int]:
     """The micro-batch counts to plan for: `--grad-accum`'s, else 1, 2, 4, ... while a micro-batch
-    splits over the data-parallel dims (`first`, a resumed run's own count, tried first)."""
+    splits over the data-parallel dims."""
     if settings.grad_accum is not None:
         return [settings.grad_accum]
     counts, k = [], 1
@@ -62,8 +63,6 @@ def micro_batch_counts(settings: Settings, first: int | None = None) -> list[int
             break
         counts.append(k)
         k *= 2
-    if first in counts:
-        counts = [first] + [k for k in counts if k != first]
     return counts
 
 
@@ -71,7 +70,8 @@ def plan_run(settings: Settings, workload: Workload, mesh, plan_file: PlanFile |
     """Plan on every rank (rank 0 solving and dry-running for all), choose the micro-batch count,
     apply. UsageError when no count fits the memory limit (the first one's message)."""
     saved = plan_file.data if plan_file is not None else {}
-    counts = micro_batch_counts(settings, (saved.get("settings") or {}).get("grad_accum"))
+    own = (saved.get("settings") or {}).get("grad_accum")
+    counts = [own] if own is not None and settings.grad_accum is None else micro_batch_counts(settings)
     best: _Solved | None = None
     failure: MemoryLimitError | None = None
     tried: list[str] = []
@@ -86,7 +86,7 @@ def plan_run(settings: Settings, workload: Workload, mesh, plan_file: PlanFile |
         tried.append(f"{k}: {solved.plan.step_time_s * 1e3:.1f} ms{how}")
         if best is None or solved.plan.step_time_s < best.plan.step_time_s:
             best = solved
-        if solved.as_is:
+        if solved.as_is or k == counts[0]:  # the first count that fits at all keeps the old behaviour
             break
     if best is None:
         assert failure is not None

@@ -45,8 +45,8 @@ class Settings(PlanConfig):
         metavar="K",
         help="run each step as K micro-batches of --batch/K rows (the plan is made for one): gradients "
         "of replicated parameters are all-reduced once per step, sharded ones reduce-scattered every "
-        "micro-batch (default: 1, or when the batch fits the memory limit only by resharding or "
-        "recomputing, the fastest modeled of 2, 4, ... micro-batches that fits)",
+        "micro-batch (default: 1, or when the batch does not fit the memory limit at all, the fastest "
+        "modeled of 2, 4, ... micro-batches that fits; a resumed run keeps its own)",
     )
     seq: int = setting(64, SEQ)
     steps: int = setting(50, type=int, help="train until this step")

@@ -6,11 +6,13 @@ raises `Interrupted` at once, so a rank does not plan on while torchrun stops it
 from __future__ import annotations
 
 import os
+import sys
 import signal
 import threading
 import time
 import warnings
 from types import TracebackType
+from typing import Any
 
 
 class Preempted(Exception):
@@ -49,11 +51,20 @@ class StopSignals:
         self.received = 0
         self.armed = False
         self._previous: dict = {}
+        self._unraisable: Any = None
 
     def __enter__(self) -> StopSignals:
         if threading.current_thread() is threading.main_thread():
             self._previous = {sig: signal.signal(sig, self._handle) for sig in self.UNARMED}
+            self._unraisable, sys.unraisablehook = sys.unraisablehook, self._swallowed
         return self
+
+    def _swallowed(self, info: Any) -> None:
+        """An `Interrupted` raised inside a finalizer or weakref callback (the signal landed
+        there) is dropped by Python; `arm()` or the exit raises it again, so it is not printed
+        as an error on the way."""
+        if not isinstance(info.exc_value, Interrupted):
+            self._unraisable(info)
 
     def _handle(self, signum: int, frame) -> None:
         first = not self.received
@@ -80,6 +91,8 @@ class StopSignals:
         finally:
             for sig, handler in self._previous.items():
                 signal.signal(sig, handler)
+            if self._unraisable is not None:
+                sys.unraisablehook = self._unraisable
 
     def _stop_behind(self, exc: BaseException) -> None:
         """Raise `Interrupted` when a stop is behind `exc`, an error before the steps: a signal
