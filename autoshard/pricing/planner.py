@@ -78,9 +78,9 @@ class RedistributePlan:
         return f"{self.src} -> {self.dst} ({self.cost_s * 1e6:.1f} us): {body}"
 
 
-def reduces(plan: RedistributePlan) -> bool:
-    """Whether the redistribution sums partial values (a mesh dim partial before, not after)."""
-    return any(a.kind == "P" and b.kind != "P" for a, b in zip(plan.src.placements, plan.dst.placements))
+def reduces(src: Layout, dst: Layout) -> bool:
+    """Whether redistributing `src` to `dst` sums partial values (a mesh dim partial before, not after)."""
+    return any(a.kind == "P" and b.kind != "P" for a, b in zip(src.placements, dst.placements))
 
 
 def holds_for_accumulation(plan: RedistributePlan) -> bool:
@@ -91,7 +91,7 @@ def holds_for_accumulation(plan: RedistributePlan) -> bool:
     kinds = {st.kind for st in plan.steps if st.kind in COLLECTIVE_KINDS}
     return (
         kinds == {"all_reduce"}
-        and reduces(plan)
+        and reduces(plan.src, plan.dst)
         and not any(p.kind == "P" for p in plan.dst.placements)
         and plan.src.local_shape(plan.shape, plan.mesh_shape) == plan.dst.local_shape(plan.shape, plan.mesh_shape)
     )

@@ -30,7 +30,7 @@ from autoshard_solver.problem import problem_to_json
 from autoshard.profiles.device import DeviceProfile
 from autoshard.layout import Layout
 from autoshard.pricing.compute import ComputePricer
-from autoshard.pricing.planner import Planner, RedistributePlan, holds_for_accumulation
+from autoshard.pricing.planner import Planner, RedistributePlan, holds_for_accumulation, reduces
 from autoshard.capture.precision import gradient_tail, is_cast
 from autoshard.capture.regions import assign_blocks, block_of, find_repeated_blocks
 from autoshard.strategies import Strategy, StrategyCatalog
@@ -419,16 +419,15 @@ def _without_reduction(matrix, src_choices, output: int, dst_choices, slot: int)
     """`matrix` with inf where the edge would reduce a partial value (a mesh dim partial in the
     source layout and not in the destination's)."""
 
-    def reduces(src: Layout | None, dst: Layout | None) -> bool:
-        return (
-            src is not None
-            and dst is not None
-            and any(a.kind == "P" and b.kind != "P" for a, b in zip(src.placements, dst.placements))
-        )
-
     srcs = [s.outputs[output] for s in src_choices]
     dsts = [s.inputs[slot] for s in dst_choices]
-    return [[math.inf if reduces(src, dst) else cost for dst, cost in zip(dsts, row)] for src, row in zip(srcs, matrix)]
+    return [
+        [
+            math.inf if src is not None and dst is not None and reduces(src, dst) else cost
+            for dst, cost in zip(dsts, row)
+        ]
+        for src, row in zip(srcs, matrix)
+    ]
 
 
 def _held(matrix, src_choices, output: int, dst_choices, slot: int, shape, dtype, sp, planner: Planner):

@@ -70,7 +70,7 @@ def hold_reductions(plan: Plan, joint: fx.Graph, modules: dict[str, nn.Module]) 
     refused: set[str] = set()
     for node in joint.nodes:
         module = modules.get(node.target) if node.op == "call_module" else None
-        if not isinstance(module, Redistribute) or not reduces(module.plan):
+        if not isinstance(module, Redistribute) or not reduces(module.plan.src, module.plan.dst):
             continue
         fqn = grad_of.get(node) or tail_of.get(module.consumer)
         if fqn is None:
