@@ -27,7 +27,7 @@ def plan_debug(limit, **options):
     """llama3-debug on (2,2) under `limit` bytes per rank (the cpu profile); (plan, fit, dry run)."""
     example = lambda: (torch.empty(DEBUG_BATCH, DEBUG_SEQ, dtype=torch.int64, device="meta"),) * 2  # noqa: E731
     with AutoShard(
-        build_model(DEBUG, device="meta"), example, (2, 2), loss_fn=cross_entropy_loss, device="cpu", **options
+        build_model(DEBUG, device="meta"), example, (2, 2), loss_fn=cross_entropy_loss, **({"device": "cpu"} | options)
     ) as auto:
         auto.memory_limit(limit)
         plan = auto.optimize()
@@ -224,6 +224,24 @@ def test_no_plan_fits_is_one_clear_error():
         r"[0-9.]+ MiB \(largest: ",
     ):
         plan_debug(10e6)
+
+
+def test_when_nothing_fits_the_first_budgets_the_fit_raises_them(caplog):
+    """With 1 ms launches (bf16 parameters, fp32 reductions) the plan as solved is data parallel
+    and holds 145 MiB per rank: its non-linear part (activations, transients of a whole batch
+    per dp rank) taken off a 45 MB limit leaves a budget no layout meets. The non-linear part of
+    a plan sharded enough to fit is smaller: the fit halves it, solves again and fits."""
+    from autoshard.driver.config import mp_policy
+    from autoshard.profiles.device import DeviceProfile
+    from autoshard.profiles.network import NetworkProfile
+
+    network = dataclasses.replace(NetworkProfile.preset("cpu-gloo", 2), launch_s=1e-3)
+    device = dataclasses.replace(DeviceProfile.preset("cpu"), peak_flops=50e9, peak_flops_fp32=50e9)
+    caplog.set_level(logging.INFO, logger="autoshard")
+    plan, fit, memory = plan_debug(45e6, network=network, device=device, mp_policy=mp_policy("bf16", "fp32"))
+    raised = [m for m in caplog.messages if m.startswith("autoshard: memory fit: no plan fits a budget of ")]
+    assert raised and fit.constrained and fit.tried[0][1] > 140 * 2**20
+    assert memory.peak_bytes <= 45e6 and fit.peak_bytes == memory.peak_bytes
 
 
 def record_fit_solves(monkeypatch) -> list[list]:

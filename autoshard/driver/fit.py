@@ -197,8 +197,22 @@ def fit_memory(
         sp = with_options(sharding, dataclasses.replace(spec, recompute=mode == "recompute", reshard=mode == "reshard"))
         options.append(_Option(mode, sp, peak_memory_table(sp), first.budget, ahead=steps.start(sp.problem, None)))
     smallest = result
+    raised = 0
     while options:
         best = _best_budgeted(options, steps, planner)
+        if best is None and raised < ROUNDS:
+            # nothing fits the budgets: their non-linear part was the unconstrained plan's, and a
+            # plan sharded enough to fit may hold less (smaller activations, transients): halve it
+            raised += 1
+            low = min(option.budget for option in options)
+            for option in options:
+                option.budget = limit - 0.5 * (limit - option.budget)
+            log.info(
+                "autoshard: memory fit: no plan fits a budget of %s; trying %s",
+                size_text(low),
+                size_text(min(option.budget for option in options)),
+            )
+            continue
         if best is None:
             break
         candidate, option = best
