@@ -44,6 +44,7 @@ OTHER_TOOLS = {
     "--no-stall",  # benchmarks
     "--gap-only",
     "--two-ranks",
+    "--make-train",
     "--ddp",
     "--rounds",
     "--calibrated",  # benchmarks/overlap.py

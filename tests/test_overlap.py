@@ -11,7 +11,6 @@ import torch
 
 from autoshard import _torch_compat as tc
 from autoshard.driver.api import AutoShard
-from autoshard.profiles.device import DeviceProfile
 from autoshard.capture.precision import gradient_tail
 from autoshard.capture.regions import block_of
 from autoshard.problem.build import grad_sink
@@ -19,6 +18,7 @@ from autoshard.program.lower import AWAIT, Bucket, lower
 from autoshard.runtime.dryrun import dry_run
 from autoshard.runtime.module import parallelize
 from autoshard_models import MarkovTokens, build_model, cross_entropy_loss, get_config
+from premises import cheap_launches, idle_core
 from simulation import simulated_mesh
 from torchrun import run_ranks
 
@@ -32,7 +32,13 @@ def fsdp_plan(recompute: bool):
     meta = build_model(FOUR, device="meta")
     example = lambda: (torch.empty(BATCH, SEQ, dtype=torch.int64, device="meta"),) * 2  # noqa: E731
     with AutoShard(
-        meta, example, MESH, loss_fn=cross_entropy_loss, recompute=recompute, device="cpu", network="cpu-gloo"
+        meta,
+        example,
+        MESH,
+        loss_fn=cross_entropy_loss,
+        recompute=recompute,
+        device=idle_core(),
+        network=cheap_launches(MESH),  # launches a small part of the communication: see premises.py
     ) as auto:
         auto.constrain_inputs("S(0)", "S(0)")
         auto.pin({"layers.*": "S(0)"})
@@ -203,7 +209,7 @@ def test_step_model_hides_communication_behind_compute(plan):
         programs = {k: lower(plan, mesh, prefetch=k) for k in (0, 1, 2)}
     steps = {k: p.step for k, p in programs.items()}
     # a recomputed op is priced for two runs; a recomputed view the backward does not need runs once
-    views = len(plan.recomputed) * DeviceProfile.preset("cpu").op_overhead_s
+    views = len(plan.recomputed) * idle_core().op_overhead_s
     for k, step in steps.items():
         assert step.compute_s == pytest.approx(plan.compute_s, abs=views + 1e-12)
         assert step.comm_s == pytest.approx(program_comm_s(programs[k]), rel=1e-9)

@@ -17,11 +17,14 @@ from itertools import combinations
 _PRESETS = {
     # H100 nodes: last mesh dim (tp) on NVLink 4, the others across InfiniBand NDR (400 Gb/s/GPU).
     "h100-node": ((8e-6, 45e9), (2e-6, 360e9), 10e-6, 3.0e12, {}),
-    # CPU ranks talking gloo over loopback/TCP, a core each or fewer: every dim alike, slow, high
-    # per-call overhead, and gloo's all-gather and reduce-scatter move a byte ~3x slower than its
-    # all-reduce (calibrated on 2-core machines: 2 ranks 0.25 / 0.32 / 0.78 GB/s, 4 ranks sharing
-    # the cores 0.38 / 0.36 / 0.52 GB/s, latencies 0.4-1 ms).
-    "cpu-gloo": ((150e-6, 0.6e9), (150e-6, 0.6e9), 300e-6, 20e9, {"all_gather": 0.4, "reduce_scatter": 0.4}),
+    # CPU ranks talking gloo over loopback/TCP, a core each or fewer: every dim alike, slow, and
+    # gloo's all-gather and reduce-scatter move a byte ~3x slower than its all-reduce (calibrated on
+    # 2-core machines: 2 ranks 0.25 / 0.32 / 0.78 GB/s, 4 ranks sharing the cores 0.38 / 0.36 / 0.52
+    # GB/s, latencies 0.2-1 ms). The launch is what a collective costs between compute, which
+    # calibrate measures: 1 ms on 2 ranks, 2 ms on 4 ranks sharing 2 cores (the waits for a peer
+    # that the compute of the others holds up); priced at 0.3 ms, plans chose many small
+    # collectives that ran slower than DDP's few large ones.
+    "cpu-gloo": ((150e-6, 0.6e9), (150e-6, 0.6e9), 1e-3, 20e9, {"all_gather": 0.4, "reduce_scatter": 0.4}),
 }
 
 
