@@ -200,7 +200,7 @@ def fit_memory(
     raised = 0
     while options:
         best = _best_budgeted(options, steps, planner)
-        if best is None and raised < ROUNDS:
+        if best is None and raised < ROUNDS and any(option.budget < limit for option in options):
             # nothing fits the budgets: their non-linear part was the unconstrained plan's, and a
             # plan sharded enough to fit may hold less (smaller activations, transients): halve it
             raised += 1
