@@ -139,6 +139,41 @@ def test_calibrate_times_a_flat_group_again_before_the_fit_refuses_it(monkeypatc
     assert len(calls) == 1 + cli.RETIMES
 
 
+def test_calibrate_times_the_device_again_while_a_rate_does_not_grow(monkeypatch):
+    """A burst of load can flatten the quick run's small matmuls (here bf16's: slower the fewer
+    flops); the device is timed again, on every rank alike (the medians over ranks decide), until
+    every rate grows, or RETIMES times, after which the fit refuses them."""
+    from autoshard.cli import calibrate as cli
+    from autoshard.pricing.fit import fit_rate
+    from autoshard.profiles import calibrate as timing
+
+    def rows(flat: bool) -> dict:
+        mm = [
+            {"n": n, "flops": 2.0 * n**3, "seconds": (1e-3 / n if flat else 1e-5 + 2.0 * n**3 / 5e10)}
+            for n in (32, 64, 128)
+        ]
+        mem = [{"numel": k, "bytes": 12.0 * k, "seconds": 1e-6 + 12.0 * k / 2e10} for k in (4096, 16384, 65536)]
+        return {"matmul": mm, "memory": mem}
+
+    answers: list[bool] = []
+    monkeypatch.setattr(
+        timing, "time_device", lambda device, settings, say: {"float32": rows(False), "bfloat16": rows(answers.pop(0))}
+    )
+    gathered: list = []
+    gather = lambda mine: gathered.append(mine) or [mine, mine]  # noqa: E731  (two ranks alike)
+    said: list[str] = []
+    answers[:] = [True, False]
+    timings = cli._device_timings(None, None, said.append, gather)
+    assert len(gathered) == 2 and len(said) == 1 and "bfloat16 matmul" in said[0] and "timing again" in said[0]
+    assert fit_rate(
+        [r["flops"] for r in timings["bfloat16"]["matmul"]], [r["seconds"] for r in timings["bfloat16"]["matmul"]]
+    ).rate == pytest.approx(5e10, rel=1e-6)
+    gathered.clear()  # still flat after RETIMES: the timings go to the fit, which refuses them
+    answers[:] = [True] * (1 + cli.RETIMES)
+    timings = cli._device_timings(None, None, said.append, gather)
+    assert len(gathered) == 1 + cli.RETIMES and cli._flat_rates(timings) == ["bfloat16 matmul"]
+
+
 def test_fit_rate_and_nnls():
     work = [1e6, 1e7, 1e8, 1e9]
     fit = fit_rate(work, [2e-5 + w / 3e10 for w in work])

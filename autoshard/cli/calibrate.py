@@ -192,6 +192,37 @@ def _collective_samples(mesh: Any, mesh_shape: tuple[int, ...], settings: Any, s
     return samples
 
 
+def _device_timings(device: Any, settings: Any, say: Callable[[str], None], gather: Callable[[Any], list]) -> dict:
+    """The device's timings, each the median over ranks (`gather`: this rank's -> every rank's).
+    While a dtype's matmuls or memory ops do not grow with the work (a burst of load on the quick
+    run's small sizes), they are timed again, up to RETIMES times; then the fit refuses them.
+    Every rank holds every rank's timings, so every rank makes the same choice."""
+    from autoshard.profiles.calibrate import time_device
+
+    timings = _median_rows(gather(time_device(device, settings, say)))
+    for _ in range(RETIMES):
+        flat = _flat_rates(timings)
+        if not flat:
+            break
+        say(f"note: timings of {', '.join(flat)} do not grow with the work (a busy machine?): timing again")
+        timings = _median_rows(gather(time_device(device, settings, say)))
+    return timings
+
+
+def _flat_rates(timings: dict) -> list[str]:
+    """Which of the device timings ({dtype: {part: rows}}) no rate fits: 'float32 matmul', ..."""
+    from autoshard.pricing.fit import fit_rate
+
+    flat = []
+    for dtype, parts in timings.items():
+        for part, work in (("matmul", "flops"), ("memory", "bytes")):
+            try:
+                fit_rate([r[work] for r in parts[part]], [r["seconds"] for r in parts[part]])
+            except ValueError:
+                flat.append(f"{dtype} {part}")
+    return flat
+
+
 def _sample(row: dict) -> Any:
     from autoshard.pricing.fit import CollectiveSample
 
@@ -203,11 +234,7 @@ def calibrate(a: argparse.Namespace) -> int:
     from torch import __version__ as torch_version
 
     from autoshard.pricing.fit import BetweenCompute, between_compute_s, fit_network
-    from autoshard.profiles.calibrate import (
-        time_collectives_between_compute,
-        time_device,
-        time_step_parts,
-    )
+    from autoshard.profiles.calibrate import time_collectives_between_compute, time_step_parts
     from autoshard.profiles.files import ProfileFile
 
     settings = _settings(a)
@@ -227,13 +254,17 @@ def calibrate(a: argparse.Namespace) -> int:
     between = time_collectives_between_compute(mesh, settings, say) if mesh is not None else []
     parts = time_step_parts(device, settings, say)
     parts["reference"] = time_reference_step(device, settings, say)
-    mine = {"device": time_device(device, settings, say), "step": {"step": parts}}
-    per_rank: list[Any] = [None] * world
-    dist.all_gather_object(per_rank, mine)
+
+    def gather(mine: Any) -> list:
+        per_rank: list[Any] = [None] * world
+        dist.all_gather_object(per_rank, mine)
+        return per_rank
+
+    timings = _device_timings(device, settings, say, gather)
+    per_rank = gather({"step": parts})
     if rank != 0:
         return 0
-    timings = _median_rows([r["device"] for r in per_rank])
-    step = _median_rows([r["step"] for r in per_rank])["step"]
+    step = _median_rows(per_rank)["step"]
     host = platform.node() or "host"
     try:  # timings too noisy to fit (a busy machine, sizes too small) are the measurement's, not a bug
         device_prof, by_dtype, step_details = fit_device_profile(
