@@ -86,7 +86,7 @@ def plan_run(settings: Settings, workload: Workload, mesh, plan_file: PlanFile |
         tried.append(f"{k}: {solved.plan.step_time_s * 1e3:.1f} ms{how}")
         if best is None or solved.plan.step_time_s < best.plan.step_time_s:
             best = solved
-        if solved.as_is or k == counts[0]:  # the first count that fits at all keeps the old behaviour
+        if solved.as_is or k == counts[0]:  # the batch fits, resharding or recomputing if need be: no more counts
             break
     if best is None:
         assert failure is not None
