@@ -1,10 +1,12 @@
-"""Repeated transformer blocks are found, so the ILP size does not grow with depth."""
+"""Repeated transformer blocks and the steps of loops over time are found, so the ILP size grows
+with neither depth nor sequence length."""
 
 import contextlib
 
 import pytest
 import torch
 
+from autoshard.capture.loops import MIN_STEPS, find_repeated_steps
 from autoshard.capture.regions import block_of, find_repeated_blocks
 from autoshard.capture.trace import trace_joint
 from autoshard_models import build_model, cross_entropy_loss, get_config
@@ -65,3 +67,57 @@ def test_a_layer_that_differs_is_left_out():
     layers = [{graph.module_path(n).split(".")[1] for n in copy if n.op == "call_function"} for copy in copies]
     # Layer 0 differs too (its input needs no gradient); layer 3 has no bias.
     assert layers == [{"1"}, {"2"}, {"4"}]
+
+
+class Recurrent(torch.nn.Module):
+    """An RNN cell run over time in Python: the trace repeats its step `steps` times, in one module."""
+
+    def __init__(self, dim: int = 8):
+        super().__init__()
+        self.inp, self.hid, self.out = (torch.nn.Linear(dim, dim) for _ in range(3))
+
+    def forward(self, x):  # x: (batch, time, dim)
+        h = torch.zeros_like(x[:, 0])
+        for t in range(x.shape[1]):
+            h = torch.tanh(self.inp(x[:, t]) + self.hid(h))
+        return self.out(h).square().mean()
+
+
+def traced_recurrent(steps: int):
+    with contextlib.ExitStack() as stack:
+        return trace_joint(Recurrent(), lambda m, x: m(x), (torch.zeros(4, steps, 8),), stack)
+
+
+@pytest.mark.parametrize("steps", [6, 12])
+def test_the_steps_of_a_loop_over_time_are_found_position_by_position(steps):
+    graph = traced_recurrent(steps)
+    groups = find_repeated_steps(graph)
+    forward = [g for g in groups if not any(graph.is_backward(n) for n in g[0])]
+    backward = [g for g in groups if all(graph.is_backward(n) for n in g[0])]
+    assert len(forward) == 1 and len(backward) == 1, [len(g) for g in groups]
+    for group in forward + backward:
+        assert steps - 2 <= len(group) <= steps
+        for nodes in zip(*group):  # position i: the same op, with the same output shape, in every step
+            assert len({(str(n.target), tuple(n.meta["val"].shape)) for n in nodes}) == 1
+        ops = [n for n in graph.nodes if n.op == "call_function"]
+        first, last = ops.index(group[0][0]), ops.index(group[-1][-1])
+        assert last - first + 1 >= len(group) * len(group[0]), "steps are consecutive runs of ops"
+    (tanh,) = [i for i, n in enumerate(forward[0][0]) if "tanh" in str(n.target)]
+    # the carried state: each step's tanh feeds the next step's hidden projection
+    for before, after in zip(forward[0], forward[0][1:]):
+        assert any(before[tanh] in n.all_input_nodes for n in after)
+
+
+def test_a_loop_plans_in_one_problem_size_whatever_its_length():
+    from autoshard.driver.api import AutoShard
+
+    classes = {}
+    for steps in (8, 24):
+        auto = AutoShard(Recurrent(), lambda s=steps: (torch.zeros(8, s, 8),), (2, 2))
+        classes[steps] = auto.optimize().solution.stats.classes
+    assert classes[8] == classes[24], classes
+
+
+def test_short_repeats_are_not_loops():
+    graph = traced_recurrent(MIN_STEPS - 1)
+    assert find_repeated_steps(graph) == []

@@ -32,6 +32,7 @@ from autoshard.layout import Layout
 from autoshard.pricing.compute import ComputePricer
 from autoshard.pricing.planner import Planner, RedistributePlan, holds_for_accumulation, reduces
 from autoshard.capture.precision import gradient_tail, is_cast
+from autoshard.capture.loops import find_repeated_steps
 from autoshard.capture.regions import assign_blocks, block_of, find_repeated_blocks
 from autoshard.strategies import Strategy, StrategyCatalog
 from autoshard.capture.trace import JointGraph
@@ -347,6 +348,10 @@ def _fill_solver_problem(
 
     for copies in repeated:
         problem.add_region([_ilp_names(sp, copy) for copy in copies])
+    for steps in find_repeated_steps(sp.graph):
+        tied = _alike_choices(sp, steps)
+        if tied:
+            problem.add_region(tied)
 
 
 def _repeated_forward_ops(
@@ -444,6 +449,18 @@ def _held(matrix, src_choices, output: int, dst_choices, slot: int, shape, dtype
         )
 
     return [[price(src, dst, cost) for dst, cost in zip(dsts, row)] for src, row in zip(srcs, matrix)]
+
+
+def _alike_choices(sp: ShardingProblem, steps: list[list[fx.Node]]) -> list[list[str]]:
+    """A loop's steps as ILP nodes, position by position, keeping the positions whose nodes have
+    the same choices in every step (a step's index can change an op's strategies)."""
+    positions = [
+        names
+        for names in zip(*([n.name for n in step] for step in steps))
+        if all(name in sp.strategies for name in names)
+        and len({tuple(s.label for s in sp.strategies[name]) for name in names}) == 1
+    ]
+    return [list(step) for step in zip(*positions)]
 
 
 def _ilp_names(sp: ShardingProblem, copy: Sequence[fx.Node]) -> list[str]:
