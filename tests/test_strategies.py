@@ -419,6 +419,42 @@ def test_no_order_variant_when_a_tensor_splits_the_mesh_dims_differently():
     assert order_variants(base.outputs, base.inputs, 2) == []
 
 
+def _elementwise(target, shapes, *scalars):
+    """A one-op graph: `target` applied to placeholders of `shapes` (float), then `scalars`."""
+    graph = fx.Graph()
+    inputs = []
+    for i, shape in enumerate(shapes):
+        x = graph.placeholder(f"x{i}")
+        x.meta["val"] = torch.empty(shape)
+        inputs.append(x)
+    node = graph.call_function(target, (*inputs, *scalars))
+    node.meta["val"] = torch.empty(shapes[0])
+    return node
+
+
+@pytest.mark.parametrize(
+    "node",
+    [
+        _elementwise(aten.softplus_backward.default, [(4, 8), (4, 8)], 1.0, 20.0),  # Mamba's dt
+        _elementwise(aten.copy.default, [(4, 8), (4, 8)]),  # T5's `_shift_right` writes
+        _elementwise(aten.fill.Tensor, [(4, 8), ()]),
+        _elementwise(aten.fill.Scalar, [(4, 8)], 3.0),
+    ],
+    ids=lambda n: str(n.target),
+)
+def test_elementwise_ops_missing_from_dtensor_shard_in_any_layout_exactly(node):
+    values = _global_inputs(node)
+    expected = _run(node, values)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no fallback to replicated
+        strategies = strategies_of(node, (2, 2))
+    outputs = {s.outputs[0] for s in strategies}
+    assert {L("S(0)R"), L("RS(1)"), L("S(1)S(1)[1,0]")} <= outputs
+    assert not any(p.kind == "P" for o in outputs for p in o.placements)
+    for strategy in strategies:
+        check_strategy(node, strategy, (2, 2), values, expected)
+
+
 def test_the_checker_catches_a_wrong_strategy(tiny):
     """The harness must be able to fail: silu is not linear, so partial in -> partial out is wrong,
     and a reversed output order scrambles rows."""

@@ -151,6 +151,30 @@ def test_tied_encoders_and_t5_train_with_the_free_plan(kind):
     trains_like_single_device(plan, meta, initial, ref)
 
 
+# ------------------------------------------------------------------------------ a loop over time
+MAMBA = dict(vocab_size=VOCAB, hidden_size=32, state_size=8, num_hidden_layers=2, expand=2, conv_kernel=4)
+
+
+def mamba():
+    return transformers.MambaForCausalLM(transformers.MambaConfig(**MAMBA, use_cache=False))
+
+
+@pytest.mark.slow
+def test_mamba_plans_its_scan_steps_as_one_and_trains_sharded_like_single_device():
+    """Mamba's selective scan is a Python loop over the sequence: its steps are tied in the ILP (one
+    region of SEQ - 2 or more steps per direction), and the plan stays exact."""
+    initial, ref = single_device(mamba, hf_loss)
+    meta = build(mamba, "meta")
+    auto = AutoShard(meta, meta_inputs("input_ids", "labels"), MESH)
+    plan = sharded_plan(auto)
+    loops = [r for r in auto.sharding.problem.regions if len(r.copies) >= SEQ - 2]
+    assert len(loops) >= 2, [r.describe() for r in auto.sharding.problem.regions]  # forward and backward
+    for region in loops:
+        for names in zip(*region.copies):
+            assert len({str(auto.sharding.fx_nodes[n].target) for n in names}) == 1
+    trains_like_single_device(plan, meta, initial, ref)
+
+
 # ------------------------------------------------------------------------------ a model's own loss
 class CausalSelfAttention(nn.Module):
     def __init__(self, dim: int, heads: int):
