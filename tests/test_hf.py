@@ -235,7 +235,7 @@ def test_checkpoint_values_take_weights_from_safetensors_and_buffers_from_init(t
     [
         ("missing", "hf:{tmp}/nope: no such file or directory"),
         ("empty-dir", "the directory has no config.json"),
-        ("vit", "model_type 'vit' has no causal-LM class in transformers"),
+        ("vit", "model_type 'vit' has no causal-LM or sequence-to-sequence LM class in transformers"),
         ("unknown-type", "knows no model_type 'not-a-model'"),
         ("bad-json", "not a JSON config"),
         ("init-shapes", "weight has shape (256, 32) in the checkpoint, (128, 32) in hf:{tmp}/m"),
@@ -286,7 +286,7 @@ def test_torchrun_trains_an_hf_model_from_its_safetensors_like_single_device(tmp
     """4 gloo ranks on (2,2), `--model hf:DIR --init-from DIR` (a tiny Llama saved by
     save_pretrained), parameters sharded by a budget: the 5 losses equal the single-device run
     from the same weights."""
-    from test_train import metrics, torchrun
+    from test_train import torchrun
 
     from autoshard.workloads import get_workload
 
@@ -312,14 +312,50 @@ def test_torchrun_trains_an_hf_model_from_its_safetensors_like_single_device(tmp
     (facts,) = executed_plans()
     assert_shards(facts, batch_split=False)
     data = get_workload(f"hf:{directory}", seq=16).data(0)
+    matches_single_device(tmp_path / "run", model, data, lambda x, y: cross_entropy_loss(model(x).logits, y))
+
+
+def matches_single_device(run, model, data, loss_of) -> None:
+    """The run's 5 losses (batch 8, seq 16) are those of AdamW on one device from `model`."""
+    from test_train import metrics
+
     optim = make_optimizer(model.parameters(), TrainSettings())
     want = []
     for step in range(5):
-        tokens, targets = data.batch(step, 8, 16)
-        loss = cross_entropy_loss(model(tokens).logits, targets)
+        loss = loss_of(*data.batch(step, 8, 16))
         loss.backward()
         optim.step()
         optim.zero_grad()
         want.append(loss.item())
-    got = [row["loss"] for row in metrics(tmp_path / "run")]
+    got = [row["loss"] for row in metrics(run)]
     assert len(got) == 5 and all(abs(a - b) <= 1e-5 for a, b in zip(got, want)), (got, want)
+
+
+@pytest.mark.slow
+@pytest.mark.ranks
+def test_torchrun_trains_an_hf_encoder_decoder_on_its_own_loss_like_single_device(tmp_path, executed_plans):
+    """4 gloo ranks on (2,2), `--model hf:DIR --init-from DIR` with a tiny T5 saved by
+    save_pretrained: the workload is its sequence-to-sequence class, called with `labels=` and
+    trained on its own `.loss` (no loss function of ours), parameters sharded by a budget. The 5
+    losses equal the single-device run from the same weights."""
+    from test_train import torchrun
+
+    from autoshard.workloads import get_workload
+
+    config = transformers.T5Config(
+        vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, dropout_rate=0.0
+    )
+    config.decoder_start_token_id = config.pad_token_id = 0  # transformers 5 sets neither by default
+    model = hf.build(config, "cpu", seed=5)
+    directory = tmp_path / "t5"
+    model.save_pretrained(directory)
+    workload = get_workload(f"hf:{directory}", seq=16)
+    assert workload.loss_fn is None and type(workload.build("meta")) is transformers.T5ForConditionalGeneration
+    torchrun(
+        *("--model", f"hf:{directory}", "--init-from", str(directory), "--mesh", "2x2", "--batch", "8"),
+        *("--seq", "16", "--steps", "5", "--memory-budget", str(budget_bytes(model, (2, 2))), "--out"),
+        str(tmp_path / "run"),
+    )
+    (facts,) = executed_plans()
+    assert_shards(facts, batch_split=False)
+    matches_single_device(tmp_path / "run", model, workload.data(0), lambda x, y: model(input_ids=x, labels=y).loss)

@@ -89,12 +89,12 @@ def test_hf_init_one_module_at_a_time_equals_the_cpu_build(family, tie):
     config = hf.training_config(HF_CONFIGS[family](tie))
     want = full_state(hf.build(config, "cpu", seed=3))
     rng = torch.get_rng_state()
-    got = dict(hf_init.initial_values(config, hf.causal_lm_class(config), 3, strict=True))
+    got = dict(hf_init.initial_values(config, hf.model_class(config), 3, strict=True))
     assert torch.equal(torch.get_rng_state(), rng)
     assert set(got) == set(want)
     assert [n for n in want if not torch.equal(got[n], want[n])] == []
     buffers = {n for n, _ in hf.build(config, "meta").named_buffers()}
-    only = dict(hf_init.initial_values(config, hf.causal_lm_class(config), 3, buffers, strict=True))
+    only = dict(hf_init.initial_values(config, hf.model_class(config), 3, buffers, strict=True))
     assert set(only) == buffers and all(torch.equal(only[n], want[n]) for n in buffers)
 
 
@@ -111,9 +111,9 @@ def test_hf_init_that_leaves_a_tensor_to_the_constructor_falls_back_to_the_whole
     monkeypatch.setattr(transformers.LlamaPreTrainedModel, "_init_weights", skip_norms)
     want = full_state(hf.build(config, "cpu", seed=1))
     with pytest.raises(hf_init.Unsupported, match="no _init_weights call writes"):
-        dict(hf_init.initial_values(config, hf.causal_lm_class(config), 1, strict=True))
+        dict(hf_init.initial_values(config, hf.model_class(config), 1, strict=True))
     with pytest.warns(UserWarning, match="built whole on every rank"):
-        got = dict(hf_init.initial_values(config, hf.causal_lm_class(config), 1))
+        got = dict(hf_init.initial_values(config, hf.model_class(config), 1))
     assert set(got) == set(want) and all(torch.equal(got[n], want[n]) for n in want)
 
 

@@ -56,7 +56,8 @@ class Workload:
 
     name: str
     build: Callable[[str | torch.device], nn.Module]
-    example_inputs: Callable[[int, int, str | torch.device], tuple[torch.Tensor, ...]]
+    # GLOBAL shapes, in order; a dict passes them to the model by keyword (in the dict's order)
+    example_inputs: Callable[[int, int, str | torch.device], tuple[torch.Tensor, ...] | dict[str, torch.Tensor]]
     loss_fn: Callable[..., torch.Tensor] | None
     data: Callable[[int], DataSource]  # seed -> source
     initial_state: Callable[[int], dict[str, torch.Tensor]]  # seed -> full values

@@ -1,12 +1,16 @@
-"""Hugging Face transformers causal LMs as workloads: `--model hf:PATH`.
+"""Hugging Face transformers language models as workloads: `--model hf:PATH`.
 
 PATH is a local `config.json` or a directory holding one (a model saved with `save_pretrained`);
-nothing is downloaded. The model is the config's causal-LM class (LlamaForCausalLM,
-Qwen2ForCausalLM, Qwen3ForCausalLM, ...) in fp32 with sdpa attention and no KV cache (a training
-step has no use for one), called as `model(tokens)`, its `.logits` scored against the targets
-with the same cross-entropy as our own models. Parameter names are the model's own, so an HF
-state dict or safetensors directory loads as it is. Tied input/output embeddings are one
-parameter (transformers ties them; `named_parameters` lists the embedding once).
+nothing is downloaded. The model is the class the config's `architectures` names, or else its
+causal-LM class (LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, ...), or else its
+sequence-to-sequence LM class (T5ForConditionalGeneration, ...), in fp32 with sdpa attention where
+the model has attention, and no KV cache (a training step has no use for one). A causal LM is
+called as `model(tokens)`, its `.logits` scored against the targets with the same cross-entropy as
+our own models; a sequence-to-sequence LM as `model(input_ids=tokens, labels=targets)`, its own
+`.loss` the step's loss (the decoder reads the targets shifted right, as transformers trains it).
+Parameter names are the model's own, so an HF state dict or safetensors directory loads as it is.
+Tied input/output embeddings are one parameter (transformers ties them; `named_parameters` lists
+the embedding once).
 
 Needs the `autoshard[hf]` extra (transformers, safetensors). A workload family: it imports torch,
 transformers and `models` (data, loss), never a stage package.
@@ -70,8 +74,14 @@ def load_config(path: str | Path) -> Any:
         config = transformers.CONFIG_MAPPING[model_type].from_dict(data, attn_implementation="sdpa")
     except Exception as err:  # transformers validates fields its own way
         raise ValueError(f"hf:{file}: transformers rejects the config ({type(err).__name__}: {err})") from None
-    causal_lm_class(config, file)  # fail now, not at build
+    if not runs_attention(model_class(config, file)):  # fail now, not at build
+        config._attn_implementation = None  # no attention to run with SDPA (Mamba): transformers' default
     return training_config(config)
+
+
+def runs_attention(cls: type[nn.Module]) -> bool:
+    """Whether a transformers model class runs attention through SDPA (state-space models do not)."""
+    return bool(getattr(cls, "_supports_sdpa", False))
 
 
 # the sizes a causal LM's config gives (under these names, or its class's `attribute_map` aliases)
@@ -103,7 +113,8 @@ def training_config(config: Any) -> Any:
     of full causal attention the `causal_sdpa` implementation (no [b, 1, s, s] mask in the graph)."""
     config = copy.deepcopy(config)
     config.use_cache = False
-    if full_causal_attention(config):
+    cls = model_class(config)
+    if full_causal_attention(config) and runs_attention(cls) and not is_seq2seq(cls):
         config._attn_implementation = causal_sdpa()
     return config
 
@@ -170,22 +181,33 @@ def causal_sdpa() -> str:
     return CAUSAL_SDPA
 
 
-def causal_lm_class(config: Any, where: Any = "the config") -> type[nn.Module]:
-    """The config's causal-LM class; ValueError when its architecture has none."""
-    mapping = _transformers().MODEL_FOR_CAUSAL_LM_MAPPING
-    if type(config) not in mapping:
+def model_class(config: Any, where: Any = "the config") -> type[nn.Module]:
+    """The class the config's model trains as: the one its `architectures` names when that is a
+    causal or sequence-to-sequence LM, else its causal-LM class, else its sequence-to-sequence LM
+    class; ValueError when its architecture has neither."""
+    transformers = _transformers()
+    mappings = (transformers.MODEL_FOR_CAUSAL_LM_MAPPING, transformers.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING)
+    classes = [mapping[type(config)] for mapping in mappings if type(config) in mapping]
+    if not classes:
         raise ValueError(
-            f"hf:{where}: model_type {config.model_type!r} has no causal-LM class in transformers "
-            "(autoshard trains causal LMs: Llama, Qwen2, Qwen3, ...)"
+            f"hf:{where}: model_type {config.model_type!r} has no causal-LM or sequence-to-sequence LM class in "
+            "transformers (autoshard trains language models: Llama, Qwen2, Qwen3, T5, ...)"
         )
-    return mapping[type(config)]
+    named = set(getattr(config, "architectures", None) or ())
+    return next((cls for cls in classes if cls.__name__ in named), classes[0])
+
+
+def is_seq2seq(cls: type[nn.Module]) -> bool:
+    """Whether a model class is an encoder-decoder LM (trained on its own `.loss` of `labels=`)."""
+    mapping = _transformers().MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING
+    return any(mapping[config] is cls for config in mapping.keys())
 
 
 def build(config: Any, device: str | torch.device = "meta", seed: int | None = None) -> nn.Module:
-    """The causal LM of `config` on `device` (meta: no memory, no init); on a real device its
+    """The language model of `config` on `device` (meta: no memory, no init); on a real device its
     weights are transformers' own init drawn after `manual_seed(seed)`, leaving the global RNG as
     it was."""
-    cls = causal_lm_class(config)
+    cls = model_class(config)
     with torch.random.fork_rng(devices=[]):
         if seed is not None:
             torch.manual_seed(seed)
@@ -201,26 +223,34 @@ def logits_loss(outputs: Any, targets: torch.Tensor) -> torch.Tensor:
     return cross_entropy_loss(getattr(outputs, "logits", outputs), targets)
 
 
+def labelled_inputs(batch: int, seq: int, device: str | torch.device) -> dict[str, torch.Tensor]:
+    """`token_inputs` by keyword, for `model(input_ids=tokens, labels=targets)`."""
+    return dict(zip(("input_ids", "labels"), token_inputs(batch, seq, device)))
+
+
 def names() -> list[str]:
     return [PREFIX + "PATH (a local transformers config.json or model directory)"]
 
 
 def resolve(name: str, seq: int) -> Workload | None:
-    """`hf:PATH`: the causal LM a local transformers config describes; None for other names."""
+    """`hf:PATH`: the language model a local transformers config describes; None for other names."""
     return workload(name[len(PREFIX) :], seq) if name.startswith(PREFIX) else None
 
 
 def workload(path: str, seq: int) -> Workload:
-    """The workload `hf:PATH`: tokens in, `.logits` against targets, Markov-chain token data."""
+    """The workload `hf:PATH`: tokens in, `.logits` against targets (a sequence-to-sequence LM:
+    its own `.loss` of the targets as labels), Markov-chain token data."""
     config = load_config(path)
+    seq2seq = is_seq2seq(model_class(config))
     return Workload(
         name=PREFIX + path,
         build=lambda device: build(config, device),
-        example_inputs=token_inputs,
-        loss_fn=logits_loss,
+        example_inputs=labelled_inputs if seq2seq else token_inputs,
+        loss_fn=None if seq2seq else logits_loss,
+        n_model_inputs=2 if seq2seq else 1,
         data=lambda seed: token_batches(config.vocab_size, seed),
         initial_state=lambda seed: full_state(build(config, "cpu", seed)),
-        initial_values=lambda seed, want=None: hf_init.initial_values(config, causal_lm_class(config), seed, want),
+        initial_values=lambda seed, want=None: hf_init.initial_values(config, model_class(config), seed, want),
         hf_format=lambda: hf_format(path),
         vocab_size=config.vocab_size,
     )
