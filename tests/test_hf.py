@@ -219,6 +219,36 @@ def test_hf_workload_builds_from_a_local_config_and_seeds_its_init(tmp_path):
     assert not torch.equal(first["model.embed_tokens.weight"], other["model.embed_tokens.weight"])
 
 
+def test_hf_workload_builds_the_class_its_config_names_with_attention_only_where_it_has_some(tmp_path):
+    """BART has a causal-LM and a sequence-to-sequence class: `architectures` picks; without it, the
+    causal LM. A Mamba config builds (it has no attention for SDPA to run)."""
+    from autoshard.workloads import get_workload
+
+    bart = dict(vocab_size=VOCAB, d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4)
+    bart |= dict(decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=64)
+    cases = {
+        "bart-causal": (transformers.BartConfig(**bart), transformers.BartForCausalLM),
+        "bart-seq2seq": (
+            transformers.BartConfig(**bart, architectures=["BartForConditionalGeneration"]),
+            transformers.BartForConditionalGeneration,
+        ),
+        "mamba": (
+            transformers.MambaConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=1),
+            transformers.MambaForCausalLM,
+        ),
+    }
+    for name, (config, cls) in cases.items():
+        config.save_pretrained(tmp_path / name)
+        w = get_workload(f"hf:{tmp_path / name}", seq=16)
+        assert type(w.build("meta")) is cls, name
+        inputs = w.example_inputs(2, 16, "meta")
+        if name == "bart-seq2seq":  # its own .loss of labels=, by keyword
+            assert w.loss_fn is None and w.n_model_inputs == 2 and list(inputs) == ["input_ids", "labels"]
+        else:
+            assert w.loss_fn is hf.logits_loss and len(inputs) == 2
+    assert get_workload(f"hf:{tmp_path / 'mamba'}", seq=16).build("meta").config._attn_implementation != "sdpa"
+
+
 def test_checkpoint_values_take_weights_from_safetensors_and_buffers_from_init(tmp_path):
     from autoshard.workloads import checkpoint_values, get_workload
 

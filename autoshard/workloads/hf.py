@@ -199,8 +199,8 @@ def model_class(config: Any, where: Any = "the config") -> type[nn.Module]:
 
 def is_seq2seq(cls: type[nn.Module]) -> bool:
     """Whether a model class is an encoder-decoder LM (trained on its own `.loss` of `labels=`)."""
-    mapping = _transformers().MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING
-    return any(mapping[config] is cls for config in mapping.keys())
+    mapping, config = _transformers().MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING, getattr(cls, "config_class", None)
+    return config in mapping and mapping[config] is cls  # looks up one entry: the mapping imports lazily
 
 
 def build(config: Any, device: str | torch.device = "meta", seed: int | None = None) -> nn.Module:
