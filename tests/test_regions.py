@@ -2,6 +2,8 @@
 with neither depth nor sequence length."""
 
 import contextlib
+import logging
+import re
 
 import pytest
 import torch
@@ -108,14 +110,18 @@ def test_the_steps_of_a_loop_over_time_are_found_position_by_position(steps):
         assert any(before[tanh] in n.all_input_nodes for n in after)
 
 
-def test_a_loop_plans_in_one_problem_size_whatever_its_length():
+def test_a_loop_plans_in_one_problem_size_whatever_its_length(caplog):
     from autoshard.driver.api import AutoShard
 
     classes = {}
     for steps in (8, 24):
         auto = AutoShard(Recurrent(), lambda s=steps: (torch.zeros(8, s, 8),), (2, 2))
-        classes[steps] = auto.optimize().solution.stats.classes
+        with caplog.at_level(logging.INFO, logger="autoshard"):
+            classes[steps] = auto.optimize().solution.stats.classes
     assert classes[8] == classes[24], classes
+    (line,) = [r.getMessage() for r in caplog.records if "loops planned as one step" in r.getMessage()][-1:]
+    # one loop forward, one backward, of the 24 steps less the first or last (wired to the outside)
+    assert re.fullmatch(r".*: the model: 2[2-4] x \d+ ops; the model: 2[2-4] x \d+ ops", line), line
 
 
 def test_short_repeats_are_not_loops():

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import logging
 import math
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -52,6 +53,8 @@ from autoshard.problem.choices import (
 # first-step kinds the program runs as one collective per block (`program.buckets`)
 PARAM_BUCKET_KINDS = ("all_gather",)
 GRAD_BUCKET_KINDS = ("reduce_scatter", "all_reduce")
+
+log = logging.getLogger("autoshard")
 
 
 @dataclass(frozen=True)
@@ -348,10 +351,14 @@ def _fill_solver_problem(
 
     for copies in repeated:
         problem.add_region([_ilp_names(sp, copy) for copy in copies])
+    loops = []
     for steps in find_repeated_steps(sp.graph):
         tied = _alike_choices(sp, steps)
         if tied:
             problem.add_region(tied)
+            loops.append(f"{sp.graph.module_path(steps[0][0]) or 'the model'}: {len(tied)} x {len(tied[0])} ops")
+    if loops:
+        log.info("autoshard: loops planned as one step each (steps x ops per step): %s", "; ".join(loops))
 
 
 def _repeated_forward_ops(
