@@ -124,6 +124,23 @@ def test_a_loop_plans_in_one_problem_size_whatever_its_length(caplog):
     assert re.fullmatch(r".*: the model: 2[2-4] x \d+ ops; the model: 2[2-4] x \d+ ops", line), line
 
 
-def test_short_repeats_are_not_loops():
-    graph = traced_recurrent(MIN_STEPS - 1)
-    assert find_repeated_steps(graph) == []
+def test_short_repeats_and_repeats_that_carry_nothing_are_not_loops():
+    """Fewer than MIN_STEPS steps; and ops that merely look alike (each step reads only what comes
+    from outside, as the halves of a rotary slice or a per-position map's forward do). The map's
+    backward is a loop: each step adds its part to the shared projection's gradient."""
+    assert find_repeated_steps(traced_recurrent(MIN_STEPS - 1)) == []
+
+    class PerPosition(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(8, 8)
+
+        def forward(self, x):
+            return torch.stack([torch.tanh(self.proj(x[:, t])) for t in range(x.shape[1])], 1).square().mean()
+
+    with contextlib.ExitStack() as stack:
+        graph = trace_joint(PerPosition(), lambda m, x: m(x), (torch.zeros(4, 12, 8),), stack)
+    ops = [str(n.target) for n in graph.nodes if n.op == "call_function"]
+    assert ops.count("aten.tanh.default") == 12  # it repeats, 12 times
+    (backward,) = find_repeated_steps(graph)
+    assert all(graph.is_backward(n) for step in backward for n in step)

@@ -5,9 +5,11 @@ same few ops again and again, in graph order, inside one module: module paths ca
 steps apart the way they tell transformer blocks apart (`regions.find_repeated_blocks`). Here the
 graph's ops, in order, are read as a sequence of labels (op, output shapes and dtypes, module path,
 arguments with integers blanked, since a step's index is one) and its tandem repeats are found:
-runs where the sequence repeats with a period P, at least `MIN_STEPS` times. Positions where the
-steps are wired differently (inputs from the same step, the step before, or outside) are dropped,
-so what is tied is a position that plays the same part in every step.
+runs where the sequence repeats with a period P, at least `MIN_STEPS` times, and each step reads
+what the step before computed (a loop carries state: Mamba's scan its hidden state, a backward its
+accumulated gradients; ops that merely look alike, such as the two halves of a rotary slice, do
+not). Positions where the steps are wired differently (inputs from the same step, the step before,
+or outside) are dropped, so what is tied is a position that plays the same part in every step.
 
 Tying positions of steps is a restriction the ILP accepts for speed, as it does for blocks: every
 step takes the same layout, which is what a loop runs with anyway (its carried state cannot change
@@ -48,10 +50,16 @@ def find_repeated_steps(graph: JointGraph) -> list[list[list[fx.Node]]]:
     labels: dict[tuple, int] = {}
     sequence = np.array([labels.setdefault(_label(graph, n), len(labels)) for n in ops])
     groups = []
-    for run in _disjoint(_runs(sequence)):
+    taken: list[_Run] = []
+    # the runs that save the most variables first ((steps - 1) x period), the shortest period among
+    # equals (a loop of period P also repeats with period 2P), none overlapping one taken
+    for run in sorted(_runs(sequence), key=lambda r: (-(r.steps - 1) * r.period, r.period, r.start)):
+        if any(run.start < t.end and t.start < run.end for t in taken):
+            continue
         steps = [ops[run.start + k * run.period : run.start + (k + 1) * run.period] for k in range(run.steps)]
         kept = _alike_positions(steps)
         if kept:
+            taken.append(run)
             groups.append([[step[i] for i in kept] for step in steps])
     return groups
 
@@ -84,19 +92,10 @@ def _runs(sequence: np.ndarray) -> list[_Run]:
     return found
 
 
-def _disjoint(runs: list[_Run]) -> list[_Run]:
-    """The runs that save the most variables first ((steps - 1) x period), the shortest period
-    among equals (a loop of period P also repeats with period 2P), none overlapping another."""
-    taken: list[_Run] = []
-    for run in sorted(runs, key=lambda r: (-(r.steps - 1) * r.period, r.period, r.start)):
-        if all(run.end <= t.start or t.end <= run.start for t in taken):
-            taken.append(run)
-    return sorted(taken, key=lambda r: r.start)
-
-
 def _alike_positions(steps: list[list[fx.Node]]) -> list[int]:
     """Positions whose inputs come from the same places in every step: the same position of this
-    step, of the step before, or from outside the loop (the first step's 'step before' is outside)."""
+    step, of the step before, or from outside the loop (the first step's 'step before' is outside);
+    none when no kept position reads the step before (nothing is carried: not a loop)."""
     where = {node: (k, i) for k, step in enumerate(steps) for i, node in enumerate(step)}
 
     def wiring(k: int, node: fx.Node, first: bool) -> tuple:
@@ -113,7 +112,7 @@ def _alike_positions(steps: list[list[fx.Node]]) -> list[int]:
                 out.append(("outside",))
         return tuple(out)
 
-    kept = []
+    kept, carried = [], False
     for i in range(len(steps[0])):
         later = {wiring(k, steps[k][i], first=False) for k in range(1, len(steps))}
         if len(later) != 1:
@@ -122,4 +121,5 @@ def _alike_positions(steps: list[list[fx.Node]]) -> list[int]:
         first = wiring(0, steps[0][i], first=True)
         if first == tuple(("outside",) if w[0] == "before" else w for w in shared):
             kept.append(i)
-    return kept
+            carried = carried or any(w[0] == "before" for w in shared)
+    return kept if carried else []
