@@ -249,12 +249,24 @@ def dynamo_capture(module, args) -> torch.fx.GraphModule:
     """Dynamo's whole-graph capture of `module(*args)` for export (torch 2.13 has no public name
     for it). Code that checks for dynamo tracing (transformers' masks) takes its traced branch.
     Dynamo's note about side effects it does not replay (transformers' output collectors) is
-    silenced: the captured graph is only traced further, never run in their place."""
+    silenced: the captured graph is only traced further, never run in their place. So are the
+    forward's log calls (transformers' `logger.warning_once` in GPT-2's loss): dynamo stops at a
+    Logger method it is not told to skip, and nothing logged belongs in the graph."""
+    import logging
     import warnings
 
     from torch._dynamo.functional_export import dynamo_graph_capture_for_export
 
-    with warnings.catch_warnings():
+    emits = {"debug", "info", "warning", "warn", "error", "exception", "critical", "log"}
+    loggers = {
+        fn
+        for name, fn in vars(logging.Logger).items()
+        if callable(fn) and (name in emits or "once" in name or "advice" in name)  # transformers adds the last two
+    }
+    with (
+        warnings.catch_warnings(),
+        torch._dynamo.config.patch(ignore_logging_functions=torch._dynamo.config.ignore_logging_functions | loggers),
+    ):
         warnings.filterwarnings("ignore", message="While compiling, we found certain side effects")
         return dynamo_graph_capture_for_export(module)(*args)
 
