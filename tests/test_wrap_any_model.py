@@ -1,7 +1,8 @@
 """Models as users find them, wrapped as they are (tiny configs, nothing downloaded): BERT and
 RoBERTa masked LMs and T5 (a tied parameter whose first name the forward never calls; T5's
-`_shift_right` leaves a constant in the graph), a nanoGPT-style model returning `(logits, loss)`,
-a forward that makes a `torch.tensor(...)`. Planned with forced sharding and freely, and run on
+`_shift_right` leaves a constant in the graph), GPT-2 (its loss logs a warning), Mamba (a Python
+loop over the sequence), a nanoGPT-style model returning `(logits, loss)`, a forward that makes a
+`torch.tensor(...)`. Planned with forced sharding (some freely too), and run on
 every rank of a simulated (2,2) mesh, they reproduce one device's losses and gradients through 3
 AdamW steps."""
 
