@@ -6,6 +6,7 @@ edge matrix (or as a choice cost) forbids that combination (or that choice).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 from dataclasses import asdict, dataclass, field
@@ -411,6 +412,43 @@ def problem_to_json(problem: Problem, **kwargs) -> str:
         "regions": [r.copies for r in problem.regions],
     }
     return json.dumps(data, **kwargs)
+
+
+def problem_digest(problem: Problem) -> str:
+    """sha256 (hex) of everything `problem_to_json` writes, streamed: no JSON text of the whole
+    problem is built (on a mid-size model that text and its pieces are tens of MB, transient on
+    every rank). A matrix or a choice list shared by many edges or nodes (repeated blocks) is
+    hashed once and stands in as its own digest."""
+    total = hashlib.sha256(f"autoshard-problem {FORMAT}\n".encode())
+    shared: dict[int, tuple[object, bytes]] = {}  # id -> (the object, kept alive; its digest)
+
+    def digest(obj: object, encode) -> bytes:
+        held = shared.get(id(obj))
+        if held is None or held[0] is not obj:
+            held = shared[id(obj)] = (obj, hashlib.sha256(encode(obj)).digest())
+        return held[1]
+
+    def choices(cs: list[Choice]) -> bytes:
+        return json.dumps([[c.label, encode_float(c.cost), c.memory, list(c.tags)] for c in cs]).encode()
+
+    def matrix(rows: list[list[float]]) -> bytes:
+        return f"{len(rows)}x{len(rows[0]) if rows else 0}".encode() + np.asarray(rows, dtype=np.float64).tobytes()
+
+    def put(text: str, *parts: bytes) -> None:
+        total.update(text.encode() + b"\0")
+        for part in parts:
+            total.update(part)
+
+    for n in problem.nodes:
+        put(f"node {n.name}", digest(n.choices, choices))
+    for e in problem.edges:
+        put(f"edge {e.src} {e.dst}", digest(e.cost, matrix))
+    kind_of = {cls: kind for kind, cls in _KINDS.items()}
+    for c in problem.constraints:
+        put("constraint " + json.dumps(_constraint(kind_of[type(c)], asdict(c))))
+    for r in problem.regions:
+        put("region " + json.dumps(r.copies))
+    return total.hexdigest()
 
 
 def _constraint(kind: str, fields: dict) -> dict:

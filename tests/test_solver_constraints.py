@@ -145,6 +145,36 @@ def test_a_budget_counts_memory_on_edges():
         p.validate()
 
 
+def test_the_digest_is_the_problem_s_content():
+    """`problem_digest` (the fingerprint plan files are matched by) is equal for problems equal in
+    content, whether their blocks share matrices and choice lists or hold copies, and after a JSON
+    round trip; any change to a cost cell, a label, a choice's memory, a constraint or a region
+    changes it."""
+    from autoshard_solver.problem import problem_digest, problem_from_json, problem_to_json
+
+    shared, region = block_chain(4, external=True)
+    copied = problem_from_json(problem_to_json(shared))  # no matrix or list shared any more
+    assert copied.edges[0].cost is not copied.edges[3].cost
+    base = problem_digest(shared)
+    assert len(base) == 64 and problem_digest(copied) == base
+
+    def changed(edit) -> str:
+        p = problem_from_json(problem_to_json(shared))
+        edit(p)
+        return problem_digest(p)
+
+    edits = {
+        "a cost cell": lambda p: p.edges[5].cost[1].__setitem__(2, p.edges[5].cost[1][2] + 1e-9),
+        "an inf cell": lambda p: p.edges[5].cost[0].__setitem__(0, INF),
+        "a label": lambda p: setattr(p.nodes[2].choices[0], "label", "other"),
+        "a memory": lambda p: setattr(p.nodes[2].choices[0], "memory", 1.0),
+        "a pin": lambda p: p.fix("b1.mid", 0),
+        "a region": lambda p: p.add_region(region),
+    }
+    digests = {what: changed(edit) for what, edit in edits.items()}
+    assert base not in digests.values() and len(set(digests.values())) == len(edits), digests
+
+
 def test_pins_and_same_choice_are_respected():
     p = tiny()
     p.fix("w", 0)

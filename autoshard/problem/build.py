@@ -16,7 +16,6 @@ parameters (`BucketShare`): one launch per block, as the program pays it.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import logging
 import math
 from dataclasses import dataclass, field
@@ -26,7 +25,7 @@ import torch
 from torch import fx
 
 import autoshard_solver as solver
-from autoshard_solver.problem import problem_to_json
+from autoshard_solver.problem import problem_digest
 
 from autoshard.profiles.device import DeviceProfile
 from autoshard.layout import Layout
@@ -113,7 +112,7 @@ class ShardingProblem:
         """Hash of the whole ILP (nodes, choice labels and costs, edges, constraints): equal
         fingerprints mean the same graph, mesh, profiles and constraints, so a saved solution of
         one applies to the other."""
-        return hashlib.sha256(problem_to_json(self.problem).encode()).hexdigest()[:16]
+        return problem_digest(self.problem)[:16]
 
     def tensor_meta(self, producer: Producer) -> tuple[tuple[int, ...], torch.dtype]:
         val = self.fx_nodes[producer.node].meta["val"]
