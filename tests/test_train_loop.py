@@ -8,6 +8,8 @@ from __future__ import annotations
 import importlib.util
 import math
 import shutil
+import sys
+import threading
 
 import pytest
 import torch
@@ -344,3 +346,29 @@ def test_a_model_off_by_more_than_1_5x_says_so_once_with_the_calibrate_command(c
     assert notes[0].startswith("note: the modeled step is 3.0x shorter than the measured one on this machine")
     assert "(profiles cpu-gloo/cpu)" in notes[0] and "autoshard calibrate --mesh 2x2" in notes[0]
     assert caplog.messages.index(notes[0]) == 4  # right after step 4's line
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="RSS from /proc; glibc's malloc_trim")
+def test_what_a_thread_freed_is_handed_back_before_loading():
+    """Rank 0 solves on a thread: what that thread allocated and freed stays in its malloc arena,
+    resident, until `release_free_heap` (called before the weights load) returns it to the OS
+    (blocks it left alive between the freed ones keep the arena from shrinking by itself)."""
+    from autoshard.train.loop import release_free_heap
+
+    def rss() -> int:
+        with open("/proc/self/status") as f:
+            return int(f.read().split("VmRSS:")[1].split()[0]) * 1024
+
+    kept: list[bytearray] = []
+
+    def churn():  # 64 MiB in 64 KiB blocks (below mmap's threshold: from the thread's arena)
+        blocks = [bytearray(64 * 1024) for _ in range(1024)]
+        kept.extend(blocks[::16])  # a few stay alive, spread over the arena
+        del blocks
+
+    thread = threading.Thread(target=churn)
+    thread.start()
+    thread.join()
+    before = rss()
+    release_free_heap()
+    assert before - rss() > 16 * 2**20, (before, rss())

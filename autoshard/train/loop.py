@@ -14,6 +14,7 @@ checkpoint with the losses an uninterrupted run would have had: the data is a pu
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
 import logging
 import math
@@ -201,6 +202,7 @@ def train(settings: Settings) -> list[float]:
         signals.arm()  # planned: a signal before this stopped the run at once, from here on it checkpoints
         if rank == 0:
             _write_report(settings, run)
+        release_free_heap()  # what planning freed, before the weights and the step need memory
         initial.load_into(run.pmodel)  # one tensor, or one rank's slices, at a time
         optim = make_optimizer(run.pmodel.parameters(), settings)
         start = _resume(out, run, optim) if resuming else None
@@ -226,6 +228,17 @@ def train(settings: Settings) -> list[float]:
         if rank == 0:
             _finish(settings, run, metrics, bool(losses))
     return losses
+
+
+def release_free_heap() -> None:
+    """Hand the C heap's free pages back to the OS (glibc's `malloc_trim`; nothing elsewhere).
+    Rank 0 solves on a thread, whose malloc arena the main thread's tensors never reuse: what the
+    solver freed there would stay resident through training."""
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):  # not glibc
+        return
+    trim(0)
 
 
 def _step_parts(
