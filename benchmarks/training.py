@@ -27,6 +27,7 @@ each collective it sees (functional or c10d) with the ring model.
     python benchmarks/training.py --param-dtype bf16 --reduce-dtype fp32   # both trainers in bf16
     python benchmarks/training.py --wide --repeats 1   # llama3-wide, batch 4, seq 512: TP should win on paper
     python benchmarks/training.py --make-train   # make train's configuration: llama3-debug 2x2, batch 8, seq 64
+    python benchmarks/training.py --all   # the three above (make train's, seq 256, wide) in one run (~40 min)
 """
 
 from __future__ import annotations
@@ -222,8 +223,9 @@ def _median_run(runs: list[RunFigures]) -> RunFigures:
 BASELINES = ("recipe", "fsdp2", "ddp")
 
 
-def _trainers(work: Workload, quick: bool) -> list[tuple[str, list[str], Workload]]:
-    """(name, torchrun target, workload) of every trainer of `work`."""
+def _trainers(work: Workload, quick: bool, overlap: bool = True) -> list[tuple[str, list[str], Workload]]:
+    """(name, torchrun target, workload) of every trainer of `work` (`overlap`: with
+    autoshard_sync where it applies)."""
     world = math.prod(int(size) for size in work.mesh.split("x"))
     tp = int(work.mesh.split("x")[1]) if "x" in work.mesh else 1
     recipe = [str(Path(_HERE) / "recipe_train.py")]
@@ -235,7 +237,7 @@ def _trainers(work: Workload, quick: bool) -> list[tuple[str, list[str], Workloa
         *([("ddp", [*recipe, "--ddp"], every_rank)] if not work.param_dtype else []),
         *(
             [("autoshard_sync", ["-m", "autoshard", "train", "--prefetch", "0"], work)]
-            if not quick and tp > 1 and (work.model, work.seq) == (FULL.model, FULL.seq)
+            if overlap and not quick and tp > 1 and (work.model, work.seq) == (FULL.model, FULL.seq)
             else []
         ),
     ]
@@ -249,12 +251,13 @@ def run(
     wide: bool = False,
     two_ranks: bool = False,
     make_train: bool = False,
+    overlap: bool = True,
 ) -> dict:
     """Train the parallel versions `repeats` times each (default 3, 1 with `quick`) and the
     reference once; print and return the comparison. `precision`: (param dtype, reduce dtype) for
     every trainer and the reference, e.g. ("bf16", "fp32"). Raises `LossMismatch` (after printing)
     when a parallel loss curve leaves the reference. `wide` / `two_ranks` / `make_train`: the WIDE /
-    TWO_RANKS / MAKE_TRAIN workload instead."""
+    TWO_RANKS / MAKE_TRAIN workload instead; `overlap=False` leaves autoshard_sync out."""
     from autoshard.capture.precision import parse_dtype
     from autoshard_models.train_single import TrainSettings, train_single
 
@@ -265,7 +268,7 @@ def run(
     dtypes = "fp32" if not precision else f"{precision[0]}-{precision[1]}"
     out = Path(out_dir) / dtypes / f"{work.model}-{work.mesh}"
     total_start = time.perf_counter()
-    trainers = _trainers(work, quick)
+    trainers = _trainers(work, quick, overlap)
     runs: dict[str, list[RunFigures]] = {name: [] for name, _, _ in trainers}
     for repeat in range(repeats):
         for name, target, w in trainers:
@@ -438,7 +441,10 @@ def main(argv: list[str] | None = None) -> int:
         help=f"`make train`'s configuration: {MAKE_TRAIN.model}, mesh 2x2, batch {MAKE_TRAIN.batch}, "
         f"seq {MAKE_TRAIN.seq}, {MAKE_TRAIN.steps} steps",
     )
+    p.add_argument("--all", action="store_true", help="make train's configuration, seq 256 and wide in one run")
     a = p.parse_args(argv)
+    if a.all:
+        return run_all(a.out, a.repeats, a.json)
     code = 0
     try:
         figures = run(
@@ -455,6 +461,34 @@ def main(argv: list[str] | None = None) -> int:
         figures, code = e.figures, 1
     if a.json:
         Path(a.json).write_text(json.dumps(figures, indent=1))
+    return code
+
+
+ALL = {"make-train": {"make_train": True}, "seq256": {}, "wide": {"wide": True}}
+
+
+def run_all(out_dir: str, repeats: int | None, json_path: str | None) -> int:
+    """`run` on each configuration of ALL (fp32), then one line each: autoshard against the best
+    baseline, by throughput and by the whole torchrun's wall time. 1 if a loss curve left the
+    reference."""
+    results, code = {}, 0
+    for name, kind in ALL.items():
+        try:
+            results[name] = run(out_dir=out_dir, repeats=repeats, overlap=False, **kind)
+        except LossMismatch as e:
+            print(f"FAIL ({name}): {e}", file=sys.stderr)
+            results[name], code = e.figures, 1
+    print("\nautoshard against the best baseline of each configuration (median runs):")
+    for name, f in results.items():
+        best = f[f["best_baseline"]]
+        print(
+            f"  {name:<11} autoshard {f['autoshard']['tokens_per_s']:,.0f} tok/s, {f['best_baseline']} "
+            f"{best['tokens_per_s']:,.0f}: {f['best_baseline_ratio']:.3f}x; torchrun wall "
+            f"{f['autoshard']['wall_s']:.1f} s (planning {f['autoshard']['planning_s']:.1f} s) against "
+            f"{best['wall_s']:.1f} s"
+        )
+    if json_path:
+        Path(json_path).write_text(json.dumps(results, indent=1))
     return code
 
 

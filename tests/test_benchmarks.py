@@ -205,3 +205,36 @@ def test_accuracy_rounds_take_the_median_round():
         "| calibrated | ours | 1100.0 (1100.0 + 0.0 + 0.0) | 1200.0 | 0.92 | 0.67 / 1.00 / 0.92 |"
         in accuracy_markdown(case | {"cases": [case]})
     )
+
+
+def test_all_runs_the_three_configurations_and_reports_each_against_its_best(monkeypatch, capsys, tmp_path):
+    """benchmarks/training.py --all: make train's configuration, seq 256 and wide, in that order,
+    without autoshard_sync; one line each of autoshard against its best baseline (throughput and
+    wall time); a loss curve off the reference fails the run but not the other configurations."""
+    from benchmarks import training
+
+    calls = []
+
+    def fake_run(**kwargs):
+        calls.append(kwargs)
+        tokens = {"make_train": 1000.0, "wide": 300.0}.get(next(iter(set(kwargs) & {"make_train", "wide"}), ""), 500.0)
+        figures = {
+            "autoshard": {"tokens_per_s": tokens, "wall_s": 18.0, "planning_s": 2.5},
+            "ddp": {"tokens_per_s": 990.0, "wall_s": 9.5},
+            "best_baseline": "ddp",
+            "best_baseline_ratio": tokens / 990.0,
+        }
+        if "wide" in kwargs:
+            raise training.LossMismatch("loss curve of autoshard differs", figures)
+        return figures
+
+    monkeypatch.setattr(training, "run", fake_run)
+    code = training.main(["--all", "--repeats", "2", "--json", str(tmp_path / "all.json")])
+    assert code == 1 and [sorted(k for k in c if c[k] is True) for c in calls] == [["make_train"], [], ["wide"]]
+    assert all(c["overlap"] is False and c["repeats"] == 2 for c in calls)
+    out = capsys.readouterr().out
+    assert (
+        "make-train  autoshard 1,000 tok/s, ddp 990: 1.010x; torchrun wall 18.0 s (planning 2.5 s) against 9.5 s" in out
+    )
+    assert "seq256      autoshard 500 tok/s, ddp 990: 0.505x" in out and "wide        autoshard 300 tok/s" in out
+    assert list(json.loads((tmp_path / "all.json").read_text())) == ["make-train", "seq256", "wide"]
