@@ -474,7 +474,7 @@ def run_all(out_dir: str, repeats: int | None, json_path: str | None) -> int:
     results, code = {}, 0
     for name, kind in ALL.items():
         try:
-            results[name] = run(out_dir=out_dir, repeats=repeats, overlap=False, **kind)
+            results[name] = run(out_dir=Path(out_dir) / name, repeats=repeats, overlap=False, **kind)
         except LossMismatch as e:
             print(f"FAIL ({name}): {e}", file=sys.stderr)
             results[name], code = e.figures, 1

@@ -232,6 +232,7 @@ def test_all_runs_the_three_configurations_and_reports_each_against_its_best(mon
     code = training.main(["--all", "--repeats", "2", "--json", str(tmp_path / "all.json")])
     assert code == 1 and [sorted(k for k in c if c[k] is True) for c in calls] == [["make_train"], [], ["wide"]]
     assert all(c["overlap"] is False and c["repeats"] == 2 for c in calls)
+    assert [Path(c["out_dir"]).name for c in calls] == ["make-train", "seq256", "wide"]  # apart: same model, mesh
     out = capsys.readouterr().out
     assert (
         "make-train  autoshard 1,000 tok/s, ddp 990: 1.010x; torchrun wall 18.0 s (planning 2.5 s) against 9.5 s" in out
