@@ -211,19 +211,20 @@ def account(
     params = list(forward_args[:n_params])
     live.fixed = ADAMW_STATE_BYTES * sum(p.numel() for p in params)  # AdamW states: steady state
 
+    # Each interpreter lets go of its values after its run (`_done`): fx's Interpreter also keeps
+    # the iterator over its arguments, which holds them all (the backward's: the saved activations).
     fwd = _Run(program.forward, live, rank, "forward", module_paths, n_params)
     with live:
         loss, *saved = _one_line(fwd.run, *forward_args)
-    fwd.env.clear()
-    forward_peak = live.peak
+    forward_peak, saved_bytes = live.peak, fwd.saved_bytes
+    _done(fwd)
     del loss
     live.peak = 0
     bwd = _Run(program.backward, live, rank, "backward", module_paths)
     with live:
         grads = _one_line(bwd.run, *saved, tangent, *accumulated)
-    bwd.env.clear()
     backward_peak = live.peak
-    saved_bytes = fwd.saved_bytes
+    _done(bwd)
     del saved
     live.phase = "optimizer"
     live.update_peak(extra=max((p.nbytes for p in params), default=0))  # AdamW's per-parameter temporary
@@ -242,6 +243,12 @@ def account(
 
 
 # ---------------------------------------------------------------------------------- running
+def _done(run: "_Run") -> None:
+    """Drop what an interpreter holds after its run: its node values and its arguments."""
+    run.env.clear()
+    run.args_iter = iter(())
+
+
 def _one_line(run, *args) -> Any:
     try:
         return run(*args)
