@@ -236,7 +236,7 @@ def release_free_heap() -> None:
     solver freed there would stay resident through training."""
     try:
         trim = ctypes.CDLL(None).malloc_trim
-    except (OSError, AttributeError):  # not glibc
+    except (OSError, AttributeError, TypeError):  # not glibc (Windows: no process handle)
         return
     trim(0)
 
