@@ -380,6 +380,7 @@ def _check_cost(v: float, what: str) -> None:
 # JSON has no infinity: `inf` is written as the string "inf" (null is accepted on read too).
 FORMAT = 1
 _KINDS = {"fixed": Fixed, "allowed": Allowed, "same_choice": SameChoice, "memory_budget": MemoryBudget}
+_KIND_OF = {cls: kind for kind, cls in _KINDS.items()}
 
 
 def encode_float(v: float):
@@ -391,7 +392,6 @@ def decode_float(v) -> float:
 
 
 def problem_to_json(problem: Problem, **kwargs) -> str:
-    kind_of = {cls: kind for kind, cls in _KINDS.items()}
     data = {
         "format": FORMAT,
         "nodes": [
@@ -408,7 +408,7 @@ def problem_to_json(problem: Problem, **kwargs) -> str:
             {"src": e.src, "dst": e.dst, "cost": [[encode_float(v) for v in row] for row in e.cost]}
             for e in problem.edges
         ],
-        "constraints": [_constraint(kind_of[type(c)], asdict(c)) for c in problem.constraints],
+        "constraints": [_constraint(c) for c in problem.constraints],
         "regions": [r.copies for r in problem.regions],
     }
     return json.dumps(data, **kwargs)
@@ -443,22 +443,23 @@ def problem_digest(problem: Problem) -> str:
         put(f"node {n.name}", digest(n.choices, choices))
     for e in problem.edges:
         put(f"edge {e.src} {e.dst}", digest(e.cost, matrix))
-    kind_of = {cls: kind for kind, cls in _KINDS.items()}
     for c in problem.constraints:
-        put("constraint " + json.dumps(_constraint(kind_of[type(c)], asdict(c))))
+        put("constraint " + json.dumps(_constraint(c)))
     for r in problem.regions:
         put("region " + json.dumps(r.copies))
     return total.hexdigest()
 
 
-def _constraint(kind: str, fields: dict) -> dict:
+def _constraint(constraint: Constraint) -> dict:
+    """A constraint as JSON data: its kind and its fields."""
+    fields = asdict(constraint)
     if "limit" in fields:
         fields["limit"] = encode_float(fields["limit"])
     if "memory" in fields and fields["memory"] is None:  # a budget over the choices' own memory
         del fields["memory"]
     if "edges" in fields and not fields["edges"]:
         del fields["edges"]
-    return {"kind": kind, **fields}
+    return {"kind": _KIND_OF[type(constraint)], **fields}
 
 
 def problem_from_json(text: str) -> Problem:
