@@ -239,3 +239,29 @@ def test_all_runs_the_three_configurations_and_reports_each_against_its_best(mon
     )
     assert "seq256      autoshard 500 tok/s, ddp 990: 0.505x" in out and "wide        autoshard 300 tok/s" in out
     assert list(json.loads((tmp_path / "all.json").read_text())) == ["make-train", "seq256", "wide"]
+
+
+def test_init_memory_reports_the_later_steps_apart_from_the_first():
+    """Three steps: the first step's peak and the later steps' (which hold the AdamW states) are two
+    figures, each the largest rank's over its baseline; a code that records no first step apart
+    (one step, or a checkout from before the hook) gives the step's peak and no later figure."""
+    from benchmarks.init_memory import summarize
+
+    def rank(base, first, later):
+        return dict(
+            base=base,
+            plan_peak=base + 20,
+            planned_rss=base + 10,
+            load_peak=base + 40,
+            loaded_rss=base + 30,
+            first_step_peak=base + first,
+            step_peak=base + later,
+        )
+
+    three = {"steps": 3, "ranks": [rank(1000, 70, 80), rank(900, 71, 79)]}
+    s = summarize(three, 100)
+    assert (s["step_peak_x"], s["later_steps_peak_x"], s["peak_x"]) == (0.71, 0.80, 0.80)
+    assert (s["plan_peak_x"], s["load_growth_x"]) == (0.20, 0.30)
+    old = {"ranks": [{k: v for k, v in rank(1000, 0, 70).items() if k != "first_step_peak"}]}
+    s = summarize(old, 100)
+    assert (s["step_peak_x"], s["later_steps_peak_x"], s["peak_x"]) == (0.70, None, 0.70)
