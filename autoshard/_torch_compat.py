@@ -162,6 +162,17 @@ all_gather_single = getattr(funcol, "all_gather_single", None) or funcol.all_gat
 reduce_scatter_single = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
 
 
+def all_gather_launch(x: torch.Tensor, group_size: int, name: str) -> torch.Tensor:
+    """`all_gather_single` on dim 0 of the group named `name`, without funcol's group lookup and
+    wrapper (a bucket's launch); waited on by `wait`."""
+    return funcol._maybe_wrap_tensor(_F.all_gather_into_tensor(x, group_size, name))
+
+
+def reduce_scatter_launch(x: torch.Tensor, op: str, group_size: int, name: str) -> torch.Tensor:
+    """`reduce_scatter_single` on dim 0 of the group named `name`, as `all_gather_launch`."""
+    return funcol._maybe_wrap_tensor(_F.reduce_scatter_tensor(x, op, group_size, name))
+
+
 def all_reduce_owned(t: torch.Tensor, op: str, name: str) -> torch.Tensor:
     """`funcol.all_reduce` of a buffer the caller owns, reduced in place on the group named `name`:
     the functional op copies its input first (a 25 MiB gradient bucket: 5-15 ms on a CPU rank).

@@ -285,7 +285,6 @@ def rank0_part(a: argparse.Namespace, which: str) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
     from autoshard import _torch_compat as tc
-    from autoshard.driver.api import AutoShard
     from autoshard.driver.config import PlanConfig
     from autoshard.program.lower import lower
     from autoshard.runtime.dryrun import dry_run
@@ -301,13 +300,7 @@ def rank0_part(a: argparse.Namespace, which: str) -> dict:
     config = PlanConfig(mesh=shape, param_dtype="bf16", reduce_dtype="fp32", network=network, device_profile=preset)
     say(f"{which}: planning {model_name} on {shape}, batch {batch}, seq {seq} ({network}, {preset})")
     with tc.fake_process_group(math.prod(shape), 0):
-        auto = AutoShard(
-            workload.build("meta"),
-            lambda: workload.example_inputs(batch, seq, "meta"),
-            config=config,
-            loss_fn=workload.loss_fn,
-            n_model_inputs=workload.n_model_inputs,
-        )
+        auto = auto_shard(workload, config, batch, seq)
         plan = auto.optimize()
         memory = auto.fit_dry_run or dry_run(plan, mesh_dim_names=auto.config.mesh_names)
         peak = memory.ranks[0].peak_bytes
@@ -331,6 +324,19 @@ def rank0_part(a: argparse.Namespace, which: str) -> dict:
     else:
         part["notes"].append("no max_memory_allocated on CPU: the memory comparison is skipped")
     return {**part, "status": "ok"}
+
+
+def auto_shard(workload: Any, config: Any, batch: int, seq: int) -> Any:
+    """The planner of `workload` built on meta with its example inputs, as `plan` builds it."""
+    from autoshard.driver.api import AutoShard
+
+    return AutoShard(
+        workload.build("meta"),
+        lambda: workload.example_inputs(batch, seq, "meta"),
+        config=config,
+        loss_fn=workload.loss_fn,
+        n_model_inputs=workload.n_model_inputs,
+    )
 
 
 def local_values(gm: Any, device: str, vocab: int) -> list:

@@ -265,3 +265,27 @@ def test_init_memory_reports_the_later_steps_apart_from_the_first():
     old = {"ranks": [{k: v for k, v in rank(1000, 0, 70).items() if k != "first_step_peak"}]}
     s = summarize(old, 100)
     assert (s["step_peak_x"], s["later_steps_peak_x"], s["peak_x"]) == (0.70, None, 0.70)
+
+
+def test_host_work_times_each_redistribution_kind_bucket_and_program(tmp_path):
+    """benchmarks/host_work.py at a few calls: a row per redistribution with its raw collectives
+    timed apart (none for a local chunk), a per-member figure per bucketed kind, and both programs
+    of make train's model with their redistribution modules counted and timed inside the step."""
+    from benchmarks import host_work
+
+    assert host_work.main(["--calls", "4", "--steps", "1", "--json", str(tmp_path / "h.json")]) == 0
+    result = json.loads((tmp_path / "h.json").read_text())
+    rows = {r["redistribution"]: r for r in result["single"]}
+    assert len(rows) == len(host_work.SINGLE) and rows["RR -> S(0)R"]["raw_us"] < 1.0  # no collective
+    assert all(r["executor_us"] > 0 for r in rows.values()) and rows["PR -> RR"]["steps"] == "all_reduce"
+    assert [b["members"].split(" (")[1] for b in result["buckets"]] == [
+        "all_reduce)",
+        "all_gather)",
+        "all_gather)",
+        "reduce_scatter)",
+    ]
+    default, recipe = result["programs"]
+    assert (default["plan"], recipe["plan"]) == ("default", "fsdp-tp")
+    assert default["buckets"] >= 1 and default["members"] > default["buckets"]
+    assert recipe["redistributions"] > default["redistributions"]
+    assert all(0 < p["executor_s"] < p["step_s"] for p in (default, recipe))

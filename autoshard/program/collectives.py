@@ -96,23 +96,22 @@ def launch_bucket(
     kind, phys = firsts[0].kind, group_dims(firsts[0])
     if kind not in _BUCKETED or any(f.kind != kind or group_dims(f) != phys for f in firsts):
         raise ValueError(f"a bucket needs one collective kind on one set of mesh dims, got {[str(f) for f in firsts]}")
-    n = _group_size(mesh, phys)
+    shape = tuple(mesh.shape)
+    n = _group_size(shape, phys)
     names = list(names) if names is not None else [group_names(plan, mesh) for plan in plans]
+    group = names[0][0]  # every member's first step runs on it
     if kind == "reduce_scatter":
         chunks = [
-            _reindex(_split(x, f.tensor_dims[0], n), mesh.shape, f.mesh_dims, phys)
-            for f, x in zip(firsts, local_tensors)
+            _reindex(_split(x, f.tensor_dims[0], n), shape, f.mesh_dims, phys) for f, x in zip(firsts, local_tensors)
         ]
         parts = [tuple(c.shape[1:]) for c in chunks]
         flat = torch.cat([c.reshape(n, -1) for c in chunks], dim=1).reshape(-1)
-        result = tc.reduce_scatter_single(flat, "sum", 0, _group(mesh, phys))
+        result = tc.reduce_scatter_launch(flat, "sum", n, group)
     else:
         parts = [tuple(x.shape) for x in local_tensors]
         flat = torch.cat([x.reshape(-1) for x in local_tensors])
         result = (
-            tc.all_gather_single(flat, 0, _group(mesh, phys))
-            if kind == "all_gather"
-            else tc.all_reduce_owned(flat, "sum", names[0][0])
+            tc.all_gather_launch(flat, n, group) if kind == "all_gather" else tc.all_reduce_owned(flat, "sum", group)
         )  # `flat` is ours: reduced in place
     orders = list(dim_orders) if dim_orders is not None else [None] * len(plans)
     return PendingBucket(list(plans), result, parts, mesh, orders, names)
@@ -121,18 +120,18 @@ def launch_bucket(
 def finish_bucket(pending: PendingBucket) -> list[torch.Tensor]:
     """Wait for a launched bucket; each member's result, as `execute` gives it (values and strides)."""
     mesh, firsts = pending.mesh, [plan.steps[0] for plan in pending.plans]
-    phys = group_dims(firsts[0])
-    n = _group_size(mesh, phys)
+    phys, shape = group_dims(firsts[0]), tuple(mesh.shape)
+    n = _group_size(shape, phys)
     out = tc.wait(pending.result)
     gathered = out.reshape(n, -1) if firsts[0].kind == "all_gather" else None
     outs, offset = [], 0
-    for step, shape in zip(firsts, pending.parts):
-        size = math.prod(shape)
+    for step, part_shape in zip(firsts, pending.parts):
+        size = math.prod(part_shape)
         if gathered is not None:
-            part = gathered[:, offset : offset + size].reshape([n, *shape])
-            outs.append(_merge(_reindex(part, mesh.shape, phys, step.mesh_dims), step.tensor_dims[0]))
+            part = gathered[:, offset : offset + size].reshape([n, *part_shape])
+            outs.append(_merge(_reindex(part, shape, phys, step.mesh_dims), step.tensor_dims[0]))
         else:
-            part = out[offset : offset + size].reshape(shape)
+            part = out[offset : offset + size].reshape(part_shape)
             outs.append(part / n if _reduce_op(step) == "avg" else part)
         offset += size
     coord = mesh.get_coordinate()
@@ -167,9 +166,9 @@ def _group(mesh: Any, dims: tuple[int, ...]) -> Any:
     return (mesh, dims[0]) if len(dims) == 1 else tc.flattened_mesh(mesh, dims)
 
 
-def _group_size(mesh: Any, dims: Sequence[int]) -> int:
+def _group_size(mesh_shape: Sequence[int], dims: Sequence[int]) -> int:
     """Ranks in the group over mesh `dims` (a list for math.prod: dynamo cannot pass it a generator)."""
-    return math.prod([mesh.shape[m] for m in dims])
+    return math.prod([mesh_shape[m] for m in dims])
 
 
 def group_dims(step: Step) -> tuple[int, ...]:
@@ -230,7 +229,7 @@ def _reduce_op(step: Step) -> str:
 def _all_gather(step: Step, x: torch.Tensor, mesh: Any, coord: Any, group: str | None) -> torch.Tensor:
     (d,) = step.tensor_dims
     phys = group_dims(step)
-    n = _group_size(mesh, phys)
+    n = _group_size(mesh.shape, phys)
     gathered = tc.all_gather_now(x.contiguous(), n, group)
     chunks = _reindex(gathered.reshape([n] + list(x.shape)), mesh.shape, phys, step.mesh_dims)
     return _merge(chunks, d)
@@ -239,7 +238,7 @@ def _all_gather(step: Step, x: torch.Tensor, mesh: Any, coord: Any, group: str |
 def _reduce_scatter(step: Step, x: torch.Tensor, mesh: Any, coord: Any, group: str | None) -> torch.Tensor:
     (d,) = step.tensor_dims
     phys = group_dims(step)
-    n = _group_size(mesh, phys)
+    n = _group_size(mesh.shape, phys)
     chunks = _reindex(_split(x, d, n), mesh.shape, step.mesh_dims, phys)
     out = tc.reduce_scatter_now(_stacked(chunks), "sum", n, group)
     out = out.reshape(chunks.shape[1:])
@@ -248,7 +247,7 @@ def _reduce_scatter(step: Step, x: torch.Tensor, mesh: Any, coord: Any, group: s
 
 def _all_reduce(step: Step, x: torch.Tensor, mesh: Any, coord: Any, group: str | None) -> torch.Tensor:
     phys = group_dims(step)
-    n = _group_size(mesh, phys)
+    n = _group_size(mesh.shape, phys)
     out = tc.all_reduce_now(x.contiguous(), "sum", group)
     return out / n if _reduce_op(step) == "avg" else out
 
@@ -256,7 +255,7 @@ def _all_reduce(step: Step, x: torch.Tensor, mesh: Any, coord: Any, group: str |
 def _all_to_all(step: Step, x: torch.Tensor, mesh: Any, coord: Any, group: str | None) -> torch.Tensor:
     a, b = step.tensor_dims
     phys = group_dims(step)
-    n = _group_size(mesh, phys)
+    n = _group_size(mesh.shape, phys)
     send = _reindex(_split(x, b, n), mesh.shape, step.mesh_dims, phys)
     stacked = _stacked(send)
     even = [stacked.shape[0] // n] * n
@@ -268,7 +267,7 @@ def _all_to_all(step: Step, x: torch.Tensor, mesh: Any, coord: Any, group: str |
 def _permute(step: Step, x: torch.Tensor, mesh: Any, coord: Any, group: str | None) -> torch.Tensor:
     (d,) = step.tensor_dims
     phys = group_dims(step)
-    n = _group_size(mesh, phys)
+    n = _group_size(mesh.shape, phys)
     src_order, dst_order = dict(step.src.order)[d], dict(step.dst.order)[d]
     splits = _permute_splits(tuple(coord[m] for m in phys), tuple(mesh.shape), phys, src_order, dst_order, x.numel())
     return tc.all_to_all_now(x.contiguous().reshape(-1), splits[n:], splits[:n], group).reshape(x.shape)
