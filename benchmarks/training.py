@@ -27,7 +27,7 @@ each collective it sees (functional or c10d) with the ring model.
     python benchmarks/training.py --param-dtype bf16 --reduce-dtype fp32   # both trainers in bf16
     python benchmarks/training.py --wide --repeats 1   # llama3-wide, batch 4, seq 512: TP should win on paper
     python benchmarks/training.py --make-train   # make train's configuration: llama3-debug 2x2, batch 8, seq 64
-    python benchmarks/training.py --all   # the three above (make train's, seq 256, wide) in one run (~40 min)
+    python benchmarks/training.py --all   # the three above (make train's, seq 256, wide) in one run (~15 min)
 """
 
 from __future__ import annotations
