@@ -4,7 +4,7 @@ collectives they issue (issue 54's item 2).
 One process, a fake process group of 4 ranks on a (2,2) mesh: collectives return at once and move
 nothing, so a call's time is host work alone (Python, dispatch, the local reshapes and copies of
 a small tensor). For each redistribution kind, the `Redistribute` module's call against the raw
-collective it issues on the same buffer; for each bucketed kind, a `Bucket` of 1 and of 8 members
+collectives it issues, called on buffers of its input's size; for each bucketed kind, a `Bucket` of 1 and of 8 members
 launched and awaited, whose difference gives the cost of one more member. Times are the best of
 5 repeats of N calls.
 
@@ -31,9 +31,9 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 
 from autoshard import _torch_compat as tc
-from benchmarks.gpu_check import auto_shard, local_values
 from autoshard.pricing.planner import Planner
 from autoshard.program.modules import AwaitBucket, Bucket, Redistribute
+from benchmarks.gpu_check import auto_shard, local_values
 
 MESH, SHAPE = (2, 2), (8, 8)
 SINGLE = [  # (source, destination) of one redistribution each
