@@ -143,6 +143,7 @@ def measure_program(recipe: str | None, steps: int) -> dict:
         program = lower(plan, init_device_mesh("cpu", MESH, mesh_dim_names=auto.config.mesh_names))
         spent = [0.0]
         counts = {"redistributions": 0, "buckets": 0, "members": 0}
+        wrapped: set[int] = set()  # a module both programs call (the await, a recomputed one): timed once
 
         def timed(module: torch.nn.Module) -> None:
             call = module.forward
@@ -157,8 +158,15 @@ def measure_program(recipe: str | None, steps: int) -> dict:
             module.forward = forward
 
         for gm in (program.forward, program.backward):
-            for name, module in gm.named_modules():
-                if isinstance(module, (Redistribute, Bucket, AwaitBucket)) and "." not in name and name:
+            for node in (n for n in gm.graph.nodes if n.op == "call_module"):
+                module = gm.get_submodule(node.target)
+                if isinstance(module, Redistribute):
+                    counts["redistributions"] += 1
+                elif isinstance(module, Bucket):
+                    counts["buckets"] += 1
+                    counts["members"] += len(module.members)
+                if isinstance(module, (Redistribute, Bucket, AwaitBucket)) and id(module) not in wrapped:
+                    wrapped.add(id(module))
                     timed(module)
         args = local_values(program.forward, "cpu", workload.vocab_size)
         tangent = torch.ones(())
@@ -174,13 +182,6 @@ def measure_program(recipe: str | None, steps: int) -> dict:
             del saved
             if step:
                 figures.append((spent[0], time.perf_counter() - start))
-        for gm in (program.forward, program.backward):
-            for n in gm.graph.nodes:
-                if n.op == "call_module" and isinstance(gm.get_submodule(n.target), Redistribute):
-                    counts["redistributions"] += 1
-                elif n.op == "call_module" and isinstance(gm.get_submodule(n.target), Bucket):
-                    counts["buckets"] += 1
-                    counts["members"] += len(gm.get_submodule(n.target).members)
     return {
         "plan": recipe or "default",
         "summary": plan.summary(),
