@@ -479,6 +479,7 @@ from autoshard._torch_compat_checkpoint import (  # noqa: E402
 # the shims live in _torch_compat_legacy; applied here, where the names they replace are bound
 if _legacy.TORCH < (2, 13):
     _legacy.reductions_per_candidate()
+    _legacy.config_logging_without_functions()
     mem_tracker = _legacy.mem_tracker_2_12
 if _legacy.TORCH < (2, 12):
     _legacy.teach_dynamo_mesh_shape()

@@ -88,3 +88,19 @@ def dense_input(collective: Any) -> Any:
     """2.11's gather, reduce-scatter and all-to-all kernels refuse a non-contiguous input (2.13's
     take it)."""
     return functools.wraps(collective)(lambda x, *args: collective(x.contiguous(), *args))
+
+
+def config_logging_without_functions() -> None:
+    """2.11's compile metrics log dynamo's config with every set sorted, `ignore_logging_functions`
+    too, which `dynamo_capture` fills with Logger methods: functions do not sort, and each capture
+    printed an error with a traceback. 2.13 leaves that set out of the log: so does this."""
+    from torch._dynamo import utils
+
+    config_for_logging = utils._get_dynamo_config_for_logging
+
+    @functools.wraps(config_for_logging)
+    def without_functions() -> Any:
+        with torch._dynamo.config.patch(ignore_logging_functions=set()):
+            return config_for_logging()
+
+    utils._get_dynamo_config_for_logging = without_functions
