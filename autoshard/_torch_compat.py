@@ -450,7 +450,7 @@ def no_redistribute_costs() -> Iterator[None]:
 
 
 # ---------------------------------------------------------------- parallel module, dry run, compiled program
-# (runtime/): defined in _torch_compat_runtime, re-exported here as `tc.<name>`
+# (runtime/, and program/attention.py's kernel): defined in _torch_compat_runtime, re-exported as `tc.<name>`
 from autoshard._torch_compat_runtime import (  # noqa: E402
     dtensor_from_local as dtensor_from_local,
     local_of as local_of,
@@ -465,6 +465,7 @@ from autoshard._torch_compat_runtime import (  # noqa: E402
     dispatch_mode_blocks_compile as dispatch_mode_blocks_compile,
     dynamo_counts as dynamo_counts,
     inductor_unavailable as inductor_unavailable,
+    sdpa_backend as sdpa_backend,
 )
 
 

@@ -137,3 +137,24 @@ def inductor_unavailable(device_type: str) -> str | None:
     except exc.InvalidCxxCompiler as err:
         return f"inductor needs a C++ compiler for CPU kernels: {err} (install g++ or set CXX)"
     return None
+
+
+# ---------------------------------------------------------------- attention on a GPU (program/attention.py)
+def sdpa_backend(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, is_causal: bool, scale: Any
+) -> str | None:
+    """The kernel `scaled_dot_product_attention` picks for these CUDA inputs in training (no mask,
+    no dropout, inputs that require grad): 'cudnn', 'flash', 'efficient' or 'math'; None without a
+    CUDA runtime to ask (fake CUDA tensors on a machine without one)."""
+    from torch.nn.attention import SDPBackend
+
+    if not torch.cuda.is_available():
+        return None
+
+    q, k, v = (t.detach().requires_grad_() for t in (query, key, value))
+    choice = torch._fused_sdp_choice(q, k, v, None, 0.0, is_causal, scale=scale)
+    return {
+        SDPBackend.CUDNN_ATTENTION: "cudnn",
+        SDPBackend.FLASH_ATTENTION: "flash",
+        SDPBackend.EFFICIENT_ATTENTION: "efficient",
+    }.get(SDPBackend(choice), "math")

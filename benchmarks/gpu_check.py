@@ -4,6 +4,7 @@ scale against the cost model and the dry run.
     python3 benchmarks/gpu_check.py --out gpu-check          # one H100 or H200: a 450 s budget
     python3 benchmarks/gpu_check.py --big --out gpu-check    # also llama3-70b (64, 8): an H200's memory
     python benchmarks/gpu_check.py --tiny --out /tmp/gc      # every part at toy sizes, on CPU
+    ... --parts step-eager,rank0 --profile DIR               # some parts; one profiled step each
 
 Parts, each in a process of its own (a CUDA fault or an out-of-memory ends that part, not the
 check; the time budget ends a part that outruns it):
@@ -29,12 +30,10 @@ repository (not installed: its solver/ and models/ are found here), and an ILP b
 from __future__ import annotations
 
 import argparse
-import gc
 import importlib.util
 import json
 import math
 import os
-import statistics
 import subprocess
 import sys
 import time
@@ -51,15 +50,23 @@ sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from benchmarks.gpu_check_measure import (  # noqa: E402
+    CastStep,
+    attention_check,
+    device_type,
+    figures,
+    free,
+    initial_state,
+    measure_program,
+    peak_flops,
+    run_steps,
+    say,
+)
 from benchmarks.gpu_check_report import FULL, GOALS, TINY, case_of, table, write  # noqa: E402
 
-DATASHEET_BF16 = {"H100": 989.4e12, "H200": 989.4e12}  # dense bf16 peak of the SXM parts, flop/s
-# the least a part needs to be worth starting (seconds: GPU, CPU tiny)
-MIN_SECONDS = {"step-eager": (60, 10), "rank0": (45, 10), "step-compiled": (90, 20), "rank0-big": (60, 10)}
-
-
-def say(line: str) -> None:
-    print(f"[gpu_check {time.strftime('%H:%M:%S')}] {line}", flush=True)
+# the parts in the order they run, each with the least it needs to be worth starting (seconds: GPU,
+# CPU tiny)
+MIN_SECONDS = {"step-eager": (60, 10), "rank0": (45, 10), "rank0-big": (60, 10), "step-compiled": (90, 20)}
 
 
 def importable() -> None:
@@ -76,10 +83,6 @@ def importable() -> None:
 
 
 # ---------------------------------------------------------------------------------- helpers
-def device_type() -> str:
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
 def profiles(device: str) -> tuple[str, str]:
     """(network, device) presets to plan with: the GPU's own, or the CPU's."""
     if device == "cpu":
@@ -87,92 +90,11 @@ def profiles(device: str) -> tuple[str, str]:
     return "h100-node", "h200" if "H200" in torch.cuda.get_device_name() else "h100"
 
 
-def sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
-def timed(fn, device: str) -> float:
-    """Seconds `fn()` took: CUDA events on a GPU, the wall clock on CPU."""
-    if device != "cuda":
-        start = time.perf_counter()
-        fn()
-        return time.perf_counter() - start
-    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    begin.record()
-    fn()
-    end.record()
-    end.synchronize()
-    return begin.elapsed_time(end) / 1e3
-
-
 def one_line(err: BaseException) -> str:
     return f"{type(err).__name__}: " + (str(err).strip().splitlines() or [""])[0][:300]
 
 
-def free(device: str) -> None:
-    gc.collect()
-    if device == "cuda":
-        torch.cuda.empty_cache()
-
-
 # ---------------------------------------------------------------------------------- a. the step
-def initial_state(cfg: Any, device: str, seed: int = 0) -> dict:
-    """Values both runs load, drawn on the device and kept on the host: speed does not depend on
-    them, and the model's own init draws 1.5B values on one CPU core (~30 s)."""
-    from autoshard_models import build_model
-    from autoshard_models.llama import rope_tables
-
-    model = build_model(cfg, device="meta").to_empty(device=device)
-    gen = torch.Generator(device=device).manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.fill_(1.0) if name.endswith("norm.weight") else p.normal_(0.0, 0.02, generator=gen)
-        cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
-        model.rope_cos.copy_(cos)
-        model.rope_sin.copy_(sin)
-    state = {k: v.detach().to("cpu") for k, v in (dict(model.named_parameters()) | dict(model.named_buffers())).items()}
-    del model
-    free(device)
-    return state
-
-
-class CastStep:
-    """Plain torch's step under FSDP2's MixedPrecisionPolicy(bf16, fp32) on one device: the fp32
-    parameters cast to bf16 for the forward (autograd casts each gradient back to fp32), the loss
-    in fp32; compiled whole (forward and backward) with torch.compile."""
-
-    def __init__(self, model: Any, dtype: Any, compiled: bool):
-        from autoshard_models import cross_entropy_loss
-
-        def loss(tokens, targets):
-            cast = {name: p.to(dtype) for name, p in model.named_parameters()}
-            return cross_entropy_loss(torch.func.functional_call(model, cast, (tokens,)), targets)
-
-        self.loss = torch.compile(loss) if compiled else loss
-
-    def __call__(self, tokens, targets):
-        return self.loss(tokens, targets)
-
-
-def run_steps(step, optim, warm: int, steps: int, device: str) -> tuple[float, list[float]]:
-    """Median seconds of `steps` timed steps after `warm` (the first of which compiles), losses."""
-    losses: list[float] = []
-
-    def one():
-        loss = step()
-        loss.backward()
-        optim.step()
-        optim.zero_grad(set_to_none=True)
-        losses.append(loss.detach())
-
-    for _ in range(warm):
-        one()
-    sync(device)
-    times = [timed(one, device) for _ in range(steps)]
-    return statistics.median(times), [float(v) for v in losses]
-
-
 def step_part(a: argparse.Namespace, compiled: bool) -> dict:
     """autoshard's plan on mesh (1,) and plain torch, the same step, the same values."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -189,6 +111,7 @@ def step_part(a: argparse.Namespace, compiled: bool) -> dict:
     model_name, batch, seq = (TINY if a.tiny else FULL)["step"]
     warm, steps = (2, 3) if a.tiny else (3, 10)
     part: dict[str, Any] = {"model": model_name, "batch": batch, "seq": seq, "mesh": [1], "compiled": compiled}
+    profile_to = a.profile / f"profile-{a.part}.txt" if a.profile else None
     part.update(param_dtype="bf16", reduce_dtype="fp32", warm_steps=warm, timed_steps=steps, variants={}, notes=[])
     why = tc.inductor_unavailable(device) if compiled else None
     if why is not None:
@@ -204,6 +127,7 @@ def step_part(a: argparse.Namespace, compiled: bool) -> dict:
     flops, peak = 0.0, 0.0
     if device == "cuda":
         torch.cuda.set_device(0)
+    part["attention"] = attention_check(device)
     dist.init_process_group("nccl" if device == "cuda" else "gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:  # a failure here (out of memory, a kernel missing) leaves plain torch's figures to measure
         mesh = init_device_mesh(device, (1,), mesh_dim_names=("dp",))
@@ -230,7 +154,9 @@ def step_part(a: argparse.Namespace, compiled: bool) -> dict:
         pmodel.load_full(state)
         optim = torch.optim.AdamW(pmodel.parameters(), lr=1e-4, fused=True)
         inputs = pmodel.shard_inputs(tokens, targets)
-        seconds, losses = run_steps(lambda m=pmodel, x=inputs: m(*x), optim, warm, steps, device)
+        seconds, losses = run_steps(
+            lambda m=pmodel, x=inputs: m(*x), optim, warm, steps, device, profile_to, "autoshard's step"
+        )
         part["variants"]["autoshard"] = figures(seconds, losses, batch * seq, flops, peak)
         say(f"step: autoshard {part['variants']['autoshard']['tokens_per_s']:,.0f} tokens/s")
         del pmodel, optim, inputs, auto, plan
@@ -247,7 +173,9 @@ def step_part(a: argparse.Namespace, compiled: bool) -> dict:
         buf.copy_(state[name])
     optim = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     step = CastStep(model, torch.bfloat16, compiled)
-    seconds, losses = run_steps(lambda: step(tokens, targets), optim, warm, steps, device)
+    seconds, losses = run_steps(
+        lambda: step(tokens, targets), optim, warm, steps, device, profile_to, "plain torch's step"
+    )
     part["variants"]["torch"] = figures(seconds, losses, batch * seq, flops, peak)
     say(f"step: plain torch {part['variants']['torch']['tokens_per_s']:,.0f} tokens/s")
     if "autoshard" not in part["variants"]:
@@ -255,28 +183,10 @@ def step_part(a: argparse.Namespace, compiled: bool) -> dict:
     part["ratio"] = part["variants"]["autoshard"]["tokens_per_s"] / part["variants"]["torch"]["tokens_per_s"]
     first = part["variants"]["autoshard"]["loss_first"], part["variants"]["torch"]["loss_first"]
     part["first_loss_rel_diff"] = abs(first[0] - first[1]) / abs(first[1])
+    last = part["variants"]["autoshard"]["loss_last"], part["variants"]["torch"]["loss_last"]
+    part["last_loss_rel_diff"] = abs(last[0] - last[1]) / abs(last[1])
     part["met"] = part["ratio"] >= GOALS["step"]
     return {**part, "status": "ok"}
-
-
-def peak_flops(device: str, profile: Any) -> tuple[float, str]:
-    """The peak MFU divides by: the datasheet's dense bf16 rate of the GPU, else the preset's."""
-    if device == "cuda":
-        name = torch.cuda.get_device_name()
-        for key, rate in DATASHEET_BF16.items():
-            if key in name:
-                return rate, f"{key} datasheet, dense bf16"
-    return profile.peak_for(torch.bfloat16), f"the {profile.name} preset's bf16 rate"
-
-
-def figures(seconds: float, losses: list[float], tokens: int, flops: float, peak: float) -> dict:
-    return {
-        "step_s": seconds,
-        "tokens_per_s": tokens / seconds,
-        "mfu": flops / seconds / peak if flops and peak else None,
-        "loss_first": losses[0],
-        "loss_last": losses[-1],
-    }
 
 
 # ---------------------------------------------------------------------------------- b, c. rank 0
@@ -315,7 +225,8 @@ def rank0_part(a: argparse.Namespace, which: str) -> dict:
         program = lower(plan, init_device_mesh(device, shape, mesh_dim_names=auto.config.mesh_names))
         part["compute_modeled_s"], part["optimizer_modeled_s"] = program.step.compute_s, program.step.optimizer_s
         part["plan_compute_s"] = plan.compute_s
-        part.update(measure_program(program, workload.vocab_size, device, warm, steps, which))
+        profile_to = a.profile / f"profile-{which}.txt" if a.profile else None
+        part.update(measure_program(program, workload.vocab_size, device, warm, steps, which, profile_to))
     part["compute_ratio"] = part["compute_measured_s"] / part["compute_modeled_s"]
     part["met_compute"] = abs(part["compute_ratio"] - 1) <= GOALS["compute"]
     if part.get("memory_measured_bytes") is not None:
@@ -337,69 +248,6 @@ def auto_shard(workload: Any, config: Any, batch: int, seq: int) -> Any:
         loss_fn=workload.loss_fn,
         n_model_inputs=workload.n_model_inputs,
     )
-
-
-def local_values(gm: Any, device: str, vocab: int) -> list:
-    """Real tensors of each placeholder's local shape and traced dtype: token ids in the vocabulary,
-    small floats elsewhere (the values a step's speed does not depend on)."""
-    from autoshard.program.lower import LOCAL_SHAPE
-
-    values = []
-    for node in (n for n in gm.graph.nodes if n.op == "placeholder"):
-        traced = node.meta["autoshard_source"].meta["val"]
-        shape = node.meta.get(LOCAL_SHAPE) or tuple(traced.shape)
-        if traced.dtype.is_floating_point:
-            values.append((torch.randn(shape, device=device) * 0.02).to(traced.dtype))
-        else:
-            values.append(torch.randint(0, vocab, shape, device=device, dtype=traced.dtype))
-    return values
-
-
-def measure_program(program: Any, vocab: int, device: str, warm: int, steps: int, which: str) -> dict:
-    """Forward and backward of `program` on real local tensors, then fused AdamW on the gradients:
-    the median forward + backward time and the optimizer's, and the allocator's peak over one
-    steady step (AdamW states allocated in a warm step, as the dry run models)."""
-    from autoshard.program.lower import CheckedRun
-
-    forward_args = local_values(program.forward, device, vocab)
-    n_params = len(program.param_names)
-    params = forward_args[:n_params]
-    optim = torch.optim.AdamW(params, lr=1e-4, fused=True)
-    tangent = torch.ones((), device=device)
-    checked = [False]
-
-    def fwd_bwd() -> None:
-        run = (lambda gm: CheckedRun(gm).run) if not checked[0] else (lambda gm: gm)
-        loss, *saved = run(program.forward)(*forward_args)
-        grads = run(program.backward)(*saved, tangent)
-        del saved
-        checked[0] = True
-        for p, g in zip(params, grads):
-            p.grad = g
-
-    def adamw() -> None:
-        optim.step()
-        optim.zero_grad(set_to_none=True)
-
-    compute, update = [], []
-    for i in range(warm + steps):
-        seconds = timed(fwd_bwd, device)
-        opt_seconds = timed(adamw, device)
-        if i >= warm:
-            compute.append(seconds)
-            update.append(opt_seconds)
-        fb, opt = seconds * 1e3, opt_seconds * 1e3
-        say(f"{which}: step {i + 1}/{warm + steps}: forward + backward {fb:.1f} ms, AdamW {opt:.1f} ms")
-    out = {"compute_measured_s": statistics.median(compute), "optimizer_measured_s": statistics.median(update)}
-    out["compute_times_s"] = compute
-    if device == "cuda":
-        sync(device)
-        torch.cuda.reset_peak_memory_stats()
-        fwd_bwd()
-        adamw()
-        sync(device)
-        out["memory_measured_bytes"] = torch.cuda.max_memory_allocated()
-    return out
 
 
 # ---------------------------------------------------------------------------------- running
@@ -426,6 +274,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--big", action="store_true", help="also llama3-70b on (64, 8) (always with --tiny)")
     parser.add_argument("--no-compile", action="store_true", help="leave out the torch.compile'd step")
     parser.add_argument("--budget", type=float, default=None, help="seconds for every part (default 450; tiny 300)")
+    parser.add_argument("--profile", type=Path, default=None, help="one more profiled step per part: tables here")
+    parser.add_argument("--parts", default=None, help="run only these parts (comma-separated names)")
     parser.add_argument("--part", default=None, help=argparse.SUPPRESS)  # a child: run this part
     parser.add_argument("--result", default=None, help=argparse.SUPPRESS)
     a = parser.parse_args(argv)
@@ -437,11 +287,19 @@ def main(argv: list[str] | None = None) -> int:
     if device == "cpu" and not a.tiny:
         print("error: no CUDA device: the full check needs a GPU (--tiny runs it at toy sizes on CPU)", file=sys.stderr)
         return 2
+    # the compiled step last: its compiles take the longest, and a spent budget should skip it, not
+    # the goals the other parts measure
     parts = (
         ["step-eager", "rank0"]
-        + ([] if a.no_compile else ["step-compiled"])
         + (["rank0-big"] if a.big or a.tiny else [])
+        + ([] if a.no_compile else ["step-compiled"])
     )
+    if a.parts is not None:
+        unknown = sorted(set(a.parts.split(",")) - set(MIN_SECONDS))
+        if unknown:
+            print(f"error: --parts: no part {', '.join(unknown)} (parts: {', '.join(MIN_SECONDS)})", file=sys.stderr)
+            return 2
+        parts = [p for p in MIN_SECONDS if p in a.parts.split(",")]
     result: dict[str, Any] = {
         "meta": {
             "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
@@ -480,6 +338,7 @@ def child(name: str, a: argparse.Namespace, left: float) -> dict:
     result.unlink(missing_ok=True)
     command = [sys.executable, str(Path(__file__).resolve()), "--part", name, "--result", str(result)]
     command += ["--tiny"] if a.tiny else []
+    command += ["--profile", str(a.profile.resolve())] if a.profile else []
     say(f"{name}: starting ({left:.0f} s left)")
     start = time.perf_counter()
     try:

@@ -73,6 +73,12 @@ def table(result: dict) -> str:
                 f"modeled {part['compute_modeled_s'] * 1e3:.1f} ms | {part['compute_ratio']:.3f} | "
                 f"within {GOALS['compute']:.0%} | {'yes' if part['met_compute'] else 'no'} |"
             )
+            if part.get("compute_device_busy_s") is not None:
+                busy = part["compute_device_busy_s"]
+                lines.append(
+                    f"| {name} | {case} | forward + backward, device busy (profiled) | {busy * 1e3:.1f} ms | "
+                    f"modeled {part['compute_modeled_s'] * 1e3:.1f} ms | {busy / part['compute_modeled_s']:.3f} | | |"
+                )
             lines.append(
                 f"| {name} | {case} | fused AdamW | {part['optimizer_measured_s'] * 1e3:.1f} ms | "
                 f"modeled {part['optimizer_modeled_s'] * 1e3:.1f} ms | "
@@ -89,6 +95,13 @@ def table(result: dict) -> str:
                     f"| {name} | {case} | peak memory | skipped (no allocator peak on CPU) | "
                     f"dry run {fmt_bytes(part['dry_run_peak_bytes'])} | | within {GOALS['memory']:.0%} | |"
                 )
+        if part.get("attention"):
+            att = part["attention"]
+            notes.append(
+                f"- {name}: attention ({att['kernel']}) against fp32 math, max |error|: output {att['out_err']:.2e}, "
+                f"gradients {att['grad_err']:.2e}; torch's own sdpa in bf16: {att['torch_out_err']:.2e}, "
+                f"{att['torch_grad_err']:.2e}"
+            )
         notes += [f"- {name}: {note}" for note in part.get("notes", [])]
     return "\n".join(lines + ([""] + notes if notes else [])) + "\n"
 

@@ -33,7 +33,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from autoshard import _torch_compat as tc
 from autoshard.pricing.planner import Planner
 from autoshard.program.modules import AwaitBucket, Bucket, Redistribute
-from benchmarks.gpu_check import auto_shard, local_values
+from benchmarks.gpu_check import auto_shard
+from benchmarks.gpu_check_measure import local_values
 
 MESH, SHAPE = (2, 2), (8, 8)
 SINGLE = [  # (source, destination) of one redistribution each

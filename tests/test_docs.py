@@ -50,7 +50,9 @@ OTHER_TOOLS = {
     "--rounds",
     "--calibrated",  # benchmarks/overlap.py
     "--tiny",
-    "--big",  # benchmarks/gpu_check.py
+    "--big",
+    "--parts",
+    "--profile",  # benchmarks/gpu_check.py
     "--no-index",
     "--no-deps",
     "--target",

@@ -38,6 +38,8 @@ def test_tiny_check_runs_every_part_and_writes_its_table(tmp_path):
             "--no-compile",
             "--budget",
             "600",
+            "--profile",
+            str(tmp_path),
             "--out",
             str(tmp_path),
         ],
@@ -62,6 +64,11 @@ def test_tiny_check_runs_every_part_and_writes_its_table(tmp_path):
     assert step["met"] == (step["ratio"] >= 0.97)
     assert step["first_loss_rel_diff"] < 1e-3  # the same step on the same values: the same loss
     assert not step["recompute"] and step["mesh"] == [1]
+    # on CPU the program's attention is torch's own op: the same error against fp32 as torch's
+    assert step["attention"]["kernel"] == "sdpa" and step["attention"]["out_err"] == step["attention"]["torch_out_err"]
+    profiles = {name: (tmp_path / f"profile-{name}.txt").read_text() for name in parts}
+    assert profiles["step-eager"].count("by self_cpu_time_total") == 2  # autoshard's step, torch's
+    assert "## rank 0's forward + backward (rank0), by self_cpu_time_total" in profiles["rank0"]
 
     for name in ("rank0", "rank0-big"):
         part = parts[name]
@@ -105,6 +112,16 @@ def test_a_spent_budget_skips_each_part_with_a_note(tmp_path, capsys):
     assert (
         "| rank0-big | llama3-tiny (4, 2), batch 8, seq 32, bf16 / fp32, rank 0 | skipped |" in capsys.readouterr().out
     )
+
+
+def test_parts_picks_parts_in_their_order_and_an_unknown_one_is_one_error_line(tmp_path, capsys):
+    assert gpu_check.main(["--tiny", "--parts", "rank0,nope", "--out", str(tmp_path)]) == 2
+    assert (
+        capsys.readouterr().err == "error: --parts: no part nope (parts: step-eager, rank0, rank0-big, step-compiled)\n"
+    )
+    assert not (tmp_path / "gpu_check.json").exists()
+    assert gpu_check.main(["--tiny", "--parts", "step-compiled,rank0", "--budget", "0", "--out", str(tmp_path)]) == 0
+    assert list(json.loads((tmp_path / "gpu_check.json").read_text())["parts"]) == ["rank0", "step-compiled"]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")
@@ -167,3 +184,23 @@ def test_the_device_attention_fallback_matches_the_cpu_op():
         assert torch.allclose(a, b, atol=1e-5) and a.stride() == b.stride()
     with pytest.raises(NotImplementedError, match="dropout"):
         attention_forward(q, k, v, 0.1, True)
+
+
+@pytest.mark.parametrize("kernel", ["cudnn", "flash"])
+def test_the_fused_kernels_take_the_cpu_op_s_arguments_and_give_its_shapes(monkeypatch, kernel):
+    """Whichever kernel torch would pick on the GPU (cuDNN's on Hopper, flash attention's), the
+    program's attention hands over the CPU op's outputs: the output [b, h, s, d] laid out as
+    [b, s, h, d] and the logsumexp [b, h, s] in fp32, which the backward takes back. Checked on
+    fake CUDA tensors (the kernels' meta functions), the GPU's choice stubbed."""
+    from autoshard.program import attention
+
+    monkeypatch.setattr(tc, "sdpa_backend", lambda *args: kernel)
+    with tc.new_fake_mode():
+        q, k, v = (torch.empty(2, 16, 4, 8, dtype=torch.bfloat16, device="cuda").transpose(1, 2) for _ in range(3))
+        out, lse = attention_forward(q, k, v, 0.0, True)
+        assert out.shape == (2, 4, 16, 8) and out.transpose(1, 2).is_contiguous()
+        assert lse.shape == (2, 4, 16) and lse.dtype == torch.float32
+        grads = attention_backward(torch.empty_like(out), q, k, v, out, lse, 0.0, True)
+        assert [g.shape for g in grads] == [(2, 4, 16, 8)] * 3 and all(g.transpose(1, 2).is_contiguous() for g in grads)
+    monkeypatch.setattr(tc, "sdpa_backend", lambda *args: pytest.fail("asked without a GPU kernel to choose"))
+    assert attention._kernel(q, k, v, 0.1, None, True, None) == "sdpa"  # dropout: torch's own op
