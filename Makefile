@@ -29,11 +29,12 @@ TORCH_OLD ?= 2.11.0
 VENV_OLD ?= .venv-2.11
 STAMP_OLD := $(VENV_OLD)/.autoshard-installed
 
-# $(call torch_venv,VENV,TORCH): a venv with torch==TORCH, then the project without touching torch.
+# $(call torch_venv,VENV,TORCH): a venv with torch==TORCH, then the project without touching torch
+# (no pip cache: a CUDA wheel and its nvidia packages would take their gigabytes twice on disk).
 define torch_venv
 	test -x $(1)/bin/python || $(PYTHON) -m venv $(1)
-	$(1)/bin/python -m pip install --quiet torch==$(2)
-	$(1)/bin/python -m pip install --quiet -e '.[test,fast,hf]'
+	$(1)/bin/python -m pip install --quiet --no-cache-dir torch==$(2)
+	$(1)/bin/python -m pip install --quiet --no-cache-dir -e '.[test,fast,hf]'
 	$(1)/bin/python -c "import torch; assert torch.__version__.startswith('$(2)'), torch.__version__"
 	touch $(1)/.autoshard-installed
 endef
