@@ -286,3 +286,69 @@ def test_results_are_dense_in_the_asked_dim_order():
     assert dim_order(t) == (1, 0)
     back = in_dim_order(torch.randn(5, 3), dim_order(t))
     assert back.stride() == t.stride() and in_dim_order(t, (1, 0)) is t
+    # whether a tensor is dense in an order is read off its strides, as permute + is_contiguous says
+    from autoshard.program.collectives import _dense_in
+
+    for y in (x, strided, strided[..., ::2], torch.empty(0, 3), torch.empty(3, 1, 2).transpose(0, 2)):
+        for order in itertools.permutations(range(y.dim())):
+            assert _dense_in(y, order) == y.permute(*order).is_contiguous(), (y.shape, y.stride(), order)
+
+
+def test_a_bucket_gives_each_member_what_execute_gives_with_one_copy_out_for_gathers():
+    """A bucket's members come out as `execute` returns each alone (values, shapes, strides), for
+    gathers (ordered shards and a dim order among them) and reduce-scatters; a gathered bucket
+    copies its members out of the shared buffer with one kernel, not one per member."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from autoshard.program.collectives import finish_bucket, launch_bucket
+
+    cases = {
+        "all_gather": [
+            ("S(0)R", "RR", (4, 6), None),
+            ("S(1)R", "RR", (2, 4), (1, 0)),
+            ("S(0)S(0)[1,0]", "RS(0)", (8, 3), None),
+            ("S(1)S(0)", "RS(0)", (4, 4), (1, 0)),
+        ],
+        "reduce_scatter": [("PR", "S(0)R", (4, 6), None), ("PR", "S(1)R", (2, 4), None)],
+    }
+    gen = torch.Generator().manual_seed(0)
+    with Simulation((2, 2)) as sim:
+        for kind, members in cases.items():
+            plans = [
+                sim.planner.plan(Layout.parse(a), Layout.parse(b), shape, torch.float64) for a, b, shape, _ in members
+            ]
+            assert {p.steps[0].kind for p in plans} == {kind}
+            with sim._mode.disable():
+                shapes = [p.src.local_shape(p.shape, (2, 2)) for p in plans]
+                xs = [
+                    tc.local_tensor({r: torch.randn(s, generator=gen, dtype=torch.float64) for r in range(4)})
+                    for s in shapes
+                ]
+            orders = [order for *_, order in members]
+            got = finish_bucket(launch_bucket(plans, xs, sim.mesh, orders))
+            for plan, x, order, y in zip(plans, xs, orders, got):
+                want = execute(plan, x, sim.mesh, order)
+                assert y.shape == want.shape and y.stride() == want.stride(), (kind, plan)
+                with sim._mode.disable():
+                    for r, v in tc.rank_values(y).items():
+                        assert torch.equal(v, tc.rank_values(want)[r]), (kind, plan, r)
+
+    ops: list[str] = []
+
+    class Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            ops.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    with tc.fake_process_group(4):
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("m0", "m1"))
+        plans = [
+            Planner((2, 2), "cpu-gloo").plan(Layout.parse("S(0)R"), Layout.parse("RR"), (4, n), torch.float32)
+            for n in (2, 3, 5)
+        ]
+        pending = launch_bucket(plans, [torch.randn(2, n) for n in (2, 3, 5)], mesh)
+        with Ops():
+            finish_bucket(pending)
+    assert ops.count("split_with_sizes_copy") == 1 and "clone" not in ops and "slice" not in ops, ops

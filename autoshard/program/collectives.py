@@ -123,17 +123,20 @@ def finish_bucket(pending: PendingBucket) -> list[torch.Tensor]:
     phys, shape = group_dims(firsts[0]), tuple(mesh.shape)
     n = _group_size(shape, phys)
     out = tc.wait(pending.result)
-    gathered = out.reshape(n, -1) if firsts[0].kind == "all_gather" else None
-    outs, offset = [], 0
-    for step, part_shape in zip(firsts, pending.parts):
-        size = math.prod(part_shape)
-        if gathered is not None:
-            part = gathered[:, offset : offset + size].reshape([n, *part_shape])
+    sizes = [math.prod(part_shape) for part_shape in pending.parts]
+    outs: list[torch.Tensor] = []
+    if firsts[0].kind == "all_gather":
+        # each member's n parts lie apart in the gathered [n, total] buffer: one copy kernel moves
+        # every member's into a dense [n, size] of its own (FSDP2's copy-out), not one per member
+        pieces = [out.new_empty((n, size)) for size in sizes]
+        torch.split_with_sizes_copy(out.view(n, -1), sizes, dim=1, out=pieces)
+        for step, part_shape, piece in zip(firsts, pending.parts, pieces):
+            part = piece.view([n, *part_shape])
             outs.append(_merge(_reindex(part, shape, phys, step.mesh_dims), step.tensor_dims[0]))
-        else:
-            part = out[offset : offset + size].reshape(part_shape)
+    else:
+        for step, part_shape, part in zip(firsts, pending.parts, out.split(sizes)):
+            part = part.view(part_shape)
             outs.append(part / n if _reduce_op(step) == "avg" else part)
-        offset += size
     coord = mesh.get_coordinate()
     for i, plan in enumerate(pending.plans):
         for step, name in zip(plan.steps[1:], pending.names[i][1:]):
@@ -155,10 +158,22 @@ def in_dim_order(x: torch.Tensor, order: Sequence[int] | None = None) -> torch.T
     laid out in that order."""
     if order is None or tuple(order) == tuple(range(x.dim())):
         return x.contiguous()
-    if x.permute(*order).is_contiguous():
+    if _dense_in(x, order):
         return x
     inverse = sorted(range(len(order)), key=lambda i: order[i])
     return x.permute(*order).contiguous().permute(*inverse)
+
+
+def _dense_in(x: torch.Tensor, order: Sequence[int]) -> bool:
+    """`x.permute(*order).is_contiguous()`, read off the strides (no op dispatched)."""
+    if x.numel() == 0:
+        return True
+    expected = 1
+    for d in reversed(order):
+        if x.shape[d] != 1 and x.stride(d) != expected:
+            return False
+        expected *= x.shape[d]
+    return True
 
 
 # ---------------------------------------------------------------------------- helpers
@@ -206,12 +221,13 @@ def _reindex(chunks: torch.Tensor, mesh_shape: Sequence[int], src: Sequence[int]
 def _split(x: torch.Tensor, dim: int, n: int) -> torch.Tensor:
     """[n, ...]: the n chunks of `x` along `dim`."""
     shape = list(x.shape)
-    return x.reshape(shape[:dim] + [n, shape[dim] // n] + shape[dim + 1 :]).movedim(dim, 0)
+    chunks = x.reshape(shape[:dim] + [n, shape[dim] // n] + shape[dim + 1 :])
+    return chunks if dim == 0 else chunks.movedim(dim, 0)  # (a no-op movedim still dispatches a permute)
 
 
 def _merge(chunks: torch.Tensor, dim: int) -> torch.Tensor:
     """Inverse of `_split`: concatenate the leading chunk axis into `dim`."""
-    moved = chunks.movedim(0, dim)
+    moved = chunks if dim == 0 else chunks.movedim(0, dim)
     shape = list(moved.shape)
     return moved.reshape(shape[:dim] + [shape[dim] * shape[dim + 1]] + shape[dim + 2 :])
 
