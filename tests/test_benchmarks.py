@@ -289,3 +289,21 @@ def test_host_work_times_each_redistribution_kind_bucket_and_program(tmp_path):
     assert default["buckets"] >= 1 and default["members"] > default["buckets"]
     assert recipe["redistributions"] > default["redistributions"]
     assert all(0 < p["executor_s"] < p["step_s"] for p in (default, recipe))
+
+
+def test_op_counts_files_rank_0_s_ops_by_where_and_kind(tmp_path, capsys):
+    """benchmarks/op_counts.py on llama3-8b (8, 8) (fake tensors: seconds): the traced graph's ops
+    and the executor's apart, each collective launch with its wait, and a gathered bucket's
+    members copied out in one kernel (no clone or slice per member)."""
+    from benchmarks import op_counts
+
+    assert op_counts.main(["--json", str(tmp_path / "o.json")]) == 0
+    result = json.loads((tmp_path / "o.json").read_text())
+    counts, ops = result["counts"], result["ops"]
+    assert counts["graph"]["kernels"] > 1000 and counts["graph"]["waits"] == 0
+    launches = sum(n for where in ops.values() for name, n in where.items() if name.split("_")[0] in ("all", "reduce"))
+    assert sum(c["waits"] for c in counts.values()) == launches  # each collective waited once
+    awaits = ops["bucket awaits"]
+    assert awaits["split_with_sizes_copy"] == ops["bucket launches"]["all_gather_into_tensor"] > 0
+    assert "clone" not in awaits and "slice" not in awaits
+    assert "| bucket awaits |" in capsys.readouterr().out
