@@ -90,6 +90,11 @@ def profiles(device: str) -> tuple[str, str]:
     return "h100-node", "h200" if "H200" in torch.cuda.get_device_name() else "h100"
 
 
+def profile_path(a: argparse.Namespace, part: str) -> Path | None:
+    """Where --profile puts a part's tables (None without it)."""
+    return a.profile / f"profile-{part}.txt" if a.profile else None
+
+
 def one_line(err: BaseException) -> str:
     return f"{type(err).__name__}: " + (str(err).strip().splitlines() or [""])[0][:300]
 
@@ -111,7 +116,7 @@ def step_part(a: argparse.Namespace, compiled: bool) -> dict:
     model_name, batch, seq = (TINY if a.tiny else FULL)["step"]
     warm, steps = (2, 3) if a.tiny else (3, 10)
     part: dict[str, Any] = {"model": model_name, "batch": batch, "seq": seq, "mesh": [1], "compiled": compiled}
-    profile_to = a.profile / f"profile-{a.part}.txt" if a.profile else None
+    profile_to = profile_path(a, a.part)
     part.update(param_dtype="bf16", reduce_dtype="fp32", warm_steps=warm, timed_steps=steps, variants={}, notes=[])
     why = tc.inductor_unavailable(device) if compiled else None
     if why is not None:
@@ -225,7 +230,7 @@ def rank0_part(a: argparse.Namespace, which: str) -> dict:
         program = lower(plan, init_device_mesh(device, shape, mesh_dim_names=auto.config.mesh_names))
         part["compute_modeled_s"], part["optimizer_modeled_s"] = program.step.compute_s, program.step.optimizer_s
         part["plan_compute_s"] = plan.compute_s
-        profile_to = a.profile / f"profile-{which}.txt" if a.profile else None
+        profile_to = profile_path(a, which)
         part.update(measure_program(program, workload.vocab_size, device, warm, steps, which, profile_to))
     part["compute_ratio"] = part["compute_measured_s"] / part["compute_modeled_s"]
     part["met_compute"] = abs(part["compute_ratio"] - 1) <= GOALS["compute"]
@@ -295,11 +300,11 @@ def main(argv: list[str] | None = None) -> int:
         + ([] if a.no_compile else ["step-compiled"])
     )
     if a.parts is not None:
-        unknown = sorted(set(a.parts.split(",")) - set(MIN_SECONDS))
-        if unknown:
+        wanted = set(a.parts.split(","))
+        if unknown := sorted(wanted - set(MIN_SECONDS)):
             print(f"error: --parts: no part {', '.join(unknown)} (parts: {', '.join(MIN_SECONDS)})", file=sys.stderr)
             return 2
-        parts = [p for p in MIN_SECONDS if p in a.parts.split(",")]
+        parts = [p for p in MIN_SECONDS if p in wanted]
     result: dict[str, Any] = {
         "meta": {
             "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",

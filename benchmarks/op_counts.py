@@ -25,6 +25,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from autoshard import _torch_compat as tc
 from autoshard.program.modules import AwaitBucket, Bucket, Redistribute
 from benchmarks.gpu_check import auto_shard
+from benchmarks.gpu_check_measure import local_values
 
 WHERE = {Redistribute: "redistributions", Bucket: "bucket launches", AwaitBucket: "bucket awaits"}
 # no kernel of their own: views, and allocations (their memory comes from the caching allocator)
@@ -70,7 +71,6 @@ def count(model: str, mesh: tuple[int, ...], batch: int, seq: int, network: str,
     and backward on fake tensors under the counter."""
     from autoshard.driver.config import PlanConfig
     from autoshard.program.lower import lower
-    from autoshard.runtime.dryrun import _fake, _placeholders
     from autoshard.workloads import get_workload
 
     workload = get_workload(model, seq)
@@ -85,7 +85,7 @@ def count(model: str, mesh: tuple[int, ...], batch: int, seq: int, network: str,
             setattr(cls, "forward", _counted(originals[cls], counter, where))
         try:
             with tc.new_fake_mode():
-                values = [_fake(n) for n in _placeholders(program.forward)]
+                values = local_values(program.forward, "cpu", workload.vocab_size)
                 with counter:
                     loss, *saved = program.forward(*values)
                     program.backward(*saved, torch.ones((), dtype=loss.dtype))
