@@ -21,7 +21,7 @@ VENV_NEXT ?= .venv-next
 PY_NEXT := $(VENV_NEXT)/bin/python
 STAMP_NEXT := $(VENV_NEXT)/.autoshard-installed
 NEXT_TESTS := tests/test_layers.py tests/test_trace.py tests/test_apply.py tests/test_hf.py tests/test_dryrun.py \
-	tests/test_precision.py tests/test_compile.py tests/test_random.py tests/test_strategies.py
+	tests/test_precision.py tests/test_compile.py tests/test_random.py tests/test_strategies.py tests/test_losses.py
 
 # The oldest supported torch (also a CUDA wheel that runs on CPU; the GPU machines' own release), in
 # a third venv, tested on the same subset.

@@ -20,6 +20,7 @@ import torch
 from torch import fx, nn
 
 from autoshard import _torch_compat as tc
+from autoshard.capture.losses import sum_then_divide
 from autoshard.capture.precision import Precision, cast_parameters
 
 log = logging.getLogger("autoshard")
@@ -268,6 +269,7 @@ def _one_per_tied_group(gm: fx.GraphModule, tied: dict[str, str]) -> dict[fx.Nod
 
 def _describe(joint, precision: Precision, tied: dict[str, str] | None = None) -> JointGraph:
     gm = joint.graph_module
+    sum_then_divide(gm)
     params, buffers, inputs, tangents = {}, {}, [], []
     planned = _one_per_tied_group(gm, tied or {})
     for node in gm.graph.find_nodes(op="placeholder"):
