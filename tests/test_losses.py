@@ -6,6 +6,7 @@ loss before the traced graph summed and divided by the global count (`capture.lo
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import pytest
 import torch
@@ -20,7 +21,7 @@ from autoshard.runtime.module import parallelize
 from plan_audit import sharded_plan
 from simulation import simulated_mesh
 
-VOCAB, DIM, BATCH, SEQ = 512, 64, 16, 64
+VOCAB, DIM, BATCH, SEQ = 512, 256, 16, 128
 
 
 class TinyLM(nn.Module):
@@ -33,8 +34,12 @@ class TinyLM(nn.Module):
         return self.head(self.embed(x))
 
 
-def loss_fn(logits, targets):
-    return F.cross_entropy(logits.view(-1, VOCAB), targets.view(-1))
+def loss_fn(logits, targets, **options):
+    return F.cross_entropy(logits.view(-1, VOCAB), targets.view(-1), **options)
+
+
+# what else a mean cross-entropy divides by the counted targets' total (smoothing: its own sum)
+OPTIONS = {"plain": {}, "label smoothing": {"label_smoothing": 0.1}}
 
 
 def uneven_batch() -> tuple[torch.Tensor, torch.Tensor]:
@@ -78,17 +83,19 @@ def test_sum_over_total_is_the_mean_bit_for_bit_on_one_device(ignored):
     torch.testing.assert_close(total_sum / total, mean, rtol=0, atol=0, equal_nan=True)
 
 
+@pytest.mark.parametrize("options", OPTIONS)
 @pytest.mark.parametrize("mesh_shape", [(4,), (2, 2)])
-def test_a_split_batch_with_unevenly_ignored_targets_gives_one_devices_loss(mesh_shape):
+def test_a_split_batch_with_unevenly_ignored_targets_gives_one_devices_loss(mesh_shape, options):
     torch.manual_seed(0)
     model = TinyLM()
     x, y = uneven_batch()
-    want = loss_fn(model(x), y)
+    step_loss = functools.partial(loss_fn, **OPTIONS[options])
+    want = step_loss(model(x), y)
     want.backward()
     with torch.device("meta"):
         meta = TinyLM()
     example = lambda: (torch.empty(BATCH, SEQ, dtype=torch.int64, device="meta"),) * 2  # noqa: E731
-    auto = AutoShard(meta, example, mesh_shape, loss_fn=loss_fn, device="cpu", network="cpu-gloo")
+    auto = AutoShard(meta, example, mesh_shape, loss_fn=step_loss, device="cpu", network="cpu-gloo")
     split = Layout.parse("S(0)" * len(mesh_shape))  # the batch on every mesh dim: the loss splits
     auto.spec.input_layouts = {0: split, 1: split}
     plan = sharded_plan(auto, budget=None, params_sharded=False)
