@@ -80,3 +80,19 @@ def test_dtensor_and_backward_collectives_are_seen(mesh):
     with WireMeter() as meter:
         execute(plan, x, mesh).sum().backward()
     assert meter.stats.bytes == {"all_gather": X_BYTES / 2, "reduce_scatter": X_BYTES / 2}
+
+
+def test_the_executors_permute_is_metered_as_the_planner_prices_it(mesh):
+    """A permute between device orders sends the whole shard to one peer (an all-to-all with one
+    nonzero split): metered as a permute, the bytes the planner's plan and CommStats give it."""
+    plan = Planner((2, 2), "cpu-gloo").plan(
+        Layout.parse("S(0)S(0)[0,1]"), Layout.parse("S(0)S(0)[1,0]"), (8, 4), torch.float32
+    )
+    assert [s.kind for s in plan.steps] == ["permute"]
+    with WireMeter() as meter:
+        execute(plan, torch.ones(2, 4), mesh)
+    assert meter.stats.bytes == {"permute": plan.steps[0].bytes} and plan.steps[0].bytes == 2 * 4 * 4
+    assert meter.stats.count == {"permute": 1}
+    with WireMeter() as meter:  # an even all-to-all stays one
+        tc.wait(funcol.all_to_all_single(torch.ones(8, 4), None, None, (mesh, 1)))
+    assert meter.stats.bytes == {"all_to_all": X_BYTES / 2}

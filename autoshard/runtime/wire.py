@@ -9,6 +9,8 @@ library issued their collectives:
     all-gather, reduce-scatter   (n-1)/n x the full (gathered / unreduced) tensor
     all-reduce                   2 (n-1)/n x the tensor
     all-to-all                   (n-1)/n x the tensor (uneven splits priced as even ones)
+    permute                      1 x the tensor (an all-to-all sending all of it to one peer:
+                                 how autoshard's executor exchanges shards between device orders)
 
     with WireMeter() as meter:
         loss = model(x); loss.backward(); optim.step()
@@ -86,7 +88,7 @@ def ring_bytes(kind: str, input_bytes: float, n: int) -> float:
     return wire_bytes(kind, n, input_bytes) if n > 1 else 0.0
 
 
-_METERED = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
+_METERED = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "permute")
 
 
 @dataclass
@@ -136,6 +138,8 @@ class WireMeter(tc.TorchDispatchMode):
             self.stats.unpriced[name] += 1
             return
         given = next(bound[a] for a in _INPUT_ARGS if a in bound)
+        if kind == "all_to_all" and sum(1 for size in bound.get("input_split_sizes") or () if size) == 1:
+            kind = "permute"
         if "group_size" in bound:
             n = int(bound["group_size"])
         else:
