@@ -352,3 +352,42 @@ def test_a_bucket_gives_each_member_what_execute_gives_with_one_copy_out_for_gat
         with Ops():
             finish_bucket(pending)
     assert ops.count("split_with_sizes_copy") == 1 and "clone" not in ops and "slice" not in ops, ops
+
+
+def test_a_buckets_priced_copies_are_the_bytes_its_copy_kernels_move():
+    """What the ILP charges a bucketed edge for the executor's copies (`bucket_copy_bytes`: read
+    and written) is what the bucket's copy kernels write, twice: every member into the buffer, and
+    a gather's members out of the gathered one."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from autoshard.pricing.ring import bucket_copy_bytes
+    from autoshard.program.collectives import finish_bucket, launch_bucket
+
+    written: list[int] = []
+
+    class Copies(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func.overloadpacket.__name__ in ("cat", "split_with_sizes_copy", "copy_", "clone", "contiguous"):
+                tensors = (kwargs or {}).get("out", out)
+                for t in tensors if isinstance(tensors, (list, tuple)) else [tensors]:
+                    written.append(t.numel() * t.element_size())
+            return out
+
+    cases = {"all_gather": ("S(0)R", "RR"), "reduce_scatter": ("PR", "S(0)R"), "all_reduce": ("PR", "RR")}
+    with tc.fake_process_group(4):
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("m0", "m1"))
+        for kind, (src, dst) in cases.items():
+            plans = [
+                Planner((2, 2), "cpu-gloo").plan(Layout.parse(src), Layout.parse(dst), (4, n), torch.float32)
+                for n in (2, 3, 5)
+            ]
+            assert {p.steps[0].kind for p in plans} == {kind}
+            xs = [torch.randn(p.src.local_shape(p.shape, (2, 2))) for p in plans]
+            written.clear()
+            with Copies():
+                finish_bucket(launch_bucket(plans, xs, mesh))
+            priced = sum(bucket_copy_bytes(kind, 2, p.steps[0].in_bytes) for p in plans)
+            assert 2 * sum(written) == priced > 0, (kind, written)

@@ -14,6 +14,7 @@ from autoshard.driver.api import AutoShard
 from autoshard.capture.precision import gradient_tail
 from autoshard.capture.regions import block_of
 from autoshard.problem.build import grad_sink
+from autoshard.profiles.files import network_profile
 from autoshard.program.lower import AWAIT, Bucket, lower
 from autoshard.runtime.dryrun import dry_run
 from autoshard.runtime.module import parallelize
@@ -184,12 +185,12 @@ def test_prefetch_costs_at_most_the_buckets_in_flight(plan):
 
 def program_comm_s(program) -> float:
     """The program's collectives as it runs them: every redistribution's plan, except that a
-    bucket's shared first step pays its launch and latency once."""
+    bucket's shared first step pays its launch and latency once, and its members' copies."""
     total = 0.0
     for gm in (program.forward, program.backward):
         for module in gm.children():
             if isinstance(module, Bucket):
-                total += sum(m.plan.cost_s for m in module.members)
+                total += sum(m.plan.cost_s + m.copy_s for m in module.members)
                 total -= sum(m.plan.steps[0].fixed_s for m in module.members[1:])
             elif hasattr(module, "plan"):
                 total += module.plan.cost_s
@@ -280,9 +281,13 @@ def test_replicated_gradients_all_reduce_in_capped_buckets_in_the_backward_order
         len(b.members) - 1 for b in buckets
     )
     # one launch per bucket in the modeled step: the program's comm is the unbucketed one less
-    # every bucket's shared launches
+    # every bucket's shared launches, plus the copies into its buffer (a gradient's bytes twice,
+    # read and written, at the network profile's copy rate)
     saved = sum(m.plan.steps[0].fixed_s for b in buckets for m in b.members[1:])
-    assert program.step.comm_s == pytest.approx(alone.step.comm_s - saved, rel=1e-9) and saved > 0
+    copies = sum(m.copy_s for b in buckets for m in b.members)
+    rate = 1 / network_profile("cpu-gloo", (2, 2)).mem_bw
+    assert copies == pytest.approx(sum(2 * m.plan.steps[0].in_bytes * rate for b in buckets for m in b.members))
+    assert program.step.comm_s == pytest.approx(alone.step.comm_s - saved + copies, rel=1e-9) and saved > copies > 0
 
     tiny = get_config("llama3-tiny")
     (losses, grads), (alone_losses, alone_grads) = (two_steps(plan, (2, 2), tiny, bucket_bytes=b) for b in (cap, 1))

@@ -33,7 +33,9 @@ BF16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16)  # reduce in bf16, FSDP2
 BATCH, SEQ, STEPS = 8, 16, 10
 # the (2,2) plans pinned to FSDP over TP, so fp32 and bf16 plans gather the same parameters
 DATA_PARALLEL = ("S(0)R", "S(0)R")  # tokens and targets split over dp
-BYTES_ONLY = NetworkProfile((0.0, 0.0), (45e9, 360e9), launch_s=0.0, mem_bw=3e12)  # h100-node's links, no latency
+# h100-node's links without latency and free local copies: llama3-tiny's collectives are all launch
+# otherwise, and the copies of a bucket of its tiny weights tip the plans one way or the other
+BYTES_ONLY = NetworkProfile((0.0, 0.0), (45e9, 360e9), launch_s=0.0, mem_bw=1e30)
 FSDP_TP = {
     "layers.*.attention.w[qkv].weight": "S(0)S(0)[1,0]",
     "layers.*.attention.wo.weight": "S(1)S(1)[1,0]",

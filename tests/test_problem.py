@@ -8,6 +8,7 @@ import torch
 from autoshard import _torch_compat as tc
 from autoshard.driver.api import AutoShard
 from autoshard.layout import Layout
+from autoshard.pricing.ring import bucket_copy_bytes
 from autoshard.problem.build import grad_sink
 from autoshard.problem.recipes import param_bytes_per_rank, recipe_layouts, recipe_pins
 from autoshard_models import build_model, cross_entropy_loss, get_config
@@ -83,16 +84,23 @@ def test_without_a_budget_the_ilp_may_replicate():
 
 
 def test_redistributions_are_planner_plans_between_chosen_layouts(tiny_2x2):
-    plan, _ = tiny_2x2
+    plan, auto = tiny_2x2
     assert plan.redistributions
     for r in plan.redistributions:
         assert r.plan.src != r.plan.dst
         assert r.plan.src == plan.strategies[r.producer].outputs[0] or len(plan.strategies[r.producer].outputs) > 1
         assert r.plan.dst == plan.strategies[r.consumer].inputs[r.slot]
-        # a bucketed gather or reduction shares its launch and latency with its block: never more
-        assert 0 <= r.plan.cost_s - r.cost_s <= r.plan.steps[0].fixed_s * (1 + 1e-9)
+        # a bucketed gather or reduction shares its launch and latency with its block (never more)
+        # and pays the executor's copies of its part of the bucket at the network's copy rate
+        assert 0 <= r.plan.cost_s + r.copy_s - r.cost_s <= r.plan.steps[0].fixed_s * (1 + 1e-9)
+        first = r.plan.steps[0]
+        if r.copy_s:
+            group = math.prod(plan.mesh_shape[d] for d in first.mesh_dims)
+            copied = bucket_copy_bytes(first.kind, group, first.in_bytes)
+            assert r.copy_s == pytest.approx(copied / auto.network.mem_bw, rel=1e-12)
     assert sum(r.cost_s for r in plan.redistributions) == pytest.approx(plan.comm_s)
     assert any(r.cost_s < r.plan.cost_s for r in plan.redistributions)
+    assert {r.plan.steps[0].kind for r in plan.redistributions if r.copy_s} == {"all_gather", "reduce_scatter"}
     assert sum(plan.count_by_collective.values()) == sum(
         sum(r.plan.collective_counts.values()) for r in plan.redistributions
     )

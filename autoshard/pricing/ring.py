@@ -41,6 +41,15 @@ COLLECTIVE_KINDS = tuple(_COLLECTIVE)
 STEP_KINDS = COLLECTIVE_KINDS + tuple(_LOCAL)
 
 
+def bucket_copy_bytes(kind: str, group_size: int, in_bytes: float) -> float:
+    """Bytes read and written by the executor's copies when a collective step runs in a bucket:
+    each member's input is copied into the bucket's buffer, and an all-gather's members are copied
+    out of the gathered buffer (`group_size` times the input); a reduction's members are views of
+    its output."""
+    copy_out = group_size * in_bytes if kind == "all_gather" else 0.0
+    return 2 * (in_bytes + copy_out)
+
+
 def collective_terms(kind: str, group_size: int) -> tuple[float, float]:
     """(wire bytes per local input byte, latency steps) of a collective over `group_size` ranks:
     the coefficients of 1/beta and alpha in its cost."""

@@ -10,7 +10,8 @@ redistribution, and each parameter's optimizer step in its layout (`DeviceProfil
 its local elements). The program runs a block's parameter gathers and gradient reductions as one
 collective each (`program.buckets`), so an edge that gathers a parameter or reduces a gradient
 pays its first step's launch and latency (`Step.fixed_s`) shared with the block's other
-parameters (`BucketShare`): one launch per block, as the program pays it.
+parameters, and its part of the bucket's copies (`shares.BucketShare`): one launch per block, as
+the program pays it.
 """
 
 from __future__ import annotations
@@ -30,13 +31,16 @@ from autoshard_solver.problem import problem_digest
 from autoshard.profiles.device import DeviceProfile
 from autoshard.layout import Layout
 from autoshard.pricing.compute import ComputePricer
-from autoshard.pricing.planner import Planner, RedistributePlan, holds_for_accumulation, reduces
-from autoshard.capture.precision import gradient_tail, is_cast
+from autoshard.pricing.planner import Planner, holds_for_accumulation, reduces
+from autoshard.capture.precision import gradient_tail
 from autoshard.capture.loops import find_repeated_steps
-from autoshard.capture.regions import assign_blocks, block_of, find_repeated_blocks
+from autoshard.capture.regions import assign_blocks, find_repeated_blocks
 from autoshard.strategies import Strategy, StrategyCatalog
 from autoshard.capture.trace import JointGraph
 from autoshard.problem.choices import Choices, add_sinks, collect_choices, optimizer_step_s
+from autoshard.problem.shares import GRAD_BUCKET_KINDS as GRAD_BUCKET_KINDS
+from autoshard.problem.shares import PARAM_BUCKET_KINDS as PARAM_BUCKET_KINDS
+from autoshard.problem.shares import BucketShare, bucket_shares
 
 # the ILP's nodes and their choices live in `choices`; these names stay importable from here
 from autoshard.problem.choices import (
@@ -49,27 +53,7 @@ from autoshard.problem.choices import (
     grad_sink as grad_sink,
 )
 
-# first-step kinds the program runs as one collective per block (`program.buckets`)
-PARAM_BUCKET_KINDS = ("all_gather",)
-GRAD_BUCKET_KINDS = ("reduce_scatter", "all_reduce")
-
 log = logging.getLogger("autoshard")
-
-
-@dataclass(frozen=True)
-class BucketShare:
-    """An edge whose redistribution's first step, if of one of `kinds`, rides in a bucket with
-    `members` edges of its block: it pays 1/`members` of that step's launch and latency."""
-
-    kinds: tuple[str, ...]
-    members: int
-
-    def cost_s(self, plan: RedistributePlan) -> float:
-        """The edge's price: the plan's cost, its first step's fixed part shared."""
-        first = plan.steps[0] if plan.steps else None
-        if first is None or first.kind not in self.kinds or self.members <= 1:
-            return plan.cost_s
-        return plan.cost_s - first.fixed_s * (1 - 1 / self.members)
 
 
 @dataclass
@@ -168,7 +152,7 @@ def build_problem(
         inputs=choices.inputs,
         problem=solver.Problem(),
         optimizer_s=optimizer_step_s(graph, choices.strategies, device, mesh_shape),
-        bucket_shares=_bucket_shares(graph, choices.inputs),
+        bucket_shares=bucket_shares(graph, choices.inputs, 1 / planner.profile.mem_bw),
         recompute_blocks=recompute_blocks,
         recomputed=recomputed,
         reshard_blocks=reshard_blocks,
@@ -234,31 +218,6 @@ def _runs_twice(
         blocks, nodes = _resharded(graph, repeated)
         return (), blocks, nodes
     return (), (), frozenset()
-
-
-def _bucket_shares(graph: JointGraph, inputs: dict[str, list[Producer]]) -> dict[tuple[str, str], BucketShare]:
-    """The edges the program buckets: from a parameter (or its mixed-precision cast) to its
-    consumers, and into a gradient's sink or tail; each shared by the parameters of its block."""
-    members: dict[tuple[str, int] | None, int] = {}
-    for fqn in graph.params:
-        members[block_of(fqn)] = members.get(block_of(fqn), 0) + 1
-    source = {}  # ILP node of a parameter or its cast -> the parameter's block
-    for fqn, param in graph.params.items():
-        for node in [param, *(u for u in param.users if is_cast(u))]:
-            source[node.name] = block_of(fqn)
-    grad_of = {}  # ILP node (sink or gradient tail) -> the parameter's block
-    for fqn, grad in graph.grads.items():
-        grad_of[grad_sink(fqn)] = block_of(fqn)
-        for node in gradient_tail(grad):
-            grad_of[node.name] = block_of(fqn)
-    out = {}
-    for consumer, producers in inputs.items():
-        for producer in producers:
-            if consumer in grad_of:
-                out[(producer.node, consumer)] = BucketShare(GRAD_BUCKET_KINDS, members[grad_of[consumer]])
-            elif producer.node in source:
-                out[(producer.node, consumer)] = BucketShare(PARAM_BUCKET_KINDS, members[source[producer.node]])
-    return out
 
 
 def _fill_solver_problem(

@@ -28,6 +28,7 @@ class Redistribution:
     slot: int  # which input slot of the consumer
     plan: RedistributePlan
     cost_s: float  # what the edge costs in the plan: the plan's, with a bucketed first step's launch shared
+    copy_s: float = 0.0  # of cost_s, the executor's copies into and out of the bucket it rides in
 
 
 @dataclass(frozen=True)
@@ -129,7 +130,8 @@ def decode(sp: ShardingProblem, solution: solver.Solution, planner: Planner) -> 
             plan = planner.plan(src, dst, shape, dtype)
             share = sp.bucket_shares.get((producer.node, consumer))
             cost = plan.cost_s if share is None else share.cost_s(plan)
-            redistributions.append(Redistribution(producer.node, consumer, slot, plan, cost))
+            copies = 0.0 if share is None else share.copy_s(plan)
+            redistributions.append(Redistribution(producer.node, consumer, slot, plan, cost, copies))
             runs = 2 if consumer in sp.recomputed else 1  # once more in the recomputation
             comm_s += runs * cost
             if sp.micro_batches > 1 and (producer.node, consumer) in gradient_edges and holds_for_accumulation(plan):

@@ -193,7 +193,7 @@ def _local_joint_graph(plan: Plan, mesh: Any, stream: RandomStream) -> tuple[fx.
         name = f"redistribute_{len(modules)}"
         traced = value.meta["autoshard_source"].meta.get("val")
         order = dim_order(traced) if isinstance(traced, torch.Tensor) else None
-        modules[name] = Redistribute(r.plan, mesh, r.producer, consumer, order)
+        modules[name] = Redistribute(r.plan, mesh, r.producer, consumer, order, r.copy_s)
         node = out.call_module(name, (value,))
         node.meta[LOCAL_SHAPE] = r.plan.dst.local_shape(r.plan.shape, ms)
         return node

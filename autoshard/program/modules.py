@@ -22,11 +22,18 @@ class Redistribute(nn.Module):
     (a `view` above all) accepts it as it accepted the traced value."""
 
     def __init__(
-        self, plan: RedistributePlan, mesh: Any, producer: str, consumer: str, dim_order: tuple[int, ...] | None = None
+        self,
+        plan: RedistributePlan,
+        mesh: Any,
+        producer: str,
+        consumer: str,
+        dim_order: tuple[int, ...] | None = None,
+        copy_s: float = 0.0,
     ):
         super().__init__()
         self.plan, self.mesh, self.producer, self.consumer = plan, mesh, producer, consumer
         self.dim_order = dim_order
+        self.copy_s = copy_s  # the plan's price of its copies when it rides in a bucket (`Bucket`)
         self.names = group_names(plan, mesh)  # its steps' process groups, resolved once
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -2,8 +2,9 @@
 
 The plan's step time is compute + communication, each priced once (the ILP's objective, no
 overlap). The program decides what can overlap: a bucket's collective runs from its launch to its
-wait while the rank computes on, paying one launch for all its members (`bucket_cost_s`); every
-other redistribution is waited on where it runs. Walking
+wait while the rank computes on, paying one launch for all its members (`bucket_cost_s`), after
+the rank has copied them into the bucket's buffer (their copies out of it are priced there too);
+every other redistribution is waited on where it runs. Walking
 the forward then the backward program in order:
 - an op adds its modeled compute to the compute stream;
 - a collective starts when both the rank has reached it and the link is free; the rank goes on at
@@ -71,8 +72,10 @@ def model_step(plan: Plan, graphs: list[fx.GraphModule]) -> StepModel:
                 module = gm.get_submodule(n.target)
                 if isinstance(module, Bucket):
                     cost = bucket_cost_s(module)
+                    copies = sum(m.copy_s for m in module.members)
+                    compute += copies  # the rank copies the members in (and out) itself
                     link = max(compute, link) + cost
-                    total_comm += cost
+                    total_comm += cost + copies
                     in_flight[n] = link
                 elif isinstance(module, Redistribute):
                     blocking(module.plan.cost_s)
