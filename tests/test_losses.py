@@ -14,6 +14,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from autoshard import _torch_compat as tc
+from autoshard.capture.losses import ARGS
 from autoshard.capture.trace import trace_joint
 from autoshard.driver.api import AutoShard
 from autoshard.layout import Layout
@@ -58,6 +59,8 @@ def traced(model: nn.Module):
 
 
 def test_the_traced_graph_sums_and_divides_by_the_total_weight_once():
+    # the rewrite reads the op's arguments by these names, whichever way the graph passes them
+    assert tuple(a.name for a in torch.ops.aten.nll_loss_forward.default._schema.arguments) == ARGS
     with torch.device("meta"):
         model = TinyLM()
     stack, joint = traced(model)

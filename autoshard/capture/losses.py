@@ -18,6 +18,7 @@ from torch import fx
 
 aten = torch.ops.aten
 MEAN, SUM = 1, 2  # torch's Reduction enum
+ARGS = ("self", "target", "weight", "reduction", "ignore_index")  # nll_loss_forward's schema
 
 
 def sum_then_divide(gm: fx.GraphModule) -> int:
@@ -27,10 +28,11 @@ def sum_then_divide(gm: fx.GraphModule) -> int:
     graph = gm.graph
     rewritten = 0
     for node in list(graph.find_nodes(op="call_function", target=aten.nll_loss_forward.default)):
-        args = list(node.args) + [node.kwargs[k] for k in ("weight", "reduction", "ignore_index") if k in node.kwargs]
-        if len(args) < 4 or args[3] != MEAN:
+        values = dict(zip(ARGS, node.args)) | dict(node.kwargs)
+        if values.get("reduction") != MEAN:
             continue
-        node.args, node.kwargs = (*args[:3], SUM, *args[4:]), {}
+        values["reduction"] = SUM
+        node.args, node.kwargs = tuple(values[name] for name in ARGS), {}
         loss = _getitem(graph, node, 0)
         total = _getitem(graph, node, 1)
         with graph.inserting_before(max(loss, total, key=_position(graph)).next):
