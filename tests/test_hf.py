@@ -267,7 +267,7 @@ def test_checkpoint_values_take_weights_from_safetensors_and_buffers_from_init(t
         ("empty-dir", "the directory has no config.json"),
         ("vit", "model_type 'vit' has no causal-LM or sequence-to-sequence LM class in transformers"),
         ("unknown-type", "knows no model_type 'not-a-model'"),
-        ("bad-json", "not a JSON config"),
+        ("bad-json", "bad-json.json: not JSON"),
         ("init-shapes", "weight has shape (256, 32) in the checkpoint, (128, 32) in hf:{tmp}/m"),
         ("init-missing", "--init-from {tmp}/m/config.json: not a safetensors file"),
     ],

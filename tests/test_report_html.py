@@ -197,7 +197,7 @@ def test_report_command_shows_a_run_directorys_validation_loss(report, tmp_path)
     [
         (None, "is not a directory"),
         ({}, "no plan.json in"),
-        ({"plan.json": "{not json"}, "is not valid JSON"),
+        ({"plan.json": "{not json"}, "plan.json: not JSON"),
         ({"plan.json": "[1, 2]"}, "is not an autoshard plan report"),
         (
             {"plan.json": '{"mesh_shape": [2], "parameters": [{}], "nodes": [], "totals": {}}'},

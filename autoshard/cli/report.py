@@ -7,10 +7,10 @@ is written.
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 from autoshard.cli.args import fail
+from autoshard.fileio import read_json
 
 _REQUIRED = ("mesh_shape", "parameters", "nodes", "totals")
 
@@ -31,14 +31,12 @@ def run_report(args: argparse.Namespace) -> int:
     if not run_dir.is_dir():
         fail(f"{run_dir} is not a directory")
     plan_path = run_dir / JSON_NAME
-    try:
-        report = json.loads(plan_path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
+    if not plan_path.exists():
         fail(f"no {JSON_NAME} in {run_dir} (write one with 'python -m autoshard plan' or 'train')")
-    except (OSError, UnicodeDecodeError) as err:
-        fail(f"cannot read {plan_path}: {err}")
-    except json.JSONDecodeError as err:
-        fail(f"{plan_path} is not valid JSON: {err}")
+    try:
+        report = read_json(plan_path)
+    except ValueError as err:
+        fail(str(err))
     missing = [k for k in _REQUIRED if k not in report] if isinstance(report, dict) else list(_REQUIRED)
     if missing:
         fail(f"{plan_path} is not an autoshard plan report (missing {', '.join(missing)})")

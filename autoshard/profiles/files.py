@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from autoshard.fileio import read_json, write_atomic
 from autoshard.profiles.device import DeviceProfile
 from autoshard.profiles.network import NetworkProfile
 
@@ -120,26 +120,12 @@ class ProfileFile:
         """Write atomically (a temporary file renamed): a profile is either complete or absent."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
-        with os.fdopen(fd, "w") as f:
-            json.dump(self.to_json(), f, indent=1)
-            f.write("\n")
-        os.replace(tmp, path)
-        return path
+        return write_atomic(path, json.dumps(self.to_json(), indent=1) + "\n")
 
 
 def read_profile(path: str | os.PathLike) -> ProfileFile:
     """Read a profile file; one clear ValueError naming the file if it cannot be used."""
-    try:
-        text = Path(path).read_text()
-    except FileNotFoundError:
-        raise ValueError(f"profile file {path}: no such file") from None
-    except (OSError, UnicodeDecodeError) as err:
-        raise ValueError(f"profile file {path}: cannot read it ({type(err).__name__}: {err})") from None
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as err:
-        raise ValueError(f"profile file {path}: not JSON ({err})") from None
+    data = read_json(path, name=f"profile file {path}")
     try:
         return ProfileFile.from_json(data)
     except ValueError as err:

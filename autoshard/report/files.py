@@ -3,13 +3,12 @@ reader never sees half a file); reading metrics.jsonl back."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import uuid
 from pathlib import Path
 from typing import Any
 
+from autoshard.fileio import write_atomic
 from autoshard.problem.plan import Plan
 from autoshard.report.build import plan_report
 from autoshard.report.html import render_html
@@ -35,8 +34,8 @@ def write_report_files(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     log_path, json_path = out / LOG_NAME, out / JSON_NAME
-    _write_atomic(json_path, json_text(report))
-    _write_atomic(log_path, format_log(report))
+    write_atomic(json_path, json_text(report))
+    write_atomic(log_path, format_log(report))
     write_html(report, out, metrics)
     return log_path, json_path
 
@@ -59,21 +58,8 @@ def write_html(report: dict, out_dir: str | os.PathLike, metrics: list[dict] | N
     """Write `report.html` (the report dict, with the training `metrics` rows' curves when given) into
     `out_dir` atomically; returns its path."""
     path = Path(out_dir) / HTML_NAME
-    _write_atomic(path, render_html(report, metrics))
+    write_atomic(path, render_html(report, metrics))
     return path
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    # A fresh name opened with "x" (not mkstemp, whose files are 0600): the usual umask permissions.
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
-    try:
-        with open(tmp, "x", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
 
 
 def load_metrics(path: str | Path) -> list[dict]:

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from autoshard.fileio import read_json
 from autoshard.workloads import hf_init
 from autoshard.workloads.base import HFFormat, Workload, full_state, token_batches, token_inputs
 
@@ -58,10 +59,7 @@ def load_config(path: str | Path) -> Any:
     """The transformers config that PATH's config.json describes, set up for training: fp32,
     SDPA attention (`training_config`), no KV cache. Raises ValueError naming what is wrong with the file."""
     file = config_file(path)
-    try:
-        data = json.loads(file.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise ValueError(f"hf:{file}: not a JSON config ({err})") from None
+    data = read_json(file, name=f"hf:{file}")
     if not isinstance(data, dict) or "model_type" not in data:
         raise ValueError(f"hf:{file}: no model_type in the config (a transformers config.json has one)")
     transformers = _transformers()
@@ -260,7 +258,7 @@ def hf_format(path: str | Path) -> HFFormat:
     """The model's own files (config.json, with fp32 weights said; generation_config.json when
     there is one) and names: what transformers' from_pretrained expects back."""
     file = config_file(path)
-    config = {k: v for k, v in json.loads(file.read_text()).items() if k != "torch_dtype"} | {"dtype": "float32"}
+    config = {k: v for k, v in read_json(file, name=f"hf:{file}").items() if k != "torch_dtype"} | {"dtype": "float32"}
     files = {"config.json": json.dumps(config, indent=2) + "\n"}
     generation = file.with_name("generation_config.json")
     if generation.is_file():
