@@ -3,7 +3,11 @@ model, turn them into the values training starts from: whole (`checkpoint_values
 each rank reading only its own part of each tensor (`CheckpointSlices`, `Start`).
 
 A checkpoint is one .safetensors file, or a directory: the files its `model.safetensors.index.json`
-names (as `save_pretrained` shards a model), else every .safetensors file in it."""
+names (as `save_pretrained` shards a model), else every .safetensors file in it. Values are checked
+as well as names and shapes, because a wrong value trains silently: a floating parameter stored as
+integers or bools is refused from the headers (its values were truncated when it was saved), and
+every value read is converted to the parameter's dtype and must be finite (a rank checks the
+slices it reads, so the check costs one pass over what it loads anyway)."""
 
 from __future__ import annotations
 
@@ -11,10 +15,11 @@ import json
 from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
+from autoshard.options import UsageError
 from autoshard.workloads.base import Workload, initial_stream
 
 INDEX = "model.safetensors.index.json"
@@ -56,17 +61,26 @@ def _indexed_files(index: Path) -> list[Path]:
     return files
 
 
-def _headers(path: str | Path) -> dict[str, tuple[Path, tuple[int, ...]]]:
-    """Stored name -> (its file, its shape), from the files' headers alone (no tensor is read)."""
+class Header(NamedTuple):
+    """Where a stored tensor is and what it is, from a file's header."""
+
+    file: Path
+    shape: tuple[int, ...]
+    dtype: str  # safetensors' name: F32, BF16, I64, BOOL...
+
+
+def _headers(path: str | Path) -> dict[str, Header]:
+    """Stored name -> its header, from the files' headers alone (no tensor is read)."""
     safe_open = _safe_open()
-    found: dict[str, tuple[Path, tuple[int, ...]]] = {}
+    found: dict[str, Header] = {}
     for file in _safetensors_files(path):
         try:
             with safe_open(str(file), framework="pt", device="cpu") as f:
                 for name in f.keys():
                     if name in found:
                         raise ValueError(f"{path}: {name} is in more than one file")
-                    found[name] = (file, tuple(f.get_slice(name).get_shape()))
+                    part = f.get_slice(name)
+                    found[name] = Header(file, tuple(part.get_shape()), str(part.get_dtype()))
         except ValueError:
             raise
         except Exception as err:  # safetensors raises its own error type for a bad header
@@ -79,19 +93,32 @@ def read_safetensors(path: str | Path, *, shapes_only: bool = False) -> dict[str
     ValueError when there are none or two files hold a name."""
     headers = _headers(path)
     if shapes_only:
-        return {name: shape for name, (_, shape) in headers.items()}
+        return {name: header.shape for name, header in headers.items()}
     safe_open = _safe_open()
     values: dict[str, Any] = {}
-    for file in dict.fromkeys(file for file, _ in headers.values()):
+    for file in dict.fromkeys(header.file for header in headers.values()):
         with safe_open(str(file), framework="pt", device="cpu") as f:
             values.update({name: f.get_tensor(name) for name in f.keys()})
     return values
 
 
-def check_checkpoint(workload: Workload, shapes: dict[str, tuple[int, ...]], path: str | Path) -> list[str]:
+def check_checkpoint(
+    workload: Workload,
+    shapes: dict[str, tuple[int, ...]],
+    path: str | Path,
+    dtypes: dict[str, str] | None = None,
+) -> list[str]:
     """The model's parameter names, once `shapes` (checkpoint name -> shape, names adapted) is
     known to hold every one of them with its shape and nothing the model lacks (another
-    architecture's checkpoint); ValueError otherwise. Costs a meta build, no weights."""
+    architecture's checkpoint), and `dtypes` (safetensors' names), when given, a floating type
+    for every floating parameter; ValueError otherwise. Costs a meta build, no weights."""
+    return list(_checked_params(workload, shapes, path, dtypes or {}))
+
+
+def _checked_params(
+    workload: Workload, shapes: dict[str, tuple[int, ...]], path: str | Path, dtypes: dict[str, str]
+) -> dict[str, torch.dtype]:
+    """`check_checkpoint`'s checks; the model's parameters with their dtypes."""
     model = workload.build("meta")
     params = dict(model.named_parameters())
     known = dict(model.state_dict(keep_vars=True)) | params  # tied names (lm_head.weight) too
@@ -112,7 +139,33 @@ def check_checkpoint(workload: Workload, shapes: dict[str, tuple[int, ...]], pat
                 f"{path}: {name} has shape {tuple(shape)} in the checkpoint, "
                 f"{tuple(known[name].shape)} in {workload.name}"
             )
-    return list(params)
+    for name, param in params.items():
+        stored = dtypes.get(name)
+        if stored is not None and param.is_floating_point() and not _is_float(stored):
+            raise ValueError(
+                f"{path}: {name} is stored as {stored}, not a floating type, for a {param.dtype} parameter "
+                "of the model: its values were cut to integers when it was saved (save it as a float)"
+            )
+    return {name: param.dtype for name, param in params.items()}
+
+
+def _is_float(dtype: str) -> bool:
+    """Whether a safetensors dtype name is a floating type (F64, F32, F16, BF16, F8_E4M3...)."""
+    return dtype.startswith(("F", "BF"))
+
+
+def checked_value(value: torch.Tensor, dtype: torch.dtype, name: str, path: str | Path) -> torch.Tensor:
+    """`value` (a stored tensor, or a slice of one) in the parameter's `dtype`, once every value is
+    finite: a NaN or inf stored, or one made by narrowing, would train silently. UsageError."""
+    out = value.to(dtype)
+    if out.is_floating_point() and not bool(torch.isfinite(out).all()):
+        bad = int((~torch.isfinite(out)).sum())
+        how = "holds" if not bool(torch.isfinite(value).all()) else f"overflows {dtype} in"
+        raise UsageError(
+            f"--init-from {path}: {name} {how} {bad} non-finite value(s) (NaN or inf) of the {value.numel()} read; "
+            "start from a checkpoint of finite weights"
+        )
+    return out
 
 
 def checkpoint_values(workload: Workload, path: str | Path, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -120,30 +173,37 @@ def checkpoint_values(workload: Workload, path: str | Path, seed: int = 0) -> di
     by the workload) for every parameter, the seed's initial values for buffers a checkpoint does
     not hold (rotary tables). ValueError as `check_checkpoint` says."""
     loaded = workload.adapt_state_dict(read_safetensors(path))
-    params = check_checkpoint(workload, {name: tuple(t.shape) for name, t in loaded.items()}, path)
-    return {**workload.initial_state(seed), **{name: loaded[name] for name in params}}
+    shapes = {name: tuple(t.shape) for name, t in loaded.items()}
+    dtypes = {name: "F" if t.is_floating_point() else str(t.dtype).removeprefix("torch.") for name, t in loaded.items()}
+    params = _checked_params(workload, shapes, path, dtypes)
+    values = {name: checked_value(loaded[name], dtype, name, path) for name, dtype in params.items()}
+    return {**workload.initial_state(seed), **values}
 
 
 class CheckpointSlices:
     """A checkpoint whose tensors are read a slice at a time: `read(name, box)` opens the tensor's
     file, reads the box (`safe_open(...).get_slice`) and closes it, so the host holds the slice
-    and no more of the file. Built from the headers alone; ValueError as `check_checkpoint` says."""
+    and no more of the file; the slice comes in the parameter's dtype, checked finite
+    (`checked_value`: a rank checks what it reads, no more). Built from the headers alone;
+    ValueError as `check_checkpoint` says."""
 
     def __init__(self, workload: Workload, path: str | Path):
         headers = _headers(path)
         stored = workload.adapt_state_dict({name: name for name in headers})  # our name -> stored name
-        shapes = {ours: headers[name][1] for ours, name in stored.items()}
+        shapes = {ours: headers[name].shape for ours, name in stored.items()}
+        dtypes = {ours: headers[name].dtype for ours, name in stored.items()}
         self.path = path
-        self.params = check_checkpoint(workload, shapes, path)
-        self._where = {ours: (headers[name][0], name) for ours, name in stored.items()}
+        self._dtypes = _checked_params(workload, shapes, path, dtypes)
+        self.params = list(self._dtypes)
+        self._where = {ours: (headers[name].file, name) for ours, name in stored.items()}
 
     def read(self, name: str, box: tuple[slice, ...]) -> torch.Tensor:
         """The part of tensor `name` (the model's name) inside `box` (a slice per dim)."""
         file, stored = self._where[name]
         with _safe_open()(str(file), framework="pt", device="cpu") as f:
-            if not box:  # a 0-dim tensor
-                return f.get_tensor(stored)
-            return f.get_slice(stored)[box]
+            value = f.get_tensor(stored) if not box else f.get_slice(stored)[box]  # no box: a 0-dim tensor
+        shown = stored if stored == name else f"{stored} ({name})"
+        return checked_value(value, self._dtypes.get(name, value.dtype), shown, self.path)
 
 
 @dataclass(frozen=True)
