@@ -303,8 +303,14 @@ _RUN_KEYS = ("model", "batch", "seq", "steps", "network", "device", "device_prof
 
 
 def summary_section(report: dict, names: Sequence[str], colors: dict[str, str]) -> str:
+    items = [*_run_items(report, names), *_step_items(report["totals"], colors), *_plan_items(report)]
+    dl = '<dl class="kv">' + "".join(f"<dt>{_e(k)}</dt><dd>{v}</dd>" for k, v in items) + "</dl>"
+    return f'<section id="summary"><h2>Summary</h2>{dl}{memory_block(report.get("memory"))}</section>'
+
+
+def _run_items(report: dict, names: Sequence[str]) -> list[tuple[str, str]]:
+    """What was planned: the mesh, the run's settings, precision, memory limit, what runs twice."""
     mesh = report["mesh_shape"]
-    t = report["totals"]
     run = report.get("run") if isinstance(report.get("run"), dict) else report.get("settings")
     items = [
         (
@@ -340,39 +346,33 @@ def summary_section(report: dict, names: Sequence[str], colors: dict[str, str]) 
                 ),
             )
         )
+    return items
+
+
+def _step_items(t: dict, colors: dict[str, str]) -> list[tuple[str, str]]:
+    """The modeled step per rank, as a sum and as a bar of its parts."""
     step = t["step_time_s"]
     optimizer = t.get("optimizer_s", 0.0)
-    items.append(
-        (
-            "modeled step per rank",
-            f"{_e(human_time(step))} = compute {_e(human_time(t['compute_s']))} + "
-            f"optimizer {_e(human_time(optimizer))} + communication {_e(human_time(t['comm_s']))} (no overlap)",
-        )
-    )
-    bar = _bar(
-        [
-            ("compute", t["compute_s"], _color("compute", colors)),
-            ("optimizer", optimizer, "#8e6bbf"),
-            ("communication", t["comm_s"], "#d9534f"),
-        ],
-        step or 1.0,
-        width=560,
-        height=16,
-    )
-    items.append(
-        (
-            "",
-            bar
-            + _legend([("compute", _color("compute", colors)), ("optimizer", "#8e6bbf"), ("communication", "#d9534f")]),
-        )
-    )
-    items.append(
+    parts = [
+        ("compute", t["compute_s"], _color("compute", colors)),
+        ("optimizer", optimizer, "#8e6bbf"),
+        ("communication", t["comm_s"], "#d9534f"),
+    ]
+    total = " + ".join(f"{name} {_e(human_time(seconds))}" for name, seconds, _ in parts)
+    bar = _bar(parts, step or 1.0, width=560, height=16) + _legend([(name, color) for name, _, color in parts])
+    return [("modeled step per rank", f"{_e(human_time(step))} = {total} (no overlap)"), ("", bar)]
+
+
+def _plan_items(report: dict) -> list[tuple[str, str]]:
+    """What the plan holds and how it was found: parameters, the ILP, the planning stages' times."""
+    t = report["totals"]
+    items = [
         (
             "parameters",
             f"{_e(t['params'])}, {_e(t['non_default_order_params'])} in non-default device order; "
             f"{_e(human_bytes(t['param_bytes_per_rank']))} per rank",
         )
-    )
+    ]
     ilp = t.get("ilp")
     if ilp:
         items.append(
@@ -390,8 +390,7 @@ def summary_section(report: dict, names: Sequence[str], colors: dict[str, str]) 
                 + f" (total {sum(report['timings'].values()):.2f} s)",
             )
         )
-    dl = '<dl class="kv">' + "".join(f"<dt>{_e(k)}</dt><dd>{v}</dd>" for k, v in items) + "</dl>"
-    return f'<section id="summary"><h2>Summary</h2>{dl}{memory_block(report.get("memory"))}</section>'
+    return items
 
 
 # ------------------------------------------------------------------------------------ training
