@@ -7,20 +7,8 @@ sol = solve(p)          # sol.choice == {"a": 0, "b": 0}, sol.label("a") == "R"
 """
 
 from .model import available_backends
-from .problem import (
-    Allowed,
-    Choice,
-    Constraint,
-    Edge,
-    EdgeMemory,
-    Fixed,
-    InfeasibleError,
-    MemoryBudget,
-    Node,
-    Problem,
-    RepeatedRegion,
-    SameChoice,
-)
+from .constraints import Allowed, Constraint, EdgeMemory, Fixed, MemoryBudget, RepeatedRegion, SameChoice
+from .problem import Choice, Edge, InfeasibleError, Node, Problem
 from .solve import NoBetterError, Solution, SolveError, SolveStats, solve
 
 __all__ = [

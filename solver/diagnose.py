@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from .model import Model, run
 from .presolve import Arrays, Conflict, Reduction
-from .problem import Edge, InfeasibleError, Problem, RepeatedRegion
+from .constraints import RepeatedRegion
+from .problem import Edge, InfeasibleError, Problem
 
 
 def explain(problem: Problem, backend: str) -> InfeasibleError:

@@ -26,7 +26,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .problem import Allowed, Edge, EdgeMemory, Fixed, MemoryBudget, Problem, tie_classes
+from .constraints import Allowed, EdgeMemory, Fixed, MemoryBudget
+from .problem import Edge, Problem, tie_classes
 
 
 class Conflict(Exception):
