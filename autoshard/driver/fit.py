@@ -155,72 +155,91 @@ def fit_memory(
 ) -> FittedPlan:
     """`plan` if it fits `limit`, else the best plan that does (with the problem it solves);
     MemoryLimitError when none does. `steps` default to solving and dry-running in this process."""
-    if steps is None:
-        steps = FitSteps(solving_here(backend, time_limit), dry_run)
+    fit = _Fit(limit, steps if steps is not None else FitSteps(solving_here(backend, time_limit), dry_run), planner)
     table = peak_memory_table(sharding)
     linear = modeled_bytes(table, plan.solution.choice)
     asked = mode_of(spec)
-    tried: list[tuple[str, float]] = []  # (mode, dry-run peak) of every plan dry-run
-
-    def fitted(
-        chosen: Plan, sp: ShardingProblem, mode: str, linear: float, result: DryRunResult | None, constrained: bool
-    ) -> FittedPlan:
-        peak = None if result is None else float(result.peak_bytes)
-        return FittedPlan(
-            chosen,
-            sp,
-            MemoryFit(limit, chosen, linear, peak, constrained, mode, tried, dry_runs=steps.dry_run is not None),
-            result,
-        )
-
-    if linear <= TRUST * limit or (steps.dry_run is None and linear <= limit):
-        return fitted(plan, sharding, asked, linear, None, False)
-    result = steps.dry_run(plan) if steps.dry_run is not None else None
-    if result is not None:
-        tried.append((asked, float(result.peak_bytes)))
-        if result.peak_bytes <= limit:
-            return fitted(plan, sharding, asked, linear, result, False)
-    needs = result.peak_bytes if result is not None else linear
+    if linear <= TRUST * limit or (fit.steps.dry_run is None and linear <= limit):
+        return fit.fitted(plan, sharding, asked, linear, None, False)
+    result = fit.dry_run(plan, asked) if fit.steps.dry_run is not None else None
+    if result is not None and result.peak_bytes <= limit:
+        return fit.fitted(plan, sharding, asked, linear, result, False)
     log.info(
         "autoshard: the plan needs %s per rank%s, over the %s limit: planning under a budget",
-        size_text(needs),
+        size_text(result.peak_bytes if result is not None else linear),
         "" if result is not None else " (modeled)",
         size_text(limit),
     )
     # each option's budget: the limit less the non-linear part the dry run found, tightened by its own misses
     extra = max(0.0, result.peak_bytes - linear) if result is not None else 0.0
-    first = _Option(asked, sharding, table, limit - extra, unbudgeted=_Unbudgeted(plan.solution))
-    # its budgeted solve runs while the others are derived and start solving without the budget
-    first.started = (first.budget, steps.start(with_peak_budget(sharding, table, first.budget), None))
+    options = _start_options(plan, sharding, spec, table, limit - extra, fit.steps)
+    return _fit_options(fit, options, result)
+
+
+@dataclass
+class _Fit:
+    """One fit: the limit, how it solves and dry-runs, and the (mode, dry-run peak) of every plan
+    it dry-ran (the `MemoryFit` of the plan it returns lists them)."""
+
+    limit: float
+    steps: FitSteps
+    planner: Planner
+    tried: list[tuple[str, float]] = dataclasses.field(default_factory=list)
+
+    def dry_run(self, plan: Plan, mode: str) -> DryRunResult:
+        assert self.steps.dry_run is not None
+        result = self.steps.dry_run(plan)
+        self.tried.append((mode, float(result.peak_bytes)))
+        return result
+
+    def fitted(
+        self, plan: Plan, sp: ShardingProblem, mode: str, linear: float, result: DryRunResult | None, constrained: bool
+    ) -> FittedPlan:
+        peak = None if result is None else float(result.peak_bytes)
+        dry_runs = self.steps.dry_run is not None
+        return FittedPlan(
+            plan,
+            sp,
+            MemoryFit(self.limit, plan, linear, peak, constrained, mode, self.tried, dry_runs=dry_runs),
+            result,
+        )
+
+
+def _start_options(
+    plan: Plan, sharding: ShardingProblem, spec: ProblemSpec, table: PeakTable, budget: float, steps: FitSteps
+) -> list[_Option]:
+    """The options the fit may take, the asked one first, each with `budget`: the asked option's
+    budgeted solve starts at once, and while it runs the others are derived from its problem
+    (`with_options`) and start solving without the budget."""
+    asked = mode_of(spec)
+    first = _Option(asked, sharding, table, budget, unbudgeted=_Unbudgeted(plan.solution))
+    first.started = (budget, steps.start(with_peak_budget(sharding, table, budget), None))
     options = [first]
     for mode in MODES[MODES.index(asked) + 1 :]:  # what the user did not ask for, the budget may choose
         sp = with_options(sharding, dataclasses.replace(spec, recompute=mode == "recompute", reshard=mode == "reshard"))
-        options.append(_Option(mode, sp, peak_memory_table(sp), first.budget, ahead=steps.start(sp.problem, None)))
-    smallest = result
-    raised = 0
+        options.append(_Option(mode, sp, peak_memory_table(sp), budget, ahead=steps.start(sp.problem, None)))
+    return options
+
+
+def _fit_options(fit: _Fit, options: list[_Option], smallest: DryRunResult | None) -> FittedPlan:
+    """Rounds over the options until the fastest plan under their budgets dry-runs under the limit:
+    a miss tightens that option's budget (dropped after `ROUNDS` misses), nothing under the
+    budgets loosens them all. MemoryLimitError naming the smallest peak seen when none fits."""
+    limit, steps = fit.limit, fit.steps
+    loosened = 0
     while options:
-        best = _best_budgeted(options, steps, planner)
-        if best is None and raised < ROUNDS and any(option.budget < limit for option in options):
-            # nothing fits the budgets: their non-linear part was the unconstrained plan's, and a
-            # plan sharded enough to fit may hold less (smaller activations, transients): halve it
-            raised += 1
-            low = min(option.budget for option in options)
-            for option in options:
-                option.budget = limit - 0.5 * (limit - option.budget)
-            log.info(
-                "autoshard: memory fit: no plan fits a budget of %s; trying %s",
-                size_text(low),
-                size_text(min(option.budget for option in options)),
-            )
+        best = _best_budgeted(options, steps, fit.planner)
+        if best is None and loosened < ROUNDS and any(option.budget < limit for option in options):
+            loosened += 1
+            _loosen(options, limit)
             continue
         if best is None:
             break
         candidate, option = best
         linear = modeled_bytes(option.table, candidate.solution.choice)
         if steps.dry_run is None:  # its linear part fits the limit: all that is checked
-            return fitted(candidate, option.sharding, option.mode, linear, None, True)
-        result = steps.dry_run(candidate)
-        tried.append((option.mode, float(result.peak_bytes)))
+            return fit.fitted(candidate, option.sharding, option.mode, linear, None, True)
+        result = fit.dry_run(candidate, option.mode)
         log.info(
             "autoshard: memory fit: the %s plan under a budget of %s: modeled %s, dry-run peak %s",
             option.mode,
@@ -231,7 +250,7 @@ def fit_memory(
         if smallest is None or result.peak_bytes < smallest.peak_bytes:
             smallest = result
         if result.peak_bytes <= limit:
-            return fitted(candidate, option.sharding, option.mode, linear, result, True)
+            return fit.fitted(candidate, option.sharding, option.mode, linear, result, True)
         option.missed.append((option.budget, float(result.peak_bytes)))
         option.budget = _next_budget(limit, option.budget, result.peak_bytes - linear, option.missed)
         if len(option.missed) == ROUNDS:  # this option keeps missing: leave it to the others
@@ -243,6 +262,19 @@ def fit_memory(
             f"batch or sequence, or bf16 parameters (--param-dtype bf16)"
         )
     raise MemoryLimitError(_no_fit_message(limit, smallest))
+
+
+def _loosen(options: list[_Option], limit: float) -> None:
+    """Nothing fits the budgets: their non-linear part was the unconstrained plan's, and a plan
+    sharded enough to fit may hold less (smaller activations, transients): halve it."""
+    low = min(option.budget for option in options)
+    for option in options:
+        option.budget = limit - 0.5 * (limit - option.budget)
+    log.info(
+        "autoshard: memory fit: no plan fits a budget of %s; trying %s",
+        size_text(low),
+        size_text(min(option.budget for option in options)),
+    )
 
 
 @dataclass(frozen=True)
