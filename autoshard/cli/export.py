@@ -1,8 +1,8 @@
 """`python -m autoshard export RUN_DIR --hf OUT`: a training run's checkpoint as a Hugging Face model
 directory (safetensors in the run's dtype or --dtype, config.json, the tokenizer's files) that
 `transformers.AutoModelForCausalLM.from_pretrained(OUT)` loads. Bad input (not a run directory, no
-such checkpoint, a crafted checkpoint, OUT not writable or not empty) is one `error: ...` line,
-exit code 2, and nothing is written.
+such checkpoint, a crafted checkpoint, weights that are NaN or inf or that overflow --dtype, OUT not
+writable or not empty) is one `error: ...` line, exit code 2, and nothing is written.
 """
 
 from __future__ import annotations
@@ -27,7 +27,8 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--dtype",
         choices=("bf16", "fp16", "fp32"),
-        help="the weights' dtype (default: bf16 when the run computed in bf16, else fp32)",
+        help="the weights' dtype (default: bf16 when the run computed in bf16, else fp32); "
+        "weights it cannot hold (fp16 past 65504) are an error",
     )
     parser.add_argument(
         "--max-shard-size",

@@ -10,7 +10,10 @@ as `save_pretrained` writes them. Each file is written tensor by tensor: one ten
 DCP checkpoint (cast as it is copied), written out and dropped, so memory holds about one tensor,
 never a file's worth or the model. The checkpoint's pickled metadata is read by `safe_metadata`
 (a crafted one is refused, nothing of it run). Everything is written into a temporary directory
-beside OUT and renamed to OUT at the end: OUT is complete or absent.
+beside OUT and renamed to OUT at the end: OUT is complete or absent. Before anything is written,
+every weight is read once and checked finite as stored and in the export's dtype (a diverged run's
+NaN, or fp16's overflow past 65504, would otherwise export a model that computes NaN): one more
+read of the checkpoint, a tensor at a time, for an export that is never silently wrong.
 """
 
 from __future__ import annotations
@@ -219,6 +222,134 @@ def _tensor_reader(ckpt: Checkpoint, metadata: Any) -> Callable[[str, Any, torch
     return read
 
 
+@dataclass(frozen=True)
+class _Weights:
+    """The checkpoint's model tensors as they will be written: DCP metadata, exported dtype and
+    name, and bytes by checkpoint FQN; grouped into the weight files `files`."""
+
+    tensors: dict[str, Any]
+    dtypes: dict[str, torch.dtype]
+    names: dict[str, str]
+    sizes: dict[str, int]
+    groups: list[list[str]]
+    files: list[str]
+
+
+def _weights(ckpt: Checkpoint, metadata: Any, form: Any, dtype: torch.dtype, max_shard_bytes: int) -> _Weights:
+    """What each model tensor of the checkpoint becomes: floating ones in `dtype`, the rest kept."""
+    tensors = {
+        key.removeprefix("model."): meta
+        for key, meta in metadata.state_dict_metadata.items()
+        if key.startswith("model.") and hasattr(meta, "size")
+    }
+    stored = {fqn: meta.properties.dtype for fqn, meta in tensors.items()}
+    dtypes = {fqn: dtype if d.is_floating_point else d for fqn, d in stored.items()}
+    if unknown := sorted({str(d) for d in dtypes.values() if d not in _SAFETENSORS}):
+        raise ValueError(f"{ckpt.path}: holds tensors of dtype {', '.join(unknown)}, which safetensors cannot hold")
+    sizes = {fqn: math.prod(meta.size) * dtypes[fqn].itemsize for fqn, meta in tensors.items()}
+    groups = _shards(sizes, max_shard_bytes)
+    files = (
+        [WEIGHTS]
+        if len(groups) == 1
+        else [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
+    )
+    names = {fqn: form.name(fqn) for fqn in tensors}
+    return _Weights(tensors, dtypes, names, sizes, groups, files)
+
+
+def _check_values(weights: _Weights, read: Callable, ckpt: Checkpoint, run: Path, dtype: str) -> None:
+    """Every weight is finite, in the checkpoint and in `dtype`: a diverged run's NaN, or an fp16
+    cast past 65504, would export a model that only computes NaN, under the usual success line.
+    Reads each tensor once, in its stored dtype (one tensor in memory); ValueError names them."""
+    broken: dict[str, int] = {}  # exported name -> non-finite values stored
+    overflow: dict[str, int] = {}  # exported name -> values finite as stored, inf in `dtype`
+    largest = 0.0
+    for fqn, meta in weights.tensors.items():
+        if not meta.properties.dtype.is_floating_point:
+            continue
+        bad, over, top = _bad_values(read(fqn, meta, meta.properties.dtype), weights.dtypes[fqn])
+        if bad:
+            broken[weights.names[fqn]] = bad
+        if over:
+            overflow[weights.names[fqn]], largest = over, max(largest, top)
+    if broken:
+        others = [str(c.step) for c in reversed(checkpoints(run)) if c.step < ckpt.step]
+        hint = f"; export an earlier one with --step ({', '.join(others)})" if others else ""
+        raise ValueError(
+            f"{ckpt.path}: the weights are not finite (NaN or inf) in {len(broken)} tensor(s): {_counts(broken)}: "
+            f"the run diverged by step {ckpt.step}{hint}"
+        )
+    if overflow:
+        wider = " or ".join(d for d in ("bf16", "fp32") if d != dtype)
+        raise ValueError(
+            f"--dtype {dtype}: {len(overflow)} tensor(s) overflow {dtype} (values up to {largest:.4g}, "
+            f"its largest is {torch.finfo(DTYPES[dtype]).max:.4g}): {_counts(overflow)}; export as --dtype {wider}"
+        )
+
+
+def _bad_values(value: torch.Tensor, dtype: torch.dtype) -> tuple[int, int, float]:
+    """(non-finite values, finite values that `dtype` turns into inf, the largest of those) of
+    `value`. One min-max pass decides the common case (NaN propagates through it; torch's
+    isfinite is an order of magnitude slower); the counts are taken only when something is wrong."""
+    if not value.numel():
+        return 0, 0, 0.0
+    lo, hi = (float(v) for v in value.aminmax())
+    if math.isfinite(lo) and math.isfinite(hi) and max(-lo, hi) <= torch.finfo(dtype).max:
+        return 0, 0, 0.0
+    finite = torch.isfinite(value)
+    cast = torch.isinf(value.to(dtype)) & finite
+    top = float(value[cast].abs().max()) if bool(cast.any()) else 0.0
+    return int((~finite).sum()), int(cast.sum()), top
+
+
+def _counts(found: dict[str, int], most: int = 5) -> str:
+    """'a (3 values), b (1 value)' for the first `most`, and how many more."""
+    shown = [f"{name} ({n} value{'s' if n != 1 else ''})" for name, n in list(found.items())[:most]]
+    return ", ".join(shown) + (f" and {len(found) - most} more" if len(found) > most else "")
+
+
+def _write(tmp: Path, weights: _Weights, read: Callable, texts: dict[str, str], copies: dict[str, Path]) -> None:
+    """The model directory's files into `tmp`: the weights a file at a time (widest tensors first:
+    stable and aligned), the index when there are several, the texts, the copied files."""
+    for file, group in zip(weights.files, weights.groups):
+        entries = []
+        for fqn in sorted(group, key=lambda fqn: -weights.dtypes[fqn].itemsize):
+            meta, dtype = weights.tensors[fqn], weights.dtypes[fqn]
+            entries.append((weights.names[fqn], torch.Size(meta.size), dtype, partial(read, fqn, meta, dtype)))
+        _write_safetensors(tmp / file, entries)
+    if len(weights.files) > 1:
+        weight_map = {weights.names[fqn]: file for file, group in zip(weights.files, weights.groups) for fqn in group}
+        total = sum(weights.sizes.values())
+        (tmp / INDEX).write_text(
+            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n"
+        )
+    for name, text in texts.items():
+        (tmp / name).write_text(text)
+    for name, source in copies.items():
+        shutil.copyfile(source, tmp / name)
+
+
+def _publish(out: Path, write: Callable[[Path], None]) -> None:
+    """`write(tmp)` into a temporary directory beside `out`, renamed to `out` when it is done: `out`
+    is complete or absent (an empty `out`, checked by the caller, is replaced)."""
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    except OSError as err:
+        raise ValueError(f"cannot write {out}: {err}") from None
+    try:
+        write(tmp)
+        if out.exists():
+            out.rmdir()  # empty, checked by the caller
+        os.replace(tmp, out)
+    except OSError as err:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise ValueError(f"cannot write {out}: {err}") from None
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
 def export_hf(
     run: str | os.PathLike,
     out: str | os.PathLike,
@@ -229,8 +360,8 @@ def export_hf(
 ) -> Export:
     """Write checkpoint `step` (default: the newest complete one) of training run `run` as a
     Hugging Face model directory `out` (it must not exist, or be empty), its floating tensors in
-    `dtype` (bf16, fp16, fp32; default `default_dtype`). ValueError names what is wrong; nothing
-    is left half-written."""
+    `dtype` (bf16, fp16, fp32; default `default_dtype`). ValueError names what is wrong (weights
+    that are not finite, or not in `dtype`, included); nothing is left half-written."""
     run, out = Path(run), Path(out)
     if max_shard_bytes < 1:
         raise ValueError(f"the largest file must hold at least one byte, got {max_shard_bytes}")
@@ -248,63 +379,12 @@ def export_hf(
     form = workload.hf_format()
     dtype = dtype or default_dtype(settings)
     metadata = _metadata(ckpt, run)
-    tensors = {
-        key.removeprefix("model."): meta
-        for key, meta in metadata.state_dict_metadata.items()
-        if key.startswith("model.") and hasattr(meta, "size")
-    }
-    stored = {fqn: meta.properties.dtype for fqn, meta in tensors.items()}
-    dtypes = {fqn: DTYPES[dtype] if d.is_floating_point else d for fqn, d in stored.items()}
-    if unknown := sorted({str(d) for d in dtypes.values() if d not in _SAFETENSORS}):
-        raise ValueError(f"{ckpt.path}: holds tensors of dtype {', '.join(unknown)}, which safetensors cannot hold")
-    names = {fqn: form.name(fqn) for fqn in tensors}
-    sizes = {fqn: math.prod(meta.size) * dtypes[fqn].itemsize for fqn, meta in tensors.items()}
-    groups = _shards(sizes, max_shard_bytes)
-    files = (
-        [WEIGHTS]
-        if len(groups) == 1
-        else [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
-    )
+    weights = _weights(ckpt, metadata, form, DTYPES[dtype], max_shard_bytes)
     texts = dict(form.files) | tokenizer_files(settings.get("tokenizer"))  # the tokenizer's, or made for it
     texts["config.json"] = _config(texts["config.json"], DTYPES[dtype])
     copies = {name: file for name, file in _source_files(settings).items() if name not in texts}
     read = _tensor_reader(ckpt, metadata)
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    except OSError as err:
-        raise ValueError(f"cannot write {out}: {err}") from None
-    try:
-        for file, group in zip(files, groups):
-            _write_safetensors(
-                tmp / file,
-                [
-                    (
-                        names[fqn],
-                        torch.Size(tensors[fqn].size),
-                        dtypes[fqn],
-                        partial(read, fqn, tensors[fqn], dtypes[fqn]),
-                    )
-                    for fqn in sorted(group, key=lambda fqn: -dtypes[fqn].itemsize)  # stable: widest first, aligned
-                ],
-            )
-        if len(files) > 1:
-            weight_map = {names[fqn]: file for file, group in zip(files, groups) for fqn in group}
-            (tmp / INDEX).write_text(
-                json.dumps({"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map}, indent=2) + "\n"
-            )
-        for name, text in texts.items():
-            (tmp / name).write_text(text)
-        for name, source in copies.items():
-            shutil.copyfile(source, tmp / name)
-        if out.exists():
-            out.rmdir()  # empty, checked above
-        os.replace(tmp, out)
-    except OSError as err:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise ValueError(f"cannot write {out}: {err}") from None
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    _check_values(weights, read, ckpt, run, dtype)  # before anything is written
+    _publish(out, lambda tmp: _write(tmp, weights, read, texts, copies))
     others = tuple(sorted(set(texts) | set(copies)))
-    return Export(out, ckpt.step, files, len(tensors), sum(sizes.values()), dtype, others)
+    return Export(out, ckpt.step, weights.files, len(weights.tensors), sum(weights.sizes.values()), dtype, others)
