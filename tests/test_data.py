@@ -20,7 +20,7 @@ from torch import nn
 
 from autoshard import _torch_compat as tc
 from autoshard.cli.train import main
-from autoshard.data import CorpusFeed, open_feed, text
+from autoshard.data import Corpus, DataConfig, fitted_vocab, open_data, text
 from autoshard.data.corpus import Tokens, Windows, permute, split_by_document
 from autoshard.data.files import LLMC_MAGIC, open_tokens
 from autoshard.driver.api import AutoShard
@@ -78,27 +78,18 @@ def write_text(folder: Path, docs: list[str]) -> dict[str, Path]:
     return {"txt": folder / "txt", "jsonl": folder / "docs.jsonl", "parquet": folder / "docs.parquet"}
 
 
-def feed_settings(**kw) -> SimpleNamespace:
-    """What `open_feed` reads of the train Settings."""
-    base = dict(
-        data=None,
-        data_dtype="auto",
-        tokenizer=None,
-        data_cache=None,
-        vocab_size=None,
-        val_data=None,
-        val_fraction=0.0,
-        eval_every=0,
-        eval_batches=1,
-        data_seed=0,
-        batch=4,
-        seq=8,
-        steps=10,
-        grad_accum=1,
+def opened(workload, **kw):
+    """(vocabulary, workload as built, data) as a run resolves them from these data settings."""
+    base = dict(data=None, tokenizer=None, data_cache=None, vocab_size=None, val_fraction=0.0, batch=4, seq=8, steps=10)
+    s = SimpleNamespace(**(base | kw))
+    tokenizer = text.load_tokenizer(s.tokenizer) if s.tokenizer else None
+    vocab = fitted_vocab(s.vocab_size, tokenizer, workload, s.tokenizer or "")
+    if vocab is not None and vocab != workload.vocab_size:
+        workload = workload.resize_vocab(vocab)
+    config = DataConfig(
+        s.batch, s.seq, s.steps, s.data, data_cache=s.data_cache, tokenizer=s.tokenizer, val_fraction=s.val_fraction
     )
-    out = SimpleNamespace(**(base | kw))
-    out.replace = lambda **changes: SimpleNamespace(**(vars(out) | changes))
-    return out
+    return vocab, workload, open_data(config, workload, tokenizer)
 
 
 # ---------------------------------------------------------------------------- files
@@ -161,8 +152,8 @@ def test_windows_pack_the_stream_exactly_across_files():
     windows = Windows(tokens, seq=8)  # windows of 9 tokens: 75 // 9 = 8, the last 3 tokens left out
     assert len(tokens) == 75 and windows.count == 8
     assert windows.read([0, 3, 7]).tolist() == [list(range(w * 9, w * 9 + 9)) for w in (0, 3, 7)]
-    feed = CorpusFeed(windows, None, batch=4, seed=0, vocab_size=None)
-    rows = feed.rows(0, np.arange(4))
+    corpus = Corpus(DataConfig(batch=4, seq=8, steps=1), windows, None, None, "")
+    rows = corpus.rows(1, np.arange(4))
     inputs, targets = rows[:, :-1], rows[:, 1:]
     assert inputs.shape == (4, 8) and np.array_equal(inputs[:, 1:], targets[:, :-1])
     assert all(r[0] % 9 == 0 and list(r) == list(range(r[0], r[0] + 9)) for r in rows)
@@ -318,17 +309,16 @@ def test_each_rank_reads_only_its_own_rows(layout, row_dims):
 def test_a_tokenizer_gives_a_llama_model_its_vocabulary(tmp_path, tokenizer_file):
     data = write_text(tmp_path / "data", documents(40))["jsonl"]
     workload = get_workload("llama3-tiny", 8)
-    settings, resized, feed = open_feed(
-        feed_settings(data=(str(data),), tokenizer=str(tokenizer_file), data_cache=str(tmp_path / "c")), workload
+    vocab, resized, corpus = opened(
+        workload, data=(str(data),), tokenizer=str(tokenizer_file), data_cache=str(tmp_path / "c")
     )
-    assert settings.vocab_size == 320 and resized.vocab_size == 320 and workload.vocab_size == 256
+    assert vocab == 320 and resized.vocab_size == 320 and workload.vocab_size == 256
     assert resized.build("meta").tok_embeddings.weight.shape[0] == 320
-    wider = open_feed(
-        feed_settings(data=(str(data),), tokenizer=str(tokenizer_file), data_cache=str(tmp_path / "c"), vocab_size=384),
-        workload,
+    wider = opened(
+        workload, data=(str(data),), tokenizer=str(tokenizer_file), data_cache=str(tmp_path / "c"), vocab_size=384
     )
     assert wider[1].vocab_size == 384
-    assert isinstance(feed, CorpusFeed) and feed.vocab_size == 320
+    assert isinstance(corpus, Corpus) and corpus.vocab_size == 320
 
 
 def hf_config(folder: Path, vocab: int) -> Path:
@@ -406,8 +396,8 @@ def test_a_run_resumed_mid_epoch_sees_the_uninterrupted_batches(tmp_path, tokeni
     args += ["--data", str(data), "--tokenizer", str(tokenizer_file), "--data-cache", str(tmp_path / "cache")]
     args += ["--val-fraction", "0.2", "--eval-every", "3", "--eval-batches", "2"]
     data_settings = dict(data=(str(data),), tokenizer=str(tokenizer_file), data_cache=str(tmp_path / "cache"))
-    _, _, feed = open_feed(feed_settings(**data_settings, seq=16, val_fraction=0.2), get_workload("llama3-tiny", 16))
-    assert feed.train.count < 4 * 6 and 4 * 6 % feed.train.count  # step 6 ends in the middle of epoch 2+
+    _, _, corpus = opened(get_workload("llama3-tiny", 16), **data_settings, seq=16, val_fraction=0.2)
+    assert corpus.train.count < 4 * 6 and 4 * 6 % corpus.train.count  # step 6 ends in the middle of epoch 2+
     first, second = tmp_path / "first", tmp_path / "second"
     assert main([*args, "--out", str(first)]) == 0
     rows = metrics(first)
@@ -479,6 +469,7 @@ def test_a_resume_with_other_data_is_refused_naming_both(tmp_path, capsys):
     capsys.readouterr()
     assert main([*TINY, "--steps", "3", "--data", paths[1], "--out", out]) == 2
     assert capsys.readouterr().err.splitlines() == [
-        f"error: resuming {out} with settings that define another run (--data {[paths[0]]} -> {[paths[1]]}): its "
+        f"error: resuming {out} with settings that define another run (--data: 1 of its 1 files differ from the "
+        "run's (size or content)): its "
         "losses would mix two runs; use another --out, or --resume force to continue anyway (recorded in metrics.jsonl)"
     ]

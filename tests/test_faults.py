@@ -48,7 +48,7 @@ def test_an_out_that_is_a_file_is_refused_before_the_process_group(tmp_path, cap
     def reached(*args, **kwargs):
         raise AssertionError("the process group was set up")
 
-    monkeypatch.setattr(loop, "_init_distributed", reached)
+    monkeypatch.setattr(loop, "start_process_group", reached)
     file = tmp_path / "notes"
     file.write_text("mine")
     out = file / under if under else file

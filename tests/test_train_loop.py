@@ -16,7 +16,7 @@ import torch
 from torch.optim import lr_scheduler as sched
 
 from autoshard.cli.train import main
-from autoshard.train.optimizer import make_optimizer, make_schedule
+from autoshard.train.optimizer import OptimizerConfig, ScheduleConfig
 from autoshard.train.settings import Settings
 from autoshard_models import build_model, get_config
 from autoshard_models.data import MarkovTokens
@@ -88,7 +88,7 @@ def closed_form(s: Settings, step: int) -> float:
 def test_schedules_are_torchs_schedulers(changes):
     s = settings(steps=12, **changes)
     optim = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=s.lr)
-    schedule, got = make_schedule(optim, s), []
+    schedule, got = ScheduleConfig.from_settings(s).build(optim), []
     for _ in range(s.steps):
         got.append(optim.param_groups[0]["lr"])
         optim.step()
@@ -102,7 +102,7 @@ def test_schedules_are_torchs_schedulers(changes):
 
 def test_weight_decay_applies_to_matrices_only():
     model = build_model(get_config("llama3-tiny"), device="meta")
-    optim = make_optimizer(model.parameters(), settings(weight_decay=0.1, betas=(0.9, 0.95)))
+    optim = OptimizerConfig.from_settings(settings(weight_decay=0.1, betas=(0.9, 0.95))).build(model.parameters())
     decayed, kept = optim.param_groups
     names = {id(p): n for n, p in model.named_parameters()}
     assert decayed["weight_decay"] == 0.1 and kept["weight_decay"] == 0.0
@@ -247,7 +247,7 @@ def test_wandb_offline_writes_a_run_directory(tmp_path, monkeypatch):
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["--betas", "1.5,0.9"], "--betas: bad betas '1.5,0.9': each must be in [0, 1)"),
+        (["--betas", "1.5,0.9"], "--betas must be two numbers in [0, 1), got (1.5, 0.9)"),
         (["--betas", "0.9"], "--betas: bad betas '0.9': expected two numbers B1,B2"),
         (["--warmup-steps", "5"], "--warmup-steps must be >= 0 and below --steps 5, got 5"),
         (["--min-lr", "0.01"], "--min-lr must be between 0 and --lr 0.003, got 0.01"),

@@ -12,7 +12,8 @@ problems and dry-running the candidates, so every rank takes the same decisions;
 check that they hold the same plan.
 Rank 0 dry-runs its program on fake tensors (every rank holds the same local shapes) and logs the
 peak memory per rank, then writes `sharding.log`, `report.html` and `plan.json` (reusable as
-`--plan-file`, with that memory section), one `metrics.jsonl` row per step, and distributed
+`--plan-file`, with that memory section), one `metrics.jsonl` row every `--log-every` steps (the only
+steps that read the device), and distributed
 checkpoints every `--checkpoint-every` steps (asynchronously, written to a temporary directory and
 renamed when complete; the newest `--keep-checkpoints` kept); at the end it rewrites report.html
 with the loss and tokens/s curves. A run whose --out holds checkpoints continues from the newest one
@@ -29,7 +30,8 @@ AdamW's lr follows `--lr-schedule` after `--warmup-steps` (torch's lr schedulers
 it at its step), `--weight-decay` applies to matrices only, and `--grad-clip` clips by the global
 gradient norm, which every row logs (`grad_norm`) beside `lr`, `mfu` and tokens/s per device; the
 rows also go to TensorBoard (`--out`/tensorboard, when installed) and W&B (`--wandb PROJECT`).
-Run without torchrun, it trains on one process (a world of 1).
+Run without torchrun, it trains on one process (a world of 1). From Python: `autoshard.train.train`,
+with your own optimizer, data or loggers through `autoshard.train.Parts` (docs/api.md).
 """
 
 from __future__ import annotations

@@ -1,141 +1,207 @@
-"""What the training steps read: each rank's own inputs of step N, and the validation loss.
+"""What the training steps read: each rank's own inputs of a micro-batch, the validation loss,
+and the data position as checkpointable state.
 
-    settings, workload, feed = open_feed(settings, workload)   # every rank, before planning
-    inputs = feed.inputs(step - 1, pmodel)                     # this rank's local inputs
-    row |= feed.evaluate(step, pmodel)                         # every K steps: val_loss, val_ppl
+    source = open_data(DataConfig.from_settings(settings), workload, tokenizer)  # before planning
+    feed = source.feed(pmodel, micro_batches)                                 # from the plan
+    inputs = feed.inputs(step, micro)                                         # this rank's inputs
+    row |= feed.evaluate(step)                                                # val_loss, val_ppl
 
-Without `--data` the feed is the workload's synthetic source (the GLOBAL batch, cut by
-`shard_inputs`, as before). With it, a rank reads only the windows of its own rows
-(`pmodel.input_rows`) and `pmodel.local_inputs` cuts what the layout splits further: no rank
-builds the global batch. Row r of step N is position N * batch + r of the shuffled stream of
-epochs (`corpus.Windows.shuffled`), a pure function of (data seed, N). Every check of the input
-(paths, tokenizer, vocabulary, sizes) runs here, alike on every rank, before the process group:
-one `UsageError`. Duck-typed on the settings, workload and parallel module: no planning stage.
+Without `--data` the source is the workload's synthetic one (the GLOBAL batch, cut by
+`shard_inputs`). With it, a rank reads only the windows of its own rows (`pmodel.input_rows`)
+and `pmodel.local_inputs` cuts what the layout splits further: no rank builds the global batch.
+Row r of step N is position (N - 1) * batch + r of the shuffled stream of epochs
+(`corpus.Windows.shuffled`), a pure function of (data seed, N). Every check of the input (paths,
+tokenizer, vocabulary, sizes) runs in `open_data`, alike on every rank, before the process group:
+one `UsageError`. Duck-typed on the workload and the parallel module: no planning stage.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 import numpy as np
 import torch
 
 from autoshard.data.corpus import Tokens, Windows, split_by_document
 from autoshard.data.files import check_range, find_files, open_tokens
-from autoshard.data.text import Tokenizer, default_cache, load_tokenizer, tokenized
+from autoshard.data.text import Tokenizer, default_cache, tokenized
 from autoshard.options import UsageError
 
 log = logging.getLogger("autoshard")
 
 
-class SyntheticFeed:
+class Feed(Protocol):
+    """A run's data as the step schedule reads it, built from the plan (it knows this rank's rows
+    and the micro-batch count). Steps count from 1; `state_dict` is JSON and goes into every
+    checkpoint, `load_state_dict` gets it back on resume."""
+
+    def inputs(self, step: int, micro: int) -> tuple[torch.Tensor, ...]: ...
+
+    def evaluate(self, step: int) -> dict[str, float]: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """The settings the data reads (`train`'s flags of the same names)."""
+
+    batch: int
+    seq: int
+    steps: int
+    data: tuple[str, ...] | None = None
+    data_dtype: str = "auto"
+    data_cache: str | None = None
+    data_seed: int = 0
+    tokenizer: str | None = None
+    val_data: tuple[str, ...] | None = None
+    val_fraction: float = 0.0
+    eval_every: int = 0
+    eval_batches: int = 8
+
+    @classmethod
+    def from_settings(cls, settings: Any) -> DataConfig:
+        return cls(**{f.name: getattr(settings, f.name) for f in fields(cls)})
+
+
+class _Position:
+    """The steps a feed has served, as its checkpointable state (the batches themselves are a pure
+    function of the seed and the step: a resumed run continues at the step its checkpoint says)."""
+
+    served = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"steps": self.served}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.served = int(state.get("steps", 0))
+
+
+class SyntheticFeed(_Position):
     """The workload's own data source: the global batch of a step, cut to this rank's shards."""
 
-    def __init__(self, source: Any, batch: int, seq: int, micro_batches: int = 1):
-        self.source, self.batch, self.seq, self.micro_batches = source, batch, seq, micro_batches
+    def __init__(self, source: Any, pmodel: Any, batch: int, seq: int, micro_batches: int = 1):
+        self.source, self.pmodel, self.batch, self.seq = source, pmodel, batch, seq
+        self.micro_batches = micro_batches
 
-    def inputs(self, index: int, pmodel: Any, micro: int = 0) -> tuple[torch.Tensor, ...]:
-        """This rank's inputs of micro-batch `micro` (rows micro * m .. of the global batch, m
-        rows each) of step `index + 1`."""
+    def inputs(self, step: int, micro: int) -> tuple[torch.Tensor, ...]:
+        """This rank's inputs of micro-batch `micro` (rows micro * m .. of the global batch, m rows
+        each) of step `step`."""
         m = self.batch // self.micro_batches
         rows = slice(micro * m, (micro + 1) * m)
-        return pmodel.shard_inputs(*(x[rows] for x in self.source.batch(index, self.batch, self.seq)))
+        self.served = step
+        return self.pmodel.shard_inputs(*(x[rows] for x in self.source.batch(step - 1, self.batch, self.seq)))
 
-    def evaluate(self, step: int, pmodel: Any) -> dict[str, float]:
+    def evaluate(self, step: int) -> dict[str, float]:
         return {}
 
 
-class CorpusFeed:
+class CorpusFeed(_Position):
     """Windows of a token corpus, each rank reading its own rows; validation every `eval_every`
     steps on the first `eval_batches` batches of the held-out windows (in order, wrapping)."""
 
-    def __init__(
-        self,
-        train: Windows,
-        val: Windows | None,
-        *,
-        batch: int,
-        seed: int,
-        vocab_size: int | None,
-        eval_every: int = 0,
-        eval_batches: int = 1,
-        micro_batches: int = 1,
-    ):
-        self.train, self.val, self.batch, self.seed = train, val, batch, seed
-        self.micro_batches = micro_batches
-        self.vocab_size, self.eval_every, self.eval_batches = vocab_size, eval_every, eval_batches
-        self.summary: str | None = None  # logged at the first step (logging is set up by then)
+    def __init__(self, corpus: Corpus, pmodel: Any, micro_batches: int = 1):
+        self.corpus, self.pmodel, self.micro_batches = corpus, pmodel, micro_batches
+        self.summary: str | None = corpus.summary  # logged at the first step (logging is set up by then)
 
-    def inputs(self, index: int, pmodel: Any, micro: int = 0) -> tuple[torch.Tensor, ...]:
-        """This rank's inputs (tokens, targets) of micro-batch `micro` of step `index + 1`: rows
+    def inputs(self, step: int, micro: int) -> tuple[torch.Tensor, ...]:
+        """This rank's inputs (tokens, targets) of micro-batch `micro` of step `step`: rows
         micro * m .. (micro + 1) * m - 1 of its global batch, m = batch / micro_batches."""
         if self.summary is not None:
             log.info("%s", self.summary)
             self.summary = None
-        first = index * self.batch + micro * (self.batch // self.micro_batches)
-        return self._local(pmodel, self.train, lambda rows: self.train.shuffled(first + rows, self.seed))
+        c = self.corpus
+        first = (step - 1) * c.config.batch + micro * (c.config.batch // self.micro_batches)
+        self.served = step
+        return self._local(c.train, lambda rows: c.train.shuffled(first + rows, c.config.data_seed))
 
-    def rows(self, index: int, rows: np.ndarray) -> np.ndarray:
-        """Rows `rows` of the global batch of step `index + 1`: [len(rows), seq + 1] windows."""
-        return self.train.read(self.train.shuffled(index * self.batch + np.asarray(rows, np.int64), self.seed))
-
-    def evaluate(self, step: int, pmodel: Any) -> dict[str, float]:
+    def evaluate(self, step: int) -> dict[str, float]:
         """Every `eval_every` steps: the mean validation loss over `eval_batches` batches, run
         through the parallel module without gradients, and its perplexity."""
-        val = self.val
-        if val is None or not self.eval_every or step % self.eval_every:
+        val, config, pmodel = self.corpus.val, self.corpus.config, self.pmodel
+        if val is None or not config.eval_every or step % config.eval_every:
             return {}
         drawn = pmodel.random.step  # the next step's random ops draw as if no evaluation had run
         total = 0.0
-        micro = self.batch // self.micro_batches  # the rows the program takes
-        count = self.eval_batches * self.micro_batches
+        micro = config.batch // self.micro_batches  # the rows the program takes
+        count = config.eval_batches * self.micro_batches
         with torch.no_grad():
             for k in range(count):
                 ids = lambda rows, k=k: (k * micro + rows) % val.count  # noqa: E731
-                total += float(pmodel(*self._local(pmodel, val, ids)).item())
+                total += float(pmodel(*self._local(val, ids)).item())
         pmodel.random.step = drawn
         loss = total / count
         ppl = math.exp(loss) if loss < 700 else math.inf
         log.info("step %4d  val loss %.4f  val ppl %.2f", step, loss, ppl)
         return {"val_loss": loss, "val_ppl": ppl}
 
-    def _local(self, pmodel: Any, windows: Windows, ids: Callable[[np.ndarray], np.ndarray]) -> tuple:
+    def _local(self, windows: Windows, ids: Callable[[np.ndarray], np.ndarray]) -> tuple:
         """(tokens, targets) of this rank: the windows of the rows it holds, cut by the layout."""
+        pmodel, vocab = self.pmodel, self.corpus.vocab_size
         wanted = [np.asarray(pmodel.input_rows(i).cpu(), np.int64) for i in (0, 1)]
         read = [windows.read(ids(rows)) for rows in wanted[: 1 if np.array_equal(wanted[0], wanted[1]) else 2]]
         tokens, targets = torch.from_numpy(read[0][:, :-1]), torch.from_numpy(read[-1][:, 1:])
-        top = max(int(tokens.max()), int(targets.max())) if tokens.numel() else 0
-        if self.vocab_size is not None and top >= self.vocab_size:
+        both = (tokens, targets) if tokens.numel() else ()
+        low, top = min((int(x.min()) for x in both), default=0), max((int(x.max()) for x in both), default=0)
+        if low < 0:
+            raise UsageError(f"--data holds token {low}: token ids are never negative (the wrong --data-dtype?)")
+        if vocab is not None and top >= vocab:
             raise UsageError(
-                f"--data holds token {top}, outside the model's vocabulary of {self.vocab_size} "
+                f"--data holds token {top}, outside the model's vocabulary of {vocab} "
                 "(another tokenizer's corpus, or the wrong --data-dtype)"
             )
         return pmodel.local_inputs(tokens, targets)
 
 
-Feed = SyntheticFeed | CorpusFeed
+@dataclass(frozen=True)
+class Corpus:
+    """`--data` opened and checked: the training windows, the validation ones, and what to log."""
+
+    config: DataConfig
+    train: Windows
+    val: Windows | None
+    vocab_size: int | None
+    summary: str
+
+    def feed(self, pmodel: Any, micro_batches: int) -> CorpusFeed:
+        return CorpusFeed(self, pmodel, micro_batches)
+
+    def rows(self, step: int, rows: np.ndarray) -> np.ndarray:
+        """Rows `rows` of the global batch of step `step`: [len(rows), seq + 1] windows."""
+        first = (step - 1) * self.config.batch
+        return self.train.read(self.train.shuffled(first + np.asarray(rows, np.int64), self.config.data_seed))
 
 
-def open_feed(settings: Any, workload: Any) -> tuple[Any, Any, Feed]:
-    """(settings, workload, feed): the workload with the vocabulary the data needs (a llama3 model
-    takes `--vocab-size` or the tokenizer's; `settings.vocab_size` then records it, for resuming and
-    exporting), and the feed of its data. UsageError for any bad input, on every rank alike."""
-    tokenizer = load_tokenizer(settings.tokenizer) if settings.tokenizer else None
-    settings, workload = _fit_vocab(settings, workload, tokenizer)
-    if not settings.data:
-        source = workload.data(settings.data_seed)
-        return settings, workload, SyntheticFeed(source, settings.batch, settings.seq, settings.grad_accum or 1)
+@dataclass(frozen=True)
+class Synthetic:
+    """The workload's synthetic tokens (no `--data`)."""
+
+    config: DataConfig
+    source: Any
+
+    def feed(self, pmodel: Any, micro_batches: int) -> SyntheticFeed:
+        return SyntheticFeed(self.source, pmodel, self.config.batch, self.config.seq, micro_batches)
+
+
+def open_data(config: DataConfig, workload: Any, tokenizer: Tokenizer | None) -> Corpus | Synthetic:
+    """The run's data, every file checked (UsageError for any bad input, on every rank alike);
+    `workload` is the model as it will be built (its vocabulary already fitted to the data)."""
+    if not config.data:
+        return Synthetic(config, workload.data(config.data_seed))
     vocab = tokenizer.vocab_size if tokenizer is not None else workload.vocab_size
-    stream = _stream(settings, "--data", settings.data, tokenizer, vocab, workload.vocab_size)
+    stream = _stream(config, "--data", config.data, tokenizer, vocab, workload.vocab_size)
     val, held = None, ""
-    if settings.val_data:
-        val = _stream(settings, "--val-data", settings.val_data, tokenizer, vocab, workload.vocab_size)
-    elif settings.val_fraction:
+    if config.val_data:
+        val = _stream(config, "--val-data", config.val_data, tokenizer, vocab, workload.vocab_size)
+    elif config.val_fraction:
         assert tokenizer is not None  # Settings asks for one
-        split = split_by_document(stream, settings.val_fraction, tokenizer.eos_id, settings.data_seed)
+        split = split_by_document(stream, config.val_fraction, tokenizer.eos_id, config.data_seed)
         if split is None:
             raise UsageError(
                 f"--val-fraction: --data holds fewer than two documents (EOS token {tokenizer.eos_id} ends one) "
@@ -143,29 +209,21 @@ def open_feed(settings: Any, workload: Any) -> tuple[Any, Any, Feed]:
             )
         stream, val = split.train, split.val
         held = f" in {split.held} of {split.documents} documents"
-    train = _windows("--data", stream, settings.seq)
-    feed = CorpusFeed(
-        train,
-        _windows("--val-data" if settings.val_data else "--val-fraction", val, settings.seq) if val else None,
-        batch=settings.batch,
-        seed=settings.data_seed,
-        vocab_size=workload.vocab_size,
-        eval_every=settings.eval_every,
-        eval_batches=settings.eval_batches,
-        micro_batches=settings.grad_accum or 1,
-    )
-    feed.summary = (
+    train = _windows("--data", stream, config.seq)
+    summary = (
         f"autoshard data: {len(stream)} tokens, {train.count} windows of {train.size} "
-        f"({settings.steps * settings.batch / train.count:.2f} epochs in {settings.steps} steps)"
+        f"({config.steps * config.batch / train.count:.2f} epochs in {config.steps} steps)"
         + (f"; validation: {len(val)} tokens{held}" if val is not None else "")
     )
-    return settings, workload, feed
+    held_out = _windows("--val-data" if config.val_data else "--val-fraction", val, config.seq) if val else None
+    return Corpus(config, train, held_out, workload.vocab_size, summary)
 
 
-def _fit_vocab(settings: Any, workload: Any, tokenizer: Tokenizer | None) -> tuple[Any, Any]:
-    """The workload resized to `--vocab-size` or the tokenizer's vocabulary where it can be; a
-    model whose vocabulary cannot hold the tokenizer's is an error."""
-    want = settings.vocab_size
+def fitted_vocab(requested: int | None, tokenizer: Tokenizer | None, workload: Any, tokenizer_flag: str) -> int | None:
+    """The vocabulary the model is built with: `--vocab-size` (`requested`), or the tokenizer's for
+    a model that can be resized (None: the model's own). UsageError when the model cannot hold the
+    tokenizer's vocabulary or cannot be resized to the one asked for."""
+    want = requested
     if want is None and tokenizer is not None and workload.resize_vocab is not None:
         want = tokenizer.vocab_size
     if want is not None:
@@ -173,36 +231,39 @@ def _fit_vocab(settings: Any, workload: Any, tokenizer: Tokenizer | None) -> tup
             raise UsageError(f"--vocab-size: {workload.name} has its config's vocabulary ({workload.vocab_size})")
         if tokenizer is not None and want < tokenizer.vocab_size:
             raise UsageError(
-                f"--vocab-size {want} is smaller than the vocabulary of --tokenizer {settings.tokenizer} "
+                f"--vocab-size {want} is smaller than the vocabulary of --tokenizer {tokenizer_flag} "
                 f"({tokenizer.vocab_size})"
             )
-        if want != workload.vocab_size:
-            workload = workload.resize_vocab(want)
-        settings = settings.replace(vocab_size=want)
-    if tokenizer is not None and workload.vocab_size is not None and workload.vocab_size < tokenizer.vocab_size:
+    has = want if want is not None else workload.vocab_size
+    if tokenizer is not None and has is not None and has < tokenizer.vocab_size:
         raise UsageError(
-            f"--tokenizer {settings.tokenizer}: its vocabulary ({tokenizer.vocab_size} tokens) is larger than "
-            f"{workload.name}'s ({workload.vocab_size})"
+            f"--tokenizer {tokenizer_flag}: its vocabulary ({tokenizer.vocab_size} tokens) is larger than "
+            f"{workload.name}'s ({has})"
         )
-    return settings, workload
+    return want
 
 
 def _stream(
-    settings: Any, flag: str, specs: tuple[str, ...], tokenizer: Tokenizer | None, vocab: int | None, model: int | None
+    config: DataConfig,
+    flag: str,
+    specs: tuple[str, ...],
+    tokenizer: Tokenizer | None,
+    vocab: int | None,
+    model: int | None,
 ) -> Tokens:
     """The tokens of the files `specs` names, one stream: token files mapped, text tokenized (cached)."""
     files = find_files(specs, flag)
     text = [f.path for f in files if f.kind == "text"]
     if text and tokenizer is None:
         raise UsageError(f"{flag}: text files ({text[0]}{', ...' if len(text) > 1 else ''}) need --tokenizer")
-    cache = Path(settings.data_cache).expanduser() if settings.data_cache else default_cache()
+    cache = Path(config.data_cache).expanduser() if config.data_cache else default_cache()
     arrays = []
     for f in files:
         if f.kind == "text":
             assert tokenizer is not None
             arrays.append(tokenized(f.path, tokenizer, cache))
         else:
-            array = open_tokens(f.path, settings.data_dtype, vocab if vocab is not None else 2**16)
+            array = open_tokens(f.path, config.data_dtype, vocab if vocab is not None else 2**16)
             if model is not None:
                 check_range(array, f.path, model)
             arrays.append(array)

@@ -14,9 +14,11 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import os
 import re
 import shutil
+import statistics
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,6 +43,12 @@ class Checkpoint:
     step: int
     path: Path
     run_id: str | None = None
+    data: dict | None = None  # the feed's position (`Feed.state_dict`), None from a checkpoint without one
+
+
+def checkpoint_dir(root: Path, step: int, *, temporary: bool = False) -> Path:
+    """Where checkpoint `step` lives under `root` (RUN/checkpoints), or is written before its rename."""
+    return root / f"step-{step:06d}{'.tmp' if temporary else ''}"
 
 
 def checkpoints(out: Path) -> list[Checkpoint]:
@@ -49,10 +57,11 @@ def checkpoints(out: Path) -> list[Checkpoint]:
     for path in (out / "checkpoints").glob("step-*"):
         if (m := _CKPT.match(path.name)) and (path / STEP_FILE).is_file():
             try:
-                run_id = json.loads((path / STEP_FILE).read_text()).get("run_id")
+                record = json.loads((path / STEP_FILE).read_text())
+                run_id, data = record.get("run_id"), record.get("data")
             except (OSError, ValueError, AttributeError):
                 continue  # not one of ours, or damaged: not complete
-            found.append(Checkpoint(int(m.group(1)), path, run_id))
+            found.append(Checkpoint(int(m.group(1)), path, run_id, data if isinstance(data, dict) else None))
     return sorted(found, key=lambda c: c.step, reverse=True)
 
 
@@ -152,31 +161,34 @@ class Checkpointer:
         self.root = out / "checkpoints"
         self.keep = keep
         self.group = dist.new_group(backend="gloo") if asynchronous else None  # collective: every rank
-        self.pending: tuple[int, Path, Future] | None = None
+        self.pending: tuple[int, Path, Future, dict | None] | None = None
         if dist.get_rank() == 0:
             self.root.mkdir(parents=True, exist_ok=True)
             for stale in self.root.glob("step-*.tmp"):  # a save a killed run left unfinished
                 shutil.rmtree(stale, ignore_errors=True)
         dist.barrier()
 
-    def save(self, step: int, pmodel, optim, *, wait: bool = False) -> None:
-        """Checkpoint `step` (the state after its optimizer step); `wait`: return only once it is
-        complete (the run stops after it)."""
+    def save(self, step: int, pmodel, optim, *, data: dict | None = None, wait: bool = False) -> Path:
+        """Checkpoint `step` (the state after its optimizer step, and `data`, the feed's position,
+        as JSON); `wait`: return only once it is complete (the run stops after it). Returns the
+        directory it has once complete."""
         import torch.distributed.checkpoint as dcp
 
+        final = checkpoint_dir(self.root, step)
         if self.pending is not None and self.pending[0] == step:  # already being written
             if wait:
                 self.finish()
-            return
+            return final
         self.finish()
-        tmp = self.root / f"step-{step:06d}.tmp"
+        tmp = checkpoint_dir(self.root, step, temporary=True)
         with self._writing(step, tmp):
             if self.group is None or wait:
                 dcp.save(_state(pmodel, optim), checkpoint_id=str(tmp))
-                self._complete(step, tmp)
+                self._complete(step, tmp, data)
             else:  # the state is staged (copied) now; the writing overlaps the next steps
                 future = dcp.async_save(_state(pmodel, optim), checkpoint_id=str(tmp), process_group=self.group)
-                self.pending = (step, tmp, future)
+                self.pending = (step, tmp, future, data)
+        return final
 
     def poll(self) -> None:
         """Complete a save that has finished writing (cheap; call once a step)."""
@@ -186,11 +198,11 @@ class Checkpointer:
     def finish(self) -> None:
         """Wait for the save in flight, if any, and complete it."""
         if self.pending is not None:
-            step, tmp, future = self.pending
+            step, tmp, future, data = self.pending
             self.pending = None
             with self._writing(step, tmp):
                 future.result()  # on rank 0 this returns once every rank's part and the metadata are written
-                self._complete(step, tmp)
+                self._complete(step, tmp, data)
 
     @contextlib.contextmanager
     def _writing(self, step: int, tmp: Path) -> Iterator[None]:
@@ -209,16 +221,17 @@ class Checkpointer:
                 raise
             newest = self.newest
             raise CheckpointWriteError(
-                f"cannot write checkpoint {tmp.with_name(f'step-{step:06d}')}: {reason(cause)}; the newest "
+                f"cannot write checkpoint {checkpoint_dir(self.root, step)}: {reason(cause)}; the newest "
                 "complete checkpoint is "
                 + (f"{newest.path}, intact (the same command resumes from it)" if newest is not None else "none")
             ) from None
 
-    def _complete(self, step: int, tmp: Path) -> None:
+    def _complete(self, step: int, tmp: Path, data: dict | None) -> None:
         if dist.get_rank() != 0:
             return
-        (tmp / STEP_FILE).write_text(json.dumps({"step": step, "run_id": os.environ.get("TORCHELASTIC_RUN_ID")}))
-        final = tmp.with_name(f"step-{step:06d}")
+        record = {"step": step, "run_id": os.environ.get("TORCHELASTIC_RUN_ID"), "data": data}
+        (tmp / STEP_FILE).write_text(json.dumps(record))
+        final = checkpoint_dir(self.root, step)
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         if self.keep:
@@ -229,3 +242,17 @@ class Checkpointer:
     def newest(self) -> Checkpoint | None:
         """The newest complete checkpoint (as rank 0 sees the directory)."""
         return latest_checkpoint(self.root.parent)
+
+    def newest_good(self, logged: list[tuple[int, float]]) -> Checkpoint | None:
+        """The newest complete checkpoint whose weights trained on: the first loss logged after
+        its step (`logged`: this run's (step, loss) rows, the failing one included) is finite and
+        under twice the median of the last ten logged at or before it (when there are any)."""
+        for ckpt in checkpoints(self.root.parent):
+            after = [loss for step, loss in logged if step > ckpt.step]
+            if not after:
+                continue
+            before = [loss for step, loss in logged if step <= ckpt.step][-10:]
+            median = statistics.median(before) if before else math.inf
+            if math.isfinite(after[0]) and after[0] < (2 * median if median > 0 else math.inf):
+                return ckpt
+        return None

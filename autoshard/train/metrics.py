@@ -62,10 +62,10 @@ class MetricsFile:
                 f.write(json.dumps(row) + "\n")
 
 
-def memory_tracker(pmodel, optim, inputs):
+def memory_tracker(pmodel, optim):
     """torch's MemTracker over one step, told about the tensors that exist before it."""
     tracker = tc.mem_tracker()
-    tracker.track_external(pmodel, optim, *inputs)
+    tracker.track_external(pmodel, optim)
     return tracker
 
 

@@ -9,8 +9,10 @@ norm is torch's `clip_grad_norm_` / `get_total_norm`, which on DTensor gradients
 
 from __future__ import annotations
 
+import math
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -26,58 +28,114 @@ def decays(p: torch.Tensor) -> bool:
     return p.ndim >= 2
 
 
-def make_optimizer(params, settings: Any) -> torch.optim.AdamW:
-    """torch's fused AdamW (as `autoshard_models.train_single.make_optimizer`: element by element,
-    so a shard updates as the same elements of the whole tensor do) over two param groups: the
-    matrices with `settings.weight_decay`, the rest without (empty groups left out). Each group
-    holds the `initial_lr` its schedule starts from, so a checkpoint carries the peak lr, not only
-    the scheduled one of its step."""
-    params = list(params)
-    groups = [
-        {"params": [p for p in params if decays(p)], "weight_decay": settings.weight_decay},
-        {"params": [p for p in params if not decays(p)], "weight_decay": 0.0},
-    ]
-    for group in groups:
-        group["initial_lr"] = settings.lr
-    return torch.optim.AdamW(
-        [g for g in groups if g["params"]], lr=settings.lr, betas=tuple(settings.betas), fused=True
-    )
+@dataclass(frozen=True)
+class OptimizerConfig:
+    """AdamW's settings (`train`'s flags of the same names); a bad value raises ValueError naming
+    its flag when the config is made."""
+
+    lr: float = 3e-3
+    betas: tuple[float, float] = (0.9, 0.999)
+    weight_decay: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not 0 < self.lr < math.inf:
+            raise ValueError(f"--lr must be positive, got {self.lr:g}")
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            raise ValueError(f"--betas must be two numbers in [0, 1), got {self.betas}")
+        object.__setattr__(self, "betas", (float(self.betas[0]), float(self.betas[1])))
+        if not 0 <= self.weight_decay < math.inf:
+            raise ValueError(f"--weight-decay must be >= 0, got {self.weight_decay:g}")
+
+    @classmethod
+    def from_settings(cls, settings: Any) -> OptimizerConfig:
+        return cls(settings.lr, settings.betas, settings.weight_decay)
+
+    def build(self, params: Iterable[torch.nn.Parameter]) -> torch.optim.AdamW:
+        """torch's fused AdamW (as `autoshard_models.train_single.make_optimizer`: element by
+        element, so a shard updates as the same elements of the whole tensor do) over two param
+        groups: the matrices with `weight_decay`, the rest without (empty groups left out). Each
+        group holds the `initial_lr` its schedule starts from, so a checkpoint carries the peak lr,
+        not only the scheduled one of its step."""
+        params = [p for p in params if p.requires_grad]
+        groups = [
+            {"params": [p for p in params if decays(p)], "weight_decay": self.weight_decay},
+            {"params": [p for p in params if not decays(p)], "weight_decay": 0.0},
+        ]
+        for group in groups:
+            group["initial_lr"] = self.lr
+        return torch.optim.AdamW([g for g in groups if g["params"]], lr=self.lr, betas=self.betas, fused=True)
 
 
-def decay_steps(settings: Any) -> int:
-    """How many of the last steps the lr decays over: all after the warm-up, or for wsd the last
-    `decay_fraction` of the steps (at least one)."""
-    if settings.lr_schedule == "wsd":
-        return max(1, round(settings.decay_fraction * settings.steps))
-    return settings.steps - settings.warmup_steps
+@dataclass(frozen=True)
+class ScheduleConfig:
+    """The lr schedule's settings (`--lr-schedule` and the flags it reads)."""
 
+    steps: int
+    lr: float = 3e-3
+    lr_schedule: str = "constant"
+    warmup_steps: int = 0
+    min_lr: float = 0.0
+    decay_fraction: float = 0.2
 
-def make_schedule(optim: torch.optim.Optimizer, settings: Any) -> sched.LRScheduler:
-    """The lr schedule over steps 1..settings.steps (scheduler index = step - 1), from torch's
-    classes: a linear warm-up from lr/(W+1) at step 1 to the peak at step W+1 (LinearLR), then
-    constant; cosine or linear from the peak down to `min_lr` at the last step (CosineAnnealingLR,
-    LinearLR); or wsd: the peak held (ConstantLR) until a linear decay over the last `decay_steps`
-    reaches `min_lr` at the last step. Built at index 0: `at_step` moves it on."""
-    warmup, steps = settings.warmup_steps, settings.steps
-    phases: list[sched.LRScheduler] = []
-    if warmup:
-        phases.append(sched.LinearLR(optim, start_factor=1 / (warmup + 1), end_factor=1.0, total_iters=warmup))
-    floor = settings.min_lr / settings.lr
-    decay = decay_steps(settings)
-    if settings.lr_schedule == "constant":
-        phases.append(sched.ConstantLR(optim, factor=1.0, total_iters=0))
-    elif settings.lr_schedule == "cosine":
-        phases.append(sched.CosineAnnealingLR(optim, T_max=max(decay - 1, 1), eta_min=settings.min_lr))
-    else:  # linear, wsd: linear from the peak (first decay step) to min_lr (the last)
-        if settings.lr_schedule == "wsd" and steps - warmup - decay > 0:
+    def __post_init__(self) -> None:
+        if self.lr_schedule not in LR_SCHEDULES:
+            raise ValueError(f"--lr-schedule must be one of {', '.join(LR_SCHEDULES)}, got {self.lr_schedule!r}")
+        if not 0 <= self.min_lr <= self.lr:
+            raise ValueError(f"--min-lr must be between 0 and --lr {self.lr:g}, got {self.min_lr:g}")
+        if not 0 <= self.warmup_steps < self.steps:
+            raise ValueError(f"--warmup-steps must be >= 0 and below --steps {self.steps}, got {self.warmup_steps}")
+        if not 0 < self.decay_fraction <= 1:
+            raise ValueError(f"--decay-fraction must be in (0, 1], got {self.decay_fraction}")
+        if self.lr_schedule == "wsd" and self.warmup_steps + self.decay_steps > self.steps:
+            raise ValueError(
+                f"--lr-schedule wsd: --warmup-steps {self.warmup_steps} and the decay's {self.decay_steps} steps "
+                f"(--decay-fraction {self.decay_fraction:g} of {self.steps}) exceed --steps {self.steps}"
+            )
+
+    @classmethod
+    def from_settings(cls, settings: Any) -> ScheduleConfig:
+        return cls(
+            settings.steps,
+            settings.lr,
+            settings.lr_schedule,
+            settings.warmup_steps,
+            settings.min_lr,
+            settings.decay_fraction,
+        )
+
+    @property
+    def decay_steps(self) -> int:
+        """How many of the last steps the lr decays over: all after the warm-up, or for wsd the
+        last `decay_fraction` of the steps (at least one)."""
+        if self.lr_schedule == "wsd":
+            return max(1, round(self.decay_fraction * self.steps))
+        return self.steps - self.warmup_steps
+
+    def build(self, optim: torch.optim.Optimizer) -> sched.LRScheduler:
+        """The lr schedule over steps 1..steps (scheduler index = step - 1), from torch's classes:
+        a linear warm-up from lr/(W+1) at step 1 to the peak at step W+1 (LinearLR), then constant;
+        cosine or linear from the peak down to `min_lr` at the last step (CosineAnnealingLR,
+        LinearLR); or wsd: the peak held (ConstantLR) until a linear decay over the last
+        `decay_steps` reaches `min_lr` at the last step. Built at index 0: `at_step` moves it on."""
+        warmup, steps, decay = self.warmup_steps, self.steps, self.decay_steps
+        phases: list[sched.LRScheduler] = []
+        if warmup:
+            phases.append(sched.LinearLR(optim, start_factor=1 / (warmup + 1), end_factor=1.0, total_iters=warmup))
+        if self.lr_schedule == "constant":
             phases.append(sched.ConstantLR(optim, factor=1.0, total_iters=0))
-        phases.append(sched.LinearLR(optim, start_factor=1.0, end_factor=floor, total_iters=max(decay - 1, 1)))
-    if len(phases) == 1:
-        return phases[0]
-    starts = [warmup] if warmup else []
-    if len(phases) - len(starts) == 2:  # wsd's stable phase, then its decay
-        starts.append(steps - decay)
-    return sched.SequentialLR(optim, phases, milestones=starts)
+        elif self.lr_schedule == "cosine":
+            phases.append(sched.CosineAnnealingLR(optim, T_max=max(decay - 1, 1), eta_min=self.min_lr))
+        else:  # linear, wsd: linear from the peak (first decay step) to min_lr (the last)
+            if self.lr_schedule == "wsd" and steps - warmup - decay > 0:
+                phases.append(sched.ConstantLR(optim, factor=1.0, total_iters=0))
+            floor = self.min_lr / self.lr
+            phases.append(sched.LinearLR(optim, start_factor=1.0, end_factor=floor, total_iters=max(decay - 1, 1)))
+        if len(phases) == 1:
+            return phases[0]
+        starts = [warmup] if warmup else []
+        if len(phases) - len(starts) == 2:  # wsd's stable phase, then its decay
+            starts.append(steps - decay)
+        return sched.SequentialLR(optim, phases, milestones=starts)
 
 
 def at_step(schedule: sched.LRScheduler, done: int) -> sched.LRScheduler:
@@ -117,16 +175,15 @@ class ScheduledOptimizer:
 class GradClip:
     """The global L2 norm of every gradient, and with `max_norm` the clipping to it: torch's own
     `clip_grad_norm_` (or `get_total_norm`, nothing scaled), whose per-tensor norms of DTensor
-    gradients are partial over the mesh dims that shard them and reduced once for all."""
+    gradients are partial over the mesh dims that shard them and reduced once for all. The norm
+    stays a tensor on the device: the step reads it back only when it logs."""
 
     def __init__(self, max_norm: float | None):
         self.max_norm = max_norm
 
-    def __call__(self, params: Sequence[torch.Tensor]) -> float:
+    def __call__(self, params: Sequence[torch.Tensor]) -> torch.Tensor:
         if self.max_norm is not None:
             norm = torch.nn.utils.clip_grad_norm_(params, self.max_norm)
         else:
             norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
-        if isinstance(norm, DTensor):
-            norm = norm.full_tensor()
-        return float(norm)
+        return norm.full_tensor() if isinstance(norm, DTensor) else norm

@@ -20,21 +20,25 @@ from autoshard.driver.fit import MemoryLimitError
 from autoshard.driver.ranks import RankZeroPlanning, SavedSolution
 from autoshard.options import UsageError
 from autoshard.problem.plan import Plan
+from autoshard.runtime.dryrun import DryRunResult
+from autoshard.runtime.module import ParallelModule
+from autoshard.train.planfile import PlanFile
 from autoshard.train.settings import Settings
-from autoshard.train.steps import PlannedRun
 from autoshard.workloads import Workload
 
 log = logging.getLogger("autoshard")
 
 
-@dataclass(frozen=True)
-class PlanFile:
-    """A plan.json to take the solution from (`required`: an error when it solves another problem,
-    else planning solves afresh)."""
+@dataclass
+class PlannedRun:
+    """What planning gave a run: the plan, its parallel module, the AutoShard that made it, the
+    fingerprint of the problem it solves, and its dry run."""
 
-    data: dict
-    source: str
-    required: bool
+    plan: Plan
+    pmodel: ParallelModule
+    auto: AutoShard
+    fingerprint: str
+    memory: DryRunResult
 
 
 @dataclass
@@ -69,8 +73,7 @@ def micro_batch_counts(settings: Settings) -> list[int]:
 def plan_run(settings: Settings, workload: Workload, mesh, plan_file: PlanFile | None) -> PlannedRun:
     """Plan on every rank (rank 0 solving and dry-running for all), choose the micro-batch count,
     apply. UsageError when no count fits the memory limit (the first one's message)."""
-    saved = plan_file.data if plan_file is not None else {}
-    own = (saved.get("settings") or {}).get("grad_accum")
+    own = plan_file.micro_batches if plan_file is not None else None
     counts = [own] if own is not None and settings.grad_accum is None else micro_batch_counts(settings)
     best: _Solved | None = None
     failure: MemoryLimitError | None = None
@@ -121,10 +124,9 @@ def _solve(settings: Settings, workload: Workload, mesh, plan_file: PlanFile | N
     example = lambda: workload.example_inputs(settings.micro_batch, settings.seq, "meta")  # noqa: E731
     model = workload.build("meta")
     # a plan file whose plan recomputes or reshards the blocks (the fit chose it) solves that problem
-    saved = plan_file.data if plan_file is not None else {}
     config = settings.replace(
-        recompute=settings.recompute or bool((saved.get("recompute") or {}).get("blocks")),
-        reshard_after_forward=settings.reshard_after_forward or bool((saved.get("reshard") or {}).get("blocks")),
+        recompute=settings.recompute or (plan_file is not None and plan_file.recompute),
+        reshard_after_forward=settings.reshard_after_forward or (plan_file is not None and plan_file.reshard),
     )
     planning = RankZeroPlanning(
         mesh,
@@ -132,7 +134,7 @@ def _solve(settings: Settings, workload: Workload, mesh, plan_file: PlanFile | N
         time_limit=config.time_limit,
         saved=None
         if plan_file is None
-        else SavedSolution(saved["fingerprint"], saved["solution"], plan_file.source, plan_file.required),
+        else SavedSolution(plan_file.fingerprint, plan_file.solution, plan_file.source, plan_file.required),
     )
     auto = AutoShard(
         model,

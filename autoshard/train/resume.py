@@ -12,6 +12,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from autoshard.data.fingerprint import describe_change
 from autoshard.options import UsageError
 from autoshard.train.checkpoints import latest_checkpoint
 from autoshard.train.optimizer import decays
@@ -19,10 +20,11 @@ from autoshard.train.settings import Settings
 
 log = logging.getLogger("autoshard")
 
-# what a run's data and model are: resuming with another value would mix two runs' losses
-RUN_DEFINING = ("model", "seq", "batch", "data", "tokenizer", "vocab_size", "val_fraction", "data_seed")
+# what a run's data and model are: resuming with another value would mix two runs' losses (the data
+# files and the tokenizer are compared by content: `autoshard.data.fingerprint`)
+RUN_DEFINING = ("model", "seq", "batch", "vocab_size", "val_fraction", "data_seed")
 # what shapes the updates beside the optimizer's param groups: the command line's applies on resume
-SCHEDULE = ("lr_schedule", "warmup_steps", "min_lr", "decay_fraction", "grad_clip")
+SCHEDULE = ("steps", "lr_schedule", "warmup_steps", "min_lr", "decay_fraction", "grad_clip")
 
 
 def resume_check(settings: Settings, out: Path) -> bool:
@@ -41,14 +43,21 @@ def resume_check(settings: Settings, out: Path) -> bool:
     return newest is not None
 
 
-def run_changes(settings: Settings, saved: dict[str, Any], out: Path) -> dict[str, list]:
+def run_changes(
+    settings: Settings, saved: dict[str, Any], out: Path, data: tuple[dict | None, dict] = (None, {})
+) -> dict[str, list]:
     """The run-defining settings this command changes against the run it resumes (`saved`: that
-    run's settings from its plan.json), as {name: [old, new]}. UsageError naming each unless
-    `--resume force`."""
+    run's settings from its plan.json; `data`: the fingerprints of its data and of this command's,
+    the first None for a run that recorded none), as {name: [old, new]} ({"data": [what differs]}
+    for the data). UsageError naming each unless `--resume force`."""
     now = {name: _as_json(getattr(settings, name)) for name in RUN_DEFINING}  # plan.json keeps tuples as lists
     changes = {name: [saved[name], now[name]] for name in RUN_DEFINING if name in saved and saved[name] != now[name]}
+    listed = [f"--{name.replace('_', '-')} {old} -> {new}" for name, (old, new) in changes.items()]
+    if data[0] is not None and data[0] != data[1]:
+        changes["data"] = describe_change(data[0], data[1]) or ["the data changed"]
+        listed += changes["data"]
     if changes and settings.resume != "force":
-        listed = "; ".join(f"--{name.replace('_', '-')} {old} -> {new}" for name, (old, new) in changes.items())
+        listed = "; ".join(listed)
         raise UsageError(
             f"resuming {out} with settings that define another run ({listed}): its losses would mix two "
             "runs; use another --out, or --resume force to continue anyway (recorded in metrics.jsonl)"

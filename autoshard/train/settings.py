@@ -4,13 +4,14 @@ is a command-line option of `train` (`autoshard.options.setting`): a new setting
 from __future__ import annotations
 
 import importlib.util
+import math
 import os
 from dataclasses import dataclass
 
 from autoshard.driver.config import PlanConfig
 from autoshard.data.files import DTYPES as DATA_DTYPES
 from autoshard.options import BATCH, INIT_FROM, MODEL, OUT, SEQ, positive_int, run_name, setting
-from autoshard.train.optimizer import LR_SCHEDULES
+from autoshard.train.optimizer import LR_SCHEDULES, OptimizerConfig, ScheduleConfig
 
 
 RESUME_MODES = ("auto", "yes", "no", "force")
@@ -18,15 +19,13 @@ CHECKPOINT_WRITES = ("auto", "async", "sync")
 
 
 def parse_betas(text: str) -> tuple[float, float]:
-    """'0.9,0.95' -> (0.9, 0.95): AdamW's betas, each in [0, 1), else ValueError."""
+    """'0.9,0.95' -> (0.9, 0.95): AdamW's betas (their range is `OptimizerConfig`'s to check)."""
     try:
         betas = tuple(float(b) for b in text.split(","))
     except ValueError:
         betas = ()
     if len(betas) != 2:
         raise ValueError(f"bad betas {text!r}: expected two numbers B1,B2, e.g. 0.9,0.95")
-    if not all(0 <= b < 1 for b in betas):
-        raise ValueError(f"bad betas {text!r}: each must be in [0, 1)")
     return betas[0], betas[1]
 
 
@@ -183,14 +182,22 @@ class Settings(PlanConfig):
         help="auto: continue from the newest checkpoint in --out that loads, if there is one (also "
         "what a torchrun restart does); yes (or a bare --resume): there must be one; no: start "
         "over, refusing to mix with an earlier run's checkpoints. A resume refuses another --model, "
-        "--seq, --batch, --data, --tokenizer, --vocab-size, --val-fraction or --data-seed than the run's "
-        "unless force (recorded in metrics.jsonl); "
+        "--seq, --batch, --vocab-size, --val-fraction or --data-seed than the run's, or other data (files "
+        "and tokenizer compared by content), unless force (recorded in metrics.jsonl); "
         "--lr, --betas, --weight-decay, the lr schedule and --grad-clip apply from the resumed step on",
     )
     overwrite: bool = setting(
         False,
         help="start over in an --out that holds an earlier run, deleting its metrics, plan, report and "
         "checkpoints (without it such a start refuses; a torchrun restart of this job resumes as usual)",
+    )
+    log_every: int = setting(
+        1,
+        type=positive_int,
+        metavar="K",
+        help="a metrics row every K steps and at the last (also on evaluation and checkpoint steps): the "
+        "loss, gradient norm, memory and stop signals are read from the device only then, so the steps "
+        "between never wait on it; a non-finite loss or a stop signal is seen at the next row",
     )
     wire_step: int = setting(
         0, type=int, help="meter step K's collectives into its metrics row (slows that step; 0: never)"
@@ -240,28 +247,11 @@ class Settings(PlanConfig):
         return self.batch // (self.grad_accum or 1)
 
     def _check_optimizer(self) -> None:
-        """The optimizer, schedule and logging flags: each bad value names its flag."""
-        if not self.lr > 0:
-            raise ValueError(f"--lr must be positive, got {self.lr}")
-        if not 0 <= self.min_lr <= self.lr:
-            raise ValueError(f"--min-lr must be between 0 and --lr {self.lr:g}, got {self.min_lr:g}")
-        if not 0 <= self.warmup_steps < self.steps:
-            raise ValueError(f"--warmup-steps must be >= 0 and below --steps {self.steps}, got {self.warmup_steps}")
-        if not 0 < self.decay_fraction <= 1:
-            raise ValueError(f"--decay-fraction must be in (0, 1], got {self.decay_fraction}")
-        if self.lr_schedule == "wsd":
-            decay = max(1, round(self.decay_fraction * self.steps))
-            if self.warmup_steps + decay > self.steps:
-                raise ValueError(
-                    f"--lr-schedule wsd: --warmup-steps {self.warmup_steps} and the decay's {decay} steps "
-                    f"(--decay-fraction {self.decay_fraction:g} of {self.steps}) exceed --steps {self.steps}"
-                )
-        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
-            raise ValueError(f"--betas must be two numbers in [0, 1), got {self.betas}")
-        object.__setattr__(self, "betas", (float(self.betas[0]), float(self.betas[1])))
-        if not self.weight_decay >= 0:
-            raise ValueError(f"--weight-decay must be >= 0, got {self.weight_decay}")
-        if self.grad_clip is not None and not self.grad_clip > 0:
+        """The optimizer, schedule and logging flags: each bad value names its flag (the optimizer's
+        and the schedule's own configs check theirs)."""
+        object.__setattr__(self, "betas", OptimizerConfig.from_settings(self).betas)
+        ScheduleConfig.from_settings(self)
+        if self.grad_clip is not None and not 0 < self.grad_clip < math.inf:
             raise ValueError(f"--grad-clip must be positive (leave it out to not clip), got {self.grad_clip:g}")
         if self.wandb is not None and importlib.util.find_spec("wandb") is None:
             raise ValueError(f"--wandb {self.wandb}: wandb is not installed (pip install -e '.[wandb]')")

@@ -1,0 +1,138 @@
+"""A resume compares the data by content, not by how its paths are spelled: other files, a file
+rewritten or a tokenizer retrained in place are refused (or, forced, recorded); the same files
+named another way resume. The fingerprint reads a few blocks per file."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from autoshard.cli.train import main
+from autoshard.data.fingerprint import BLOCK, SAMPLES, file_digest
+from test_data import documents, tokenizer_file, write_text  # noqa: F401 - a fixture
+from test_train import TINY, metrics
+
+pytestmark = pytest.mark.replicated_plan  # one process: what these check is the resume's refusal
+
+
+def token_dir(folder: Path, files: int = 2) -> Path:
+    folder.mkdir(parents=True)
+    for i in range(files):
+        np.random.default_rng(i).integers(0, 256, 4096, dtype=np.uint16).tofile(folder / f"{i}.bin")
+    return folder
+
+
+def errors(capsys) -> list[str]:
+    return [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+
+
+def test_the_same_files_spelled_another_way_resume(tmp_path, monkeypatch):
+    data = token_dir(tmp_path / "dd")
+    out = tmp_path / "run"
+    assert main([*TINY, "--steps", "2", "--checkpoint-every", "2", "--data", str(data), "--out", str(out)]) == 0
+    monkeypatch.chdir(tmp_path)
+    assert main([*TINY, "--steps", "3", "--checkpoint-every", "2", "--data", "dd/", "--out", str(out)]) == 0
+    rows = metrics(out)
+    assert [r["step"] for r in rows] == [1, 2, 3] and rows[2]["changed_on_resume"] == {"steps": [2, 3]}
+
+
+@pytest.mark.parametrize("change", ["added", "rewritten"])
+def test_other_files_under_the_same_path_are_refused_and_forced_recorded(tmp_path, capsys, change):
+    data = token_dir(tmp_path / "dd")
+    out = str(tmp_path / "run")
+    args = [*TINY, "--checkpoint-every", "2", "--data", str(data), "--out", out]
+    assert main([*args, "--steps", "2"]) == 0
+    if change == "added":
+        shutil.copy(data / "0.bin", data / "2.bin")
+        said = "--data: 3 files, the run's had 2"
+    else:
+        tokens = np.fromfile(data / "1.bin", dtype=np.uint16)
+        tokens[::7] = 5
+        tokens.tofile(data / "1.bin")  # the same size
+        said = "--data: 1 of its 2 files differ from the run's (size or content)"
+    capsys.readouterr()
+    assert main([*args, "--steps", "3"]) == 2
+    assert errors(capsys) == [
+        f"error: resuming {out} with settings that define another run ({said}): its losses would mix two runs; "
+        "use another --out, or --resume force to continue anyway (recorded in metrics.jsonl)"
+    ]
+    assert main([*args, "--steps", "3", "--resume", "force"]) == 0
+    assert metrics(Path(out))[2]["changed_on_resume"] == {"data": [said], "steps": [2, 3]}
+
+
+def test_a_tokenizer_retrained_in_place_is_refused(tmp_path, capsys, tokenizer_file):  # noqa: F811
+    data = write_text(tmp_path / "data", documents(30))["jsonl"]
+    tok = tmp_path / "tok" / "tokenizer.json"
+    tok.parent.mkdir()
+    shutil.copy(tokenizer_file, tok)
+    out = str(tmp_path / "run")
+    args = [*TINY, "--checkpoint-every", "2", "--data", str(data), "--tokenizer", str(tok), "--out", out]
+    args += ["--data-cache", str(tmp_path / "cache")]
+    assert main([*args, "--steps", "2"]) == 0
+    spec = json.loads(tok.read_text())
+    vocab = spec["model"]["vocab"]
+    first, second = sorted(vocab, key=vocab.get)[-2:]  # swap two ids: the same vocabulary size
+    vocab[first], vocab[second] = vocab[second], vocab[first]
+    tok.write_text(json.dumps(spec))
+    capsys.readouterr()
+    assert main([*args, "--steps", "3"]) == 2
+    (line,) = errors(capsys)
+    assert "--tokenizer: not the run's tokenizer (its tokenizer.json or EOS token differ)" in line
+
+
+def test_the_fingerprint_reads_blocks_not_the_file(tmp_path):
+    path = tmp_path / "big.bin"
+    size = 64 * (SAMPLES + 1) * BLOCK
+    with path.open("wb") as f:
+        f.truncate(size)
+    start = time.perf_counter()
+    before = file_digest(path)
+    assert time.perf_counter() - start < 1.0
+    with path.open("r+b") as f:
+        f.seek(size // 2 - BLOCK // 2)  # the middle block is one of the samples
+        f.write(b"x")
+    assert file_digest(path) != before
+    os.truncate(path, size - 1)
+    assert file_digest(path) not in (before,)
+
+
+def test_the_checkpoint_a_nan_stop_names_is_one_whose_loss_had_not_diverged(tmp_path, capsys):
+    """Resumed from step 3 at --lr 1e30: step 4's loss is still sound, its update is not, and step
+    5's loss is not finite. Step 4's checkpoint is finite but diverged: the stop names step 3's."""
+    out = tmp_path / "run"
+    args = [*TINY, "--checkpoint-every", "1", "--keep-checkpoints", "0", "--out", str(out)]
+    assert main([*args, "--steps", "3"]) == 0
+    capsys.readouterr()
+    assert main([*args, "--steps", "8", "--lr", "1e30"]) == 2
+    (line,) = errors(capsys)
+    assert line.startswith("error: step 5: the loss is nan;"), line
+    assert line.endswith(
+        f"the newest good checkpoint is {out / 'checkpoints' / 'step-000003'} (resume from it: remove the "
+        "checkpoints after it, or copy it to a new --out)"
+    ), line
+
+
+def test_init_from_on_a_resumed_run_says_it_is_not_used(tmp_path, capsys):
+    from safetensors.torch import save_file
+
+    from autoshard_models import build_model, get_config
+
+    weights = tmp_path / "init.safetensors"
+    save_file(
+        {k: v.contiguous() for k, v in build_model(get_config("llama3-tiny"), seed=3).state_dict().items()},
+        str(weights),
+    )
+    out = str(tmp_path / "run")
+    args = [*TINY, "--checkpoint-every", "2", "--init-from", str(weights), "--out", out]
+    assert main([*args, "--steps", "2"]) == 0
+    capsys.readouterr()
+    assert main([*args, "--steps", "3"]) == 0
+    assert (
+        f"warning: --init-from {weights} is not used: the run continues from its checkpoint" in capsys.readouterr().err
+    )
