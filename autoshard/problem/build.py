@@ -10,7 +10,7 @@ redistribution, and each parameter's optimizer step in its layout (`DeviceProfil
 its local elements). The program runs a block's parameter gathers and gradient reductions as one
 collective each (`program.buckets`), so an edge that gathers a parameter or reduces a gradient
 pays its first step's launch and latency (`Step.fixed_s`) shared with the block's other
-parameters, and its part of the bucket's copies (`shares.BucketShare`): one launch per block, as
+parameters, and its part of the bucket's copies (`buckets.BucketShare`): one launch per block, as
 the program pays it.
 """
 
@@ -38,9 +38,7 @@ from autoshard.capture.regions import assign_blocks, find_repeated_blocks
 from autoshard.strategies import Strategy, StrategyCatalog
 from autoshard.capture.trace import JointGraph
 from autoshard.problem.choices import Choices, add_sinks, collect_choices, optimizer_step_s
-from autoshard.problem.shares import GRAD_BUCKET_KINDS as GRAD_BUCKET_KINDS
-from autoshard.problem.shares import PARAM_BUCKET_KINDS as PARAM_BUCKET_KINDS
-from autoshard.problem.shares import BucketShare, bucket_shares
+from autoshard.problem.buckets import GRAD_BUCKET_KINDS, BucketShare, bucket_shares
 
 # the ILP's nodes and their choices live in `choices`; these names stay importable from here
 from autoshard.problem.choices import (
@@ -223,30 +221,54 @@ def _runs_twice(
 def _fill_solver_problem(
     sp: ShardingProblem, planner: Planner, spec: ProblemSpec, param_fqn, repeated: list[list[list[fx.Node]]]
 ) -> None:
+    _add_nodes(sp, param_fqn)
+    _add_edges(sp, planner)
     problem = sp.problem
-    mesh_shape = sp.mesh_shape
-    # repeated blocks have equal choices position by position: they share one list of Choice objects
-    # (a 3D 70B problem has millions of choices)
+    for fqn, node in sp.graph.params.items():
+        problem.same_choice([node.name, grad_sink(fqn)], name=f"grad of {fqn} in its parameter's layout")
+    limit = spec.param_memory_bytes
+    if limit is not None and math.isfinite(limit):
+        problem.memory_budget(
+            [node.name for node in sp.graph.params.values()], limit * (1 + 1e-9), name="parameter bytes per rank"
+        )
+    for copies in repeated:
+        problem.add_region([_ilp_names(sp, copy) for copy in copies])
+    loops = []
+    for steps in find_repeated_steps(sp.graph):
+        tied = _alike_choices(sp, steps)
+        if tied:
+            problem.add_region(tied)
+            loops.append(f"{sp.graph.module_path(steps[0][0]) or 'the model'}: {len(tied)} x {len(tied[0])} ops")
+    if loops:
+        log.info("autoshard: loops planned as one step each (steps x ops per step): %s", "; ".join(loops))
+
+
+def _add_nodes(sp: ShardingProblem, param_fqn) -> None:
+    """One ILP node per graph node and sink, its choices priced (`choice_costs`), a parameter's
+    with its local bytes. Repeated blocks have equal choices position by position: they share one
+    list of Choice objects (a 3D 70B problem has millions of choices)."""
     choice_lists: dict[tuple, list[solver.Choice]] = {}
     for name, choices in sp.strategies.items():
         node = sp.fx_nodes[name]
         memory = [0.0] * len(choices)
         if node in param_fqn and name == node.name:
-            memory = [_local_bytes(s.outputs[0], node.meta["val"], mesh_shape) for s in choices]
+            memory = [_local_bytes(s.outputs[0], node.meta["val"], sp.mesh_shape) for s in choices]
         costs = sp.choice_costs(name)
         key = (tuple(map(id, choices)), tuple(costs), tuple(memory))
         if key not in choice_lists:
             choice_lists[key] = [
                 solver.Choice(label=s.label, cost=c, memory=m) for s, c, m in zip(choices, costs, memory)
             ]
-        problem.add_node(name, choice_lists[key])
+        sp.problem.add_node(name, choice_lists[key])
 
-    # One edge per (producer, consumer) pair; several slots fed by one producer add up. Repeated
-    # blocks share Strategy objects (the catalog caches them by op signature), so matrices are
-    # looked up by Strategy identity first: comparing layouts is the slow part.
+
+def _add_edges(sp: ShardingProblem, planner: Planner) -> None:
+    """One edge per (producer, consumer) pair; several slots fed by one producer add up. Repeated
+    blocks share Strategy objects (the catalog caches them by op signature), so matrices are
+    looked up by Strategy identity first: comparing layouts is the slow part."""
     matrix_cache: dict = {}  # by layouts
     matrix_by_id: dict = {}  # by Strategy identity
-    variants: dict = {}  # (key, without reduction, priced twice) -> that variant of the key's matrix
+    variants: dict = {}  # (key, without reduction, priced twice, held) -> that variant of the key's matrix
     reduce_dtypes = _gradient_reduce_dtypes(sp)
     held = sp.micro_batches > 1  # gradient edges: a held all-reduce costs 1/micro_batches
     for consumer, producers in sp.inputs.items():
@@ -254,7 +276,6 @@ def _fill_solver_problem(
         for slot, producer in enumerate(producers):
             shape, dtype = sp.tensor_meta(producer)
             src_choices, dst_choices = sp.strategies[producer.node], sp.strategies[consumer]
-            no_reduction = consumer in reduce_dtypes and dtype != reduce_dtypes[consumer]
             share = sp.bucket_shares.get((producer.node, consumer))
             key = (
                 tuple(map(id, src_choices)),
@@ -274,49 +295,40 @@ def _fill_solver_problem(
                 if matrix is None:
                     matrix = matrix_cache[by_value] = _cost_matrix(planner, srcs, dsts, shape, dtype.itemsize, share)
                 matrix_by_id[key] = matrix
+            no_reduction = consumer in reduce_dtypes and dtype != reduce_dtypes[consumer]
             twice = consumer in sp.recomputed  # the recomputation redistributes its inputs again
             once = held and share is not None and share.kinds == GRAD_BUCKET_KINDS
             if no_reduction or twice or once:
-                variant = variants.get((key, no_reduction, twice, once))
-                if variant is None:
-                    variant = matrix
-                    if no_reduction:
-                        variant = _without_reduction(variant, src_choices, producer.output, dst_choices, slot)
-                    if twice:
-                        variant = [[2 * c for c in row] for row in variant]
-                    if once:
-                        variant = _held(
-                            variant, src_choices, producer.output, dst_choices, slot, shape, dtype, sp, planner
-                        )
-                    variants[(key, no_reduction, twice, once)] = variant
-                matrix = variant
+                how = (no_reduction, twice, once)
+                if (key, *how) not in variants:
+                    variants[(key, *how)] = _variant(matrix, how, sp, planner, producer, consumer, slot)
+                matrix = variants[(key, *how)]
             if producer.node in merged:
                 merged[producer.node] = [
                     [a + b for a, b in zip(r1, r2)] for r1, r2 in zip(merged[producer.node], matrix)
                 ]
             else:
                 merged[producer.node] = matrix
-        for producer, matrix in merged.items():
-            problem.add_edge(producer, consumer, matrix)
+        for producer_node, matrix in merged.items():
+            sp.problem.add_edge(producer_node, consumer, matrix)
 
-    for fqn, node in sp.graph.params.items():
-        problem.same_choice([node.name, grad_sink(fqn)], name=f"grad of {fqn} in its parameter's layout")
-    limit = spec.param_memory_bytes
-    if limit is not None and math.isfinite(limit):
-        problem.memory_budget(
-            [node.name for node in sp.graph.params.values()], limit * (1 + 1e-9), name="parameter bytes per rank"
-        )
 
-    for copies in repeated:
-        problem.add_region([_ilp_names(sp, copy) for copy in copies])
-    loops = []
-    for steps in find_repeated_steps(sp.graph):
-        tied = _alike_choices(sp, steps)
-        if tied:
-            problem.add_region(tied)
-            loops.append(f"{sp.graph.module_path(steps[0][0]) or 'the model'}: {len(tied)} x {len(tied[0])} ops")
-    if loops:
-        log.info("autoshard: loops planned as one step each (steps x ops per step): %s", "; ".join(loops))
+def _variant(
+    matrix, how: tuple[bool, bool, bool], sp: ShardingProblem, planner: Planner, producer: Producer, consumer: str, slot
+) -> list[list[float]]:
+    """`matrix` of the edge `producer` -> `consumer`'s `slot` as `how` says: without reductions
+    (mixed precision reduces a gradient in its own dtype only), priced twice (a recomputed
+    consumer), with the held reductions of gradient accumulation at their share."""
+    no_reduction, twice, once = how
+    src_choices, dst_choices = sp.strategies[producer.node], sp.strategies[consumer]
+    if no_reduction:
+        matrix = _without_reduction(matrix, src_choices, producer.output, dst_choices, slot)
+    if twice:
+        matrix = [[2 * c for c in row] for row in matrix]
+    if once:
+        shape, dtype = sp.tensor_meta(producer)
+        matrix = _held(matrix, src_choices, producer.output, dst_choices, slot, shape, dtype, sp, planner)
+    return matrix
 
 
 def _repeated_forward_ops(

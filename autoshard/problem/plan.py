@@ -14,7 +14,8 @@ import autoshard_solver as solver
 from autoshard.pricing.ring import COLLECTIVE_KINDS
 from autoshard.layout import Layout
 from autoshard.pricing.planner import Planner, RedistributePlan, holds_for_accumulation
-from autoshard.problem.build import GRAD_BUCKET_KINDS, LOSS_SINK, ShardingProblem, grad_sink
+from autoshard.problem.build import LOSS_SINK, ShardingProblem, grad_sink
+from autoshard.problem.buckets import GRAD_BUCKET_KINDS
 from autoshard.strategies import Strategy
 from autoshard.capture.trace import JointGraph
 

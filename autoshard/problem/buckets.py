@@ -1,5 +1,6 @@
-"""Which edges ride in a bucket, and what a bucketed edge pays: a share of its bucket's launch and
-its part of the executor's copies (the program forms the buckets: `program.buckets`)."""
+"""Buckets as the ILP prices them: which edges ride in a bucket with their block's other parameters,
+and what a bucketed edge pays, a share of its bucket's launch and its part of the executor's copies
+(the program forms the buckets: `program.buckets`)."""
 
 from __future__ import annotations
 
