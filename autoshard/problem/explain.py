@@ -129,71 +129,24 @@ def explain(
     if top < 0 or max_solves < 1:
         raise ValueError(f"top must be >= 0 and max_solves >= 1, got {top} and {max_solves}")
     params = match_params(fqn, sp.graph.params)
-    layouts = {name: plan.param_layouts[name] for name in params}
-    if len(set(layouts.values())) > 1:
-        shown = ", ".join(f"{n} {lay}" for n, lay in list(layouts.items())[:4])
-        raise ExplainError(
-            f"{fqn!r} names {len(params)} parameters with different layouts "
-            f"({shown}{', ...' if len(params) > 4 else ''}); name one of them"
-        )
-    chosen = layouts[params[0]]
-    problem = sp.problem
+    chosen = _one_layout(fqn, params, plan)
     nodes = [sp.graph.params[name].name for name in params]
-
-    # Candidate layouts: those every named parameter can take, as a choice index per node.
-    options = [[s.outputs[0] for s in sp.strategies[n]] for n in nodes]
-    candidates = [lay for lay in options[0] if lay != chosen and all(lay in o for o in options[1:])]
-    pins = {lay: {n: o.index(lay) for n, o in zip(nodes, options)} for lay in candidates}
-
-    tied_nodes = {t for n in nodes for t in problem.tied(n)}
+    pins = _candidate_pins(sp, nodes, chosen)
     node_param = {node.name: name for name, node in sp.graph.params.items()}
+    tied_nodes = {t for n in nodes for t in sp.problem.tied(n)}
     tied = [
         node_param[t]
-        for t in sorted(tied_nodes, key=problem.index().__getitem__)
+        for t in sorted(tied_nodes, key=sp.problem.index().__getitem__)
         if t in node_param and node_param[t] not in params
     ]
-
-    if len(candidates) <= max_solves:
-        order, skipped = list(candidates), []
-        method = f"all {len(candidates)} other candidate layouts re-solved"
-    else:
-        estimate = _best_response(problem, plan.solution.choice, {lay: pins[lay] for lay in candidates})
-        order = sorted(candidates, key=lambda lay: estimate[lay])
-        order, skipped = order[:max_solves], order[max_solves:]
-        method = (
-            f"{max_solves} of {len(candidates)} other candidate layouts re-solved: those with the "
-            f"lowest best-response estimate (only the pinned nodes moved)"
-        )
-
+    order, skipped, method = _solve_order(sp.problem, plan, pins, max_solves)
     alternatives, infeasible = [], []
     for lay in order:
-        t0 = time.perf_counter()
-        try:
-            sol = solver.solve(
-                problem.restricted(pins[lay]), backend=backend, time_limit=time_limit, rel_gap=rel_gap, diagnose=False
-            )
-        except solver.InfeasibleError:
+        alt = _re_solved(sp, plan, planner, lay, pins[lay], {*params, *tied}, backend, time_limit, rel_gap)
+        if alt is None:
             infeasible.append(lay)
-            continue
-        alt = decode(sp, sol, planner)
-        alternatives.append(
-            Alternative(
-                layout=lay,
-                choice=pins[lay][nodes[0]],
-                step_time_s=alt.step_time_s,
-                compute_s=alt.compute_s,
-                comm_s=alt.comm_s,
-                delta_s=alt.step_time_s - plan.step_time_s,
-                status=sol.status,
-                solve_s=time.perf_counter() - t0,
-                changes=redistribution_changes(plan, alt),
-                moved={
-                    name: (plan.param_layouts[name], alt.param_layouts[name])
-                    for name in plan.param_layouts
-                    if name not in params and name not in tied and alt.param_layouts[name] != plan.param_layouts[name]
-                },
-            )
-        )
+        else:
+            alternatives.append(alt)
     alternatives.sort(key=lambda a: (a.step_time_s, str(a.layout)))
     return Explanation(
         fqn=fqn,
@@ -202,13 +155,90 @@ def explain(
         step_time_s=plan.step_time_s,
         tied=tied,
         alternatives=alternatives[:top] if top else alternatives,
-        candidates=len(candidates),
+        candidates=len(pins),
         solved=len(order),
         infeasible=infeasible,
         skipped=skipped,
         method=method,
         seconds=time.perf_counter() - start,
         param_nodes=node_param,
+    )
+
+
+def _one_layout(fqn: str, params: list[str], plan: Plan) -> Layout:
+    """The layout the plan gives every parameter `fqn` names; ExplainError when they differ."""
+    layouts = {name: plan.param_layouts[name] for name in params}
+    if len(set(layouts.values())) > 1:
+        shown = ", ".join(f"{n} {lay}" for n, lay in list(layouts.items())[:4])
+        raise ExplainError(
+            f"{fqn!r} names {len(params)} parameters with different layouts "
+            f"({shown}{', ...' if len(params) > 4 else ''}); name one of them"
+        )
+    return layouts[params[0]]
+
+
+def _candidate_pins(sp: ShardingProblem, nodes: list[str], chosen: Layout) -> dict[Layout, dict[str, int]]:
+    """Each layout other than `chosen` that every one of the parameters' ILP `nodes` can take ->
+    the choice index it is on each node."""
+    options = [[s.outputs[0] for s in sp.strategies[n]] for n in nodes]
+    candidates = [lay for lay in options[0] if lay != chosen and all(lay in o for o in options[1:])]
+    return {lay: {n: o.index(lay) for n, o in zip(nodes, options)} for lay in candidates}
+
+
+def _solve_order(
+    problem: solver.Problem, plan: Plan, pins: dict[Layout, dict[str, int]], max_solves: int
+) -> tuple[list[Layout], list[Layout], str]:
+    """(the candidates to re-solve, those skipped, how they were chosen): all of them up to
+    `max_solves`, else the `max_solves` with the lowest best-response estimate."""
+    candidates = list(pins)
+    if len(candidates) <= max_solves:
+        return candidates, [], f"all {len(candidates)} other candidate layouts re-solved"
+    estimate = _best_response(problem, plan.solution.choice, pins)
+    order = sorted(candidates, key=lambda lay: estimate[lay])
+    method = (
+        f"{max_solves} of {len(candidates)} other candidate layouts re-solved: those with the "
+        f"lowest best-response estimate (only the pinned nodes moved)"
+    )
+    return order[:max_solves], order[max_solves:], method
+
+
+def _re_solved(
+    sp: ShardingProblem,
+    plan: Plan,
+    planner: Planner,
+    layout: Layout,
+    pin: dict[str, int],
+    pinned: set[str],
+    backend: str,
+    time_limit: float | None,
+    rel_gap: float,
+) -> Alternative | None:
+    """The best plan with the parameters pinned to `layout` (`pin`: ILP node -> choice index)
+    against the chosen `plan`: its step, the redistributions that change, and the other
+    parameters that move (not those `pinned` or tied to them); None when the pin is infeasible."""
+    t0 = time.perf_counter()
+    try:
+        sol = solver.solve(
+            sp.problem.restricted(pin), backend=backend, time_limit=time_limit, rel_gap=rel_gap, diagnose=False
+        )
+    except solver.InfeasibleError:
+        return None
+    alt = decode(sp, sol, planner)
+    return Alternative(
+        layout=layout,
+        choice=next(iter(pin.values())),  # on the first parameter's node
+        step_time_s=alt.step_time_s,
+        compute_s=alt.compute_s,
+        comm_s=alt.comm_s,
+        delta_s=alt.step_time_s - plan.step_time_s,
+        status=sol.status,
+        solve_s=time.perf_counter() - t0,
+        changes=redistribution_changes(plan, alt),
+        moved={
+            name: (plan.param_layouts[name], alt.param_layouts[name])
+            for name in plan.param_layouts
+            if name not in pinned and alt.param_layouts[name] != plan.param_layouts[name]
+        },
     )
 
 
