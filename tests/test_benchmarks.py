@@ -1,4 +1,4 @@
-"""The benchmark entry point's quick mode (the CI smoke check; CI never runs the full benchmark):
+"""`make bench`'s runner (benchmarks.suite.run) in quick mode (the CI smoke check; CI never runs the full benchmark):
 every section runs, autoshard's plans cost no more than the hand-written ones, our planner never
 loses to torch's, and both parallel trainings (autoshard and the FSDP2+TP recipe) match the
 single-device losses under torchrun while reporting throughput and bytes on the wire."""
@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 from torchrun import one_launch_at_a_time
 
-from benchmarks.accuracy import _median_case, markdown as accuracy_markdown
-from benchmarks.gpu_rates import Row, summary
+from benchmarks.cost_model.accuracy import _median_case, markdown as accuracy_markdown
+from benchmarks.gpu.rates import Row, summary
 
 ROOT = Path(__file__).resolve().parents[1]
 # The fixture runs the whole quick benchmark (~7 minutes on 2 idle cores, more beside other tests on
@@ -34,7 +34,7 @@ LAUNCHING = "training,accuracy"  # torchrun trainings and calibration
 
 def run_quick(out: Path, sections: str) -> tuple[dict, str]:
     done = subprocess.run(
-        [sys.executable, "-m", "benchmarks.run", "--quick", "--only", sections, "--json", str(out)],
+        [sys.executable, "-m", "benchmarks.suite.run", "--quick", "--only", sections, "--json", str(out)],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -149,7 +149,7 @@ def test_quick_accuracy_section(quick):
 
 
 def test_gpu_rates_summary_and_no_gpu():
-    """benchmarks/gpu_rates.py (run on GPUs only): its summary is the medians a preset carries, and
+    """benchmarks.gpu.rates (run on GPUs only): its summary is the medians a preset carries, and
     without CUDA it says so in one `error:` line."""
     rows = [
         Row("matmul", "bfloat16 fwd a", 1.0, 2.0, 600e12, 0.0),
@@ -163,13 +163,13 @@ def test_gpu_rates_summary_and_no_gpu():
     assert got["bf16_flops"] == 650e12 and got["fp32_flops"] == 45e12 and got["memory_bytes_s"] == pytest.approx(2.4e12)
     assert got["modeled_over_measured"] == 1.0  # of 2, 1, 0.5, 1, 1, 0.5
     if not __import__("torch").cuda.is_available():
-        done = subprocess.run([sys.executable, "benchmarks/gpu_rates.py"], cwd=ROOT, capture_output=True, text=True)
+        done = subprocess.run([sys.executable, "-m", "benchmarks.gpu.rates"], cwd=ROOT, capture_output=True, text=True)
         assert done.returncode == 2 and done.stdout == ""
         assert done.stderr == "error: no CUDA device: this benchmark times one GPU\n"
 
 
 def test_accuracy_rounds_take_the_median_round():
-    """benchmarks/accuracy.py over rounds: each plan's row is its median round by modeled / measured,
+    """benchmarks.cost_model.accuracy over rounds: each plan's row is its median round by modeled / measured,
     every round's ratio beside it; the rankings order the plans by their median steps, not by one
     round's."""
 
@@ -208,10 +208,10 @@ def test_accuracy_rounds_take_the_median_round():
 
 
 def test_all_runs_the_three_configurations_and_reports_each_against_its_best(monkeypatch, capsys, tmp_path):
-    """benchmarks/training.py --all: make train's configuration, seq 256 and wide, in that order,
+    """benchmarks.training.throughput --all: make train's configuration, seq 256 and wide, in that order,
     without autoshard_sync; one line each of autoshard against its best baseline (throughput and
     wall time); a loss curve off the reference fails the run but not the other configurations."""
-    from benchmarks import training
+    from benchmarks.training import throughput as training
 
     calls = []
 
@@ -245,7 +245,7 @@ def test_init_memory_reports_the_later_steps_apart_from_the_first():
     """Three steps: the first step's peak and the later steps' (which hold the AdamW states) are two
     figures, each the largest rank's over its baseline; a code that records no first step apart
     (one step, or a checkout from before the hook) gives the step's peak and no later figure."""
-    from benchmarks.init_memory import summarize
+    from benchmarks.training.init_memory import summarize
 
     def rank(base, first, later):
         return dict(
@@ -268,10 +268,10 @@ def test_init_memory_reports_the_later_steps_apart_from_the_first():
 
 
 def test_host_work_times_each_redistribution_kind_bucket_and_program(tmp_path):
-    """benchmarks/host_work.py at a few calls: a row per redistribution with its raw collectives
+    """benchmarks.executor.host_work at a few calls: a row per redistribution with its raw collectives
     timed apart (none for a local chunk), a per-member figure per bucketed kind, and both programs
     of make train's model with their redistribution modules counted and timed inside the step."""
-    from benchmarks import host_work
+    from benchmarks.executor import host_work
 
     assert host_work.main(["--calls", "4", "--steps", "1", "--json", str(tmp_path / "h.json")]) == 0
     result = json.loads((tmp_path / "h.json").read_text())
@@ -292,10 +292,10 @@ def test_host_work_times_each_redistribution_kind_bucket_and_program(tmp_path):
 
 
 def test_op_counts_files_rank_0_s_ops_by_where_and_kind(tmp_path, capsys):
-    """benchmarks/op_counts.py on llama3-8b (8, 8) (fake tensors: seconds): the traced graph's ops
+    """benchmarks.executor.op_counts on llama3-8b (8, 8) (fake tensors: seconds): the traced graph's ops
     and the executor's apart, each collective launch with its wait, and a gathered bucket's
     members copied out in one kernel (no clone or slice per member)."""
-    from benchmarks import op_counts
+    from benchmarks.executor import op_counts
 
     assert op_counts.main(["--json", str(tmp_path / "o.json")]) == 0
     result = json.loads((tmp_path / "o.json").read_text())

@@ -48,11 +48,11 @@ OTHER_TOOLS = {
     "--all",
     "--ddp",
     "--rounds",
-    "--calibrated",  # benchmarks/overlap.py
+    "--calibrated",  # benchmarks.cost_model.overlap
     "--tiny",
     "--big",
     "--parts",
-    "--profile",  # benchmarks/gpu_check.py
+    "--profile",  # benchmarks.gpu.check
     "--no-index",
     "--no-deps",
     "--target",

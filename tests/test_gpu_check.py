@@ -1,4 +1,4 @@
-"""The GPU check (`benchmarks/gpu_check.py`) at toy sizes on CPU, so that a session lent a GPU runs
+"""The GPU check (`python -m benchmarks.gpu.check`) at toy sizes on CPU, so that a session lent a GPU runs
 it as one command; and the CUDA path of a lowered program, checked without a GPU: a CUDA mesh
 under torch's fake process group lowers and dry-runs as a GPU rank would."""
 
@@ -20,8 +20,8 @@ from autoshard.program.attention import attention_backward, attention_forward
 from autoshard.program.lower import lower
 from autoshard.runtime.dryrun import estimate
 from autoshard.workloads import get_workload
-from benchmarks import gpu_check
-from benchmarks.gpu_check_report import table
+from benchmarks.gpu.check import driver as gpu_check
+from benchmarks.gpu.check.report import table
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -33,7 +33,8 @@ def test_tiny_check_runs_every_part_and_writes_its_table(tmp_path):
     run = subprocess.run(
         [
             sys.executable,
-            "benchmarks/gpu_check.py",
+            "-m",
+            "benchmarks.gpu.check",
             "--tiny",
             "--no-compile",
             "--budget",
@@ -89,7 +90,7 @@ def test_tiny_check_runs_every_part_and_writes_its_table(tmp_path):
 @pytest.mark.replicated_plan  # as above: mesh (1,) by design
 def test_tiny_check_with_torch_compile(tmp_path):
     run = subprocess.run(
-        [sys.executable, "benchmarks/gpu_check.py", "--tiny", "--budget", "900", "--out", str(tmp_path)],
+        [sys.executable, "-m", "benchmarks.gpu.check", "--tiny", "--budget", "900", "--out", str(tmp_path)],
         cwd=ROOT,
         capture_output=True,
         text=True,

@@ -2,7 +2,7 @@
 with values equal bit for bit to the whole-model path (`load_full` of the single-device values)
 for every layout kind (shard, ordered shard, replicate, sizes the mesh does not divide) on
 simulated meshes (4,), (2,2), (2,2,2), from a single safetensors file and from a sharded one
-with its index. Memory is measured by benchmarks/init_memory.py, not here."""
+with its index. Memory is measured by benchmarks.training.init_memory, not here."""
 
 from __future__ import annotations
 

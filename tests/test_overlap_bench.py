@@ -1,4 +1,4 @@
-"""benchmarks/overlap.py at its smallest (`--quick`: llama3-tiny on 4 gloo ranks, one round of
+"""benchmarks.cost_model.overlap at its smallest (`--quick`: llama3-tiny on 4 gloo ranks, one round of
 prefetch 0 and 1, 3 steps each; about 40 s on 2 idle cores): both runs train the same plan, which
 gathers parameters on the dp dim, and the figures the docs quote are there and consistent."""
 
@@ -22,7 +22,16 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_overlap_benchmark_quick(tmp_path, executed_plans):
     out = tmp_path / "overlap.json"
     done = subprocess.run(
-        [sys.executable, "-m", "benchmarks.overlap", "--quick", "--out", str(tmp_path / "runs"), "--json", str(out)],
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.cost_model.overlap",
+            "--quick",
+            "--out",
+            str(tmp_path / "runs"),
+            "--json",
+            str(out),
+        ],
         cwd=ROOT,
         env=child_env(),
         capture_output=True,

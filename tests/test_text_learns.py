@@ -1,4 +1,4 @@
-"""benchmarks/text_learns.py's preparation, without its training run: the corpus is at least 1 MB
+"""benchmarks.training.text_learns's preparation, without its training run: the corpus is at least 1 MB
 of text taken verbatim from files on this machine (or, for the copyright files, their paragraphs),
 the tokenizer is a `tokenizers` BPE with an EOS token, and the unigram entropy the run must beat
 is a sensible number of nats per token; and a short run (50 steps, ~40 s on 2 idle cores) that
@@ -17,7 +17,7 @@ import pytest
 pytest.importorskip("tokenizers")
 pytest.importorskip("datasets")
 
-from benchmarks import text_learns  # noqa: E402
+from benchmarks.training import text_learns  # noqa: E402
 
 pytestmark = pytest.mark.skipif(
     not os.path.isdir(text_learns.LICENSES), reason="not a Debian-like machine: no /usr/share/common-licenses"

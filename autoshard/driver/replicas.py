@@ -7,7 +7,7 @@ the placements on that dim are those of plain data parallelism, and they can be 
 The full problem then keeps, per node, only the strategies with those placements on that dim
 (`FixedMeshDim`): a (4, 2, 8) mesh plans like a (2, 8) one, with the replicate dim's gradient
 reductions and batch splits still priced exactly by the planner. What this gives up against the
-exact 3D ILP under the same roles is measured by `benchmarks/hsdp.py` (docs/multi-node.md).
+exact 3D ILP under the same roles is measured by `benchmarks/planning/hsdp.py` (docs/multi-node.md).
 """
 
 from __future__ import annotations

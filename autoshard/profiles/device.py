@@ -24,7 +24,7 @@ ADAMW_STEP_BYTES = 28  # per fp32 parameter element: read value, gradient, two s
 # (None = this machine's RAM), per-op overhead s)
 _PRESETS = {
     # H100 SXM and H200: what one GPU sustains on the op shapes of llama3-8b and -70b plans (seq
-    # 8192, TP 8), measured on each by benchmarks/gpu_rates.py (docs/benchmarks.md, "GPU rates",
+    # 8192, TP 8), measured on each by benchmarks/gpu/rates.py (docs/benchmarks.md, "GPU rates",
     # has the figures, their spread and dates), not the datasheets' peaks, which plans never reach:
     # bf16 and fp32 (no TF32) matmuls, elementwise ops on activations (fused AdamW streams at the
     # same rate), the capacity torch.cuda reports, and the per-kernel launch the GPU cannot hide.

@@ -8,9 +8,9 @@ batch 8b), h100-node network and h100 device. autoshard free vs the FSDP+TP reci
 parameter budget), autoshard free vs pure FSDP pinned (budget total / world), the same autoshard
 plan with its parameters' device orders forced to the default, and the analytic ring-optimal volumes.
 
-    python benchmarks/plan.py            # 8B (8,8), 8B (32,8), 70B (32,8); quality at b=1 and b=8
-    python benchmarks/plan.py --quick    # a 2-layer 8B on (8,8), quality at b=1 only (smoke check)
-    python benchmarks/plan.py --json out.json
+    python -m benchmarks.planning.plan          # 8B (8,8), (32,8), 70B (32,8), (64,8); quality at b=1 and b=8
+    python -m benchmarks.planning.plan --quick  # a 2-layer 8B on (8,8), quality at b=1 only (smoke check)
+    python -m benchmarks.planning.plan --json out.json
 """
 
 from __future__ import annotations
@@ -19,14 +19,11 @@ import math
 import argparse
 import json
 import multiprocessing as mp
-import os
 import resource
 import sys
 import time
 
-# This folder holds solver.py (the solver benchmark): keep it from shadowing the solver package.
-_HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
+from benchmarks.launch import ROOT
 
 # The nearest peer's published figures on this machine class: trace, ILP build, solve seconds; peak GiB.
 PEER = {
@@ -178,7 +175,6 @@ def command_wall(quick: bool = False, repeats: int = 3) -> list[dict]:
     import subprocess
     import tempfile
 
-    root = os.path.dirname(_HERE)
     cases = (
         [("llama3-tiny", (2, 2), 8, 64)]
         if quick
@@ -213,7 +209,7 @@ def command_wall(quick: bool = False, repeats: int = 3) -> list[dict]:
                         "none",
                     ]
                     start = time.perf_counter()
-                    subprocess.run(cmd + ([] if dry else ["--no-dry-run"]), cwd=root, check=True, capture_output=True)
+                    subprocess.run(cmd + ([] if dry else ["--no-dry-run"]), cwd=ROOT, check=True, capture_output=True)
                     times.append(time.perf_counter() - start)
             walls[dry] = statistics.median(times)
         print(f"{model + ' ' + str(mesh):<26}{walls[False]:>15.1f}{walls[True]:>16.1f}", flush=True)

@@ -1,5 +1,5 @@
 """Memory: autoshard's plan under the memory limit beside the FSDP+TP recipe with full activation
-checkpointing (issue 15's benchmark).
+checkpointing.
 
 For each case (seq 8192, h100-node network, h100 device, bf16 parameters with fp32 gradient
 reduction), in a fresh process each:
@@ -11,9 +11,9 @@ reduction), in a fresh process each:
   same dry run. A case whose shapes the recipe cannot split says so instead.
 Goal: autoshard fits with a modeled step at or below the recipe's.
 
-    python -m benchmarks.memory            # 8B (8,8) batch 8, 70B (32,8) batch 32, 70B (64,8) batch 64
-    python -m benchmarks.memory --quick    # llama3-debug (2,2) under a tight limit (smoke check)
-    python -m benchmarks.memory --json out.json
+    python -m benchmarks.planning.memory            # 8B (8,8) batch 8, 70B (32,8) batch 32, 70B (64,8) batch 64
+    python -m benchmarks.planning.memory --quick    # llama3-debug (2,2) under a tight limit (smoke check)
+    python -m benchmarks.planning.memory --json out.json
 """
 
 from __future__ import annotations
@@ -21,18 +21,13 @@ from __future__ import annotations
 import math
 import argparse
 import json
-import os
 import sys
 import time
 import dataclasses
 from dataclasses import asdict, dataclass
 
-_HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]  # keep solver.py from shadowing solver
-sys.path.insert(0, os.path.dirname(_HERE))  # run as a script: `benchmarks` from the repository root
-
-from benchmarks.plan import in_fresh_process  # noqa: E402
-from autoshard.profiles.network import NetworkProfile  # noqa: E402
+from autoshard.profiles.network import NetworkProfile
+from benchmarks.planning.plan import in_fresh_process
 
 PRECISION = ("bf16", "fp32")  # parameter (compute, gather) dtype, gradient reduction dtype
 RECIPE = "fsdp-tp"

@@ -4,9 +4,9 @@ Back to back, same model, global batch, sequence, steps, lr, init seed, data see
 settings, N processes under torchrun (OMP_NUM_THREADS=1):
 
   autoshard   `python -m autoshard train` with default flags (plans, applies, trains; planning is timed apart)
-  recipe      benchmarks/recipe_train.py (torchtitan's llama3 TP plan + FSDP2, torch's own APIs; 2-D meshes)
-  fsdp2       benchmarks/recipe_train.py --mesh Nx1 (pure FSDP2: fully_shard per block and root, all ranks)
-  ddp         benchmarks/recipe_train.py --ddp --mesh Nx1 (torch's DistributedDataParallel, default
+  recipe      benchmarks.baselines.train (torchtitan's llama3 TP plan + FSDP2, torch's own APIs; 2-D meshes)
+  fsdp2       benchmarks.baselines.train --mesh Nx1 (pure FSDP2: fully_shard per block and root, all ranks)
+  ddp         benchmarks.baselines.train --ddp --mesh Nx1 (torch's DistributedDataParallel, default
               buckets; fp32 only: DDP has no MixedPrecisionPolicy)
   autoshard_sync  `python -m autoshard train --prefetch 0` (the 2x2 case, full runs only): every bucket
               waited on where it is launched, to show what the overlap brings
@@ -20,14 +20,17 @@ curves must match the reference (fp32); a mismatch exits non-zero. Bytes on the 
 the same way for both: `autoshard.runtime.wire.WireMeter` around one training step on every rank, pricing
 each collective it sees (functional or c10d) with the ring model.
 
-    python benchmarks/training.py            # llama3-debug 2x2, global batch 8, seq 256, 20 steps, 3 rounds (~20 min)
-    python benchmarks/training.py --two-ranks   # the same on 2 ranks: mesh 2x1 against DDP and FSDP2 on 2 ranks
-    python benchmarks/training.py --quick    # llama3-tiny, 5 steps (CI smoke check)
-    python benchmarks/training.py --json out.json [--out runs/bench-training]
-    python benchmarks/training.py --param-dtype bf16 --reduce-dtype fp32   # both trainers in bf16
-    python benchmarks/training.py --wide --repeats 1   # llama3-wide, batch 4, seq 512: TP should win on paper
-    python benchmarks/training.py --make-train   # make train's configuration: llama3-debug 2x2, batch 8, seq 64
-    python benchmarks/training.py --all   # the three above (make train's, seq 256, wide) in one run (~15 min)
+    python -m benchmarks.training.throughput               # llama3-debug 2x2, global batch 8, seq 256, 20 steps,
+                                                           # 3 rounds (~20 min)
+    python -m benchmarks.training.throughput --two-ranks   # the same on 2 ranks: mesh 2x1 against DDP and FSDP2
+    python -m benchmarks.training.throughput --quick       # llama3-tiny, 5 steps (CI smoke check)
+    python -m benchmarks.training.throughput --json out.json [--out runs/bench-training]
+    python -m benchmarks.training.throughput --param-dtype bf16 --reduce-dtype fp32   # every trainer in bf16
+    python -m benchmarks.training.throughput --wide --repeats 1   # llama3-wide, batch 4, seq 512: TP should win
+    python -m benchmarks.training.throughput --make-train  # make train's configuration: llama3-debug 2x2, batch 8,
+                                                           # seq 64
+    python -m benchmarks.training.throughput --all         # the three above (make train's, seq 256, wide) in one
+                                                           # run (~15 min)
 """
 
 from __future__ import annotations
@@ -44,11 +47,8 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-# This folder holds solver.py (the solver benchmark): keep it from shadowing the solver package.
-_HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
+from benchmarks.launch import ROOT, rank_env, torchrun
 
-ROOT = Path(_HERE).parent
 LOSS_RTOL = 1e-4  # |loss - reference| / |reference|, every step; fp32 runs land near 1e-6
 # Parameters shown side by side: one of each role in the TP recipe.
 SHOWN = (
@@ -155,12 +155,6 @@ class LossMismatch(RuntimeError):
 
 
 # ---------------------------------------------------------------------------------- running
-def _torchrun() -> list[str]:
-    """torchrun next to this interpreter (a fresh venv has one), else torch's module entry point."""
-    exe = Path(sys.executable).parent / "torchrun"
-    return [str(exe)] if exe.exists() else [sys.executable, "-m", "torch.distributed.run"]
-
-
 def _launch(name: str, target: list[str], work: Workload, out: Path) -> float:
     """Run one 4-process training job; its console output goes to `out/console.txt`. Returns wall s."""
     shutil.rmtree(out, ignore_errors=True)
@@ -168,16 +162,11 @@ def _launch(name: str, target: list[str], work: Workload, out: Path) -> float:
     world = 1
     for size in work.mesh.split("x"):
         world *= int(size)
-    cmd = [*_torchrun(), "--standalone", f"--nproc_per_node={world}", *target, *work.args(), "--out", str(out)]
-    env = dict(
-        os.environ,
-        OMP_NUM_THREADS="1",
-        PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-    )
+    cmd = [*torchrun(), "--standalone", f"--nproc_per_node={world}", *target, *work.args(), "--out", str(out)]
     print(f"[{name}] {' '.join(cmd)}", flush=True)
     start = time.perf_counter()
     with (out / "console.txt").open("w") as console:
-        done = subprocess.run(cmd, env=env, cwd=ROOT, stdout=console, stderr=subprocess.STDOUT, timeout=1800)
+        done = subprocess.run(cmd, env=rank_env(), cwd=ROOT, stdout=console, stderr=subprocess.STDOUT, timeout=1800)
     wall = time.perf_counter() - start
     if done.returncode != 0:
         tail = (out / "console.txt").read_text()[-4000:]
@@ -228,7 +217,7 @@ def _trainers(work: Workload, quick: bool, overlap: bool = True) -> list[tuple[s
     autoshard_sync where it applies)."""
     world = math.prod(int(size) for size in work.mesh.split("x"))
     tp = int(work.mesh.split("x")[1]) if "x" in work.mesh else 1
-    recipe = [str(Path(_HERE) / "recipe_train.py")]
+    recipe = ["-m", "benchmarks.baselines.train"]
     every_rank = replace(work, mesh=f"{world}x1")  # no TP: data parallel over every rank
     return [
         ("autoshard", ["-m", "autoshard", "train"], work),

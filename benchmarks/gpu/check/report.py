@@ -1,4 +1,4 @@
-"""`gpu_check.py`'s cases, goals and markdown table: one row per figure, a part that did not run in
+"""The GPU check's cases, goals and markdown table: one row per figure, a part that did not run in
 one row with its status, and each part's notes below (why it was skipped, what it leaves out)."""
 
 from __future__ import annotations

@@ -4,8 +4,8 @@ ops, single redistributions, bucket launches, bucket awaits) and by kind (kernel
 other metadata-only ops, waits). On a GPU each dispatch is host work and each kernel a launch:
 where a program is host-bound (docs/benchmarks.md#gpu-check), these are what the host does.
 
-    python -m benchmarks.op_counts                  # llama3-8b (8, 8), batch 8, seq 8192, bf16 / fp32
-    python -m benchmarks.op_counts --model llama3-70b --mesh 64x8 --batch 64 [--json out.json]
+    python -m benchmarks.executor.op_counts                  # llama3-8b (8, 8), batch 8, seq 8192, bf16 / fp32
+    python -m benchmarks.executor.op_counts --model llama3-70b --mesh 64x8 --batch 64 [--json out.json]
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from autoshard import _torch_compat as tc
 from autoshard.program.modules import AwaitBucket, Bucket, Redistribute
-from benchmarks.gpu_check import auto_shard
-from benchmarks.gpu_check_measure import local_values
+from benchmarks.gpu.check.measure import local_values
+from benchmarks.gpu.check.parts import auto_shard
 
 WHERE = {Redistribute: "redistributions", Bucket: "bucket launches", AwaitBucket: "bucket awaits"}
 # no kernel of their own: views, and allocations (their memory comes from the caching allocator)

@@ -1,9 +1,11 @@
 """Is the cost model right? Modeled vs measured step time on gloo CPU ranks, calibrated vs presets.
 
-    python benchmarks/accuracy.py              # llama3-debug, 2x2, batch 8, seq 64, 12 steps per plan (~8 min a round)
-    python benchmarks/accuracy.py --two-ranks  # the same on 2 ranks, meshes 1x2 and 2x1 (a core per rank;
-                                               # ~2 min a round)
-    python benchmarks/accuracy.py --quick      # llama3-tiny, 4 steps, calibrated profile, two plans (smoke check)
+    python -m benchmarks.cost_model.accuracy              # llama3-debug, 2x2, batch 8, seq 64, 12 steps per plan
+                                                          # (~8 min a round)
+    python -m benchmarks.cost_model.accuracy --two-ranks  # the same on 2 ranks, meshes 1x2 and 2x1 (a core per
+                                                          # rank; ~2 min a round)
+    python -m benchmarks.cost_model.accuracy --quick      # llama3-tiny, 4 steps, calibrated profile, two plans
+                                                          # (smoke check)
 
 1. `torchrun ... -m autoshard calibrate --mesh M` writes a profile of this machine for the mesh.
 2. For each profile set (the calibrated file; the default presets cpu-gloo / cpu) and each plan
@@ -36,11 +38,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-_HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]  # keep solver.py from shadowing solver
-sys.path.insert(0, os.path.dirname(_HERE))  # run as a script: `benchmarks` from the repository root
-
-from benchmarks.training import ROOT, _torchrun  # noqa: E402
+from benchmarks.launch import ROOT, rank_env, torchrun
 
 GOAL = 0.25  # |modeled / measured - 1|
 PLANS = {"autoshard": None, "DDP pinned": "ddp", "FSDP+TP recipe pinned": "fsdp-tp", "FSDP pinned": "fsdp"}
@@ -65,14 +63,9 @@ TWO_RANKS = [Case("llama3-debug", batch=8, seq=64, steps=12, mesh=mesh) for mesh
 
 
 def _run(cmd: list[str], log: Path) -> None:
-    env = dict(
-        os.environ,
-        OMP_NUM_THREADS="1",
-        PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-    )
     print(f"  $ {' '.join(cmd)}", flush=True)
     with log.open("w") as console:
-        done = subprocess.run(cmd, env=env, cwd=ROOT, stdout=console, stderr=subprocess.STDOUT, timeout=1800)
+        done = subprocess.run(cmd, env=rank_env(), cwd=ROOT, stdout=console, stderr=subprocess.STDOUT, timeout=1800)
     if done.returncode != 0:
         raise RuntimeError(f"failed (exit {done.returncode}):\n{log.read_text()[-4000:]}")
 
@@ -86,7 +79,7 @@ def calibrate(out: Path, quick: bool, case: Case) -> tuple[Path, float, dict]:
     start = time.perf_counter()
     _run(
         [
-            *_torchrun(),
+            *torchrun(),
             "--standalone",
             f"--nproc_per_node={_world(case)}",
             "-m",
@@ -118,7 +111,7 @@ def train(case: Case, recipe: str | None, network: str, device: str, out: Path) 
     out.mkdir(parents=True)
     _run(
         [
-            *_torchrun(),
+            *torchrun(),
             "--standalone",
             f"--nproc_per_node={_world(case)}",
             "-m",

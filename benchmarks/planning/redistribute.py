@@ -5,7 +5,7 @@ our plan against the steps torch's own redistribute would run (its planner, then
 flattened meshes, all of which we create), all priced with the same NetworkProfile. Also reports
 planning latency: cached lookup, uncached plan (new shape), and a cold planner's first plan.
 
-    python benchmarks/planner.py [--quick] [--profile h100-node] [--json PATH]
+    python -m benchmarks.planning.redistribute [--quick] [--profile h100-node] [--json PATH]
 """
 
 from __future__ import annotations

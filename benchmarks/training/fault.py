@@ -1,10 +1,10 @@
 """Runs that survive lost ranks: SIGKILL a random worker at random steps under torchrun's restarts
 and compare the losses with an uninterrupted run; and the step stall of checkpointing, sync vs async.
 
-    python benchmarks/fault.py                # llama3-tiny 2x2, 200 steps, checkpoints every 10,
-                                              # 3 kills under --max-restarts 3; then the stall figures
-    python benchmarks/fault.py --steps 30 --kills 2 --checkpoint-every 5   # the suite's smaller case
-    python benchmarks/fault.py --stall-only   # llama3-debug 2x2: checkpoint steps with and without async
+    python -m benchmarks.training.fault                # llama3-tiny 2x2, 200 steps, checkpoints every 10,
+                                                       # 3 kills under --max-restarts 3; then the stall figures
+    python -m benchmarks.training.fault --steps 30 --kills 2 --checkpoint-every 5   # the suite's smaller case
+    python -m benchmarks.training.fault --stall-only   # llama3-debug 2x2: checkpoint steps with and without async
 
 The killer watches metrics.jsonl (rank 0 writes a row per step): once the run reaches the next
 kill step it sends SIGKILL to one of torchrun's workers, chosen at random; torchrun restarts them
@@ -27,7 +27,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from benchmarks.launch import ROOT
 
 
 @dataclass

@@ -1,5 +1,5 @@
 """The executor's own host work: what a lowered program's redistributions cost the CPU beyond the
-collectives they issue (issue 54's item 2).
+collectives they issue.
 
 One process, a fake process group of 4 ranks on a (2,2) mesh: collectives return at once and move
 nothing, so a call's time is host work alone (Python, dispatch, the local reshapes and copies of
@@ -13,7 +13,7 @@ and the same model pinned to the FSDP+TP recipe, lowered for rank 0 and run forw
 real local tensors under the fake group: the time its redistribution modules take per step (their
 host work and local copies, the buckets' concatenation included) beside the whole step's.
 
-    python -m benchmarks.host_work [--calls 2000] [--steps 5] [--json out.json]
+    python -m benchmarks.executor.host_work [--calls 2000] [--steps 5] [--json out.json]
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from autoshard import _torch_compat as tc
 from autoshard.pricing.planner import Planner
 from autoshard.program.modules import AwaitBucket, Bucket, Redistribute
-from benchmarks.gpu_check import auto_shard
-from benchmarks.gpu_check_measure import local_values
+from benchmarks.gpu.check.measure import local_values
+from benchmarks.gpu.check.parts import auto_shard
 
 MESH, SHAPE = (2, 2), (8, 8)
 SINGLE = [  # (source, destination) of one redistribution each

@@ -1,9 +1,9 @@
 """Real text learns: llama3-debug on a 2x2 mesh, trained on English prose through `--data` and
 `--tokenizer`, against the corpus's unigram entropy.
 
-    python -m benchmarks.text_learns                  # 300 steps (~2 min on 2 idle cores)
-    python -m benchmarks.text_learns --steps 10       # a smoke run
-    python -m benchmarks.text_learns --json out.json [--out runs/bench-text-learns]
+    python -m benchmarks.training.text_learns                  # 300 steps (~2 min on 2 idle cores)
+    python -m benchmarks.training.text_learns --steps 10       # a smoke run
+    python -m benchmarks.training.text_learns --json out.json [--out runs/bench-text-learns]
 
 1. The corpus: at least 1 MB of real English text already on the machine, none of it generated:
    the Python documentation's topics (`pydoc_data.topics`, in every CPython: one document per
@@ -45,17 +45,9 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-# This folder holds solver.py (the solver benchmark): keep it from shadowing the solver package
-# when this file runs as a script.
-_HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
-ROOT = Path(_HERE).parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+import numpy as np
 
-import numpy as np  # noqa: E402
-
-from benchmarks.training import _torchrun  # noqa: E402
+from benchmarks.launch import ROOT, rank_env, torchrun
 
 MIN_BYTES = 1_000_000
 VOCAB = 2048
@@ -233,16 +225,11 @@ def train_args(corpus: Path, tokenizer: Path, cache: Path, run: Path, a: argpars
 def train(args: list[str], run: Path, timeout: float = 3600) -> tuple[float, list[dict]]:
     """torchrun 4 workers of `args`; (wall s, metrics.jsonl rows). Console output: run/console.txt."""
     run.mkdir(parents=True, exist_ok=True)
-    cmd = [*_torchrun(), "--standalone", "--nproc_per_node=4", *args]
-    env = dict(
-        os.environ,
-        OMP_NUM_THREADS="1",
-        PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-    )
+    cmd = [*torchrun(), "--standalone", "--nproc_per_node=4", *args]
     print(" ".join(cmd), flush=True)
     start = time.perf_counter()
     with (run / "console.txt").open("w") as console:
-        done = subprocess.run(cmd, env=env, cwd=ROOT, stdout=console, stderr=subprocess.STDOUT, timeout=timeout)
+        done = subprocess.run(cmd, env=rank_env(), cwd=ROOT, stdout=console, stderr=subprocess.STDOUT, timeout=timeout)
     wall = time.perf_counter() - start
     if done.returncode != 0:
         raise RuntimeError(f"training failed (exit {done.returncode}):\n{(run / 'console.txt').read_text()[-4000:]}")

@@ -1,24 +1,32 @@
-"""Every benchmark from one entry point, each beside its baseline, and the README's tables.
+"""`make bench`: the planning benchmarks and the training throughput in one run, each beside its
+baseline; the tables of docs/benchmarks.md; and results.json, the file the README's figures come from.
 
-    python -m benchmarks.run            # full run (~35 min on 2 cores); writes benchmarks/results.json
-    python -m benchmarks.run --quick    # smoke check: small cases, writes nothing unless --json
-    python -m benchmarks.run --only speed,quality --json /tmp/r.json
+    python -m benchmarks.suite.run            # make bench (within ~35 min on 2 cores); writes results.json here
+    python -m benchmarks.suite.run --quick    # smoke check: small cases, writes nothing unless --json
+    python -m benchmarks.suite.run --only speed,quality --json /tmp/r.json
+    python -m benchmarks.suite.run --only accuracy,training_wide   # sections make bench leaves out
 
-Sections (each also runs alone: benchmarks/plan.py, planner.py, training.py, memory.py, accuracy.py):
+Sections; make bench runs the first six (each benchmark also runs alone: benchmarks/README.md):
   speed     planning llama3-8b (8,8), (32,8) and llama3-70b (32,8), (64,8): seconds per stage, peak RSS,
-            ILP size, beside the nearest peer's published figures
+            ILP size, beside the nearest peer's published figures (benchmarks.planning.plan)
   command   `python -m autoshard plan` as a whole process (median of 3), with and without the dry run
   quality   modeled step time and comm bytes of autoshard's plan vs the FSDP+TP recipe, pure FSDP,
             forced-default device orders and the analytic estimate (llama3-8b (8,8), b=1 and 8 in fp32,
             b=1 with bf16 compute and fp32 gradient reduction)
   memory    autoshard under the memory limit vs the FSDP+TP recipe with full activation checkpointing:
             dry-run peak per rank and modeled step (llama3-8b (8,8), llama3-70b (32,8) and (64,8), bf16/fp32)
+            (benchmarks.planning.memory)
   planner   redistribution: our planner vs torch's greedy and graph planners (wins/ties/losses)
-  training  real training on gloo CPU ranks (2x2, and 2 ranks): autoshard vs torch DDP, torch's
-            fully_shard+parallelize_module and pure fully_shard, medians of 3 interleaved runs; a wide model
-            fp32 and bf16 (both under the same MixedPrecisionPolicy)
+            (benchmarks.planning.redistribute)
+  training  real training on 4 gloo CPU ranks (llama3-debug 2x2, fp32, seq 256): autoshard vs torch DDP,
+            torch's fully_shard+parallelize_module and pure fully_shard, medians of 3 interleaved runs
+            (benchmarks.training.throughput; --quick: llama3-tiny in bf16 / fp32)
+  training_two_ranks, training_bf16, training_wide
+            the same on 2 ranks (mesh 2x1), with bf16 compute and fp32 reduction (every trainer under
+            the same MixedPrecisionPolicy), and on llama3-wide (batch 4, seq 512), where TP should win
   accuracy  the cost model vs the clock: calibrate this machine, then modeled vs measured step time of
             autoshard's plan, the FSDP+TP recipe pinned and pure FSDP pinned, calibrated vs presets
+            (benchmarks.cost_model.accuracy: ~8 min a round, 3 rounds)
 
 Exit status 1 if a check fails: a loss curve off the single-device one, autoshard's plan
 costing more than the recipe or pure FSDP, or its plan under the memory limit not fitting or
@@ -37,21 +45,34 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks import accuracy as accuracy_bench
-from benchmarks import memory as memory_bench
-from benchmarks import plan as plan_bench
-from benchmarks import planner as planner_bench
-from benchmarks import training as training_bench
+from benchmarks.cost_model import accuracy as accuracy_bench
+from benchmarks.planning import memory as memory_bench
+from benchmarks.planning import plan as plan_bench
+from benchmarks.planning import redistribute as planner_bench
+from benchmarks.training import throughput as training_bench
 
-SECTIONS = ("speed", "command", "quality", "memory", "planner", "training", "accuracy")
+# make bench: the planning sections (a few minutes) and one training comparison (~20 min)
+DEFAULT = ("speed", "command", "quality", "memory", "planner", "training")
+SECTIONS = (*DEFAULT, "training_two_ranks", "training_bf16", "training_wide", "accuracy")
+# each training section: its key in the results, and the throughput benchmark's arguments
+TRAINING = {
+    "training": {},
+    "training_two_ranks": {"two_ranks": True},
+    "training_bf16": {"precision": ("bf16", "fp32")},
+    "training_wide": {"wide": True},  # TP should win on paper
+}
 RESULTS = Path(__file__).resolve().parent / "results.json"
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="small cases only (CI smoke check)")
-    p.add_argument("--only", default=",".join(SECTIONS), help=f"comma-separated subset of {','.join(SECTIONS)}")
-    p.add_argument("--json", help=f"write results here (default for a full run: {RESULTS})")
+    p.add_argument(
+        "--only",
+        default=",".join(DEFAULT),
+        help=f"comma-separated sections of {','.join(SECTIONS)} (default, as make bench: {','.join(DEFAULT)})",
+    )
+    p.add_argument("--json", help=f"write results here (default for make bench's sections: {RESULTS})")
     a = p.parse_args(argv)
     only = [s.strip() for s in a.only.split(",") if s.strip()]
     unknown = sorted(set(only) - set(SECTIONS))
@@ -93,18 +114,17 @@ def main(argv: list[str] | None = None) -> int:
             ]
         elif section == "planner":
             results["planner"] = planner_bench.run(a.quick)
-        elif section == "training":
-            # quick: bf16 only (the fp32 trainers are the same scripts with no policy, and fp32
-            # parallel training is checked against one device by tests/test_train.py)
-            cases = [] if a.quick else [("training", None, {}), ("training_two_ranks", None, {"two_ranks": True})]
-            cases += [("training_bf16", ("bf16", "fp32"), {})]
-            cases += [] if a.quick else [("training_wide", None, {"wide": True})]  # TP should win on paper
-            for key, precision, case in cases:
-                try:
-                    results[key] = training_bench.run(quick=a.quick, precision=precision, **case)
-                except training_bench.LossMismatch as err:
-                    results[key] = err.figures
-                    failures.append(f"{key}: {err}")
+        elif section in TRAINING:
+            # quick: the training section runs bf16 only (the fp32 trainers are the same scripts with no
+            # policy, and fp32 parallel training is checked against one device by tests/test_train.py)
+            key, case = section, TRAINING[section]
+            if a.quick and section == "training":
+                key, case = "training_bf16", TRAINING["training_bf16"]
+            try:
+                results[key] = training_bench.run(quick=a.quick, **case)
+            except training_bench.LossMismatch as err:
+                results[key] = err.figures
+                failures.append(f"{key}: {err}")
         elif section == "accuracy":
             results["accuracy"] = accuracy_bench.run(quick=a.quick)
         results["meta"][f"{section}_s"] = round(time.perf_counter() - t0, 1)
@@ -112,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
 
     print("\n===== tables (docs/benchmarks.md) =====\n")
     print(markdown(results))
-    target = a.json or (None if a.quick or set(only) != set(SECTIONS) else str(RESULTS))
+    target = a.json or (None if a.quick or set(only) != set(DEFAULT) else str(RESULTS))
     if target:
         Path(target).write_text(json.dumps(results, indent=1, default=str) + "\n")
         print(f"\nresults: {target}")

@@ -1,6 +1,6 @@
 """Benchmark solver/ on synthetic sharding-like problems.
 
-    .venv/bin/python benchmarks/solver.py [--quick] [--json PATH]
+    python -m benchmarks.planning.solver [--quick] [--json PATH]
 
 Choices are the 16 layouts of a 2D (8 x 8) mesh ({R, S0, S1, P} per mesh dim). Edge costs are
 alpha-beta redistribution costs from the producer's output layout to the layout the consumer's
@@ -19,13 +19,10 @@ import itertools
 import json
 import math
 import random
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from autoshard_solver import Choice, Problem, available_backends, solve  # noqa: E402
+from autoshard_solver import Choice, Problem, available_backends, solve
 
 MESH = (8, 8)
 ALPHA = (2e-5, 5e-6)  # latency per collective, dp and tp dims (s)

@@ -24,10 +24,12 @@ same sharded plan with each prefetch setting under torchrun (gloo, OMP_NUM_THREA
 trains every setting under that profile as well (`--network FILE --device FILE`), interleaved in
 the same rounds; the presets (`cpu-gloo`, `cpu`: an idle core per rank) are the default.
 
-    python -m benchmarks.overlap                  # llama3-debug, mesh 4, batch 8, seq 256, 20 steps, 3 rounds (~6 min)
-    python -m benchmarks.overlap --calibrated     # the same, also under a profile calibrated just before (~13 min)
-    python -m benchmarks.overlap --quick          # llama3-tiny, seq 16, 3 steps, prefetch 0 and 1, 1 round (smoke)
-    python -m benchmarks.overlap --json out.json --out runs/bench-overlap --mesh 2x2 --prefetch 0,2
+    python -m benchmarks.cost_model.overlap               # llama3-debug, mesh 4, batch 8, seq 256, 20 steps,
+                                                          # 3 rounds (~6 min)
+    python -m benchmarks.cost_model.overlap --calibrated  # the same, also under a profile calibrated just before
+                                                          # (~13 min)
+    python -m benchmarks.cost_model.overlap --quick       # llama3-tiny, seq 16, 3 steps, prefetch 0 and 1, 1 round
+    python -m benchmarks.cost_model.overlap --json out.json --out runs/bench-overlap --mesh 2x2 --prefetch 0,2
 """
 
 from __future__ import annotations
@@ -44,11 +46,7 @@ import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-_HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]  # keep solver.py from shadowing solver
-sys.path.insert(0, os.path.dirname(_HERE))  # run as a script: `benchmarks` from the repository root
-
-from benchmarks.training import ROOT, _torchrun  # noqa: E402
+from benchmarks.launch import ROOT, rank_env, torchrun
 
 BUDGET_FRACTION = 1.5  # parameter budget per rank, x the model's parameter bytes / world (tests/plan_audit.py)
 PRESETS = ("cpu-gloo", "cpu")
@@ -84,20 +82,12 @@ def budget_bytes(model: str, world: int, fraction: float = BUDGET_FRACTION) -> f
 
 
 # ---------------------------------------------------------------------------------- running
-def _env() -> dict[str, str]:
-    return dict(
-        os.environ,
-        OMP_NUM_THREADS="1",
-        PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-    )
-
-
 def _launch(cmd: list[str], console: Path) -> float:
     """Run `cmd`, its output to `console`; wall seconds. Raises with the tail when it fails."""
     print(f"  $ {' '.join(cmd)}", flush=True)
     start = time.perf_counter()
     with console.open("w") as f:
-        done = subprocess.run(cmd, env=_env(), cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, timeout=1800)
+        done = subprocess.run(cmd, env=rank_env(), cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, timeout=1800)
     if done.returncode != 0:
         raise RuntimeError(f"failed (exit {done.returncode}):\n{console.read_text()[-4000:]}")
     return time.perf_counter() - start
@@ -107,7 +97,7 @@ def calibrate(case: Case, out: Path, quick: bool) -> tuple[Path, float]:
     """`autoshard calibrate` on the case's mesh; the profile file and the wall seconds."""
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"profile-{case.mesh}.json"
-    cmd = [*_torchrun(), "--standalone", f"--nproc_per_node={case.world}", "-m", "autoshard", "calibrate"]
+    cmd = [*torchrun(), "--standalone", f"--nproc_per_node={case.world}", "-m", "autoshard", "calibrate"]
     cmd += ["--mesh", case.mesh, "--out", str(path), *(["--quick"] if quick else [])]
     return path, _launch(cmd, out / f"calibrate-{case.mesh}.txt")
 
@@ -115,7 +105,7 @@ def calibrate(case: Case, out: Path, quick: bool) -> tuple[Path, float]:
 def train(case: Case, prefetch: int, budget: float, profiles: tuple[str, str], out: Path) -> dict:
     """One `train` run at `prefetch`; its figures from metrics.jsonl, plan.json and sharding.log."""
     out.mkdir(parents=True, exist_ok=True)
-    cmd = [*_torchrun(), "--standalone", f"--nproc_per_node={case.world}", "-m", "autoshard", "train"]
+    cmd = [*torchrun(), "--standalone", f"--nproc_per_node={case.world}", "-m", "autoshard", "train"]
     cmd += ["--model", case.model, "--mesh", case.mesh, "--batch", str(case.batch), "--seq", str(case.seq)]
     cmd += ["--steps", str(case.steps), "--memory-budget", f"{budget:.0f}", "--prefetch", str(prefetch)]
     cmd += ["--network", profiles[0], "--device", profiles[1], "--out", str(out), "--overwrite"]

@@ -1,10 +1,10 @@
 """The hand-written baseline: torchtitan's llama3 FSDP+TP recipe, built with torch's own APIs.
 
-    OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node=4 benchmarks/recipe_train.py \\
+    OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node=4 -m benchmarks.baselines.train \\
         --model llama3-debug --mesh 2x2 --batch 8 --seq 256 --steps 12 --out runs/recipe
 
 Same model, init, data, optimizer and `metrics.jsonl` rows as `python -m autoshard train`, so
-the two can be compared step by step (benchmarks/training.py does). The parallelization is
+the two can be compared step by step (benchmarks.training.throughput does). The parallelization is
 torchtitan's llama3 recipe: `parallelize_module` on the "tp" mesh dim (sequence parallel norms, column-wise
 wq/wk/wv/w1/w3, row-wise wo/w2 reduce-scattering to sequence shards, row-wise embedding, column-wise
 output with loss parallel), then `fully_shard` on the "dp" mesh dim per block and on the root.
@@ -25,17 +25,12 @@ import sys
 import time
 from pathlib import Path
 
-# Run as a script, this folder is first on sys.path: keep its modules (solver.py, plan.py, ...) from
-# shadowing top-level packages of those names.
-_HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
-
-import torch.distributed as dist  # noqa: E402
-from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # noqa: E402
-from torch.distributed.tensor import DTensor, Replicate, Shard  # noqa: E402
-from torch.nn.parallel import DistributedDataParallel  # noqa: E402
-from torch.distributed.tensor.parallel import (  # noqa: E402
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.nn.parallel import DistributedDataParallel
+from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
     RowwiseParallel,
@@ -44,10 +39,10 @@ from torch.distributed.tensor.parallel import (  # noqa: E402
     parallelize_module,
 )
 
-from autoshard.driver.config import mp_policy  # noqa: E402
-from autoshard.runtime.wire import WireMeter, wire_row  # noqa: E402
-from autoshard_models import MarkovTokens, build_model, cross_entropy_loss, get_config  # noqa: E402
-from autoshard_models.train_single import TrainSettings, make_optimizer  # noqa: E402
+from autoshard.driver.config import mp_policy
+from autoshard.runtime.wire import WireMeter, wire_row
+from autoshard_models import MarkovTokens, build_model, cross_entropy_loss, get_config
+from autoshard_models.train_single import TrainSettings, make_optimizer
 
 
 def apply_tp(model, tp_mesh) -> None:

@@ -1,7 +1,7 @@
 """What one GPU sustains on the ops of a large plan, beside what a device preset models for them.
 
-    python benchmarks/gpu_rates.py                   # preset by the GPU's name (h200 on an H200, else h100)
-    python benchmarks/gpu_rates.py --preset h100 --out rates.json
+    python -m benchmarks.gpu.rates                   # preset by the GPU's name (h200 on an H200, else h100)
+    python -m benchmarks.gpu.rates --preset h100 --out rates.json
 
 Times (CUDA events, median of 20 after 5 warm-ups) bf16 matmuls of the local shapes of llama3-8b
 on (8, 8) and llama3-70b on (64, 8) (seq 8192, TP 8: 8192 tokens per rank; forward and both
@@ -10,7 +10,7 @@ split's heads, elementwise ops on activation-sized tensors, and fused AdamW. Eac
 preset's roofline for the op (`DeviceProfile.roofline_s` plus its per-op overhead, with the flops
 and bytes the planner counts: attention as torch's flop counter counts it, whole not causal) and
 modeled / measured. The summary gives the medians a preset should carry. The h100 / h200 presets
-were set from this script's runs on one H100 and one H200 (2026-11-27, docs/benchmarks.md).
+were set from this script's runs on one H100 and one H200 (docs/benchmarks.md, GPU rates).
 """
 
 from __future__ import annotations
@@ -18,12 +18,11 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import os
 import statistics
 import sys
 from dataclasses import asdict, dataclass
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from benchmarks.launch import ROOT
 
 TOKENS = 8192
 # (label, in features, out features): the local matmuls of one block and the LM head, TP 8
@@ -168,7 +167,7 @@ def device_profiles():
     """`autoshard.profiles.device` loaded alone (it needs only torch): importing the package pulls in
     the planner, which needs a supported torch, and this runs with whatever torch a GPU machine has."""
     spec = importlib.util.spec_from_file_location(
-        "autoshard_device_profiles", os.path.join(ROOT, "autoshard", "profiles", "device.py")
+        "autoshard_device_profiles", ROOT / "autoshard" / "profiles" / "device.py"
     )
     module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

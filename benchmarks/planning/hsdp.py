@@ -7,24 +7,18 @@ exact problem under the same roles fixes only what the roles say (parameters Rep
 inputs split along the batch on that dim) and leaves every other node free: its ILP is far
 larger. Here both are solved on small 3D cases and their modeled steps compared.
 
-    python -m benchmarks.hsdp              # gap cases, 8B (4,2,8) and 70B (8,8,8) plans, 70B 2D vs 3D
-    python -m benchmarks.hsdp --gap-only   # only the gap cases
+    python -m benchmarks.planning.hsdp              # gap cases, 8B (4,2,8) and 70B (8,8,8) plans, 70B 2D vs 3D
+    python -m benchmarks.planning.hsdp --gap-only   # only the gap cases
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import resource
-import sys
 import time
 
-_HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]  # keep solver.py from shadowing
-sys.path.insert(0, os.path.dirname(_HERE))  # run as a script: `benchmarks` from the repository root
-
-from benchmarks.plan import in_fresh_process  # noqa: E402
+from benchmarks.planning.plan import in_fresh_process
 
 ROLES3 = ("dp_replicate", "dp_shard", "tp")
 # (model, layers, mesh, batch, seq): the exact ILP finishes on the first two on a CPU core, not on the third

@@ -1,8 +1,8 @@
-"""Host memory of a training run's start, per rank (issue 49's measurement): an HF Llama of 181M
-parameters (725 MB of fp32 safetensors) trained 3 steps (`--steps`) under torchrun on gloo, its parameters
-forced fully sharded (`--memory-budget` = parameter bytes / world, so a rank's parameters,
-gradients and AdamW states are 0.5x the checkpoint on 8 ranks), from a random init and from
-`--init-from` its safetensors (one file; four files with `model.safetensors.index.json`).
+"""Host memory of a training run's start, per rank: an HF Llama of 181M parameters (725 MB of
+fp32 safetensors) trained 3 steps (`--steps`) under torchrun on gloo, its parameters forced fully
+sharded (`--memory-budget` = parameter bytes / world, so a rank's parameters, gradients and AdamW
+states are 0.5x the checkpoint on 8 ranks), from a random init and from `--init-from` its
+safetensors (one file; four files with `model.safetensors.index.json`).
 
 Each rank records its RSS once everything is imported (the baseline) and the peak RSS (`VmHWM`,
 reset through `/proc/self/clear_refs` between phases) of four phases: up to the weights' loading
@@ -10,11 +10,11 @@ reset through `/proc/self/clear_refs` between phases) of four phases: up to the 
 the first step made). Printed per case: the largest rank's figures
 over its baseline, as a fraction of the checkpoint's bytes (docs/models.md has the table).
 
-    python -m benchmarks.init_memory                        # 8 ranks on 4x2, batch 8, seq 16
-    python -m benchmarks.init_memory --mesh 2x2             # 4 ranks
-    python -m benchmarks.init_memory --batch 16 --seq 64    # a step with more working memory
-    python -m benchmarks.init_memory --code /tmp/old        # another checkout (`git worktree add /tmp/old REV`)
-    python -m benchmarks.init_memory --json out.json
+    python -m benchmarks.training.init_memory                      # 8 ranks on 4x2, batch 8, seq 16
+    python -m benchmarks.training.init_memory --mesh 2x2           # 4 ranks
+    python -m benchmarks.training.init_memory --batch 16 --seq 64  # a step with more working memory
+    python -m benchmarks.training.init_memory --code /tmp/old      # another checkout (`git worktree add /tmp/old REV`)
+    python -m benchmarks.training.init_memory --json out.json
 
 Linux only (/proc). 8 ranks on 2 CPU cores: ~1.5 min a case.
 """
@@ -31,7 +31,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from benchmarks.launch import ROOT, torchrun
+
 # the model: 9 layers of 1024 wide, vocabulary 32000, untied output: 181.16M parameters
 CONFIG = dict(
     vocab_size=32000,
@@ -115,11 +116,6 @@ def save_model(directory: Path) -> tuple[int, int]:
     return n, size
 
 
-def _torchrun() -> list[str]:
-    exe = Path(sys.executable).parent / "torchrun"
-    return [str(exe)] if exe.exists() else [sys.executable, "-m", "torch.distributed.run"]
-
-
 def run_case(
     model_dir: Path,
     init_from: Path | None,
@@ -156,7 +152,7 @@ def run_case(
         MEASURE_DIR=str(measure),
         PYTHONPATH=os.pathsep.join(filter(None, [*paths, os.environ.get("PYTHONPATH")])),
     )
-    cmd = [*_torchrun(), "--standalone", f"--nproc_per_node={world}", str(script), *args]
+    cmd = [*torchrun(), "--standalone", f"--nproc_per_node={world}", str(script), *args]
     done = subprocess.run(cmd, env=env, cwd=work, capture_output=True, text=True, timeout=3600)
     if done.returncode != 0:
         raise RuntimeError(f"training failed (exit {done.returncode}):\n{(done.stdout + done.stderr)[-4000:]}")

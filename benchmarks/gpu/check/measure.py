@@ -1,7 +1,7 @@
-"""What `gpu_check.py` measures with: timers on the device, one profiled step, the two steps it
+"""What the GPU check measures with: timers on the device, one profiled step, the two steps it
 compares (autoshard's and plain torch's), the attention check, and rank 0's program run forward and
 backward on real tensors of its local shapes. Modules of the repository are imported inside the
-functions: on a GPU machine `gpu_check.importable()` registers them first."""
+functions: on a GPU machine `driver.importable()` registers them first."""
 
 from __future__ import annotations
 
