@@ -4,7 +4,7 @@
 # (make test-torch-next and make test-torch-2.11 run a representative part of the suite on the
 # newest and the oldest torch we support, each in its own venv, .venv-next and .venv-2.11; .ci/run
 # runs all three)
-# (make bench runs every benchmark, ~35 min, and rewrites benchmarks/results.json)
+# (make bench runs the planning benchmarks and training throughput, ~35 min: benchmarks/README.md)
 # (make lint: ruff's lint and format check on everything, mypy on solver/ and autoshard/driver/)
 # Both create .venv if missing and install torch==2.13.0 (the CPU wheel) before the project, so pip
 # never resolves torch from a loose range (which would pull gigabytes of CUDA packages).
@@ -82,7 +82,7 @@ lint: $(STAMP)
 	$(VENV)/bin/mypy
 
 bench: $(STAMP)
-	$(PY) -m benchmarks.run
+	$(PY) -m benchmarks.suite.run
 
 clean:
 	rm -rf $(VENV) $(VENV_NEXT) $(VENV_OLD) *.egg-info
