@@ -227,6 +227,7 @@ def test_a_torn_last_metrics_row_is_cut_with_a_warning_and_a_bad_one_before_it_n
     import logging
 
     from autoshard import _torch_compat as tc
+    from autoshard.options import UsageError
     from autoshard.train.metrics import MetricsFile
 
     path = tmp_path / "metrics.jsonl"
@@ -238,7 +239,7 @@ def test_a_torn_last_metrics_row_is_cut_with_a_warning_and_a_bad_one_before_it_n
         assert path.read_text().splitlines() == rows[:2]
         assert f"{path}:4 is a torn row" in caplog.text
         path.write_text("\n".join([rows[0], "{not json", rows[2]]) + "\n")
-        with pytest.raises(ValueError, match=f"{path}:2: not a metrics row"):
+        with pytest.raises(UsageError, match=f"{path}:2: not a metrics row"):
             MetricsFile(tmp_path, keep_until=3)
 
 

@@ -253,6 +253,7 @@ def run_plan(args: argparse.Namespace) -> int:
             timings["dry_run"] = memory.seconds  # (a dry run that fitting the limit ran is in its stage)
         if args.compare:
             extra["compare"] = {args.compare: _compare(workload, config, args)}
+        extra |= {"fingerprint": auto.sharding.fingerprint(), "solution": plan.solution.to_json()}  # --plan-file
     report = plan_report(
         plan,
         dry_run=memory,

@@ -42,6 +42,7 @@ import logging
 import os
 import sys
 import tempfile
+from pathlib import Path
 
 import torch.distributed as dist
 
@@ -68,22 +69,43 @@ def _parse(argv: list[str] | None) -> Settings:
         raise UsageError(str(err)) from None
 
 
-def print_once_per_host(line: str) -> None:
-    """Print `line` to stderr once per torchrun job and host: every rank checks its input alike, and
-    whichever fails first may be the only one left to say why (torchrun ends the others, rank 0
-    included, as soon as one exits). The first rank of the host to claim the line prints it."""
+def print_once_per_host(line: str, folder: str | None = None) -> None:
+    """Print `line` to stderr once per torchrun launch and host: every rank checks its input alike,
+    and whichever fails first may be the only one left to say why (torchrun ends the others, rank 0
+    included, as soon as one exits). The first rank of the launch to claim the line prints it. A
+    launch is its torchrun agent (the workers' parent process), so a relaunch with the same
+    --rdzv-id still says its line; the claims of launches whose agent has ended are removed."""
     job = os.environ.get("TORCHELASTIC_RUN_ID")
     if job is not None:
+        folder = folder or tempfile.gettempdir()
+        _remove_ended_claims(folder)
+        agent = os.getppid()
         key = hashlib.sha256(f"{job}\n{line}".encode()).hexdigest()[:24]
         try:
-            os.close(
-                os.open(
-                    os.path.join(tempfile.gettempdir(), f"autoshard-said-{key}"), os.O_CREAT | os.O_EXCL | os.O_WRONLY
-                )
-            )
+            os.close(os.open(os.path.join(folder, f"{CLAIM}{agent}-{key}"), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
         except FileExistsError:
-            return  # a rank of this job on this host said it
+            return  # a rank of this launch on this host said it
     print(line, file=sys.stderr, flush=True)
+
+
+CLAIM = "autoshard-said-"  # the claims' file name prefix, before the agent's pid
+
+
+def _remove_ended_claims(folder: str) -> None:
+    for path in Path(folder).glob(f"{CLAIM}*-*"):
+        pid = path.name[len(CLAIM) :].split("-")[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            path.unlink(missing_ok=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's process: alive
+        return True
+    return True
 
 
 def main(argv: list[str] | None = None) -> int:

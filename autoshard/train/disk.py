@@ -29,6 +29,9 @@ def check_out(out: Path, checkpoints: bool) -> None:
         raise UsageError(f"--out {out}: {existing} is not a directory")
     if not os.access(existing, os.W_OK | os.X_OK):
         raise UsageError(f"--out {out}: {existing} is not writable")
+    refused = probe(existing, 1)  # what access() cannot tell: a read-only or virtual file system (/proc)
+    if refused is not None:
+        raise UsageError(f"--out {out}: cannot write into {existing} ({reason(refused)})")
     root = out / "checkpoints"
     if root.exists() and not root.is_dir():
         raise UsageError(f"--out {out}: {root} exists and is not a directory")

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from autoshard import _torch_compat as tc
+from autoshard.options import UsageError
 from autoshard.report.files import METRICS_NAME
 from autoshard.report.text import human_bytes
 from autoshard.runtime.dryrun import DryRunResult
@@ -19,6 +20,26 @@ from autoshard.runtime.dryrun import DryRunResult
 log = logging.getLogger("autoshard")
 
 WARMUP_STEPS = 2  # left out of the measured step time: the first steps allocate and warm caches
+
+
+def metrics_rows(path: Path, warn: bool = True) -> list[tuple[str, dict]]:
+    """The rows of a run's metrics.jsonl (line, row); a torn last line is cut (with a warning), a
+    bad line before it is a UsageError naming the file and line (checked before planning on resume)."""
+    numbered = [(n, line) for n, line in enumerate(path.read_text().splitlines(), 1) if line.strip()]
+    rows = []
+    for n, line in numbered:
+        try:
+            row = json.loads(line)
+            if not isinstance(row, dict) or not isinstance(row.get("step"), int):
+                raise ValueError("no step number")
+        except ValueError as err:
+            if n == numbered[-1][0]:  # the row being written when the run was stopped
+                if warn:
+                    log.warning("autoshard train: %s:%d is a torn row (%s); cut", path, n, err)
+                break
+            raise UsageError(f"{path}:{n}: not a metrics row ({err}); repair or remove that line to resume") from None
+        rows.append((line, row))
+    return rows
 
 
 class MetricsFile:
@@ -29,27 +50,13 @@ class MetricsFile:
     def __init__(self, out: Path, keep_until: int | None):
         self.path = out / METRICS_NAME
         self._note: dict = {}  # fields for the next row (`note_next`)
+        rows = (
+            metrics_rows(self.path) if keep_until is not None and self.path.exists() else []
+        )  # every rank: fail alike
         if dist.get_rank() == 0:
             out.mkdir(parents=True, exist_ok=True)
-            rows = self._rows() if keep_until is not None and self.path.exists() else []
             kept = [line for line, row in rows if row["step"] <= keep_until]
             self.path.write_text("".join(line + "\n" for line in kept))
-
-    def _rows(self) -> list[tuple[str, dict]]:
-        numbered = [(n, line) for n, line in enumerate(self.path.read_text().splitlines(), 1) if line.strip()]
-        rows = []
-        for n, line in numbered:
-            try:
-                row = json.loads(line)
-                if not isinstance(row, dict) or not isinstance(row.get("step"), int):
-                    raise ValueError("no step number")
-            except ValueError as err:
-                if n == numbered[-1][0]:  # the row being written when the run was stopped
-                    log.warning("autoshard train: %s:%d is a torn row (%s); cut", self.path, n, err)
-                    break
-                raise ValueError(f"{self.path}:{n}: not a metrics row ({err})") from None
-            rows.append((line, row))
-        return rows
 
     def note_next(self, fields: dict) -> None:
         """Add `fields` to the next row written (what a resume changed)."""

@@ -5,6 +5,9 @@ resume changes. Every bad input here is one `UsageError` on every rank, before a
 
 from __future__ import annotations
 
+import netrc
+import os
+import urllib.parse
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -14,8 +17,9 @@ from autoshard.data.fingerprint import data_fingerprint
 from autoshard.data.text import Tokenizer, load_tokenizer
 from autoshard.options import UsageError
 from autoshard.profiles.files import device_profile, network_profile
-from autoshard.report.files import JSON_NAME
+from autoshard.report.files import JSON_NAME, METRICS_NAME
 from autoshard.train.disk import check_out
+from autoshard.train.metrics import metrics_rows
 from autoshard.train.planfile import PlanFile
 from autoshard.train.resume import resume_check, run_changes
 from autoshard.train.rundir import RunDirLock, first_attempt, refuse_earlier_run
@@ -60,6 +64,8 @@ def resolve(settings: Settings, *, own_data: bool = False) -> ResolvedRun:
     resuming = not overwrite and resume_check(settings, out)
     if not resuming and not overwrite:
         refuse_earlier_run(out)
+    if resuming and (out / METRICS_NAME).is_file():
+        metrics_rows(out / METRICS_NAME, warn=False)  # a damaged row: one error now, not after planning
     own = _own_plan(out) if resuming else None  # read before rank 0 rewrites it: a refusal fails all ranks
     own_settings = own.settings if own is not None else {}
     changes = run_changes(settings, own_settings, out, (own.data, fingerprint)) if own is not None else {}
@@ -67,6 +73,7 @@ def resolve(settings: Settings, *, own_data: bool = False) -> ResolvedRun:
     if settings.plan_file:
         plan_file = PlanFile.read(Path(settings.plan_file), f"--plan-file {settings.plan_file}", required=True)
     _check_profiles(settings)
+    _check_wandb(settings.wandb)
     return ResolvedRun(
         settings, workload, data, initial, overwrite, resuming, plan_file, fingerprint, own_settings, changes
     )
@@ -110,6 +117,25 @@ def _check_profiles(settings: Settings) -> None:
             device_profile(settings.device_profile)
     except ValueError as err:
         raise UsageError(str(err)) from None
+
+
+def _check_wandb(project: str | None) -> None:
+    """`--wandb` online needs an API key (WANDB_API_KEY, or `wandb login`'s netrc entry): say so
+    now rather than after planning."""
+    if project is None or os.environ.get("WANDB_MODE", "online") in ("offline", "disabled", "dryrun"):
+        return
+    if os.environ.get("WANDB_API_KEY"):
+        return
+    host = urllib.parse.urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname
+    try:
+        if netrc.netrc(os.environ.get("NETRC")).authenticators(host or ""):
+            return
+    except (OSError, netrc.NetrcParseError):
+        pass
+    raise UsageError(
+        f"--wandb {project}: no W&B API key (set WANDB_API_KEY or run `wandb login`; WANDB_MODE=offline logs "
+        "without one)"
+    )
 
 
 def _own_plan(out: Path) -> PlanFile | None:

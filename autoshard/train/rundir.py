@@ -49,13 +49,20 @@ def earlier_run_files(out: Path) -> list[str]:
 
 def refuse_earlier_run(out: Path) -> None:
     """A fresh start must not replace another run's files: UsageError naming them, unless this is
-    a restart of the job that wrote them."""
-    found = earlier_run_files(out) if first_attempt() else []
+    a restart of the job that wrote them or that run never ran a step."""
+    found = earlier_run_files(out) if first_attempt() and _trained(out) else []
     if found:
         raise UsageError(
             f"--out {out} holds an earlier run ({', '.join(found)}) and no checkpoint to resume from; "
             "choose another --out, or --overwrite to replace that run"
         )
+
+
+def _trained(out: Path) -> bool:
+    """Whether a run in `out` ran a step: a metrics row or a checkpoint (a start that failed after
+    planning leaves only the plan and its report, which a fresh start may replace)."""
+    metrics, saved = out / "metrics.jsonl", out / "checkpoints"
+    return (metrics.is_file() and metrics.stat().st_size > 0) or (saved.is_dir() and any(saved.iterdir()))
 
 
 def remove_earlier_run(out: Path) -> None:

@@ -1,6 +1,8 @@
-"""A resume compares the data by content, not by how its paths are spelled: other files, a file
-rewritten or a tokenizer retrained in place are refused (or, forced, recorded); the same files
-named another way resume. The fingerprint reads a few blocks per file."""
+"""What goes into a run is checked, and said once: a resume compares the data by content, not by how
+its paths are spelled (other files, a file rewritten or a tokenizer retrained in place are refused,
+or, forced, recorded; the same files named another way resume; the fingerprint reads a few blocks
+per file); a NaN stop names a checkpoint that had not diverged; damaged metrics, an unwritable
+--out, --wandb without a key are one error line before planning; `plan`'s output is a --plan-file."""
 
 from __future__ import annotations
 
@@ -136,3 +138,93 @@ def test_init_from_on_a_resumed_run_says_it_is_not_used(tmp_path, capsys):
     assert (
         f"warning: --init-from {weights} is not used: the run continues from its checkpoint" in capsys.readouterr().err
     )
+
+
+def test_a_damaged_metrics_row_before_the_last_is_one_error_line(tmp_path, capsys):
+    out = tmp_path / "run"
+    args = [*TINY, "--checkpoint-every", "2", "--out", str(out)]
+    assert main([*args, "--steps", "3"]) == 0
+    lines = (out / "metrics.jsonl").read_text().splitlines()
+    (out / "metrics.jsonl").write_text("\n".join([lines[0], "{damaged", *lines[2:]]) + "\n")
+    capsys.readouterr()
+    assert main([*args, "--steps", "4"]) == 2
+    err = capsys.readouterr().err
+    assert (
+        errors_in(err)
+        == [
+            f"error: {out / 'metrics.jsonl'}:2: not a metrics row (Expecting property name enclosed in double quotes: "
+            "line 1 column 2 (char 1)); repair or remove that line to resume"
+        ]
+        and "Traceback" not in err
+    )
+
+
+def errors_in(err: str) -> list[str]:
+    return [line for line in err.splitlines() if line.startswith("error:")]
+
+
+def test_an_error_line_is_said_once_per_launch_even_with_a_repeated_rdzv_id(tmp_path, capsys, monkeypatch):
+    """Two launches with the same run id (a requeued job): each says its line once; the first's
+    claim is removed once its agent has ended."""
+    import subprocess
+    import sys
+
+    from autoshard.cli import train as cli
+
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-1")
+    first = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    for agent in (first.pid, os.getpid()):
+        monkeypatch.setattr(os, "getppid", lambda agent=agent: agent)
+        cli.print_once_per_host("error: same", folder=str(tmp_path))
+        cli.print_once_per_host("error: same", folder=str(tmp_path))  # another rank of the launch
+        first.kill()
+        first.wait()
+    assert capsys.readouterr().err.splitlines() == ["error: same", "error: same"]
+    assert [p.name.split("-")[2] for p in tmp_path.iterdir()] == [str(os.getpid())]
+
+
+def test_a_start_that_failed_after_planning_does_not_block_the_corrected_command(tmp_path, capsys):
+    """What a start that failed after planning leaves (its plan, report and an empty metrics file)
+    is replaced by the next start without --overwrite; a run that ran a step is still protected."""
+    out = tmp_path / "run"
+    assert main([*TINY, "--steps", "2", "--out", str(out)]) == 0
+    (out / "metrics.jsonl").write_text("")
+    assert main([*TINY, "--steps", "2", "--out", str(out)]) == 0
+    assert [r["step"] for r in metrics(out)] == [1, 2]
+    capsys.readouterr()
+    assert main([*TINY, "--steps", "2", "--out", str(out)]) == 2
+    assert "holds an earlier run" in capsys.readouterr().err
+
+
+def test_wandb_online_without_a_key_is_refused_before_planning(tmp_path, capsys, monkeypatch):
+    pytest.importorskip("wandb")
+    for name in ("WANDB_MODE", "WANDB_API_KEY"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("NETRC", str(tmp_path / "netrc"))
+    monkeypatch.setenv("HOME", str(tmp_path))
+    out = tmp_path / "run"
+    assert main([*TINY, "--steps", "2", "--wandb", "proj", "--out", str(out)]) == 2
+    assert errors(capsys) == [
+        "error: --wandb proj: no W&B API key (set WANDB_API_KEY or run `wandb login`; WANDB_MODE=offline logs "
+        "without one)"
+    ]
+    assert not out.exists()
+
+
+def test_an_out_no_file_can_be_made_in_is_refused_before_planning(capsys):
+    if not os.path.isdir("/proc/self"):
+        pytest.skip("no /proc")
+    assert main([*TINY, "--steps", "2", "--out", "/proc/autoshard-x"]) == 2
+    (line,) = errors(capsys)
+    assert line.startswith("error: --out /proc/autoshard-x: cannot write into /proc (")
+
+
+def test_plans_own_file_is_a_plan_file(tmp_path, capsys):
+    from autoshard.cli.plan import plan_main
+
+    profiles = ["--network", "cpu-gloo", "--device", "cpu"]
+    assert plan_main([*TINY, "--mesh", "1", *profiles, "--out", str(tmp_path / "plan")]) in (0, None)
+    capsys.readouterr()
+    args = [*TINY, "--steps", "1", "--plan-file", str(tmp_path / "plan" / "plan.json"), "--out", str(tmp_path / "r")]
+    assert main(args) == 0
+    assert "reusing the solution in --plan-file" in capsys.readouterr().err
