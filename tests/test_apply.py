@@ -15,7 +15,7 @@ from autoshard import _torch_compat as tc
 from autoshard.driver.api import AutoShard, auto_shard
 from autoshard.runtime.module import parallelize
 from autoshard.layout import Layout
-from autoshard.program.lower import Bucket
+from autoshard.program.modules import Bucket
 from autoshard.capture.regions import block_of
 from autoshard_models import MarkovTokens, build_model, cross_entropy_loss, get_config
 from autoshard_models.train_single import TrainSettings, make_optimizer

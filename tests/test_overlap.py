@@ -15,7 +15,8 @@ from autoshard.capture.precision import gradient_tail
 from autoshard.capture.regions import block_of
 from autoshard.problem.build import grad_sink
 from autoshard.profiles.files import network_profile
-from autoshard.program.lower import AWAIT, Bucket, lower
+from autoshard.program.lower import lower
+from autoshard.program.modules import AWAIT, Bucket
 from autoshard.runtime.dryrun import dry_run
 from autoshard.runtime.module import parallelize
 from autoshard_models import MarkovTokens, build_model, cross_entropy_loss, get_config

@@ -9,10 +9,10 @@ Each op of the joint graph runs unchanged on this rank's shard; the only rewrite
 
 A block's parameter gathers (gradient reduce-scatters) become one `Bucket` each, gradient all-reduces
 size-capped buckets in the backward's order (`buckets.py`). The joint graph is
-then split in two: `forward` (everything the loss needs, returning the loss and the values the
-backward reads) and `backward` (the rest: tangent in, gradients out, each already in its
+then split in two (`split.py`): `forward` (everything the loss needs, returning the loss and the
+values the backward reads) and `backward` (the rest: tangent in, gradients out, each already in its
 parameter's layout). A value computed in the forward is handed over, unless the plan recomputes
-its block (`Plan.recomputed`). Last, each bucket is launched ahead of its wait (`buckets.overlap`), as
+its block (`Plan.recomputed`). Each bucket is launched ahead of its wait (`buckets.overlap`), as
 FSDP2 prefetches, and the program's step is modeled on two streams (`schedule.model_step`).
 The first run of either half can be checked node by node against the local shapes the plan
 implies (`CheckedRun`), so a lowering mistake names its node instead of corrupting numbers.
@@ -29,16 +29,16 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from autoshard import _torch_compat as tc
-from autoshard.program.accumulate import ACCUMULATOR, Accumulator, HeldReductions, held_outputs, hold_reductions, prune
+from autoshard.program.accumulate import Accumulator, hold_reductions
 from autoshard.program.attention import ON_DEVICE
 from autoshard.program.collectives import dim_order, prepare_groups
-from autoshard.program.buckets import DEFAULT_BUCKET_BYTES, bucket, overlap
-from autoshard.program.modules import AWAIT, LOCAL_SHAPE, AwaitBucket, Bucket, Redistribute
+from autoshard.program.buckets import DEFAULT_BUCKET_BYTES, bucket
+from autoshard.program.modules import AWAIT, LOCAL_SHAPE, Redistribute
 from autoshard.program.random import RandomStream, SeededOp, draws, shard_key
 from autoshard.layout import Layout
 from autoshard.problem.plan import Plan
 from autoshard.program.schedule import StepModel, model_step
+from autoshard.program.split import split
 
 aten = torch.ops.aten
 
@@ -149,7 +149,7 @@ def lower(
     joint, modules = _local_joint_graph(plan, mesh, stream)
     held = hold_reductions(plan, joint, modules) if accumulate else None
     bucket(plan, joint, modules, mesh, bucket_bytes)
-    forward, backward, backward_held, comm = _split(plan, joint, modules, prefetch, held)
+    forward, backward, backward_held = split(plan, joint, modules, prefetch, held)
     graph = plan.graph
     inputs = [(tuple(n.meta["val"].shape), lay) for n, lay in zip(graph.inputs, plan.input_layouts)]
     held_backward = None
@@ -168,7 +168,7 @@ def lower(
         list(graph.params),
         list(graph.buffers),
         inputs,
-        comm,
+        _comm_stats(forward, backward),
         model_step(plan, [forward, backward]),
         stream,
         mesh.device_type,
@@ -268,162 +268,6 @@ def _local_shapes(node: fx.Node, layouts, mesh_shape) -> Any:
     return None if lay is None or not isinstance(val, torch.Tensor) else lay.local_shape(tuple(val.shape), mesh_shape)
 
 
-# ---------------------------------------------------------------------------------- forward / backward split
-def _split(
-    plan: Plan, joint: fx.Graph, modules: dict[str, nn.Module], prefetch: int, held: HeldReductions | None = None
-):
-    """Forward = the loss and everything it depends on; backward = every other node. Values of a
-    recomputed block (`plan.recompute_blocks`) that the backward reads are not handed over but
-    computed again in the backward, from the block's inputs, just before their first use there.
-    With `held` reductions, also the backward that returns their sums instead (else None)."""
-    output = next(iter(reversed(joint.nodes)))
-    loss, *grads = output.args[0]
-    tangents = set(plan.graph.tangents)
-    placeholders = [n for n in joint.nodes if n.op == "placeholder" and ACCUMULATOR not in n.meta]
-    primal_inputs = [n for n in placeholders if n.meta["autoshard_source"] not in tangents]
-    tangent_inputs = [n for n in placeholders if n.meta["autoshard_source"] in tangents]
-    tangent_inputs += held.placeholders if held is not None else []
-
-    needed: set[fx.Node] = set()
-    stack = [loss]
-    while stack:
-        n = stack.pop()
-        if n not in needed:
-            needed.add(n)
-            stack.extend(n.all_input_nodes)
-    # a forward bucket's items are picked in the forward, also those only the backward reads: the
-    # backward then reads them handed over (or recomputed), never out of a recomputed bucket
-    needed |= {u for n in needed if n.op == "call_module" and isinstance(modules[n.target], Bucket) for u in n.users}
-    forward_nodes = [n for n in joint.nodes if n in needed and n.op != "placeholder"]
-    backward_nodes = [n for n in joint.nodes if n not in needed and n.op not in ("placeholder", "output")]
-    recomputed = _recomputable(plan, forward_nodes, modules, loss)
-
-    # what the backward reads from the forward: recomputable values are replaced by what they
-    # are computed from, down to values that are handed over
-    saved_set: set[fx.Node] = set()
-    seen: set[fx.Node] = set()
-
-    def reads(value: fx.Node) -> None:
-        if value in seen or (value not in needed and value.op != "placeholder"):
-            return
-        seen.add(value)
-        if value in recomputed:
-            for arg in value.all_input_nodes:
-                reads(arg)
-        else:
-            saved_set.add(value)
-
-    for node in backward_nodes:
-        for arg in node.all_input_nodes:
-            reads(arg)
-    for grad in grads:
-        reads(grad)
-    saved = [n for n in primal_inputs + forward_nodes if n in saved_set]
-
-    fwd = _subgraph(primal_inputs, forward_nodes, [loss, *saved])
-    bwd = _backward_graph(saved, tangent_inputs, backward_nodes, grads, recomputed, modules, plan.recomputed)
-    graphs = [fwd, bwd]
-    if held is not None:
-        outputs = held_outputs(grads, list(plan.graph.params), held)
-        graphs.append(
-            _backward_graph(saved, tangent_inputs, backward_nodes, outputs, recomputed, modules, plan.recomputed)
-        )
-        prune(graphs[-1])
-    modules[AWAIT] = AwaitBucket()
-    for g in graphs:
-        overlap(g, modules, prefetch)
-    forward, backward, *rest = (
-        tc.lazy_graph_module({k: modules[k] for k in _used_modules(g)}, g, name)
-        for g, name in zip(graphs, ("AutoshardForward", "AutoshardBackward", "AutoshardHeldBackward"))
-    )
-    return forward, backward, rest[0] if rest else None, _comm_stats(forward, backward)
-
-
-def _recomputable(
-    plan: Plan, forward_nodes: list[fx.Node], modules: dict[str, nn.Module], loss: fx.Node
-) -> set[fx.Node]:
-    """The forward nodes of this program that the plan recomputes (`plan.recomputed`, graph node
-    names), with the redistributions into them (a bucket when any member's consumer is one)."""
-    if not plan.recomputed:
-        return set()
-    names = plan.recomputed
-    out: set[fx.Node] = set()
-    for node in forward_nodes:  # in graph order: a bucket's getitems come after the bucket
-        if node.op == "call_module":
-            module = modules[node.target]
-            members = module.members if isinstance(module, Bucket) else [module]
-            hit = any(m.consumer in names for m in members)
-        elif "autoshard_source" in node.meta:
-            hit = node.meta["autoshard_source"].name in names
-        else:  # a bucket's getitem: recomputed when its member's consumer is (the bucket gathers again
-            parent, index = node.args  # only those; a member read by the backward is handed over)
-            hit = parent in out and modules[parent.target].members[index].consumer in names
-        if hit and node is not loss:
-            out.add(node)
-    return out
-
-
-def _backward_graph(
-    saved: list[fx.Node],
-    tangents: list[fx.Node],
-    nodes: list[fx.Node],
-    outputs: list[fx.Node],
-    recomputed: set[fx.Node],
-    modules: dict[str, nn.Module],
-    names: frozenset[str],
-) -> fx.Graph:
-    """The backward: `nodes` in order, except that recomputed forward values and backward nodes
-    that do not depend on the tangent (the joint graph places those, e.g. `detach` of a saved
-    value, at their forward position) are emitted, with what they need, just before their first
-    reader: otherwise the backward would start by recomputing every block. A recomputed bucket
-    gathers again only the members whose consumers are recomputed (`names`), as the plan priced it."""
-    g = fx.Graph()
-    env: dict[fx.Node, fx.Node] = {}
-    tangent_dependent = set(tangents)
-    for n in saved + tangents:
-        env[n] = g.placeholder(n.name)
-        env[n].meta.update(n.meta)
-    for n in nodes:
-        if any(a in tangent_dependent for a in n.all_input_nodes):
-            tangent_dependent.add(n)
-    lazy = recomputed | {n for n in nodes if n not in tangent_dependent}
-    kept: dict[fx.Node, dict[int, int]] = {}  # recomputed bucket -> member index -> index in its copy
-
-    def emit(n: fx.Node) -> None:
-        if n in env:
-            return
-        assert n in lazy, f"{n.name} is neither handed over nor recomputed"
-        for arg in n.all_input_nodes:
-            emit(arg) if arg in lazy else None
-        module = modules.get(n.target) if n.op == "call_module" else None
-        if isinstance(module, Bucket) and n in recomputed:
-            index = [i for i, m in enumerate(module.members) if m.consumer in names]
-            kept[n] = {i: j for j, i in enumerate(index)}
-            name = f"{n.target}_again"
-            modules[name] = Bucket(name, [module.members[i] for i in index], module.mesh)
-            env[n] = g.call_module(name, tuple(env[n.args[i]] for i in index))
-            env[n].meta[LOCAL_SHAPE] = [n.meta[LOCAL_SHAPE][i] for i in index]
-        elif n.op == "call_function" and n.target is operator.getitem and n.args[0] in kept:
-            env[n] = g.call_function(operator.getitem, (env[n.args[0]], kept[n.args[0]][n.args[1]]))
-            env[n].meta.update(n.meta)
-        else:
-            env[n] = g.node_copy(n, env.__getitem__)
-
-    for n in nodes:
-        if n in lazy:
-            continue
-        for arg in n.all_input_nodes:
-            if arg in lazy:
-                emit(arg)
-        env[n] = g.node_copy(n, env.__getitem__)
-    for n in outputs:
-        if n in lazy:
-            emit(n)
-    g.output(tuple(env[n] for n in outputs))
-    g.lint()
-    return g
-
-
 def _comm_stats(forward: fx.GraphModule, backward: fx.GraphModule) -> CommStats:
     """The collectives each phase of the program runs, in program order."""
     comm = CommStats()
@@ -438,23 +282,6 @@ def _comm_stats(forward: fx.GraphModule, backward: fx.GraphModule) -> CommStats:
                 steps.append((producer, consumer, kind, mesh_dims))
         comm.count[phase], comm.bytes[phase], comm.steps[phase] = count, nbytes, steps
     return comm
-
-
-def _used_modules(graph: fx.Graph) -> list[str]:
-    return list(dict.fromkeys(n.target for n in graph.find_nodes(op="call_module")))
-
-
-def _subgraph(inputs: list[fx.Node], nodes: list[fx.Node], outputs: list[fx.Node]) -> fx.Graph:
-    g = fx.Graph()
-    env: dict[fx.Node, fx.Node] = {}
-    for n in inputs:
-        env[n] = g.placeholder(n.name)
-        env[n].meta.update(n.meta)
-    for n in nodes:
-        env[n] = g.node_copy(n, env.__getitem__)
-    g.output(tuple(env[n] for n in outputs))
-    g.lint()
-    return g
 
 
 # ---------------------------------------------------------------------------------- checked first run
