@@ -20,9 +20,8 @@ import contextlib
 import dataclasses
 import gc
 import logging
-import math
 import time
-from typing import Any, Callable, Mapping, Sequence, Union
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -37,7 +36,7 @@ from autoshard.capture.precision import cast_floating
 from autoshard.capture.regions import find_repeated_blocks
 from autoshard.capture.repeat import trace_step
 from autoshard.capture.trace import mark_outputs
-from autoshard.driver.config import ROLES, UNIMPLEMENTED_ROLES, PlanConfig, role_of
+from autoshard.driver.config import Mesh, PlanConfig
 from autoshard.driver import limits
 from autoshard.driver.fit import FitSteps, fit_memory, solving_here
 from autoshard.driver.ranks import RankZeroPlanning, in_process_group
@@ -58,32 +57,9 @@ from autoshard.runtime.module import ParallelModule, parallelize
 log = logging.getLogger("autoshard")
 
 
-Mesh = Union[DeviceMesh, Sequence[int]]  # a DeviceMesh to run on, or only a shape to plan for
-
-
 def device_mesh(mesh: Mesh | None) -> DeviceMesh | None:
     """`mesh` when it is a DeviceMesh (applying and running need one), None for a shape."""
     return mesh if isinstance(mesh, DeviceMesh) else None
-
-
-def _with_mesh(config: PlanConfig, mesh: Mesh | None) -> PlanConfig:
-    """`config` with the shape (and names) of `mesh` (a DeviceMesh or a shape; None: the config's
-    own); ValueError when neither gives one, when they disagree, or the world size differs."""
-    if mesh is not None:
-        shape = tuple(int(s) for s in (mesh.shape if isinstance(mesh, DeviceMesh) else mesh))
-        if config.mesh is not None and config.mesh != shape:
-            raise ValueError(f"the mesh {shape} differs from the config's {config.mesh}")
-        names = getattr(mesh, "mesh_dim_names", None)
-        if not names or not all(role_of(name) in ROLES or name in UNIMPLEMENTED_ROLES for name in names):
-            # a DeviceMesh's own labels, not roles (a role nothing implements is refused below)
-            names = config.mesh_names
-        config = config.replace(mesh=shape, mesh_names=names if names and len(names) == len(shape) else None)
-    if config.mesh is None:
-        raise ValueError("no mesh: pass a DeviceMesh or a mesh shape, or a PlanConfig with one")
-    world = _world_size()
-    if world is not None and math.prod(config.mesh) != world:
-        raise ValueError(f"mesh {config.mesh} has {math.prod(config.mesh)} devices but the world size is {world}")
-    return config
 
 
 @contextlib.contextmanager
@@ -106,11 +82,6 @@ def _outside_modes(
 ) -> solver.Solution:
     with tc.no_dispatch_modes():  # leave the tracer's fake mode: ranks communicate
         return solve(problem, cutoff)
-
-
-def _world_size() -> int | None:
-    dist = torch.distributed
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else None
 
 
 def _as_layout(value: Layout | str) -> Layout:
@@ -159,14 +130,14 @@ class AutoShard:
         config = config.replace(**{k: v for k, v in sugar.items() if v is not None})
         if mp_policy is not None:
             config = config.with_policy(mp_policy)
-        self.config = _with_mesh(config, mesh).with_default_profiles()
+        self.config = config.with_mesh(mesh).with_default_profiles()
         self.model = model
         self.compile = compile
         self.precision = self.config.precision
         self.input_fn = input_fn
         self.mesh = mesh
         shape, network, device = self.config.mesh, self.config.network, self.config.device_profile
-        assert shape is not None  # _with_mesh gave the config one
+        assert shape is not None  # with_mesh gave the config one
         assert network is not None and device is not None  # with_default_profiles filled them in
         self.mesh_shape: tuple[int, ...] = shape
         self.loss_fn = loss_fn

@@ -18,9 +18,10 @@ import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Union
 
 import torch
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from autoshard.capture.precision import Precision, dtype_name, parse_dtype
@@ -35,6 +36,7 @@ UNIMPLEMENTED_ROLES = {"pp": "pipeline parallelism"}
 # an unnamed mesh's dims, by how many it has: what the docs' examples use
 DEFAULT_MESH_NAMES = {1: ("dp",), 2: ("dp", "tp"), 3: ("dp_replicate", "dp_shard", "tp")}
 BACKENDS = ("auto", "highs", "cbc")
+Mesh = Union[DeviceMesh, Sequence[int]]  # a DeviceMesh to run on, or only a shape to plan for
 MEMORY_RESERVE = 0.10  # of a device's capacity kept free: allocator slack, collective buffers, context
 # profiles when none is named: planning for GPUs (the API, `plan`) or for where `train` runs
 DEFAULT_PROFILES = {"cuda": ("h100-node", "h100"), "cpu": ("cpu-gloo", "cpu")}
@@ -216,6 +218,26 @@ class PlanConfig:
         return dataclasses.replace(self, **changes)
 
     # ------------------------------------------------------------------ the mesh
+    def with_mesh(self, mesh: Mesh | None) -> PlanConfig:
+        """This config with the shape (and names) of `mesh` (a DeviceMesh or a shape; None: its
+        own); ValueError when neither gives one, when they disagree, or the world size differs."""
+        config = self
+        if mesh is not None:
+            shape = tuple(int(s) for s in (mesh.shape if isinstance(mesh, DeviceMesh) else mesh))
+            if config.mesh is not None and config.mesh != shape:
+                raise ValueError(f"the mesh {shape} differs from the config's {config.mesh}")
+            names = getattr(mesh, "mesh_dim_names", None)
+            if not names or not all(role_of(name) in ROLES or name in UNIMPLEMENTED_ROLES for name in names):
+                # a DeviceMesh's own labels, not roles (a role nothing implements is refused below)
+                names = config.mesh_names
+            config = config.replace(mesh=shape, mesh_names=names if names and len(names) == len(shape) else None)
+        if config.mesh is None:
+            raise ValueError("no mesh: pass a DeviceMesh or a mesh shape, or a PlanConfig with one")
+        world = _world_size()
+        if world is not None and math.prod(config.mesh) != world:
+            raise ValueError(f"mesh {config.mesh} has {math.prod(config.mesh)} devices but the world size is {world}")
+        return config
+
     @property
     def roles(self) -> tuple[str, ...]:
         """Each mesh dim's role."""
@@ -296,3 +318,9 @@ class PlanConfig:
         if self.memory_limit is not None:
             return None if math.isinf(self.memory_limit) else self.memory_limit
         return None if device.memory_bytes is None else device.memory_bytes * (1 - MEMORY_RESERVE)
+
+
+def _world_size() -> int | None:
+    """The process group's size (None: no process group)."""
+    dist = torch.distributed
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else None
