@@ -228,3 +228,28 @@ def test_plans_own_file_is_a_plan_file(tmp_path, capsys):
     args = [*TINY, "--steps", "1", "--plan-file", str(tmp_path / "plan" / "plan.json"), "--out", str(tmp_path / "r")]
     assert main(args) == 0
     assert "reusing the solution in --plan-file" in capsys.readouterr().err
+
+
+def test_export_ships_the_tokenizer_the_run_trained_with(tmp_path, tokenizer_file):  # noqa: F811
+    """The tokenizer is kept in the run directory at the start: replaced at its path, or gone, the
+    export still ships the one the run trained with."""
+    from autoshard.train.export import export_hf
+
+    data = write_text(tmp_path / "data", documents(30))["jsonl"]
+    tok = tmp_path / "tok" / "tokenizer.json"
+    tok.parent.mkdir()
+    shutil.copy(tokenizer_file, tok)
+    trained_with = tok.read_bytes()
+    out = tmp_path / "run"
+    args = [*TINY, "--steps", "2", "--checkpoint-every", "2", "--data", str(data), "--tokenizer", str(tok)]
+    assert main([*args, "--data-cache", str(tmp_path / "cache"), "--out", str(out)]) == 0
+    assert (out / "tokenizer" / "tokenizer.json").read_bytes() == trained_with
+    tok.write_text('{"replaced": true}')  # replaced in place
+    export_hf(out, tmp_path / "hf")
+    assert (tmp_path / "hf" / "tokenizer.json").read_bytes() == trained_with
+    tok.unlink()  # gone
+    export_hf(out, tmp_path / "hf2")
+    assert (tmp_path / "hf2" / "tokenizer.json").read_bytes() == trained_with
+    shutil.rmtree(out / "tokenizer")  # a run from before copies were kept, its tokenizer gone
+    with pytest.raises(ValueError, match="which is gone"):
+        export_hf(out, tmp_path / "hf3")

@@ -159,19 +159,55 @@ def default_dtype(settings: dict) -> str:
     return "bf16" if computed in ("bf16", "bfloat16") else "fp32"
 
 
-def _source_files(settings: dict) -> dict[str, Path]:
-    """The tokenizer's files, chat template and generation_config.json to copy (name -> file):
-    from the run's `--tokenizer` directory, else from the `hf:` model's directory (its files
-    are what it was trained with); none that are not there (any more)."""
-    tokenizer, model = settings.get("tokenizer"), str(settings["model"])
-    if tokenizer:
-        folder = Path(tokenizer).expanduser()
-    elif model.startswith("hf:"):
-        folder = Path(model[3:]).expanduser()
-        folder = folder if folder.is_dir() else folder.parent
-    else:
-        return {}
+KEPT_TOKENIZER = "tokenizer"  # under the run directory: the tokenizer the run trained with
+
+
+def keep_tokenizer(out: Path, spec: str | None) -> None:
+    """Copy the tokenizer of `--tokenizer` (its files, the tokenizer_config.json made for a bare
+    tokenizer.json, chat template, generation_config.json) into RUN/tokenizer at the start of a run,
+    so that export ships what the run trained with whatever happens to the path later."""
+    if not spec:
+        return
+    kept = out / KEPT_TOKENIZER
+    shutil.rmtree(kept, ignore_errors=True)
+    kept.mkdir(parents=True)
+    for name, text in tokenizer_files(spec).items():
+        (kept / name).write_text(text)
+    for name, file in _folder_files(Path(spec).expanduser()).items():
+        if not (kept / name).exists():
+            shutil.copyfile(file, kept / name)
+
+
+def _tokenizer_of(run: Path, settings: dict) -> str | None:
+    """Where the run's tokenizer is: its kept copy, else (a run from before copies were kept) the
+    `--tokenizer` path, which must still be there."""
+    if (run / KEPT_TOKENIZER / "tokenizer.json").is_file():
+        return str(run / KEPT_TOKENIZER)
+    spec = settings.get("tokenizer")
+    if spec and not tokenizer_files(spec):
+        raise ValueError(
+            f"the run trained with --tokenizer {spec}, which is gone, and {run} keeps no copy of it: "
+            "put it back to export with it"
+        )
+    return spec
+
+
+def _folder_files(folder: Path) -> dict[str, Path]:
+    """A model directory's tokenizer, chat and generation files (none for a bare tokenizer.json)."""
     return {name: folder / name for name in (*TOKENIZER_FILES, GENERATION) if (folder / name).is_file()}
+
+
+def _source_files(settings: dict, tokenizer: str | None) -> dict[str, Path]:
+    """The tokenizer's files, chat template and generation_config.json to copy (name -> file):
+    from the run's tokenizer (`_tokenizer_of`), else from the `hf:` model's directory (its files
+    are what it was trained with); none that are not there (any more)."""
+    model = str(settings["model"])
+    if tokenizer:
+        return _folder_files(Path(tokenizer).expanduser())
+    if model.startswith("hf:"):
+        folder = Path(model[3:]).expanduser()
+        return _folder_files(folder if folder.is_dir() else folder.parent)
+    return {}
 
 
 def _config(text: str, dtype: torch.dtype) -> str:
@@ -380,9 +416,10 @@ def export_hf(
     dtype = dtype or default_dtype(settings)
     metadata = _metadata(ckpt, run)
     weights = _weights(ckpt, metadata, form, DTYPES[dtype], max_shard_bytes)
-    texts = dict(form.files) | tokenizer_files(settings.get("tokenizer"))  # the tokenizer's, or made for it
+    tokenizer = _tokenizer_of(run, settings)
+    texts = dict(form.files) | tokenizer_files(tokenizer)  # the tokenizer's, or made for it
     texts["config.json"] = _config(texts["config.json"], DTYPES[dtype])
-    copies = {name: file for name, file in _source_files(settings).items() if name not in texts}
+    copies = {name: file for name, file in _source_files(settings, tokenizer).items() if name not in texts}
     read = _tensor_reader(ckpt, metadata)
     _check_values(weights, read, ckpt, run, dtype)  # before anything is written
     _publish(out, lambda tmp: _write(tmp, weights, read, texts, copies))

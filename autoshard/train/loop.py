@@ -31,6 +31,7 @@ from autoshard.driver.processes import start_process_group
 from autoshard.options import UsageError
 from autoshard.report.files import JSON_NAME, load_metrics, write_html, write_report
 from autoshard.report.text import summary_lines
+from autoshard.train.export import keep_tokenizer
 from autoshard.train.loggers import close_all
 from autoshard.train.metrics import MetricsFile, step_time_line
 from autoshard.train.parts import Parts, build_feed, build_optimizer, build_steps, restore
@@ -60,6 +61,7 @@ def train(settings: Settings, parts: Parts | None = None) -> list[float]:
         planned = plan_run(settings.with_default_profiles(device), resolved.workload, mesh, resolved.plan_file)
         signals.arm()  # planned: a signal before this stopped the run at once, from here on it checkpoints
         if dist.get_rank() == 0:
+            keep_tokenizer(resolved.out, settings.tokenizer)  # what export ships, whatever happens to the path
             _write_report(settings.replace(grad_accum=planned.plan.micro_batches), planned, resolved.data_fingerprint)
         release_free_heap()  # what planning freed, before the weights and the step need memory
         resolved.initial.load_into(planned.pmodel)  # one tensor, or one rank's slices, at a time

@@ -26,7 +26,7 @@ from autoshard.options import UsageError
 log = logging.getLogger("autoshard")
 
 LOCK_NAME = "autoshard.lock"
-RUN_FILES = ("metrics.jsonl", "plan.json", "report.html", "sharding.log", "checkpoints")  # what a run writes
+RUN_FILES = ("metrics.jsonl", "plan.json", "report.html", "sharding.log", "checkpoints", "tokenizer")  # a run's
 # what the optional loggers write beside them: removed with the run it belongs to, not named in a refusal
 RUN_LOGS = ("tensorboard", "wandb")
 
