@@ -157,3 +157,20 @@ def test_a_metadata_naming_a_file_outside_the_checkpoint_is_damaged(tmp_path, ge
     (tmp_path / ".metadata").write_bytes(pickle.dumps(metadata))
     with pytest.raises(pickle.UnpicklingError, match="outside the checkpoint's directory"):
         read_metadata(tmp_path)
+
+
+@pytest.mark.parametrize("opcode", [b"\x95", b"\x8e", b"\x8d"])  # FRAME, BINBYTES8, BINUNICODE8
+def test_a_length_past_the_end_is_damaged_before_anything_is_allocated(tmp_path, opcode):
+    """32 bytes asking for 2 GiB: refused as damaged with (almost) nothing allocated."""
+    import struct
+    import tracemalloc
+
+    (tmp_path / ".metadata").write_bytes((b"\x80\x04" + opcode + struct.pack("<Q", 2**31) + b"N.").ljust(32))
+    tracemalloc.start()
+    try:
+        with pytest.raises(pickle.UnpicklingError):
+            read_metadata(tmp_path)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 2**20, peak

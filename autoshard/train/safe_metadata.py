@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import io
 import pickle
+import pickletools
 from pathlib import Path
 from typing import Any
 
@@ -85,17 +86,26 @@ def read_metadata(checkpoint: Path) -> Any:
     from torch.distributed.checkpoint.metadata import Metadata
 
     path = checkpoint / METADATA
-    with open(path, "rb") as file:
-        try:
-            metadata = _Unpickler(file, path).load()
-        except (UnsafeCheckpointError, OSError):
-            raise
-        except Exception as err:  # noqa: BLE001 - a damaged pickle raises almost anything
-            raise pickle.UnpicklingError(f"{type(err).__name__}: {err}") from None
+    data = path.read_bytes()
+    try:
+        _check_lengths(data)
+        metadata = _Unpickler(io.BytesIO(data), path).load()
+    except (UnsafeCheckpointError, OSError):
+        raise
+    except Exception as err:  # noqa: BLE001 - a damaged pickle raises almost anything
+        raise pickle.UnpicklingError(f"{type(err).__name__}: {err}") from None
     if not isinstance(metadata, Metadata):
         raise pickle.UnpicklingError(f"it holds a {type(metadata).__name__}, not DCP metadata")
     _check(metadata)
     return metadata
+
+
+def _check_lengths(data: bytes) -> None:
+    """ValueError for an opcode whose length runs past the end of the pickle: the C unpickler
+    allocates that length before it finds the data missing (a 32-byte file could ask for 2 GiB).
+    pickletools reads each argument from what is there."""
+    for _ in pickletools.genops(data):
+        pass
 
 
 def _check(metadata: Any) -> None:
