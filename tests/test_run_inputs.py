@@ -253,3 +253,29 @@ def test_export_ships_the_tokenizer_the_run_trained_with(tmp_path, tokenizer_fil
     shutil.rmtree(out / "tokenizer")  # a run from before copies were kept, its tokenizer gone
     with pytest.raises(ValueError, match="which is gone"):
         export_hf(out, tmp_path / "hf3")
+
+
+def test_a_full_disk_while_writing_metrics_is_one_error_line(tmp_path, capsys, monkeypatch):
+    import errno
+
+    from autoshard.train import metrics as metrics_module
+
+    opened = Path.open
+
+    def full(self, mode="r", *args, **kwargs):
+        if self.name == "metrics.jsonl" and mode == "a":
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return opened(self, mode, *args, **kwargs)
+
+    monkeypatch.setattr(metrics_module.Path, "open", full)
+    out = tmp_path / "run"
+    assert main([*TINY, "--steps", "2", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert (
+        errors_in(err)
+        == [
+            f"error: cannot write {out / 'metrics.jsonl'}: No space left on device; the newest complete checkpoint is in "
+            f"{out / 'checkpoints'} (the same command resumes from it)"
+        ]
+        and "Traceback" not in err
+    )

@@ -65,8 +65,14 @@ class MetricsFile:
     def append(self, row: dict) -> None:
         row, self._note = {**row, **self._note}, {}
         if dist.get_rank() == 0:
-            with self.path.open("a") as f:
-                f.write(json.dumps(row) + "\n")
+            try:
+                with self.path.open("a") as f:
+                    f.write(json.dumps(row) + "\n")
+            except OSError as err:  # a full or read-only disk: the user's to fix (checkpoints say what is kept)
+                raise UsageError(
+                    f"cannot write {self.path}: {err.strerror or err}; the newest complete checkpoint is in "
+                    f"{self.path.parent / 'checkpoints'} (the same command resumes from it)"
+                ) from None
 
 
 def memory_tracker(pmodel, optim):
