@@ -274,8 +274,8 @@ def test_a_full_disk_while_writing_metrics_is_one_error_line(tmp_path, capsys, m
     assert (
         errors_in(err)
         == [
-            f"error: cannot write {out / 'metrics.jsonl'}: No space left on device; the newest complete checkpoint is in "
-            f"{out / 'checkpoints'} (the same command resumes from it)"
+            f"error: cannot write {out / 'metrics.jsonl'}: No space left on device; the newest complete checkpoint "
+            f"is in {out / 'checkpoints'} (the same command resumes from it)"
         ]
         and "Traceback" not in err
     )
