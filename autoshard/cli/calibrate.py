@@ -233,8 +233,6 @@ def calibrate(a: argparse.Namespace) -> int:
     import torch.distributed as dist
     from torch import __version__ as torch_version
 
-    from autoshard.pricing.fit import BetweenCompute, between_compute_s, fit_network
-    from autoshard.profiles.calibrate import time_collectives_between_compute, time_step_parts
     from autoshard.profiles.files import ProfileFile
 
     settings = _settings(a)
@@ -250,51 +248,11 @@ def calibrate(a: argparse.Namespace) -> int:
         f"{world} rank(s) on {device.type}, mesh {'x'.join(map(str, mesh_shape))} ({','.join(names)}), "
         f"torch {torch_version}"
     )
-    samples = _collective_samples(mesh, mesh_shape, settings, say) if mesh is not None else []
-    between = time_collectives_between_compute(mesh, settings, say) if mesh is not None else []
-    parts = time_step_parts(device, settings, say)
-    parts["reference"] = time_reference_step(device, settings, say)
-
-    def gather(mine: Any) -> list:
-        per_rank: list[Any] = [None] * world
-        dist.all_gather_object(per_rank, mine)
-        return per_rank
-
-    timings = _device_timings(device, settings, say, gather)
-    per_rank = gather({"step": parts})
+    samples, between, timings, per_rank = _measure(mesh, mesh_shape, device, settings, say)
     if rank != 0:
         return 0
-    step = _median_rows(per_rank)["step"]
     host = platform.node() or "host"
-    try:  # timings too noisy to fit (a busy machine, sizes too small) are the measurement's, not a bug
-        device_prof, by_dtype, step_details = fit_device_profile(
-            timings, step, device, f"calibrated {device.type} ({host})"
-        )
-        network, fit = None, None
-        if samples:
-            fit = fit_network(
-                [_sample(s) for s in samples],
-                mesh_shape,
-                device_prof.mem_bw,
-                name=f"calibrated {'x'.join(map(str, mesh_shape))} ({host})",
-            )
-    except ValueError as err:
-        raise UsageError(
-            f"the timings cannot be fit to a profile ({err}); calibrate again on an idle machine"
-        ) from None
-    if fit is not None:
-        extra = between_compute_s(
-            fit,
-            [
-                BetweenCompute(
-                    b["kind"], tuple(b["mesh_dims"]), b["group_size"], b["in_bytes"], b["work_s"], b["both_s"]
-                )
-                for b in between
-            ],
-        )
-        network = dataclasses.replace(fit.profile, launch_s=fit.profile.launch_s + extra)
-        for s in samples:  # the back-to-back fit's price: what the fit error is measured on
-            s["model_s"] = fit.model_s(_sample(s))
+    fitted = _fit(timings, _median_rows(per_rank)["step"], samples, between, device, mesh_shape, host)
     details = {
         "created": datetime.datetime.now().isoformat(timespec="seconds"),
         "host": host,
@@ -311,11 +269,105 @@ def calibrate(a: argparse.Namespace) -> int:
             "repeats": settings.repeats,
             "big_repeats": settings.big_repeats,
         },
-        "device": by_dtype,
-        "step": step_details,
+        "device": fitted.by_dtype,
+        "step": fitted.step,
     }
+    if fitted.fit is not None:
+        details |= _network_details(fitted, samples, between)
+    network = fitted.network
+    try:
+        path = ProfileFile(network, fitted.device, tuple(mesh_shape) if network is not None else None, details).save(
+            a.out
+        )
+    except OSError as err:
+        raise UsageError(f"cannot write the profile to {a.out}: {err}") from None
+    for line in summary_lines(network, fitted.fit, fitted.by_dtype, fitted.step):
+        say(line)
+    use = ([f"--network {path}"] if network is not None else []) + [f"--device {path}"]
+    say(f"wrote {path} in {time.perf_counter() - start:.1f} s; plan or train with {' '.join(use)}")
+    return 0
+
+
+def _measure(mesh: Any, mesh_shape: tuple[int, ...], device: Any, settings: Any, say: Callable[[str], None]):
+    """Every rank times, all at once: the collectives back to back and between compute (with a
+    mesh), the device's ops, and a training step's parts. Returns the collective samples and
+    those between compute (this rank's), the device timings (the median over ranks) and every
+    rank's step timings."""
+    import torch.distributed as dist
+
+    from autoshard.profiles.calibrate import time_collectives_between_compute, time_step_parts
+
+    samples = _collective_samples(mesh, mesh_shape, settings, say) if mesh is not None else []
+    between = time_collectives_between_compute(mesh, settings, say) if mesh is not None else []
+    parts = time_step_parts(device, settings, say)
+    parts["reference"] = time_reference_step(device, settings, say)
+
+    def gather(mine: Any) -> list:
+        per_rank: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(per_rank, mine)
+        return per_rank
+
+    timings = _device_timings(device, settings, say, gather)
+    return samples, between, timings, gather({"step": parts})
+
+
+@dataclasses.dataclass
+class _Fitted:
+    """What rank 0 fits to the timings: the device profile with its details per dtype and of the
+    step's parts, and with a mesh the network profile (launch time between compute included),
+    the back-to-back fit it comes from and the launch time compute adds."""
+
+    device: Any
+    by_dtype: dict
+    step: dict
+    network: Any = None
+    fit: Any = None
+    extra_s: float = 0.0
+
+
+def _fit(
+    timings: dict, step: dict, samples: list, between: list, device: Any, mesh_shape: tuple[int, ...], host: str
+) -> _Fitted:
+    """The profiles the timings fit; UsageError when they are too noisy to fit (the measurement's
+    fault, not a bug). Each collective sample gets the back-to-back fit's price (`model_s`)."""
+    from autoshard.pricing.fit import BetweenCompute, between_compute_s, fit_network
+
+    try:
+        fitted = _Fitted(*fit_device_profile(timings, step, device, f"calibrated {device.type} ({host})"))
+        if samples:
+            fitted.fit = fit_network(
+                [_sample(s) for s in samples],
+                mesh_shape,
+                fitted.device.mem_bw,
+                name=f"calibrated {'x'.join(map(str, mesh_shape))} ({host})",
+            )
+    except ValueError as err:
+        raise UsageError(
+            f"the timings cannot be fit to a profile ({err}); calibrate again on an idle machine"
+        ) from None
+    fit = fitted.fit
     if fit is not None:
-        details["network_fit"] = {
+        fitted.extra_s = between_compute_s(
+            fit,
+            [
+                BetweenCompute(
+                    b["kind"], tuple(b["mesh_dims"]), b["group_size"], b["in_bytes"], b["work_s"], b["both_s"]
+                )
+                for b in between
+            ],
+        )
+        fitted.network = dataclasses.replace(fit.profile, launch_s=fit.profile.launch_s + fitted.extra_s)
+        for s in samples:  # the back-to-back fit's price: what the fit error is measured on
+            s["model_s"] = fit.model_s(_sample(s))
+    return fitted
+
+
+def _network_details(fitted: _Fitted, samples: list, between: list) -> dict:
+    """The profile file's record of the network fit: its error per group, the samples, and the
+    launch time between compute."""
+    fit = fitted.fit
+    return {
+        "network_fit": {
             "rel_rms": fit.rel_rms,
             "groups": [
                 {
@@ -331,24 +383,14 @@ def calibrate(a: argparse.Namespace) -> int:
                 }
                 for g in fit.groups
             ],
-        }
-        details["collectives"] = samples
-        details["between_compute"] = {
+        },
+        "collectives": samples,
+        "between_compute": {
             "launch_back_to_back_s": fit.profile.launch_s,
-            "extra_s": extra,
+            "extra_s": fitted.extra_s,
             "timings": between,
-        }
-    try:
-        path = ProfileFile(network, device_prof, tuple(mesh_shape) if network is not None else None, details).save(
-            a.out
-        )
-    except OSError as err:
-        raise UsageError(f"cannot write the profile to {a.out}: {err}") from None
-    for line in summary_lines(network, fit, by_dtype, step_details):
-        say(line)
-    use = ([f"--network {path}"] if network is not None else []) + [f"--device {path}"]
-    say(f"wrote {path} in {time.perf_counter() - start:.1f} s; plan or train with {' '.join(use)}")
-    return 0
+        },
+    }
 
 
 def summary_lines(network, fit, by_dtype: dict, step: dict) -> list[str]:

@@ -20,17 +20,10 @@ def time_reference_step(device, settings, progress=lambda line: None) -> list[di
     memory-bound ops took inside the step, beside the work the roofline counts in them. [] on
     other devices (their ops run asynchronously) or when it cannot run (a note says why): the
     profile then keeps the rates timed alone."""
-    import contextlib
-    import copy
     import dataclasses
 
-    import torch
-    from torch import fx
-
-    from autoshard.capture.trace import trace_joint
-    from autoshard.pricing.compute import graph_work, op_class
     from autoshard.profiles.calibrate import _timed
-    from autoshard_models import build_model, cross_entropy_loss, get_config
+    from autoshard_models import get_config
 
     if device.type != "cpu":
         return []
@@ -38,42 +31,10 @@ def time_reference_step(device, settings, progress=lambda line: None) -> list[di
     start = time.perf_counter()
     config = dataclasses.replace(get_config(name), n_layers=blocks)
     clock = {"flop": 0.0, "memory": 0.0}
-
-    def clocked(kind: str, op):
-        def run(*args, **kwargs):
-            t0 = time.perf_counter()
-            out = op(*args, **kwargs)
-            clock[kind] += time.perf_counter() - t0
-            return out
-
-        return run
-
+    calls = 0
     try:
-        with contextlib.ExitStack() as stack:
-            joint = trace_joint(
-                build_model(config, device="meta"),
-                lambda m, x, y: cross_entropy_loss(m(x), y),
-                (torch.empty(batch, seq, dtype=torch.int64),) * 2,
-                stack,
-            )
-            graph = copy.deepcopy(joint.gm.graph)
-            graph._codegen = fx.graph.CodeGen()  # positional placeholders, as the lowered program calls them
-            work = graph_work(graph)
-            for node in graph.nodes:
-                kind = op_class(node)
-                if kind in clock:
-                    node.target = clocked(kind, node.target)
-            step = fx.GraphModule(joint.gm, graph)
-            shapes = [(tuple(v.shape), v.dtype) for v in (n.meta["val"] for n in graph.nodes if n.op == "placeholder")]
-        # run after the trace's context closed: inputs made inside it would be fake tensors
-        generator = torch.Generator().manual_seed(0)
-        args = [
-            torch.randint(0, config.vocab_size, shape, generator=generator)
-            if not dtype.is_floating_point
-            else (torch.randn(shape, generator=generator) * 0.02).to(dtype)
-            for shape, dtype in shapes
-        ]
-        calls = 0
+        step, work, shapes = _clocked_step(config, batch, seq, clock)
+        args = _step_inputs(shapes, config.vocab_size)
 
         def counted():
             nonlocal calls
@@ -104,6 +65,64 @@ def time_reference_step(device, settings, progress=lambda line: None) -> list[di
             "memory_ops": work.memory_ops,
             "memory_ops_s": memory_s,
         }
+    ]
+
+
+def _clocked_step(config, batch: int, seq: int, clock: dict[str, float]):
+    """(the step as a GraphModule whose flop and memory-bound ops each add their seconds to
+    `clock`, the roofline's work in it, (shape, dtype) of each of its inputs): the joint graph of
+    the llama `config` on (batch, seq) tokens, traced as `plan` traces it."""
+    import contextlib
+    import copy
+
+    import torch
+    from torch import fx
+
+    from autoshard.capture.trace import trace_joint
+    from autoshard.pricing.compute import graph_work, op_class
+    from autoshard_models import build_model, cross_entropy_loss
+
+    with contextlib.ExitStack() as stack:
+        joint = trace_joint(
+            build_model(config, device="meta"),
+            lambda m, x, y: cross_entropy_loss(m(x), y),
+            (torch.empty(batch, seq, dtype=torch.int64),) * 2,
+            stack,
+        )
+        graph = copy.deepcopy(joint.gm.graph)
+        graph._codegen = fx.graph.CodeGen()  # positional placeholders, as the lowered program calls them
+        work = graph_work(graph)
+        for node in graph.nodes:
+            kind = op_class(node)
+            if kind in clock:
+                node.target = _clocked(clock, kind, node.target)
+        shapes = [(tuple(v.shape), v.dtype) for v in (n.meta["val"] for n in graph.nodes if n.op == "placeholder")]
+        return fx.GraphModule(joint.gm, graph), work, shapes
+
+
+def _clocked(clock: dict[str, float], kind: str, op):
+    """`op`, adding the seconds each call takes to `clock[kind]`."""
+
+    def run(*args, **kwargs):
+        t0 = time.perf_counter()
+        out = op(*args, **kwargs)
+        clock[kind] += time.perf_counter() - t0
+        return out
+
+    return run
+
+
+def _step_inputs(shapes, vocab_size: int) -> list:
+    """Seeded inputs of those shapes: token ids below `vocab_size`, small normal floats. Made after
+    the trace's context closed: inputs made inside it would be fake tensors."""
+    import torch
+
+    generator = torch.Generator().manual_seed(0)
+    return [
+        torch.randint(0, vocab_size, shape, generator=generator)
+        if not dtype.is_floating_point
+        else (torch.randn(shape, generator=generator) * 0.02).to(dtype)
+        for shape, dtype in shapes
     ]
 
 
