@@ -164,7 +164,7 @@ def run_main(args: list[str], capsys) -> tuple[int, str]:
         (["--model", "llama3-tiny", "--mesh", "2x2", "--batch", "3"], "--batch 3 is not divisible by the dp size 2"),
         ([*TINY, "--mesh", "2x"], "bad mesh '2x'"),
         ([*TINY, "--mesh", "1", "--resume", "--out", "{tmp}/empty"], "--resume: no complete checkpoint in"),
-        ([*TINY, "--mesh", "1", "--plan-file", "{tmp}/corrupt.json"], "not a plan file (JSONDecodeError"),
+        ([*TINY, "--mesh", "1", "--plan-file", "{tmp}/corrupt.json"], ": not JSON ("),
         ([*TINY, "--mesh", "1", "--plan-file", "{tmp}/missing.json"], "no such file"),
         ([*TINY, "--mesh", "1", "--memory-budget", "1", "--out", "{tmp}/run"], "infeasible"),
         ([*TINY, "--mesh", "1", "--wire-step", "-1"], "--wire-step must be >= 0"),

@@ -15,8 +15,8 @@ def start_process_group() -> str:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     backend = "nccl" if device == "cuda" else "gloo"
     if "RANK" not in os.environ:
-        store = dist.FileStore(os.path.join(tempfile.mkdtemp(prefix="autoshard-"), "store"), 1)
-        dist.init_process_group(backend, store=store, rank=0, world_size=1)
+        alone = dist.FileStore(os.path.join(tempfile.mkdtemp(prefix="autoshard-"), "store"), 1)
+        dist.init_process_group(backend, store=alone, rank=0, world_size=1)
         return device
     if device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import json
 import logging
 import math
 import os
@@ -28,6 +27,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from autoshard import _torch_compat as tc
 from autoshard.driver.processes import start_process_group
+from autoshard.fileio import read_json
 from autoshard.options import UsageError
 from autoshard.report.files import JSON_NAME, load_metrics, write_html, write_report
 from autoshard.report.text import summary_lines
@@ -139,7 +139,7 @@ def _write_report(settings: Settings, run: PlannedRun, data: dict) -> None:
             "data_fingerprint": data,
         },
     )
-    for line in summary_lines(json.loads(paths[1].read_text())):
+    for line in summary_lines(read_json(paths[1])):
         log.info("  %s", line)
     log.info("autoshard train: sharding log %s", paths[0])
 
@@ -157,7 +157,7 @@ def _finish(resolved: ResolvedRun, run: PlannedRun, metrics: MetricsFile, traine
             settings.prefetch,
             run.plan.step_time_s * 1e3,
         )
-    html_path = write_html(json.loads((out / JSON_NAME).read_text()), out, load_metrics(metrics.path))
+    html_path = write_html(read_json(out / JSON_NAME), out, load_metrics(metrics.path))
     log.info(
         "autoshard train: done; metrics %s, sharding log %s, report %s", metrics.path, out / "sharding.log", html_path
     )

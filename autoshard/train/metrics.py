@@ -12,6 +12,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from autoshard import _torch_compat as tc
+from autoshard.fileio import write_atomic
 from autoshard.options import UsageError
 from autoshard.report.files import METRICS_NAME
 from autoshard.report.text import human_bytes
@@ -56,7 +57,7 @@ class MetricsFile:
         if dist.get_rank() == 0:
             out.mkdir(parents=True, exist_ok=True)
             kept = [line for line, row in rows if row["step"] <= keep_until]
-            self.path.write_text("".join(line + "\n" for line in kept))
+            write_atomic(self.path, "".join(line + "\n" for line in kept))  # a kill here loses no row
 
     def note_next(self, fields: dict) -> None:
         """Add `fields` to the next row written (what a resume changed)."""

@@ -4,11 +4,11 @@ that wrote it. Read in one place, so a damaged or foreign file is one `UsageErro
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from autoshard.fileio import read_json
 from autoshard.options import UsageError
 
 
@@ -34,12 +34,7 @@ class PlanFile:
     @classmethod
     def read(cls, path: Path, source: str, *, required: bool) -> PlanFile:
         """The plan file at `path`; UsageError when it is missing, unreadable or not a plan file."""
-        try:
-            data = json.loads(path.read_text())
-        except FileNotFoundError:
-            raise UsageError(f"{source}: no such file") from None
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise UsageError(f"{source}: not a plan file ({type(e).__name__}: {e})") from None
+        data = read_json(path, name=source, error=UsageError)
         if not isinstance(data, dict) or not isinstance(data.get("fingerprint"), str) or "solution" not in data:
             raise UsageError(
                 f"{source}: not a plan file (no fingerprint/solution; write one with "
