@@ -1,8 +1,7 @@
 """The house's shape: every import between packages (function-level ones included) is an arrow the
 table below allows, no module takes part in an import circle, `solver/` imports no torch (nor
 autoshard, nor models), `models/` imports no autoshard, and private torch APIs appear only in
-`autoshard/_torch_compat.py` (and the two siblings only it imports). docs/architecture.md shows the
-same table."""
+the `autoshard/_torch_compat/` package. docs/architecture.md shows the same table."""
 
 from __future__ import annotations
 
@@ -27,10 +26,7 @@ STAGES = (
     "runtime",
 )
 ALLOWED: dict[str, set[str]] = {
-    "_torch_compat": {"_torch_compat_runtime", "_torch_compat_legacy", "_torch_compat_checkpoint"},
-    "_torch_compat_runtime": set(),
-    "_torch_compat_checkpoint": set(),
-    "_torch_compat_legacy": set(),
+    "_torch_compat": set(),
     "options": set(),
     "layout": {"_torch_compat"},
     "profiles": {"_torch_compat"},
@@ -211,13 +207,6 @@ def test_solver_imports_no_torch_and_models_no_autoshard():
             assert bad == [], f"{module} imports {bad}"
 
 
-# the modules that may use private torch APIs: `_torch_compat` and the siblings only it imports
-TORCH_COMPAT = {
-    "autoshard._torch_compat",
-    "autoshard._torch_compat_runtime",
-    "autoshard._torch_compat_legacy",
-    "autoshard._torch_compat_checkpoint",
-}
 _PRIVATE = re.compile(r"\btorch(?:\.[A-Za-z]\w*)*\._\w+")
 
 
@@ -231,7 +220,12 @@ def test_private_torch_apis_only_in_torch_compat():
         "torch.distributed._tools",
         "torch._ops",
     ]
-    uses = {module: private_torch_uses(src) for module, src in _modules("autoshard") if module not in TORCH_COMPAT}
+    # only the modules of the `_torch_compat` package may use them
+    uses = {
+        module: private_torch_uses(src)
+        for module, src in _modules("autoshard")
+        if package_of(module) != "_torch_compat"
+    }
     assert {m: u for m, u in uses.items() if u} == {}
 
 

@@ -1,64 +1,32 @@
-"""The private torch APIs `runtime/` needs: DTensors built from local shards, the dry run's fake
-tensors and memory tracker, and what tells whether torch.compile traced a program as one graph.
-
-Split out of `_torch_compat` to keep each file short; only `_torch_compat` imports this module and
-re-exports every name here, so callers keep writing `tc.<name>` (and the torch 2.11/2.12 shims in
-`_torch_compat` still rebind `tc.mem_tracker`).
+"""Running a program and watching it run: dispatch modes, the dry run's fake tensors and memory
+tracker, what tells whether torch.compile traced a program as one graph (and whether inductor can
+build kernels here), and the attention kernel torch would pick on a GPU.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.placement_types import Placement
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode as TorchDispatchMode, _disable_current_modes
+
+from autoshard._torch_compat import legacy
 
 
-# ---------------------------------------------------------------- parallel module (runtime/module.py)
-def dtensor_from_local(
-    local: torch.Tensor, mesh: DeviceMesh, placements: Sequence[Placement], global_shape: Sequence[int]
-) -> DTensor:
-    """Wrap this rank's shard as a DTensor without communication. The global shape and stride are
-    given: torch cannot infer them for `_StridedShard` placements."""
-    stride, acc = [], 1
-    for size in reversed(global_shape):
-        stride.append(acc)
-        acc *= size
-    return DTensor.from_local(
-        local, mesh, tuple(placements), run_check=False, shape=torch.Size(global_shape), stride=tuple(reversed(stride))
-    )
+# ---------------------------------------------------------------- dispatch modes
+DispatchMode = TorchDispatchMode  # base class of a mode that sees every aten op with its outputs
 
 
-def local_of(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local shard as it is stored, outside autograd (`to_local` records a backward)."""
-    return t._local_tensor if isinstance(t, DTensor) else t
-
-
-def dtensor_like(like: DTensor, local: torch.Tensor) -> DTensor:
-    """`local` as a DTensor of `like`'s mesh, placements and global shape (a gradient in its
-    parameter's layout), built directly: `from_local` is an autograd op with checks."""
-    return DTensor(local, like._spec, requires_grad=False)
-
-
-def distribute_local(full: torch.Tensor, mesh: DeviceMesh, placements: Sequence[Placement]) -> torch.Tensor:
-    """This rank's shard of `full` (which every rank holds): cut locally, no communication.
-    `src_data_rank=None` also keeps `_StridedShard` rows right under LocalTensorMode."""
-    from torch.distributed.tensor import distribute_tensor
-
-    return distribute_tensor(full, mesh, tuple(placements), src_data_rank=None).to_local()
+def no_dispatch_modes() -> contextlib.AbstractContextManager:
+    """Leave any active fake/local tensor mode (a traced graph's fake mode stays active while its
+    ExitStack is open): strategy functions and meshes need plain tensors."""
+    return _disable_current_modes()
 
 
 # ---------------------------------------------------------------- dry run (runtime/dryrun.py)
-DispatchMode = TorchDispatchMode  # base class of a mode that sees every aten op with its outputs
-
-WAIT_TENSOR = torch.ops._c10d_functional.wait_tensor.default  # returns its input (eager) or a fake copy
-
-
 def fake_mode_of(t: torch.Tensor) -> FakeTensorMode | None:
     """The fake mode `t` belongs to (None: a real tensor)."""
     from torch._subclasses.fake_tensor import FakeTensor
@@ -95,6 +63,10 @@ def mem_tracker() -> Any:
     return MemTracker()
 
 
+if legacy.TORCH < (2, 13):  # 2.11's and 2.12's tracker also counts DTensor's propagation tensors
+    mem_tracker = legacy.mem_tracker_2_12
+
+
 def tracker_total(snapshot: dict) -> int:
     """Total bytes over all devices of a MemTracker snapshot."""
     from torch.distributed._tools.mem_tracker import _TOTAL_KEY
@@ -103,6 +75,10 @@ def tracker_total(snapshot: dict) -> int:
 
 
 # ---------------------------------------------------------------- compiled program (runtime/module.py)
+if legacy.TORCH < (2, 12):  # the executor reads a mesh's shape inside compiled programs
+    legacy.teach_dynamo_mesh_shape()
+
+
 def dispatch_mode_blocks_compile() -> bool:
     """Whether torch.compile would run a frame eagerly right now: dynamo skips frames under a
     non-infra dispatch mode (LocalTensorMode, WireMeter, MemTracker); dynamo's own test."""

@@ -1,8 +1,8 @@
 """What torch 2.11 and 2.12 lack or do differently, made up for (drop with their support).
 
-Kept apart from `_torch_compat` so that the code there reads as for torch 2.13 and 2.14 and these
-shims go in one deletion. Only `_torch_compat` imports this module: it applies the patches and
-rebinds its own names (`mem_tracker`, the `*_now` collectives) on the older releases.
+Kept apart so that the other modules read as for torch 2.13 and 2.14 and these shims go in one
+deletion. This module only defines them; the module that owns each affected name (or torch patch)
+picks the variant for the running torch when it is imported, so every name has one binding.
 """
 
 from __future__ import annotations

@@ -5,9 +5,8 @@ torch 2.11 through 2.14 read a checkpoint's `.metadata` with a bare `pickle.load
 (`DefaultLoadPlanner.load_bytes`), and offer no argument to change either. The subclasses here
 take the metadata already read (by the caller, safely) and decode values with the caller's
 function, keeping the rest of what those two methods do (the load id, the state dict's nesting:
-private attributes and `_traverse.set_element`). Split out of `_torch_compat` to keep each file
-short; only `_torch_compat` imports this module, and re-exports it. torch.distributed.checkpoint is
-imported on first use, not with autoshard (it costs ~0.5 s).
+private attributes and `_traverse.set_element`). torch.distributed.checkpoint is imported on first
+use, not with autoshard (it costs ~0.5 s).
 """
 
 from __future__ import annotations
