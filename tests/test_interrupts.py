@@ -53,7 +53,7 @@ def test_a_signal_before_the_steps_raises_at_once_and_once(sig):
             time.sleep(5)  # the handler raises before this ends
         name = signal.Signals(sig).name
         assert stop.value.signum == sig and str(stop.value) == (
-            f"autoshard train: stopped by {name} during planning (nothing written)"
+            f"autoshard train: stopped by {name} before the first step (nothing written)"
         )
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(0.05)
@@ -239,7 +239,7 @@ def test_a_signal_while_planning_ends_every_rank_within_seconds(tmp_path, target
             proc.wait()
     reader.join(10)
     output = "".join(lines)
-    stop = f"autoshard train: stopped by {signal.Signals(sig).name} during planning (nothing written)"
+    stop = f"autoshard train: stopped by {signal.Signals(sig).name} before the first step (nothing written)"
     assert code != 0 and output.count(stop) == 1, output[-4000:]
     assert not worker_tracebacks(output) and "KeyboardInterrupt" not in output, output[-6000:]
     if target == "rank 0":

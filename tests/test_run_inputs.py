@@ -279,3 +279,33 @@ def test_a_full_disk_while_writing_metrics_is_one_error_line(tmp_path, capsys, m
         ]
         and "Traceback" not in err
     )
+
+
+def test_a_signal_while_tokenizing_stops_with_its_line(tmp_path, tokenizer_file):  # noqa: F811
+    import signal
+    import subprocess
+    import sys
+
+    from torchrun import ROOT, child_env
+
+    big = tmp_path / "big.txt"
+    text = "\n\n".join(documents(400, seed=1))
+    big.write_text(text * (12_000_000 // len(text) + 1))  # past the size that says it is tokenizing
+    cmd = [sys.executable, "-m", "autoshard", "train", *TINY, "--mesh", "1", "--steps", "2", "--data", str(big)]
+    cmd += ["--tokenizer", str(tokenizer_file), "--data-cache", str(tmp_path / "cache"), "--out", str(tmp_path / "r")]
+    proc = subprocess.Popen(cmd, env=child_env(), cwd=ROOT, stderr=subprocess.PIPE, text=True)
+    seen, rest = [], ""
+    try:
+        for line in proc.stderr:
+            seen.append(line)
+            if "autoshard data: tokenizing" in line:
+                proc.send_signal(signal.SIGTERM)
+                break
+        _, rest = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    err = "".join(seen) + rest
+    assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
+    assert "autoshard train: stopped by SIGTERM before the first step (nothing written)" in err, err[-3000:]
+    assert "Traceback" not in err and not (tmp_path / "r").exists()

@@ -23,7 +23,6 @@ import os
 import platform
 import statistics
 import sys
-import tempfile
 import time
 from typing import Any, Callable, Sequence
 
@@ -115,8 +114,9 @@ def _init(a: argparse.Namespace):
     """The process group (gloo on CPU, nccl on GPUs; a world of 1 without torchrun), the mesh
     (None in a world of 1) and the device."""
     import torch
-    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
+
+    from autoshard.driver.processes import start_process_group
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     mesh_shape = a.mesh if a.mesh is not None else (world,)
@@ -130,15 +130,8 @@ def _init(a: argparse.Namespace):
         names = mesh_names(a.mesh_names, mesh_shape)
     except ValueError as err:
         raise UsageError(str(err)) from None
-    cuda = torch.cuda.is_available()
-    if cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    if "RANK" in os.environ:
-        dist.init_process_group("nccl" if cuda else "gloo")
-    else:
-        store = dist.FileStore(os.path.join(tempfile.mkdtemp(prefix="autoshard-"), "store"), 1)
-        dist.init_process_group("nccl" if cuda else "gloo", store=store, rank=0, world_size=1)
+    kind = start_process_group()
+    device = torch.device("cuda", torch.cuda.current_device()) if kind == "cuda" else torch.device("cpu")
     mesh = init_device_mesh(device.type, mesh_shape, mesh_dim_names=names) if world > 1 else None
     return mesh, mesh_shape, names, device
 

@@ -51,11 +51,11 @@ def train(settings: Settings, parts: Parts | None = None) -> list[float]:
     to use instead of those the settings build (an API user's optimizer, data, loggers). Raises
     `Preempted` when a scheduler's signal stopped it (after a checkpoint)."""
     parts = parts if parts is not None else Parts()
-    resolved = resolve(settings, own_data=parts.data is not None)
-    settings = resolved.settings
     with contextlib.ExitStack() as held:
         signals = held.enter_context(StopSignals())  # from here on a SIGTERM stops the run cleanly
         held.enter_context(AgentWatch())  # and a worker whose torchrun agent died stops too
+        resolved = resolve(settings, own_data=parts.data is not None)  # may tokenize for minutes
+        settings = resolved.settings
         mesh, device = _start(settings)
         held.enter_context(run_directory(resolved.out, resolved.overwrite))  # this run's alone until it ends
         planned = plan_run(settings.with_default_profiles(device), resolved.workload, mesh, resolved.plan_file)

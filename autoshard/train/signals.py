@@ -33,7 +33,7 @@ class Interrupted(BaseException):
         self.signum = signum
 
     def __str__(self) -> str:
-        return f"autoshard train: stopped by {signal.Signals(self.signum).name} during planning (nothing written)"
+        return f"autoshard train: stopped by {signal.Signals(self.signum).name} before the first step (nothing written)"
 
 
 class StopSignals:
