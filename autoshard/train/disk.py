@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import tempfile
 from pathlib import Path
 
 from autoshard.options import UsageError
@@ -29,9 +30,10 @@ def check_out(out: Path, checkpoints: bool) -> None:
         raise UsageError(f"--out {out}: {existing} is not a directory")
     if not os.access(existing, os.W_OK | os.X_OK):
         raise UsageError(f"--out {out}: {existing} is not writable")
-    refused = probe(existing, 1)  # what access() cannot tell: a read-only or virtual file system (/proc)
-    if refused is not None:
-        raise UsageError(f"--out {out}: cannot write into {existing} ({reason(refused)})")
+    try:  # what access() cannot tell: a read-only or virtual file system (/proc)
+        os.rmdir(tempfile.mkdtemp(prefix=".autoshard-probe-", dir=existing))
+    except OSError as err:
+        raise UsageError(f"--out {out}: cannot write into {existing} ({reason(err)})") from None
     root = out / "checkpoints"
     if root.exists() and not root.is_dir():
         raise UsageError(f"--out {out}: {root} exists and is not a directory")
