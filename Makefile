@@ -1,6 +1,7 @@
 # Two commands do all set-up on a fresh machine with only Python:
 #   make train   plan and train llama3-debug on a 2x2 CPU mesh under torchrun (writes runs/debug)
 #   make test    run the whole test suite
+# (make test-fast: the inner loop, under 5 minutes on 2 cores: no torchrun launches, no slow cases)
 # (make test-torch-next and make test-torch-2.11 run a representative part of the suite on the
 # newest and the oldest torch we support, each in its own venv, .venv-next and .venv-2.11; .ci/run
 # runs all three)
@@ -39,7 +40,7 @@ define torch_venv
 	touch $(1)/.autoshard-installed
 endef
 
-.PHONY: test test-torch-next test-torch-2.11 train bench install browser clean lint
+.PHONY: test test-fast test-torch-next test-torch-2.11 train bench install browser clean lint
 
 install: $(STAMP)
 
@@ -58,6 +59,12 @@ browser:
 
 test: $(STAMP) browser
 	$(PY) -m pytest
+
+# the inner loop: no torchrun launches (`ranks`), no `slow` cases, no benchmark runs
+FAST_SKIP := --ignore=tests/test_benchmarks.py --ignore=tests/test_gpu_check.py \
+	--ignore=tests/test_overlap_bench.py --ignore=tests/test_text_learns.py
+test-fast: $(STAMP)
+	$(PY) -m pytest -m "not slow and not ranks" $(FAST_SKIP)
 
 $(STAMP_NEXT): pyproject.toml
 	$(call torch_venv,$(VENV_NEXT),$(TORCH_NEXT))

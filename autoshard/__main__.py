@@ -23,8 +23,8 @@ if __name__ == "__main__" and sys.argv[1:2] not in (["train"], ["calibrate"]):
     gc.disable()
 
 from autoshard.cli.args import ArgumentParser
-from autoshard.cli.plan import add_plan_arguments, run_plan
 from autoshard.cli.export import add_export_arguments, run_export
+from autoshard.cli.plan import add_plan_arguments, run_plan
 from autoshard.cli.report import add_report_arguments, run_report
 
 

@@ -6,8 +6,8 @@ p.add_edge("a", "b", [[0, 3], [5, 0]])
 sol = solve(p)          # sol.choice == {"a": 0, "b": 0}, sol.label("a") == "R"
 """
 
-from .model import available_backends
 from .constraints import Allowed, Constraint, EdgeMemory, Fixed, MemoryBudget, RepeatedRegion, SameChoice
+from .model import available_backends
 from .problem import Choice, Edge, InfeasibleError, Node, Problem
 from .solve import NoBetterError, Solution, SolveError, SolveStats, solve
 

@@ -8,9 +8,9 @@ conflicts on its own) and, where presolve cannot decide, a small ILP without obj
 
 from __future__ import annotations
 
+from .constraints import RepeatedRegion
 from .model import Model, run
 from .presolve import Arrays, Conflict, Reduction
-from .constraints import RepeatedRegion
 from .problem import Edge, InfeasibleError, Problem
 
 

@@ -24,9 +24,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import autoshard_solver as solver  # noqa: E402
 from autoshard import AutoShard, PlanConfig, auto_shard  # noqa: E402
 from autoshard.driver.ranks import solution_hash  # noqa: E402
+from autoshard_models import MarkovTokens, build_model, cross_entropy_loss, get_config  # noqa: E402
 from plan_audit import batch_on_dp, budget_bytes  # noqa: E402
 from torchrun import report_ranks  # noqa: E402
-from autoshard_models import MarkovTokens, build_model, cross_entropy_loss, get_config  # noqa: E402
 
 TINY = get_config("llama3-tiny")
 BATCH, SEQ = 8, 16

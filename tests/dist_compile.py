@@ -28,10 +28,10 @@ from autoshard.driver.api import AutoShard  # noqa: E402
 from autoshard.pricing.planner import Planner  # noqa: E402
 from autoshard.program.collectives import execute, group_names, prepare_groups  # noqa: E402
 from autoshard.runtime.module import INDUCTOR_OPTIONS, parallelize  # noqa: E402
-from dist_redistribute import CASES  # noqa: E402
-from torchrun import report_ranks  # noqa: E402
 from autoshard_models import MarkovTokens, build_model, cross_entropy_loss, get_config  # noqa: E402
 from autoshard_models.train_single import TrainSettings, make_optimizer  # noqa: E402
+from dist_redistribute import CASES  # noqa: E402
+from torchrun import report_ranks  # noqa: E402
 
 TINY = get_config("llama3-tiny")
 BATCH, SEQ, STEPS = 8, 16, 4

@@ -6,8 +6,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from autoshard.program.collectives import execute
 from autoshard.pricing.planner import Planner
+from autoshard.program.collectives import execute
 from torchrun import leave  # tests/, this script's own folder
 
 CASES = [  # (src, dst, step kinds the plan must contain)

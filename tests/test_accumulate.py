@@ -74,6 +74,7 @@ def single_device(steps: int, batch: int = BATCH):
     return losses, first
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", CASES, ids=list(CASES))
 def test_micro_batches_train_like_their_whole_batch_and_all_reduce_once(case):
     mesh_shape, batch_rows, inputs, pins = CASES[case]
@@ -215,6 +216,7 @@ def test_micro_batch_counts_follow_the_data_parallel_split():
     assert micro_batch_counts(s.replace(batch=12)) == [1, 2]  # 12 / 4 = 3 rows do not split over 2
 
 
+@pytest.mark.slow
 @pytest.mark.replicated_plan  # a world of one: what is checked is the choice and the loop
 def test_a_batch_over_the_memory_limit_runs_as_micro_batches(tmp_path, capsys):
     """llama3-tiny, batch 8, seq 256 on one process: its dry-run peak is ~32 MiB as one batch (~19
@@ -237,6 +239,7 @@ def test_a_batch_over_the_memory_limit_runs_as_micro_batches(tmp_path, capsys):
         assert abs(row["loss"] - loss) <= 1e-5 * abs(loss), (row["loss"], loss)
 
 
+@pytest.mark.slow
 @pytest.mark.replicated_plan  # a world of one: what is checked is which draws a resumed run makes
 def test_a_resumed_run_with_micro_batches_draws_the_dropout_of_an_uninterrupted_one(tmp_path):
     """A tiny HF GPT-2 with dropout 0.1, `--grad-accum 2`: the program runs twice a step, so a run

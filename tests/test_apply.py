@@ -12,11 +12,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from autoshard import _torch_compat as tc
+from autoshard.capture.regions import block_of
 from autoshard.driver.api import AutoShard, auto_shard
-from autoshard.runtime.module import parallelize
 from autoshard.layout import Layout
 from autoshard.program.modules import Bucket
-from autoshard.capture.regions import block_of
+from autoshard.runtime.module import parallelize
 from autoshard_models import MarkovTokens, build_model, cross_entropy_loss, get_config
 from autoshard_models.train_single import TrainSettings, make_optimizer
 from plan_audit import assert_shards, batch_on_dp, budget_bytes, sharded_plan
@@ -96,6 +96,7 @@ def reference():
     return single_device(10)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "mesh_shape, inputs, pins",
     [

@@ -12,10 +12,11 @@ import sys
 from pathlib import Path
 
 import pytest
-from torchrun import one_launch_at_a_time
 
-from benchmarks.cost_model.accuracy import _median_case, markdown as accuracy_markdown
+from benchmarks.cost_model.accuracy import _median_case
+from benchmarks.cost_model.accuracy import markdown as accuracy_markdown
 from benchmarks.gpu.rates import Row, summary
+from torchrun import one_launch_at_a_time
 
 ROOT = Path(__file__).resolve().parents[1]
 # The fixture runs the whole quick benchmark (~7 minutes on 2 idle cores, more beside other tests on

@@ -8,7 +8,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from autoshard.train.metrics import step_time_line
 from autoshard.pricing.fit import (
     BetweenCompute,
     CollectiveSample,
@@ -23,6 +22,7 @@ from autoshard.pricing.ring import linear_cost, step_cost
 from autoshard.profiles.calibrate import CalibrationSettings, planner_groups
 from autoshard.profiles.device import DeviceProfile
 from autoshard.profiles.network import NetworkProfile
+from autoshard.train.metrics import step_time_line
 
 KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
 TRUE = NetworkProfile((20e-6, 50e-6), (2e9, 0.5e9), 80e-6, 10e9, "true", groups=(((0, 1), 70e-6, 0.4e9),))

@@ -210,8 +210,8 @@ def test_torchrun_calibrate_writes_a_profile_the_planner_uses(tmp_path):
     )
 
     from autoshard.driver.api import AutoShard
-    from autoshard_models import build_model, cross_entropy_loss, get_config
     from autoshard.workloads import get_workload
+    from autoshard_models import build_model, cross_entropy_loss, get_config
 
     work = get_workload("llama3-tiny", 16)
     with AutoShard(

@@ -15,10 +15,10 @@ import pytest
 import torch
 
 from autoshard import _torch_compat as tc
-from autoshard.program.collectives import execute
-from autoshard.profiles.network import NetworkProfile
 from autoshard.layout import Layout, P, R, S
 from autoshard.pricing.planner import Planner
+from autoshard.profiles.network import NetworkProfile
+from autoshard.program.collectives import execute
 from ranks import coords
 from simulation import simulated_mesh
 from torchrun import child_env, torchrun_command
@@ -155,6 +155,7 @@ def _assert_none(failures):
 
 
 # ----------------------------------------------------------------------------- tests
+@pytest.mark.slow
 def test_every_pair_on_2x2():
     """All 18x18 layout pairs of a rank-2 tensor on (2,2): divisible, half-divisible (S(0)S(0)
     impossible, so intermediates must avoid it) and indivisible shapes; one session."""
@@ -172,6 +173,7 @@ def test_every_pair_on_2x2():
     assert wanted <= sim.seen, f"step kinds never exercised: {wanted - sim.seen}"
 
 
+@pytest.mark.slow
 def test_sample_on_2x2x2():
     gen, rnd = torch.Generator().manual_seed(1), random.Random(1)
     every = layouts(3, 3)

@@ -101,6 +101,7 @@ def test_a_truncated_llmc_file_is_named_as_such(tmp_path, dtype_flag):
 
 
 # ---------------------------------------------------------------------------- token bounds
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "dtype, value, message",
     [

@@ -168,6 +168,7 @@ def test_mesh_roles_are_checked_with_one_error_line(capsys):
         assert len(err) == 1 and err[0].startswith("error: ") and message in err[0], err
 
 
+@pytest.mark.slow
 def test_planning_pauses_the_cyclic_garbage_collector_and_restores_it(monkeypatch):
     """Every gen-2 collection walks all of planning's objects (a quarter of a 70B plan's time):
     optimize() runs with the collector paused, and leaves it as it found it, also on an error."""

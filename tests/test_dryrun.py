@@ -12,9 +12,9 @@ import torch
 
 from autoshard import _torch_compat as tc
 from autoshard.driver.api import AutoShard
-from autoshard.runtime.module import parallelize
-from autoshard.runtime.dryrun import DryRunError, MemoryEstimate, dry_run, estimate, ranks_to_check
 from autoshard.program.lower import LOCAL_SHAPE, lower
+from autoshard.runtime.dryrun import DryRunError, MemoryEstimate, dry_run, estimate, ranks_to_check
+from autoshard.runtime.module import parallelize
 from autoshard_models import MarkovTokens, build_model, cross_entropy_loss, get_config
 from autoshard_models.train_single import TrainSettings, make_optimizer
 
@@ -78,6 +78,7 @@ def check_breakdown(m: MemoryEstimate, model, world: int) -> None:
         assert m.activations == m.gathered_params == 0, m.summary()
 
 
+@pytest.mark.slow
 def test_tiny_dry_run_reports_rank_0(tiny):
     result = dry_run(tiny)
     assert ranks_to_check(tiny) == [0] and list(result.ranks) == [0]
@@ -127,6 +128,7 @@ def test_a_corrupted_program_is_one_error_naming_the_node(tiny):
     assert err.value.__cause__ is None and err.value.__suppress_context__
 
 
+@pytest.mark.slow
 def test_estimate_matches_torch_memtracker_on_a_real_step(debug):
     """llama3-debug on (2,2): rank 0's real step (ParallelModule + AdamW, real tensors, fake
     process group: values do not matter for memory) measured by torch's MemTracker over two steps

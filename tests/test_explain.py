@@ -46,6 +46,7 @@ def pinned_from_scratch(ex, alt):
     return plan
 
 
+@pytest.mark.slow
 def test_chosen_layout_and_alternatives(tiny, wq):
     plan, _ = tiny
     assert wq.params == [WQ] and wq.layout == plan.param_layouts[WQ]
@@ -64,6 +65,7 @@ def test_chosen_layout_and_alternatives(tiny, wq):
         assert all(c.before != c.after for c in alt.changes)
 
 
+@pytest.mark.slow
 def test_best_alternative_equals_pinning_from_scratch(wq):
     best = wq.alternatives[0]
     assert pinned_from_scratch(wq, best).step_time_s == pytest.approx(best.step_time_s, rel=1e-9)
@@ -85,6 +87,7 @@ def test_every_alternative_is_solved_and_the_last_equals_pinning_from_scratch(ti
     assert pinned_from_scratch(ex, last).step_time_s == pytest.approx(last.step_time_s, rel=1e-9)
 
 
+@pytest.mark.slow
 def test_top_limits_the_list_and_a_pattern_names_one_layout(tiny):
     plan, auto = tiny
     ex = auto.explain("norm.weight", top=1)

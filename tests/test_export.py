@@ -225,8 +225,9 @@ def test_an_hf_run_in_bf16_exports_bf16_with_its_tokenizer_and_chat_template(tmp
     """`train --model hf:DIR --param-dtype bf16`: export defaults to bf16 and copies DIR's
     tokenizer files (binary ones too), chat template and generation_config.json byte for byte;
     AutoTokenizer loads OUT with that template."""
-    from test_data import make_tokenizer
     from tokenizers import Tokenizer
+
+    from test_data import make_tokenizer
 
     source = tmp_path / "m"
     transformers.LlamaForCausalLM(

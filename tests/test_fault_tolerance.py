@@ -48,6 +48,7 @@ def kept(run: Path) -> list[str]:
     return sorted(p.name for p in (run / "checkpoints").iterdir())
 
 
+@pytest.mark.slow
 @ONE_PROCESS
 def test_sigterm_finishes_the_step_checkpoints_and_the_same_command_resumes_exactly(tmp_path):
     """SIGTERM mid-run: the step finishes, its checkpoint is written, the exit code is 128 + 15 with
@@ -243,6 +244,7 @@ def test_a_torn_last_metrics_row_is_cut_with_a_warning_and_a_bad_one_before_it_n
             MetricsFile(tmp_path, keep_until=3)
 
 
+@pytest.mark.slow
 @ONE_PROCESS
 def test_a_run_killed_mid_row_resumes_with_the_uninterrupted_losses(tmp_path):
     """The torn row of a killed run (`python -m autoshard train`, checkpoint at step 2) no longer
@@ -262,6 +264,7 @@ def test_a_run_killed_mid_row_resumes_with_the_uninterrupted_losses(tmp_path):
     assert losses(out) == losses(tmp_path / "clean")
 
 
+@pytest.mark.slow
 @ONE_PROCESS
 def test_a_resume_applies_a_new_lr_and_refuses_another_run_unless_forced(tmp_path):
     """Resuming with another --lr uses it from the next update on (logged, and recorded in the first

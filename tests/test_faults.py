@@ -107,6 +107,7 @@ def clean_losses(tmp_path_factory) -> dict[int, float]:
     return losses(out)
 
 
+@pytest.mark.slow
 @ONE_PROCESS
 @pytest.mark.parametrize("writes", ["sync", "async"])
 def test_a_full_disk_stops_with_one_line_and_the_newest_checkpoint_resumes(
@@ -257,6 +258,7 @@ def test_plan_stopped_by_the_time_limit_without_a_solution_is_one_line(tmp_path,
     assert error_lines(capsys.readouterr().err) == [f"error: planning autoshard failed: {TIME_LIMIT_LINE}"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("which", ["the first solve", "a memory-fit solve"])
 def test_train_stopped_by_the_time_limit_without_a_solution_is_one_line(tmp_path, capsys, monkeypatch, which):
     """Rank 0's solve, or one of the budgeted solves fitting --memory-limit (rank 0 solving beside

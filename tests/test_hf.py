@@ -12,9 +12,9 @@ import transformers
 
 from autoshard import _torch_compat as tc
 from autoshard.driver.api import AutoShard
+from autoshard.runtime.module import parallelize
 from autoshard.workloads import hf
 from autoshard.workloads.base import full_state
-from autoshard.runtime.module import parallelize
 from autoshard_models import MarkovTokens, cross_entropy_loss
 from autoshard_models.train_single import TrainSettings, make_optimizer
 from plan_audit import assert_shards, budget_bytes, sharded_plan
@@ -136,6 +136,7 @@ def sdpa_calls(graph) -> list[dict]:
     ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
 def test_a_causal_mask_of_positions_leaves_the_graph(kind):
     """Tokens only: SDPA runs with is_causal=True and no [b, 1, s, s] mask is traced (transformers'
@@ -160,6 +161,7 @@ def test_a_causal_mask_of_positions_leaves_the_graph(kind):
     )
 
 
+@pytest.mark.slow
 def test_a_padding_mask_is_kept_and_numerics_stay_exact():
     """An attention mask passed (left padding in two rows): the mask is traced as transformers makes
     it and (2,2) computes the single device's loss and gradients."""
@@ -316,9 +318,8 @@ def test_torchrun_trains_an_hf_model_from_its_safetensors_like_single_device(tmp
     """4 gloo ranks on (2,2), `--model hf:DIR --init-from DIR` (a tiny Llama saved by
     save_pretrained), parameters sharded by a budget: the 5 losses equal the single-device run
     from the same weights."""
-    from test_train import torchrun
-
     from autoshard.workloads import get_workload
+    from test_train import torchrun
 
     model, directory = save_tiny(tmp_path / "m", seed=5, tie_word_embeddings=True)
     torchrun(
@@ -368,9 +369,8 @@ def test_torchrun_trains_an_hf_encoder_decoder_on_its_own_loss_like_single_devic
     save_pretrained: the workload is its sequence-to-sequence class, called with `labels=` and
     trained on its own `.loss` (no loss function of ours), parameters sharded by a budget. The 5
     losses equal the single-device run from the same weights."""
-    from test_train import torchrun
-
     from autoshard.workloads import get_workload
+    from test_train import torchrun
 
     config = transformers.T5Config(
         vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, dropout_rate=0.0

@@ -54,6 +54,7 @@ def test_the_replicate_dim_keeps_only_its_data_parallel_placements():
     assert FixedMeshDim(0, {"x": ((S(1),), ())}).keep("x", (a, b)) == [0, 1]  # none agrees: all kept
 
 
+@pytest.mark.slow
 def test_hsdp_plan_respects_roles_and_trains_like_single_device():
     """Every parameter (so every gradient) is Replicate on dp_replicate and the batch enters split
     over it; the 3D problem is no larger than the 2D one of the other dims; 3 steps on 8 simulated

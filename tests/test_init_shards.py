@@ -280,6 +280,7 @@ def hf_plan():
         return config, auto.optimize()
 
 
+@pytest.mark.slow
 def test_hf_llama_from_a_sharded_checkpoint_and_from_its_seed(hf_plan, tmp_path):
     """`--model hf:DIR`: the seed's init (record and replay) and `--init-from DIR` of a
     `save_pretrained` checkpoint in three files with an index give the whole path's shards."""

@@ -54,6 +54,7 @@ def train(plan, mesh_shape, steps=3, cfg=TINY, batch_size=BATCH, seq=SEQ):
     return losses, grads, pmodel
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh_shape", [(2, 2), (4,)])
 def test_recompute_is_bit_equal_and_runs_what_the_plan_priced(mesh_shape):
     """The same layouts with and without recomputation: losses and gradients bit-equal; the
@@ -78,6 +79,7 @@ def test_recompute_is_bit_equal_and_runs_what_the_plan_priced(mesh_shape):
     assert again and again["all_gather"] > kept_pmodel.comm.bytes["backward"].get("all_gather", 0)
 
 
+@pytest.mark.slow
 def test_recompute_lowers_the_dry_runs_activations_and_is_priced():
     plan = plan_tiny((2, 2), recompute=True)
     kept = dataclasses.replace(plan, recompute_blocks=(), recomputed=frozenset())

@@ -6,9 +6,9 @@ dry run's; no plan that fits is one clear error. Activation checkpointing itself
 
 from __future__ import annotations
 
-import math
 import dataclasses
 import logging
+import math
 
 import pytest
 import torch
@@ -133,9 +133,8 @@ def test_the_linear_model_of_the_peak_is_within_10_percent_of_the_dry_run(name, 
     them redistributes, as their own copy) is within 10% of the dry
     run's peak, and its handed-over part within 2% of the activations the dry run holds; both plans
     fit an H100 as solved (its capacity less the 10% reserve)."""
-    from autoshard.driver.config import mp_policy
+    from autoshard.driver.config import MEMORY_RESERVE, mp_policy
     from autoshard.problem.memory import modeled_bytes, peak_memory_table
-    from autoshard.driver.config import MEMORY_RESERVE
 
     example = lambda: (torch.empty(batch, 8192, dtype=torch.int64, device="meta"),) * 2  # noqa: E731
     with AutoShard(
@@ -208,6 +207,7 @@ RESHARD_OPS = {
 }
 
 
+@pytest.mark.slow
 def test_a_limit_the_plan_already_meets_changes_nothing(unconstrained):
     free, _, free_memory = unconstrained
     plan, fit, memory = plan_debug(10 * free_memory.peak_bytes)
@@ -215,6 +215,7 @@ def test_a_limit_the_plan_already_meets_changes_nothing(unconstrained):
     assert plan.param_layouts == free.param_layouts and plan.step_time_s == free.step_time_s
 
 
+@pytest.mark.slow
 def test_no_plan_fits_is_one_clear_error():
     from autoshard.driver.fit import MemoryLimitError
 
@@ -226,6 +227,7 @@ def test_no_plan_fits_is_one_clear_error():
         plan_debug(10e6)
 
 
+@pytest.mark.slow
 def test_when_nothing_fits_the_first_budgets_the_fit_raises_them(caplog):
     """With 1 ms launches (bf16 parameters, fp32 reductions) the plan as solved is data parallel
     and holds 145 MiB per rank: its non-linear part (activations, transients of a whole batch
@@ -276,6 +278,7 @@ def record_fit_solves(monkeypatch) -> list[list]:
     return solves
 
 
+@pytest.mark.slow
 def test_the_fit_solves_each_option_under_each_budget_once(monkeypatch):
     """Under 78 MB the budgeted resharding plan misses first (~86 MB) and the fit goes round again:
     only the option whose budget was tightened is solved again, and one that the cutoff ruled out
@@ -292,6 +295,7 @@ def test_the_fit_solves_each_option_under_each_budget_once(monkeypatch):
         assert not earlier or earlier[-1] == "cut", solves
 
 
+@pytest.mark.slow
 def test_cutoffs_skip_options_that_cannot_win_and_change_no_plan(monkeypatch, caplog):
     """Under 90 MB each option after the best so far meets its step as a cutoff: at least two are
     ruled out by the lower bound of their solve without the budget, with no budgeted solve, and
@@ -417,6 +421,7 @@ def test_after_two_misses_the_budget_follows_the_peaks_slope():
     assert _next_budget(limit, 79.6, 25.0, [(90.0, 104.0), (79.6, 105.0)]) == pytest.approx(100 - 25.5)
 
 
+@pytest.mark.slow
 def test_plan_cli_memory_limit(tmp_path):
     import json
     import subprocess

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from autoshard import _torch_compat as tc
-from autoshard.driver.api import AutoShard
 from autoshard.capture.precision import gradient_tail
 from autoshard.capture.regions import block_of
+from autoshard.driver.api import AutoShard
 from autoshard.problem.build import grad_sink
 from autoshard.profiles.files import network_profile
 from autoshard.program.lower import lower
@@ -118,6 +118,7 @@ def launched_then_waited(events) -> bool:
     return all(a[0] == "launch" and b == ("wait", *a[1:]) for a, b in zip(buckets[::2], buckets[1::2]))
 
 
+@pytest.mark.slow
 def test_gathers_run_one_block_ahead_and_reductions_in_the_background(plan):
     with simulated_mesh(MESH) as (mesh, _):
         program, synchronous = lower(plan, mesh, prefetch=1), lower(plan, mesh, prefetch=0)
@@ -157,6 +158,7 @@ def test_gathers_run_one_block_ahead_and_reductions_in_the_background(plan):
         assert program.comm.bytes[phase] == synchronous.comm.bytes[phase]
 
 
+@pytest.mark.slow
 def test_prefetch_changes_no_number(recomputed_plan):
     """On the recomputing plan, which launches ahead in the forward and in the backward."""
     plan = recomputed_plan
@@ -234,6 +236,7 @@ def replicated_plan():
         return auto.optimize()
 
 
+@pytest.mark.slow
 def test_replicated_gradients_all_reduce_in_capped_buckets_in_the_backward_order():
     """Gradient all-reduces group as DDP groups them: consecutive gradients in the order the
     backward produces them, at most the cap of input bytes per bucket (a gradient larger than

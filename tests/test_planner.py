@@ -11,10 +11,10 @@ import time
 import pytest
 import torch
 
-from autoshard.pricing.ring import step_cost, wire_bytes
-from autoshard.profiles.network import NetworkProfile
 from autoshard.layout import Layout, P, R, S
 from autoshard.pricing.planner import Planner
+from autoshard.pricing.ring import step_cost, wire_bytes
+from autoshard.profiles.network import NetworkProfile
 
 BIG = (4096, 4096)
 

@@ -15,11 +15,11 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 
 from autoshard import _torch_compat as tc
-from autoshard.driver.api import AutoShard
-from autoshard.profiles.network import NetworkProfile
 from autoshard.capture.precision import gradient_tail, is_cast
+from autoshard.driver.api import AutoShard
 from autoshard.problem.build import grad_sink
 from autoshard.profiles.device import DeviceProfile
+from autoshard.profiles.network import NetworkProfile
 from autoshard.runtime.module import parallelize
 from autoshard.runtime.wire import WireMeter
 from autoshard_models import MarkovTokens, build_model, cross_entropy_loss, get_config
@@ -173,6 +173,7 @@ def _reducing_edges(p):
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "policy, reduce_dtype", [(BF16_FP32, torch.float32), (BF16, torch.bfloat16)], ids=["reduce-fp32", "reduce-bf16"]
 )
@@ -213,6 +214,7 @@ def test_gradients_are_reduced_in_the_reduce_dtype_and_gathers_halve(policy, red
     )
 
 
+@pytest.mark.slow
 def test_compute_is_priced_at_the_dtypes_rate():
     h100 = DeviceProfile.preset("h100")
     assert h100.peak_for(torch.bfloat16) == 640e12 and h100.peak_for(torch.float32) == 46e12  # sustained, measured
@@ -255,6 +257,7 @@ def _plan_cli(tmp_path, *extra):
     )
 
 
+@pytest.mark.slow
 def test_plan_cli_shows_dtypes(tmp_path):
     out = _plan_cli(tmp_path, "--param-dtype", "bfloat16", "--reduce-dtype", "fp32")
     assert out.returncode == 0, out.stderr
@@ -268,6 +271,7 @@ def test_plan_cli_shows_dtypes(tmp_path):
     assert "mixed precision: param bf16, reduce fp32" in log and " bf16 " in log
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("flag, value", [("--param-dtype", "int8"), ("--reduce-dtype", "fp8")])
 def test_plan_cli_bad_dtype_is_one_line(tmp_path, flag, value):
     out = _plan_cli(tmp_path, flag, value)

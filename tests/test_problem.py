@@ -45,6 +45,7 @@ def tiny_2x2():
     return plan_for((2, 2), budget=FULLY_SHARDED)
 
 
+@pytest.mark.slow
 def test_every_op_has_a_strategy_and_grads_follow_params(tiny_2x2):
     plan, auto = tiny_2x2
     model = build_model(get_config("llama3-tiny"), device="meta")
@@ -122,6 +123,7 @@ def test_1d_mesh_with_memory_budget_is_fsdp():
     assert plan.bytes_by_collective.get("all_reduce", 0) < 1024
 
 
+@pytest.mark.slow
 def test_pinned_layout_is_obeyed_and_costs_no_less():
     free, _ = plan_for((2, 2))
     pinned, _ = plan_for((2, 2), pins={"layers.*.attention.wq.weight": "S(1)S(1)[0,1]"})
@@ -165,6 +167,7 @@ def test_input_constraint_on_a_missing_tensor_dim():
         plan_for((2, 2), inputs=["S(2)R"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", ["S(0)S(2)", "RR"])
 def test_output_constraint_fixes_the_logits_layout(tiny_2x2, layout):
     free, _ = tiny_2x2

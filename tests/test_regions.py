@@ -28,6 +28,7 @@ def test_block_of_paths():
     assert block_of("tok_embeddings") is None and block_of("") is None
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("n_layers", [2, 4])
 def test_every_llama_layer_is_one_copy_of_the_same_region(n_layers):
     graph = traced(n_layers)

@@ -7,9 +7,9 @@ import pytest
 import torch
 from torch import fx, nn
 
-from autoshard.driver.api import AutoShard
 from autoshard.capture.repeat import repeated_block_list, trace_step
 from autoshard.capture.trace import trace_joint
+from autoshard.driver.api import AutoShard
 from autoshard_models import build_model, cross_entropy_loss, get_config
 
 LOG = "autoshard"
@@ -58,6 +58,7 @@ def tiny(n_layers):
     return build_model(get_config("llama3-tiny").with_(n_layers=n_layers), device="meta")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("n_layers", [4, 7])
 def test_unrolled_llama_equals_the_full_trace(n_layers, caplog):
     model = tiny(n_layers)
@@ -130,6 +131,7 @@ def test_which_lists_unroll():
     assert repeated_block_list(Stack([nn.Sequential(shared, nn.ReLU()) for _ in range(5)])) is None
 
 
+@pytest.mark.slow
 def test_plans_with_and_without_unrolling_agree():
     def plan(unroll):
         model = tiny(6)

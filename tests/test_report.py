@@ -12,12 +12,12 @@ import torch
 
 from autoshard.__main__ import main
 from autoshard.driver.api import AutoShard
-from autoshard.runtime.module import parallelize
 from autoshard.options import parse_bytes, parse_mesh
 from autoshard.profiles.device import DeviceProfile
 from autoshard.report.build import plan_report
 from autoshard.report.files import write_report
 from autoshard.report.text import format_log, human_bytes, human_time, memory_line, summary_lines
+from autoshard.runtime.module import parallelize
 from autoshard_models import build_model, cross_entropy_loss, get_config
 from plan_audit import sharded_plan
 from simulation import simulated_mesh
@@ -35,6 +35,7 @@ def tiny():
     return plan, plan_report(plan, timings=auto.timings, extra={"fingerprint": "abc"}), auto.timings
 
 
+@pytest.mark.slow
 def test_report_lists_every_parameter_with_its_layout(tiny):
     plan, report, _ = tiny
     params = {p["fqn"]: p for p in report["parameters"]}
@@ -124,6 +125,7 @@ def test_parse_mesh_and_bytes():
         parse_bytes("lots")
 
 
+@pytest.mark.slow
 def test_plan_command_writes_log_json_and_comparison(tmp_path, capsys):
     out = tmp_path / "plan"
     assert main(["plan", *TINY_ARGS, "--out", str(out), "--compare", "manual", "--mesh-names", "dp,tp"]) == 0
@@ -155,6 +157,7 @@ def test_memory_line_says_whether_the_peak_fits():
     assert memory_line({**over, "capacity_bytes": None}) == "memory per rank: peak 90.0 GiB (rank 0, backward)"
 
 
+@pytest.mark.slow
 def test_plan_command_dry_run_failure_is_one_error_line_and_no_dry_run_skips_it(tmp_path, capsys, monkeypatch):
     from autoshard.runtime import dryrun
 

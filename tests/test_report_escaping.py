@@ -77,6 +77,7 @@ def full(report):  # noqa: F811 - the imported fixture
     return data
 
 
+@pytest.mark.slow
 def test_every_value_and_key_of_plan_json_is_escaped_or_refused(full):
     """Each field of plan.json in turn (in one record, then in every record of its kind), and each
     key of each object, set to a script tag: the page either shows it as text or is not built."""

@@ -81,6 +81,7 @@ class Page(HTMLParser):
         self.text.append(data)
 
 
+@pytest.mark.slow
 def test_page_is_well_formed_self_contained_and_lists_every_fqn(report):
     text = render_html(report)
     page = Page(text)

@@ -74,6 +74,7 @@ def test_overwrite_starts_over_instead_of_resuming_and_removes_the_old_checkpoin
     assert "--overwrite: removed the earlier run's metrics.jsonl, plan.json" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 @ONE_PROCESS
 def test_a_live_holder_refuses_before_anything_is_written_and_a_dead_ones_lock_is_taken_over(tmp_path, capsys):
     out = tmp_path / "run"

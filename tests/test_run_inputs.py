@@ -44,6 +44,7 @@ def test_the_same_files_spelled_another_way_resume(tmp_path, monkeypatch):
     assert [r["step"] for r in rows] == [1, 2, 3] and rows[2]["changed_on_resume"] == {"steps": [2, 3]}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("change", ["added", "rewritten"])
 def test_other_files_under_the_same_path_are_refused_and_forced_recorded(tmp_path, capsys, change):
     data = token_dir(tmp_path / "dd")
@@ -104,6 +105,7 @@ def test_the_fingerprint_reads_blocks_not_the_file(tmp_path):
     assert file_digest(path) not in (before,)
 
 
+@pytest.mark.slow
 def test_the_checkpoint_a_nan_stop_names_is_one_whose_loss_had_not_diverged(tmp_path, capsys):
     """Resumed from step 3 at --lr 1e30: step 4's loss is still sound, its update is not, and step
     5's loss is not finite. Step 4's checkpoint is finite but diverged: the stop names step 3's."""

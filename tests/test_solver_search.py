@@ -5,8 +5,7 @@ import random
 
 import pytest
 
-from autoshard_solver import InfeasibleError, Problem, solve
-from autoshard_solver import search
+from autoshard_solver import InfeasibleError, Problem, search, solve
 from autoshard_solver.model import Model, choices, run
 from autoshard_solver.presolve import Reduction
 from autoshard_solver.search import core_cost
@@ -41,6 +40,7 @@ def plain_mip(problem: Problem) -> float:
     return sum(problem.cost(red.assign(chosen)))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("weak_incumbent", [False, True])
 def test_lp_pipeline_matches_a_plain_mip(weak_incumbent, monkeypatch):
     if weak_incumbent:  # rounding + local search only: fixing and the MIP must do the rest

@@ -13,11 +13,11 @@ import torch
 from torch import fx
 from torch.distributed._local_tensor import LocalTensor, LocalTensorMode
 
-from autoshard.profiles.device import DeviceProfile
+from autoshard.capture.trace import trace_joint
 from autoshard.layout import Layout
 from autoshard.pricing.compute import ComputePricer
+from autoshard.profiles.device import DeviceProfile
 from autoshard.strategies import Strategy, StrategyCatalog, input_slots, layouts_for, node_strategies, order_variants
-from autoshard.capture.trace import trace_joint
 from autoshard_models import build_model, cross_entropy_loss, get_config
 
 aten = torch.ops.aten

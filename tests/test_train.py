@@ -156,6 +156,7 @@ def run_main(args: list[str], capsys) -> tuple[int, str]:
     return code, err
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "args, message",
     [
@@ -186,14 +187,15 @@ def test_bad_input_is_one_line(tmp_path, capsys, args, message):
     assert "Traceback" not in err
 
 
+@pytest.mark.slow
 @pytest.mark.replicated_plan  # what it checks is the memory fit of `train`, in one process
 def test_memory_limit_in_train(tmp_path, capsys):
     """One process (mesh 1): by default the plan is checked against the cpu profile's capacity less
     the reserve; `none` checks nothing; under 3 MiB (the plan as solved peaks at ~3.7 MiB) the
     blocks are recomputed, the run stays under it with the single-device losses, and its plan file
     reused (with checkpointing, as saved) trains alike."""
-    from autoshard.profiles.files import device_profile
     from autoshard.driver.config import MEMORY_RESERVE
+    from autoshard.profiles.files import device_profile
 
     def run(name: str, *extra: str) -> tuple[dict, str]:
         code, err = run_main([*TINY, "--mesh", "1", "--steps", "3", "--out", str(tmp_path / name), *extra], capsys)

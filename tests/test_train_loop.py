@@ -147,6 +147,7 @@ def reference(
 SCHEDULED = ["--lr-schedule", "cosine", "--warmup-steps", "2", "--min-lr", "3e-4", "--weight-decay", "0.1"]
 
 
+@pytest.mark.slow
 @ONE_PROCESS
 def test_a_run_logs_lr_and_grad_norm_and_resumes_on_the_same_lrs(tmp_path):
     """One process: the lr of every row is torch's schedulers', grad_norm of step 1 is a single
@@ -233,6 +234,7 @@ def test_tensorboard_reads_back_the_loss_per_step(tmp_path):
     assert got == [(r["step"], pytest.approx(r["loss"], rel=1e-6)) for r in rows]
 
 
+@pytest.mark.slow
 @ONE_PROCESS
 @pytest.mark.skipif(importlib.util.find_spec("wandb") is None, reason="wandb is not installed")
 def test_wandb_offline_writes_a_run_directory(tmp_path, monkeypatch):
@@ -308,7 +310,6 @@ def test_mfu_counts_the_traced_steps_flops():
     from autoshard.driver.api import AutoShard
     from autoshard.profiles.device import DeviceProfile
     from autoshard.train.loggers import Throughput
-
     from autoshard_models import cross_entropy_loss
 
     cfg = get_config("llama3-tiny")

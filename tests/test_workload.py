@@ -7,8 +7,8 @@ import dataclasses
 import pytest
 import torch
 
-from autoshard.driver.config import mesh_names
 from autoshard.cli.train import Settings, _parse
+from autoshard.driver.config import mesh_names
 from autoshard.workloads import get_workload
 from autoshard_models import MarkovTokens, get_config
 

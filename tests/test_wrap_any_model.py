@@ -8,7 +8,6 @@ AdamW steps."""
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 import transformers
@@ -144,6 +143,7 @@ def test_tied_encoders_and_t5_train_sharded_like_single_device(kind):
     trains_like_single_device(plan, meta, initial, ref)
 
 
+@pytest.mark.slow
 @pytest.mark.replicated_plan  # batch 4 on the CPU presets: the cheapest step computes all on every rank
 @pytest.mark.parametrize("kind", MODELS)
 def test_tied_encoders_and_t5_train_with_the_free_plan(kind):

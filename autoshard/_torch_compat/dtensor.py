@@ -16,22 +16,40 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import (
     DTensorSpec as DTensorSpec,
+)
+from torch.distributed.tensor._dtensor_spec import (
     ShardOrderEntry as ShardOrderEntry,
+)
+from torch.distributed.tensor._dtensor_spec import (
     TensorMeta as TensorMeta,
 )
 from torch.distributed.tensor._op_schema import (
     OpSchema as OpSchema,
+)
+from torch.distributed.tensor._op_schema import (
     OpSpec as OpSpec,
+)
+from torch.distributed.tensor._op_schema import (
     OpStrategy as OpStrategy,
+)
+from torch.distributed.tensor._op_schema import (
     TupleStrategy as TupleStrategy,
 )
 from torch.distributed.tensor._ops import single_dim_strategy as _sds
 from torch.distributed.tensor._ops import utils as _ops_utils
 from torch.distributed.tensor.placement_types import (
     Partial as Partial,
+)
+from torch.distributed.tensor.placement_types import (
     Placement,
+)
+from torch.distributed.tensor.placement_types import (
     Replicate as Replicate,
+)
+from torch.distributed.tensor.placement_types import (
     Shard as Shard,
+)
+from torch.distributed.tensor.placement_types import (
     _StridedShard as _StridedShard,
 )
 

@@ -11,10 +11,10 @@ from typing import Any
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.utils._python_dispatch import TorchDispatchMode as TorchDispatchMode, _disable_current_modes
+from torch.utils._python_dispatch import TorchDispatchMode as TorchDispatchMode
+from torch.utils._python_dispatch import _disable_current_modes
 
 from autoshard._torch_compat import legacy
-
 
 # ---------------------------------------------------------------- dispatch modes
 DispatchMode = TorchDispatchMode  # base class of a mode that sees every aten op with its outputs

@@ -11,6 +11,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed._local_tensor import (
     LocalTensor as LocalTensor,
+)
+from torch.distributed._local_tensor import (
     LocalTensorMode,
     maybe_run_for_local_tensor,
 )

@@ -17,7 +17,11 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 # torch has no public pytree module; its private one is what every torch API flattens with.
 from torch.utils._pytree import (
     tree_flatten as tree_flatten,
+)
+from torch.utils._pytree import (
     tree_leaves as tree_leaves,
+)
+from torch.utils._pytree import (
     tree_unflatten as tree_unflatten,
 )
 

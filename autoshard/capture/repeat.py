@@ -24,8 +24,8 @@ import torch
 from torch import fx, nn
 
 from autoshard import _torch_compat as tc
-from autoshard.capture.regions import assign_blocks, flat_args
 from autoshard.capture.precision import Precision
+from autoshard.capture.regions import assign_blocks, flat_args
 from autoshard.capture.trace import MODULE_KEY, JointGraph, trace_joint
 
 log = logging.getLogger("autoshard")

@@ -132,7 +132,7 @@ def fit_device_profile(timings: dict, step: dict, device, name: str):
     add's timed alone; one op's dispatch; the fused AdamW step's rate) and per-dtype details. Op
     dispatch and the optimizer step come from the preset of the device's kind when their timings
     do not grow with the work (noise on tiny sizes): a note, not a lost calibration."""
-    from autoshard.pricing.fit import StepPartsFit, fit_rate, fit_step_rates, fit_step_parts
+    from autoshard.pricing.fit import StepPartsFit, fit_rate, fit_step_parts, fit_step_rates
     from autoshard.profiles.calibrate import memory_capacity
     from autoshard.profiles.device import ADAMW_STEP_BYTES, DeviceProfile
 

@@ -49,8 +49,8 @@ import torch.distributed as dist
 from autoshard.cli.args import RaisingArgumentParser, add_dataclass_arguments
 from autoshard.options import UsageError, from_values
 from autoshard.train.loop import train
-from autoshard.train.signals import Interrupted, Preempted
 from autoshard.train.settings import Settings
+from autoshard.train.signals import Interrupted, Preempted
 
 
 def train_parser() -> argparse.ArgumentParser:

@@ -29,15 +29,14 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 import autoshard_solver as solver
-
 from autoshard import _torch_compat as tc
 from autoshard.capture.calls import run_step, step_inputs
 from autoshard.capture.precision import cast_floating
 from autoshard.capture.regions import find_repeated_blocks
 from autoshard.capture.repeat import trace_step
 from autoshard.capture.trace import mark_outputs
-from autoshard.driver.config import Mesh, PlanConfig
 from autoshard.driver import limits
+from autoshard.driver.config import Mesh, PlanConfig
 from autoshard.driver.fit import FitSteps, fit_memory, solving_here
 from autoshard.driver.ranks import RankZeroPlanning, in_process_group
 from autoshard.driver.replicas import fix_replicate_dim
@@ -50,8 +49,8 @@ from autoshard.problem.plan import Plan, decode
 from autoshard.profiles.device import DeviceProfile
 from autoshard.profiles.files import device_profile, network_profile
 from autoshard.profiles.network import NetworkProfile
-from autoshard.runtime.dryrun import DryRunResult, dry_run
 from autoshard.program.buckets import DEFAULT_BUCKET_BYTES
+from autoshard.runtime.dryrun import DryRunResult, dry_run
 from autoshard.runtime.module import ParallelModule, parallelize
 
 log = logging.getLogger("autoshard")

@@ -45,7 +45,6 @@ from dataclasses import dataclass
 from typing import Callable, TypeVar
 
 import autoshard_solver as solver
-
 from autoshard.driver import limits
 from autoshard.pricing.planner import Planner
 from autoshard.problem.build import ProblemSpec, ShardingProblem, with_options

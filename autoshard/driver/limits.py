@@ -9,7 +9,6 @@ import contextlib
 from typing import Any, Iterator
 
 import autoshard_solver as solver
-
 from autoshard.options import UsageError
 
 

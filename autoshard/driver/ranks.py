@@ -26,7 +26,6 @@ from typing import Any, Callable, TypeVar
 import torch.distributed as dist
 
 import autoshard_solver as solver
-
 from autoshard.driver import limits
 from autoshard.driver.fit import AT_ONCE, FitSteps, in_background
 from autoshard.options import UsageError

@@ -19,7 +19,6 @@ from dataclasses import replace
 from torch import fx
 
 import autoshard_solver as solver
-
 from autoshard.capture.trace import JointGraph
 from autoshard.layout import Layout, R, S
 from autoshard.pricing.planner import Planner

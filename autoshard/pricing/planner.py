@@ -30,14 +30,14 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from itertools import combinations, permutations, pairwise
+from itertools import combinations, pairwise, permutations
 from typing import Any
 
 import networkx as nx
 
+from autoshard.layout import Layout, P, Placement, R, S
 from autoshard.pricing.ring import COLLECTIVE_KINDS, linear_cost, step_cost, wire_bytes
 from autoshard.profiles.network import NetworkProfile
-from autoshard.layout import Layout, P, Placement, R, S
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ exactly these terms.
 from __future__ import annotations
 
 from collections.abc import Sequence
+
 from autoshard.profiles.network import NetworkProfile
 
 # kind -> (wire bytes per local input byte, latency steps) for a group of n ranks

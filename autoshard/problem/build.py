@@ -26,30 +26,41 @@ import torch
 from torch import fx
 
 import autoshard_solver as solver
-from autoshard_solver.problem import problem_digest
-
-from autoshard.profiles.device import DeviceProfile
+from autoshard.capture.loops import find_repeated_steps
+from autoshard.capture.precision import gradient_tail
+from autoshard.capture.regions import assign_blocks, find_repeated_blocks
+from autoshard.capture.trace import JointGraph
 from autoshard.layout import Layout
 from autoshard.pricing.compute import ComputePricer
 from autoshard.pricing.planner import Planner, holds_for_accumulation, reduces
-from autoshard.capture.precision import gradient_tail
-from autoshard.capture.loops import find_repeated_steps
-from autoshard.capture.regions import assign_blocks, find_repeated_blocks
-from autoshard.strategies import Strategy, StrategyCatalog
-from autoshard.capture.trace import JointGraph
-from autoshard.problem.choices import Choices, add_sinks, collect_choices, optimizer_step_s
 from autoshard.problem.buckets import GRAD_BUCKET_KINDS, BucketShare, bucket_shares
 
 # the ILP's nodes and their choices live in `choices`; these names stay importable from here
 from autoshard.problem.choices import (
     LOSS_SINK as LOSS_SINK,
+)
+from autoshard.problem.choices import Choices, add_sinks, collect_choices, optimizer_step_s
+from autoshard.problem.choices import (
     DimPlacements as DimPlacements,
+)
+from autoshard.problem.choices import (
     FixedMeshDim as FixedMeshDim,
+)
+from autoshard.problem.choices import (
     ProblemSpec as ProblemSpec,
+)
+from autoshard.problem.choices import (
     Producer as Producer,
+)
+from autoshard.problem.choices import (
     dim_placements as dim_placements,
+)
+from autoshard.problem.choices import (
     grad_sink as grad_sink,
 )
+from autoshard.profiles.device import DeviceProfile
+from autoshard.strategies import Strategy, StrategyCatalog
+from autoshard_solver.problem import problem_digest
 
 log = logging.getLogger("autoshard")
 

@@ -24,7 +24,6 @@ from autoshard.pricing.compute import ComputePricer
 from autoshard.profiles.device import DeviceProfile
 from autoshard.strategies import Strategy, StrategyCatalog, input_slots
 
-
 LOSS_SINK = "sink:loss"
 
 

@@ -27,7 +27,6 @@ from dataclasses import dataclass, field
 from typing import Iterable
 
 import autoshard_solver as solver
-
 from autoshard.layout import Layout
 from autoshard.pricing.planner import Planner, RedistributePlan
 from autoshard.problem.build import ShardingProblem

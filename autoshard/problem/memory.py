@@ -20,9 +20,9 @@ import math
 import operator
 from dataclasses import dataclass
 
-import autoshard_solver as solver
 from torch import fx
 
+import autoshard_solver as solver
 from autoshard import _torch_compat as tc
 from autoshard.capture.trace import JointGraph
 from autoshard.problem.build import ShardingProblem

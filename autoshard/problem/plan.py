@@ -10,14 +10,13 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 import autoshard_solver as solver
-
-from autoshard.pricing.ring import COLLECTIVE_KINDS
+from autoshard.capture.trace import JointGraph
 from autoshard.layout import Layout
 from autoshard.pricing.planner import Planner, RedistributePlan, holds_for_accumulation
-from autoshard.problem.build import LOSS_SINK, ShardingProblem, grad_sink
+from autoshard.pricing.ring import COLLECTIVE_KINDS
 from autoshard.problem.buckets import GRAD_BUCKET_KINDS
+from autoshard.problem.build import LOSS_SINK, ShardingProblem, grad_sink
 from autoshard.strategies import Strategy
-from autoshard.capture.trace import JointGraph
 
 
 @dataclass(frozen=True)

@@ -20,10 +20,10 @@ import torch
 from torch import fx, nn
 
 from autoshard.capture.precision import gradient_tail
+from autoshard.pricing.planner import holds_for_accumulation, reduces
 from autoshard.problem.plan import Plan
 from autoshard.program.collectives import dim_order
 from autoshard.program.modules import LOCAL_SHAPE, Redistribute
-from autoshard.pricing.planner import holds_for_accumulation, reduces
 
 ACCUMULATOR = "autoshard_accumulator"  # node meta of an accumulator placeholder: its index
 

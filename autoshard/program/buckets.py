@@ -20,7 +20,6 @@ from autoshard.capture.regions import block_of
 from autoshard.problem.plan import Plan
 from autoshard.program.modules import AWAIT, LOCAL_SHAPE, Bucket, Redistribute
 
-
 DEFAULT_BUCKET_BYTES = 25 * 2**20  # DDP's bucket_cap_mb
 
 

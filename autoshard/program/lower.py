@@ -29,14 +29,14 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from autoshard.program.accumulate import Accumulator, hold_reductions
-from autoshard.program.attention import ON_DEVICE
-from autoshard.program.collectives import dim_order, prepare_groups
-from autoshard.program.buckets import DEFAULT_BUCKET_BYTES, bucket
-from autoshard.program.modules import AWAIT, LOCAL_SHAPE, Redistribute
-from autoshard.program.random import RandomStream, SeededOp, draws, shard_key
 from autoshard.layout import Layout
 from autoshard.problem.plan import Plan
+from autoshard.program.accumulate import Accumulator, hold_reductions
+from autoshard.program.attention import ON_DEVICE
+from autoshard.program.buckets import DEFAULT_BUCKET_BYTES, bucket
+from autoshard.program.collectives import dim_order, prepare_groups
+from autoshard.program.modules import AWAIT, LOCAL_SHAPE, Redistribute
+from autoshard.program.random import RandomStream, SeededOp, draws, shard_key
 from autoshard.program.schedule import StepModel, model_step
 from autoshard.program.split import split
 

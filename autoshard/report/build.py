@@ -19,11 +19,11 @@ from autoshard.layout import Layout
 from autoshard.pricing.planner import RedistributePlan
 from autoshard.pricing.ring import COLLECTIVE_KINDS
 from autoshard.problem.explain import Explanation
+from autoshard.problem.memory import MemoryFit
 from autoshard.problem.plan import Plan, Redistribution, Sink
 from autoshard.profiles.device import DeviceProfile
 from autoshard.program.lower import Program
 from autoshard.runtime.dryrun import DryRunResult
-from autoshard.problem.memory import MemoryFit
 
 # Top-level keys `plan_report` produces; anything else came in through `extra`.
 OWN_KEYS = (

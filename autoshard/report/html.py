@@ -17,14 +17,24 @@ from typing import Iterable, Sequence
 from autoshard.layout import Layout
 from autoshard.report.charts import (
     MESH_COLORS,
-    bar_svg as _bar,
     curve_svg,
-    escape as _e,
-    kind_color as _color,
     layout_svg,
-    legend as _legend,
-    mesh_dim_label as _md,
     memory_block,
+)
+from autoshard.report.charts import (
+    bar_svg as _bar,
+)
+from autoshard.report.charts import (
+    escape as _e,
+)
+from autoshard.report.charts import (
+    kind_color as _color,
+)
+from autoshard.report.charts import (
+    legend as _legend,
+)
+from autoshard.report.charts import (
+    mesh_dim_label as _md,
 )
 from autoshard.report.text import human_bytes, human_time
 

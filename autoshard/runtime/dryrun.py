@@ -40,14 +40,16 @@ import torch.distributed as dist
 from torch import fx
 
 from autoshard import _torch_compat as tc
+from autoshard.problem.memory import ADAMW_STATE_BYTES
+from autoshard.problem.plan import Plan
 from autoshard.program.lower import LOCAL_SHAPE, CheckedRun, Program, lower
 from autoshard.program.modules import AwaitBucket, Redistribute
 from autoshard.program.schedule import StepModel
-from autoshard.problem.memory import ADAMW_STATE_BYTES
-from autoshard.problem.plan import Plan
 
 # the memory accounting lives in `live_bytes`; under this module's names (tests patch `dryrun._LiveBytes`)
-from autoshard.runtime.live_bytes import LiveBytes as _LiveBytes, Replay as _Replay, tensors_in as _tensors
+from autoshard.runtime.live_bytes import LiveBytes as _LiveBytes
+from autoshard.runtime.live_bytes import Replay as _Replay
+from autoshard.runtime.live_bytes import tensors_in as _tensors
 
 CATEGORIES = ("params", "buffers", "inputs", "activations", "gathered_params", "grads", "transient")
 

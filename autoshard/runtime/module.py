@@ -41,12 +41,11 @@ from torch import nn
 
 from autoshard import _torch_compat as tc
 from autoshard.layout import Layout
+from autoshard.problem.plan import Plan
 from autoshard.program.buckets import DEFAULT_BUCKET_BYTES
 from autoshard.program.lower import CheckedRun, CommStats, Program, lower
 from autoshard.program.random import RandomStream
-from autoshard.problem.plan import Plan
 from autoshard.runtime.shards import SliceReader, read_local
-
 
 # Inductor's pass that moves each collective's wait to just before the first use of its result.
 # Without it inductor schedules a wait right after its collective: a program that waits late

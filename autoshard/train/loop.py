@@ -36,8 +36,8 @@ from autoshard.train.loggers import close_all
 from autoshard.train.metrics import MetricsFile, step_time_line
 from autoshard.train.parts import Parts, build_feed, build_optimizer, build_steps, restore
 from autoshard.train.planning import PlannedRun, plan_run
-from autoshard.train.rundir import run_directory
 from autoshard.train.run import ResolvedRun, resolve
+from autoshard.train.rundir import run_directory
 from autoshard.train.settings import Settings
 from autoshard.train.signals import StopSignals
 from autoshard.train.steps import run_steps

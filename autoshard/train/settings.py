@@ -8,11 +8,10 @@ import math
 import os
 from dataclasses import dataclass
 
-from autoshard.driver.config import PlanConfig
 from autoshard.data.files import DTYPES as DATA_DTYPES
+from autoshard.driver.config import PlanConfig
 from autoshard.options import BATCH, INIT_FROM, MODEL, OUT, SEQ, positive_int, run_name, setting
 from autoshard.train.optimizer import LR_SCHEDULES, OptimizerConfig, ScheduleConfig
-
 
 RESUME_MODES = ("auto", "yes", "no", "force")
 CHECKPOINT_WRITES = ("auto", "async", "sync")

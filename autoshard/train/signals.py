@@ -6,8 +6,8 @@ raises `Interrupted` at once, so a rank does not plan on while torchrun stops it
 from __future__ import annotations
 
 import os
-import sys
 import signal
+import sys
 import threading
 import time
 import warnings
