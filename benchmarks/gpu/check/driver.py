@@ -56,7 +56,9 @@ def run_part(a: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=benchmarks.gpu.check.__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.gpu.check", description=benchmarks.gpu.check.__doc__.split("\n\n")[0]
+    )
     parser.add_argument("--out", type=Path, default=Path("gpu-check"), help="where gpu_check.json and .md go")
     parser.add_argument("--tiny", action="store_true", help="every part at toy sizes (CPU or GPU)")
     parser.add_argument("--big", action="store_true", help="also llama3-70b on (64, 8) (always with --tiny)")
