@@ -29,7 +29,6 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.nn.parallel import DistributedDataParallel
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -38,6 +37,7 @@ from torch.distributed.tensor.parallel import (
     loss_parallel,
     parallelize_module,
 )
+from torch.nn.parallel import DistributedDataParallel
 
 from autoshard.driver.config import mp_policy
 from autoshard.runtime.wire import WireMeter, wire_row

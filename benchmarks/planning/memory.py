@@ -18,12 +18,12 @@ Goal: autoshard fits with a modeled step at or below the recipe's.
 
 from __future__ import annotations
 
-import math
 import argparse
+import dataclasses
 import json
+import math
 import sys
 import time
-import dataclasses
 from dataclasses import asdict, dataclass
 
 from autoshard.profiles.network import NetworkProfile
@@ -69,8 +69,8 @@ def _plan(case: Case, recipe: bool) -> dict:
 
     from autoshard.driver.api import AutoShard
     from autoshard.driver.config import mp_policy
-    from autoshard.problem.recipes import param_bytes_per_rank, recipe_layouts, recipe_pins
     from autoshard.driver.fit import MemoryLimitError
+    from autoshard.problem.recipes import param_bytes_per_rank, recipe_layouts, recipe_pins
     from autoshard_models import build_model, cross_entropy_loss, get_config
 
     net = build_model(get_config(case.model), device="meta")

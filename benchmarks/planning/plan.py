@@ -15,9 +15,9 @@ plan with its parameters' device orders forced to the default, and the analytic 
 
 from __future__ import annotations
 
-import math
 import argparse
 import json
+import math
 import multiprocessing as mp
 import resource
 import sys
@@ -45,9 +45,8 @@ def _plan_case(
 ) -> dict:
     import torch
 
-    from autoshard.driver.config import mp_policy
-
     from autoshard.driver.api import AutoShard
+    from autoshard.driver.config import mp_policy
     from autoshard.problem.recipes import param_bytes_per_rank, recipe_layouts, recipe_pins
     from autoshard_models import build_model, cross_entropy_loss, get_config
 
