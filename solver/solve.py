@@ -71,11 +71,15 @@ class Solution:
 
     @classmethod
     def from_json(cls, text: str) -> "Solution":
-        data = json.loads(text)
-        if data.pop("format", None) != FORMAT:
-            raise ValueError("unsupported solution format")
-        data["stats"] = SolveStats(**data["stats"])
-        return cls(**data)
+        """The solution `to_json` wrote; ValueError for anything else (a damaged or foreign text)."""
+        try:
+            data = json.loads(text)
+            if not isinstance(data, dict) or data.pop("format", None) != FORMAT:
+                raise ValueError("unsupported solution format")
+            data["stats"] = SolveStats(**data["stats"])
+            return cls(**data)
+        except (KeyError, TypeError) as e:
+            raise ValueError(f"not a solution ({type(e).__name__}: {e})") from None
 
 
 def solve(

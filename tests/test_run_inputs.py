@@ -6,6 +6,7 @@ per file); a NaN stop names a checkpoint that had not diverged; damaged metrics,
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
@@ -311,3 +312,46 @@ def test_a_signal_while_tokenizing_stops_with_its_line(tmp_path, tokenizer_file)
     assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
     assert "autoshard train: stopped by SIGTERM before the first step (nothing written)" in err, err[-3000:]
     assert "Traceback" not in err and not (tmp_path / "r").exists()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("tensorboard") is None, reason="tensorboard is not installed")
+def test_a_full_disk_while_writing_tensorboard_events_is_one_error_line(tmp_path, capsys, monkeypatch):
+    import errno
+
+    from torch.utils.tensorboard import SummaryWriter
+
+    def full(self, *args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(SummaryWriter, "add_scalar", full)
+    out = tmp_path / "run"
+    assert main([*TINY, "--steps", "2", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert (
+        errors_in(err)
+        == [
+            f"error: cannot write TensorBoard events in {out / 'tensorboard'}: No space left on device; the newest "
+            f"complete checkpoint is in {out / 'checkpoints'} (the same command resumes from it)"
+        ]
+        and "Traceback" not in err
+    )
+
+
+def test_a_plan_file_whose_solution_is_damaged_is_one_error_line(tmp_path, capsys):
+    from autoshard.cli.plan import plan_main
+
+    profiles = ["--network", "cpu-gloo", "--device", "cpu"]
+    assert plan_main([*TINY, "--mesh", "1", *profiles, "--out", str(tmp_path / "plan")]) in (0, None)
+    plan = json.loads((tmp_path / "plan" / "plan.json").read_text())
+    solution = json.loads(plan["solution"])
+    del solution["stats"]
+    plan["solution"] = json.dumps(solution)
+    (tmp_path / "bad.json").write_text(json.dumps(plan))
+    capsys.readouterr()
+    assert main([*TINY, "--steps", "1", "--plan-file", str(tmp_path / "bad.json"), "--out", str(tmp_path / "r")]) == 2
+    err = capsys.readouterr().err
+    assert (
+        errors_in(err)
+        == [f"error: --plan-file {tmp_path / 'bad.json'}: its solution is damaged (not a solution (KeyError: 'stats'))"]
+        and "Traceback" not in err
+    )

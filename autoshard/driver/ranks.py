@@ -140,6 +140,10 @@ class RankZeroPlanning:
                     "constraints",
                 )
             if saved is not None:
+                try:
+                    solver.Solution.from_json(saved.solution)
+                except ValueError as e:
+                    return ("error", f"{saved.source}: its solution is damaged ({e})")
                 log.info("autoshard: reusing the solution in %s", saved.source)
                 return ("ok", saved.solution)
             try:  # on a thread: rank 0 waits for it where a signal can interrupt it

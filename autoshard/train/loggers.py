@@ -23,6 +23,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
+from autoshard.options import UsageError
 from autoshard.pricing.compute import graph_work
 from autoshard.problem.plan import Plan
 from autoshard.profiles.device import DeviceProfile
@@ -137,14 +138,24 @@ class TensorBoardLog:
     def __init__(self, out: Path, resumed_at: int | None):
         from torch.utils.tensorboard import SummaryWriter
 
+        self.out = out
         self.writer = SummaryWriter(log_dir=str(out / TENSORBOARD_DIR), purge_step=(resumed_at or 0) + 1)
 
     def log(self, row: dict) -> None:
-        for name, value in scalars(row).items():
-            self.writer.add_scalar(name, value, row["step"])
+        try:  # the writer's thread hands a failed write (a full disk) back on a later call
+            for name, value in scalars(row).items():
+                self.writer.add_scalar(name, value, row["step"])
+        except OSError as err:
+            raise UsageError(
+                f"cannot write TensorBoard events in {self.out / TENSORBOARD_DIR}: {err.strerror or err}; the newest "
+                f"complete checkpoint is in {self.out / 'checkpoints'} (the same command resumes from it)"
+            ) from None
 
     def close(self) -> None:
-        self.writer.close()
+        try:
+            self.writer.close()
+        except OSError as err:  # the run is done: its last events are what is lost
+            log.warning("autoshard train: warning: the last TensorBoard events were not written (%s)", err)
 
 
 class WandbLog:
