@@ -288,6 +288,7 @@ class _Unroller:
         grads = {
             fqn: self.lookup(g.grads[traced]) if k is None else self.block_node(k, g.grads[traced])
             for fqn, (_, traced, k) in self.params.items()
+            if traced in g.grads
         }
         loss = self.lookup(g.loss)
         self.new.output((loss, *grads.values()))

@@ -39,8 +39,18 @@ class JointGraph:
     inputs: list[fx.Node]  # user inputs, in call order
     tangents: list[fx.Node]  # seed gradient of the loss
     loss: fx.Node  # the loss value (first output)
-    grads: dict[str, fx.Node]  # parameter FQN -> node computing its gradient
+    grads: dict[str, fx.Node]  # trained parameter FQN -> node computing its gradient
     precision: Precision = Precision()  # the casts the trace applied to parameters
+
+    @property
+    def trained(self) -> list[str]:
+        """The parameters that get a gradient, in `params` order: the backward's outputs. The
+        others are frozen (`requires_grad=False`): no gradient, no reduction, no optimizer state."""
+        return [fqn for fqn in self.params if fqn in self.grads]
+
+    @property
+    def frozen(self) -> list[str]:
+        return [fqn for fqn in self.params if fqn not in self.grads]
 
     @property
     def nodes(self) -> list[fx.Node]:
@@ -191,7 +201,8 @@ def trace_joint(
     wrapper = _StepModule(model, step_fn)
     with _fake_parameters(model, fake_mode, device):
         joint = _export(stack, wrapper, model, args, precision)
-    return _describe(joint, precision, tied_names(model))
+    frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
+    return _describe(joint, precision, tied_names(model), frozen)
 
 
 def tied_names(model: nn.Module) -> dict[str, str]:
@@ -267,7 +278,9 @@ def _one_per_tied_group(gm: fx.GraphModule, tied: dict[str, str]) -> dict[fx.Nod
     return out
 
 
-def _describe(joint, precision: Precision, tied: dict[str, str] | None = None) -> JointGraph:
+def _describe(
+    joint, precision: Precision, tied: dict[str, str] | None = None, frozen: set[str] = frozenset()
+) -> JointGraph:
     gm = joint.graph_module
     sum_then_divide(gm)
     params, buffers, inputs, tangents = {}, {}, [], []
@@ -297,9 +310,12 @@ def _describe(joint, precision: Precision, tied: dict[str, str] | None = None) -
         elif kind == "grad" and value is not None:
             name = _strip(target)
             grads[(tied or {}).get(name, name)] = value
-    missing = sorted(set(params) - set(grads))
+    missing = sorted(set(params) - set(grads) - set(frozen))
     if missing:
-        raise ValueError(f"these parameters get no gradient from the loss: {', '.join(missing)}")
+        raise ValueError(
+            f"these parameters get no gradient from the loss: {', '.join(missing)} "
+            "(freeze them with requires_grad_(False) if they are not meant to train)"
+        )
     return JointGraph(
         gm=gm,
         params=params,

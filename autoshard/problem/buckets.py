@@ -57,9 +57,12 @@ def bucket_shares(
 ) -> dict[tuple[str, str], BucketShare]:
     """The edges the program buckets: from a parameter (or its mixed-precision cast) to its
     consumers, and into a gradient's sink or tail; each shared by the parameters of its block."""
-    members: dict[tuple[str, int] | None, int] = {}
+    members: dict[tuple[str, int] | None, int] = {}  # parameters per block: its gathers' bucket
     for fqn in graph.params:
         members[block_of(fqn)] = members.get(block_of(fqn), 0) + 1
+    trained: dict[tuple[str, int] | None, int] = {}  # gradients per block: its reductions' bucket
+    for fqn in graph.trained:
+        trained[block_of(fqn)] = trained.get(block_of(fqn), 0) + 1
     source = {}  # ILP node of a parameter or its cast -> the parameter's block
     for fqn, param in graph.params.items():
         for node in [param, *(u for u in param.users if is_cast(u))]:
@@ -74,7 +77,7 @@ def bucket_shares(
         for producer in producers:
             if consumer in grad_of:
                 out[(producer.node, consumer)] = BucketShare(
-                    GRAD_BUCKET_KINDS, members[grad_of[consumer]], copy_s_per_byte
+                    GRAD_BUCKET_KINDS, trained[grad_of[consumer]], copy_s_per_byte
                 )
             elif producer.node in source:
                 out[(producer.node, consumer)] = BucketShare(

@@ -235,8 +235,10 @@ def _fill_solver_problem(
     _add_nodes(sp, param_fqn)
     _add_edges(sp, planner)
     problem = sp.problem
-    for fqn, node in sp.graph.params.items():
-        problem.same_choice([node.name, grad_sink(fqn)], name=f"grad of {fqn} in its parameter's layout")
+    for fqn in sp.graph.trained:
+        problem.same_choice(
+            [sp.graph.params[fqn].name, grad_sink(fqn)], name=f"grad of {fqn} in its parameter's layout"
+        )
     limit = spec.param_memory_bytes
     if limit is not None and math.isfinite(limit):
         problem.memory_budget(
@@ -454,7 +456,8 @@ def _alike_choices(sp: ShardingProblem, steps: list[list[fx.Node]]) -> list[list
 def _ilp_names(sp: ShardingProblem, copy: Sequence[fx.Node]) -> list[str]:
     """ILP nodes of one block copy, in position order: its ops and params, then its params' grad sinks."""
     names = [n.name for n in copy if n.name in sp.strategies]
-    return names + [grad_sink(sp.graph.param_names[n]) for n in copy if n in sp.graph.param_names]
+    sinks = [grad_sink(sp.graph.param_names[n]) for n in copy if n in sp.graph.param_names]
+    return names + [sink for sink in sinks if sink in sp.strategies]  # a frozen parameter has none
 
 
 def _cost_matrix(planner: Planner, srcs, dsts, shape, itemsize, share: BucketShare | None = None) -> list[list[float]]:

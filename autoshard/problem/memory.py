@@ -171,7 +171,8 @@ def peak_memory_table(sp: ShardingProblem) -> PeakTable:
     table = PeakTable({}, {})
     for fqn, node in sp.graph.params.items():
         val = node.meta["val"]
-        per_element = val.dtype.itemsize * (2 if fqn in sp.graph.grads else 1) + ADAMW_STATE_BYTES
+        trained = fqn in sp.graph.grads  # a frozen parameter: its value alone, no gradient or optimizer state
+        per_element = val.dtype.itemsize * 2 + ADAMW_STATE_BYTES if trained else val.dtype.itemsize
         table.nodes[node.name] = outputs_row(sp.strategies[node.name], [(0, tuple(val.shape), per_element)])
     held = handed_over(sp.graph, sp.recomputed)
     for node, outputs in held.storages.items():

@@ -112,8 +112,8 @@ def decode(sp: ShardingProblem, solution: solver.Solution, planner: Planner) -> 
     node_compute_s = {name: sp.compute_s[name][solution.choice[name]] for name in sp.strategies}
     graph = sp.graph
     params = {fqn: chosen[node.name].outputs[0] for fqn, node in graph.params.items()}
-    for fqn, layout in params.items():  # the SameChoice constraint, double-checked
-        assert chosen[grad_sink(fqn)].inputs[0] == layout, fqn
+    for fqn in graph.trained:  # the SameChoice constraint, double-checked
+        assert chosen[grad_sink(fqn)].inputs[0] == params[fqn], fqn
     inputs = [chosen[node.name].outputs[0] for node in graph.inputs]
 
     redistributions = []
@@ -148,7 +148,7 @@ def decode(sp: ShardingProblem, solution: solver.Solution, planner: Planner) -> 
         redistributions=redistributions,
         module_paths={n.name: graph.module_path(n) for n in graph.nodes},
         loss_sink=Sink(LOSS_SINK, "loss", "", chosen[LOSS_SINK].inputs[0]),
-        grad_sinks={fqn: Sink(grad_sink(fqn), "grad", fqn, layout) for fqn, layout in params.items()},
+        grad_sinks={fqn: Sink(grad_sink(fqn), "grad", fqn, params[fqn]) for fqn in graph.trained},
         solution=solution,
         graph=graph,
         compute_s=sum(c for name, c in node_compute_s.items() if name != LOSS_SINK),

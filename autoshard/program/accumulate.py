@@ -64,7 +64,7 @@ def hold_reductions(plan: Plan, joint: fx.Graph, modules: dict[str, nn.Module]) 
     reduction, and once, in the last backward, after one."""
     graph = plan.graph
     output = next(iter(reversed(joint.nodes)))
-    grad_of = dict(zip(output.args[0][1:], graph.params))  # gradient redistribution -> FQN
+    grad_of = dict(zip(output.args[0][1:], graph.trained))  # gradient redistribution -> FQN
     tail_of = {node.name: fqn for fqn, grad in graph.grads.items() for node in gradient_tail(grad)}
     reductions: dict[str, list[fx.Node]] = {}
     refused: set[str] = set()

@@ -34,7 +34,7 @@ def bucket(
     Gathers run per block at first use, reductions once every member's gradient is ready."""
     graph = plan.graph
     output = next(iter(reversed(joint.nodes)))
-    grad_of = dict(zip(output.args[0][1:], graph.params))  # gradient redistribution -> FQN
+    grad_of = dict(zip(output.args[0][1:], graph.trained))  # gradient redistribution -> FQN
     param_of = {
         node: fqn for fqn, param in graph.params.items() for node in [param, *(u for u in param.users if is_cast(u))]
     }

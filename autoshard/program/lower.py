@@ -85,7 +85,7 @@ class HeldBackward:
     sums returned instead of reduced."""
 
     graph: fx.GraphModule
-    params: list[int]  # positions in `param_names` of the parameters whose gradients are held
+    params: list[int]  # positions in `grad_names` of the parameters whose gradients are held
     accumulators: list[Accumulator]
     comm: CommStats  # forward and held backward: the collectives of such a micro-batch
     step: StepModel  # the modeled forward + held backward
@@ -94,7 +94,8 @@ class HeldBackward:
 @dataclass
 class Program:
     """The per-rank step: `forward(*params, *buffers, *inputs) -> (loss, *saved)` and
-    `backward(*saved, tangent) -> grads` (one per parameter, in `param_names` order). Lowered to
+    `backward(*saved, tangent) -> grads` (one per trained parameter, in `grad_names` order: the
+    frozen ones, `requires_grad=False`, get none). Lowered to
     accumulate (`held` set), the backward also takes the held reductions' sums so far, after the
     tangent, and reduces them with its own."""
 
@@ -108,6 +109,7 @@ class Program:
     random: RandomStream = field(default_factory=RandomStream)  # the seed and step its random ops draw from
     device_type: str = "cpu"  # the mesh's: where its values live (a dry run makes its fakes there)
     held: HeldBackward | None = None  # lowered to accumulate gradients over micro-batches
+    grad_names: list[str] = field(default_factory=list)  # the trained parameters, in `param_names` order
 
     def step_s(self, micro_batches: int = 1) -> float:
         """Modeled seconds of an optimizer step of `micro_batches` micro-batches, on two streams:
@@ -154,10 +156,9 @@ def lower(
     inputs = [(tuple(n.meta["val"].shape), lay) for n, lay in zip(graph.inputs, plan.input_layouts)]
     held_backward = None
     if held is not None and backward_held is not None:
-        names = list(graph.params)
         held_backward = HeldBackward(
             backward_held,
-            [i for i, fqn in enumerate(names) if fqn in held.params],
+            [i for i, fqn in enumerate(graph.trained) if fqn in held.params],
             held.accumulators,
             _comm_stats(forward, backward_held),
             model_step(plan, [forward, backward_held]),
@@ -173,6 +174,7 @@ def lower(
         stream,
         mesh.device_type,
         held_backward,
+        graph.trained,
     )
 
 
@@ -233,7 +235,7 @@ def _local_joint_graph(plan: Plan, mesh: Any, stream: RandomStream) -> tuple[fx.
         env[node] = new
 
     loss = redistributed(env[graph.loss], plan.loss_sink.name, 0)
-    grads = [redistributed(env[graph.grads[fqn]], plan.grad_sinks[fqn].name, 0) for fqn in graph.params]
+    grads = [redistributed(env[graph.grads[fqn]], plan.grad_sinks[fqn].name, 0) for fqn in graph.trained]
     out.output((loss, *grads))
     return out, modules
 

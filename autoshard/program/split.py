@@ -46,7 +46,7 @@ def split(
     bwd = _backward_graph(saved, tangent_inputs, backward_nodes, grads, recomputed, modules, plan.recomputed)
     graphs = [fwd, bwd]
     if held is not None:
-        outputs = held_outputs(grads, list(plan.graph.params), held)
+        outputs = held_outputs(grads, plan.graph.trained, held)
         graphs.append(
             _backward_graph(saved, tangent_inputs, backward_nodes, outputs, recomputed, modules, plan.recomputed)
         )

@@ -96,7 +96,7 @@ def plan_report(
     step = program.step if program is not None else dry_run.step if dry_run is not None else None
     if program is not None and program.held is not None:  # one step is micro_batches of the program
         report["totals"]["overlapped_step_s"] = program.step_s(plan.micro_batches)
-        names = program.param_names
+        names = program.grad_names
         report["accumulation"] = {
             "micro_batches": plan.micro_batches,
             "held_params": [names[i] for i in program.held.params],
@@ -122,7 +122,12 @@ def _parameter_entries(plan: Plan) -> list[dict]:
     for fqn, node in plan.graph.params.items():
         layout = plan.param_layouts[fqn]
         out.append(
-            {"fqn": fqn, **_tensor_entry(node, layout, plan.mesh_shape), "default_order": layout.is_default_order}
+            {
+                "fqn": fqn,
+                **_tensor_entry(node, layout, plan.mesh_shape),
+                "default_order": layout.is_default_order,
+                "frozen": fqn not in plan.graph.grads,
+            }
         )
     return out
 

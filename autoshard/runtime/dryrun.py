@@ -210,7 +210,8 @@ def account(
         live.add(value, kind)
     for value in accumulated:
         live.add(value, "grads")
-    params = list(forward_args[:n_params])
+    trained = set(program.grad_names)  # frozen parameters have no gradient and no optimizer state
+    params = [p for p, fqn in zip(forward_args[:n_params], program.param_names) if fqn in trained]
     live.fixed = ADAMW_STATE_BYTES * sum(p.numel() for p in params)  # AdamW states: steady state
 
     # Each interpreter lets go of its values after its run (`_done`): fx's Interpreter also keeps

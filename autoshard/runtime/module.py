@@ -333,27 +333,37 @@ class ParallelModule(nn.Module):
             self._holding = False
 
     def _backward(self, saved: list, grad_loss: torch.Tensor, holding: bool) -> list[torch.Tensor | None]:
-        """One backward: every gradient in `param_names` order; `holding` (its forward ran inside
-        `no_sync()`), the held ones are None (their sums stay here)."""
+        """One backward: a gradient per parameter in `param_names` order, None for a frozen one;
+        `holding` (its forward ran inside `no_sync()`), the held ones are None too (their sums
+        stay here)."""
         held = self.program.held
         if held is None:
-            return list(self._run("backward", (*saved, grad_loss)))
+            return self._by_param(self._run("backward", (*saved, grad_loss)))
         sums = self._accumulated
         if sums is None:
             sums = [a.zeros(grad_loss.device) for a in held.accumulators]
         if not holding:
             self._accumulated = None
-            return list(self._run("backward", (*saved, grad_loss, *sums)))
+            return self._by_param(self._run("backward", (*saved, grad_loss, *sums)))
         out = self._run("backward_held", (*saved, grad_loss, *sums))
         kept = len(out) - len(sums)
         self._accumulated = list(out[kept:])
-        grads: list[torch.Tensor | None] = [None] * len(self.program.param_names)
+        grads: list[torch.Tensor | None] = [None] * len(self.program.grad_names)
         others = iter(out[:kept])
         skip = set(held.params)
         for i in range(len(grads)):
             if i not in skip:
                 grads[i] = next(others)
-        return grads
+        return self._by_param(grads)
+
+    def _by_param(self, grads) -> list[torch.Tensor | None]:
+        """The backward's gradients (one per trained parameter) placed by parameter, None for a
+        frozen one."""
+        program = self.program
+        if len(program.grad_names) == len(program.param_names):
+            return list(grads)
+        by_name = dict(zip(program.grad_names, grads))
+        return [by_name.get(fqn) for fqn in program.param_names]
 
     def _run(self, phase: str, args: tuple) -> tuple:
         gm = getattr(self.program, phase)

@@ -1,0 +1,202 @@
+"""Frozen parameters (`requires_grad=False`) are parameters without gradients: planned like any
+other (here forced to shard, and asserted), with no gradient sink, reduction or optimizer state.
+Each model trains on every rank of a simulated mesh through 3 AdamW steps like one device: the
+loss and every trained parameter's gradient equal, the frozen values bit-identical after the steps.
+The models: a layer frozen by hand, peft's LoRA over tiny HF Llama and Qwen2, and HF Marian, whose
+sinusoidal position tables are parameters that never train."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+from torch import nn
+
+from autoshard import _torch_compat as tc
+from autoshard.driver.api import AutoShard
+from autoshard.runtime.module import parallelize
+from autoshard.workloads import hf
+from autoshard_models.train_single import TrainSettings, make_optimizer
+from plan_audit import sharded_plan
+from simulation import simulated_mesh
+
+peft = pytest.importorskip("peft")
+
+BATCH, SEQ, VOCAB, STEPS = 4, 8, 128, 3
+SMALL = dict(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    use_cache=False,
+)
+MARIAN = dict(vocab_size=VOCAB, d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4)
+MARIAN |= dict(decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=64)
+MARIAN |= dict(dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, pad_token_id=0, decoder_start_token_id=0)
+MARIAN |= dict(use_cache=False)
+
+
+class TwoLayers(nn.Module):
+    """The first layer frozen, as a user does with `requires_grad_(False)`."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, 32)
+        self.frozen = nn.Linear(32, 64)
+        self.head = nn.Linear(64, VOCAB)
+        self.embed.requires_grad_(False)
+        self.frozen.requires_grad_(False)
+
+    def forward(self, x):
+        return self.head(torch.relu(self.frozen(self.embed(x))))
+
+
+def lora(base: nn.Module) -> nn.Module:
+    """peft's LoRA on q and v, its adapters initialized at random (peft zeroes B by default, which
+    would leave A's first gradient zero)."""
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    return peft.get_peft_model(base, config)
+
+
+def hf_causal(config_class):
+    def make(device: str) -> nn.Module:
+        config = config_class(**SMALL)
+        return hf.build(config if device == "cpu" else hf.training_config(config), device, seed=0)
+
+    return make
+
+
+MODELS = {
+    "two-layers": lambda device: TwoLayers().to(device),
+    "lora-llama": lambda device: lora(hf_causal(transformers.LlamaConfig)(device)),
+    "lora-qwen2": lambda device: lora(hf_causal(transformers.Qwen2Config)(device)),
+    "marian": lambda device: transformers.MarianMTModel(transformers.MarianConfig(**MARIAN)).to(device),
+}
+
+
+def logits_loss(out, y):
+    logits = out if isinstance(out, torch.Tensor) else out.logits
+    return nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten())
+
+
+def marian_loss(model, x, y):
+    return model(input_ids=x, labels=y).loss
+
+
+def build(kind: str, device: str) -> nn.Module:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        with torch.device(device):
+            return MODELS[kind](device).train()
+
+
+def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(0)
+    return [tuple(torch.randint(2, VOCAB, (BATCH, SEQ), generator=g) for _ in range(2)) for _ in range(STEPS)]
+
+
+def single_device(kind: str):
+    """Initial values, and per step (loss, trained gradients), of AdamW on one device."""
+    model = build(kind, "cpu")
+    initial = {k: v.clone() for k, v in (model.state_dict() | dict(model.named_buffers())).items()}
+    optim = make_optimizer([p for p in model.parameters() if p.requires_grad], TrainSettings())
+    steps = []
+    for x, y in batches():
+        loss = marian_loss(model, x, y) if kind == "marian" else logits_loss(model(x), y)
+        loss.backward()
+        steps.append((loss.item(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}))
+        optim.step()
+        optim.zero_grad()
+    return initial, steps
+
+
+def plan_sharded(kind: str, mesh_shape):
+    meta = build(kind, "meta")
+    if kind == "marian":  # keyword inputs, the model's own `.loss`
+        names = ("input_ids", "labels")
+        example = lambda: {k: torch.empty(BATCH, SEQ, dtype=torch.int64, device="meta") for k in names}  # noqa: E731
+        auto = AutoShard(meta, example, mesh_shape)
+    else:
+        example = lambda: (torch.empty(BATCH, SEQ, dtype=torch.int64, device="meta"),) * 2  # noqa: E731
+        auto = AutoShard(meta, example, mesh_shape, loss_fn=logits_loss)
+    plan = sharded_plan(auto, budget=1.0 if kind == "two-layers" else 1.5)
+    return plan, meta
+
+
+@pytest.mark.parametrize(
+    "kind, mesh_shape",
+    [("two-layers", (2, 2)), ("two-layers", (4,)),
+     *(pytest.param(*case, marks=pytest.mark.slow)
+       for case in [("lora-llama", (2, 2)), ("lora-llama", (4,)), ("lora-qwen2", (2, 2)), ("marian", (2, 2))])],
+)  # fmt: skip
+def test_frozen_parameters_are_planned_sharded_and_train_like_one_device(kind, mesh_shape):
+    initial, ref = single_device(kind)
+    plan, meta = plan_sharded(kind, mesh_shape)
+    frozen = {n for n, p in meta.named_parameters() if not p.requires_grad}
+    trained = {n for n, p in meta.named_parameters() if p.requires_grad}
+    assert frozen and trained
+    assert set(plan.grad_sinks) == trained  # no gradient, so no reduction, for a frozen parameter
+    assert set(plan.graph.frozen) == frozen
+    sharded = [n for n in frozen if any(p.kind == "S" for p in plan.param_layouts[n].placements)]
+    assert sharded, {n: str(plan.param_layouts[n]) for n in frozen}  # the frozen base is sharded too
+    data = batches()
+    with simulated_mesh(plan.mesh_shape) as (mesh, mode):
+        pmodel = parallelize(plan, mesh, meta)
+        pmodel.load_full(initial)
+        optim = make_optimizer([p for p in pmodel.parameters() if p.requires_grad], TrainSettings())
+        for step, (x, y) in enumerate(data):
+            loss = pmodel(*pmodel.shard_inputs(x, y))
+            loss.backward()
+            want_loss, want_grads = ref[step]
+            with mode.disable():
+                for got in tc.rank_values(loss).values():
+                    assert abs(got.item() - want_loss) <= 1e-5 * max(1.0, abs(want_loss)), (step, got, want_loss)
+            atol = 1e-6 if step == 0 else 1e-5  # AdamW's steps turn reduction-order ulps into ~1e-7
+            for fqn, p in pmodel.named_parameters():
+                if fqn in frozen:
+                    assert p.grad is None and not p.requires_grad, fqn
+                    continue
+                full = p.grad.full_tensor()
+                with mode.disable():
+                    for got in tc.rank_values(full).values():
+                        torch.testing.assert_close(
+                            got, want_grads[fqn], rtol=1e-5, atol=atol, msg=lambda m: f"{fqn} step {step}: {m}"
+                        )
+            optim.step()
+            optim.zero_grad()
+        after = {fqn: pmodel.get_parameter(fqn).full_tensor() for fqn in frozen}
+        with mode.disable():
+            for fqn, value in after.items():
+                for got in tc.rank_values(value).values():
+                    assert torch.equal(got, initial[fqn]), fqn  # bit-identical: never stepped
+
+
+def test_a_frozen_parameter_costs_its_value_alone_in_the_modeled_memory():
+    """No gradient and no AdamW state for a frozen parameter, in the ILP's peak and the dry run."""
+    from autoshard.problem.memory import ADAMW_STATE_BYTES
+
+    plans = {}
+    for frozen in (False, True):
+        meta = build("two-layers", "meta")
+        if not frozen:
+            meta.requires_grad_(True)
+        example = lambda: (torch.empty(BATCH, SEQ, dtype=torch.int64, device="meta"),) * 2  # noqa: E731
+        auto = AutoShard(meta, example, (4,), loss_fn=logits_loss)
+        auto.pin("*", "R")  # the same layouts both ways: only what a parameter holds differs
+        plans[frozen] = auto.dry_run(auto.optimize()).ranks[0]
+    frozen_elements = sum(p.numel() for n, p in build("two-layers", "meta").named_parameters() if not p.requires_grad)
+    assert plans[False].optimizer - plans[True].optimizer == ADAMW_STATE_BYTES * frozen_elements
+
+
+def test_a_parameter_the_loss_never_reaches_says_to_freeze_it():
+    model = TwoLayers().to("meta").requires_grad_(True)
+    unused = nn.Linear(4, 4, device="meta")
+    model.add_module("unused", unused)
+    example = lambda: (torch.empty(BATCH, SEQ, dtype=torch.int64, device="meta"),) * 2  # noqa: E731
+    with pytest.raises(ValueError, match=r"no gradient from the loss: unused.bias, unused.weight \(freeze them"):
+        AutoShard(model, example, (4,), loss_fn=logits_loss).optimize()
+    unused.requires_grad_(False)  # frozen: planned, never trained
+    plan = AutoShard(model, example, (4,), loss_fn=logits_loss).optimize()
+    assert "unused.weight" in plan.param_layouts and "unused.weight" not in plan.grad_sinks
