@@ -23,3 +23,25 @@ def simulated_mesh(mesh_shape: Sequence[int], names: Sequence[str] | None = None
         mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
         with tc.local_tensor_mode(math.prod(shape)) as mode:
             yield mesh, mode
+
+
+def assert_step_matches(pmodel: Any, mode: Any, loss: Any, want_loss: float, want_grads: dict, step: int) -> None:
+    """Every rank's `loss` and every trained parameter's gradient (gathered whole) equal one
+    device's at this step; a frozen parameter (absent from `want_grads`) has none. AdamW's steps
+    turn reduction-order ulps into ~1e-7 weight differences: later steps get a 1e-5 floor."""
+    import torch
+
+    with mode.disable():
+        for got in tc.rank_values(loss).values():
+            assert abs(got.item() - want_loss) <= 1e-5 * max(1.0, abs(want_loss)), (step, got, want_loss)
+    atol = 1e-6 if step == 0 else 1e-5
+    for fqn, p in pmodel.named_parameters():
+        if fqn not in want_grads:
+            assert p.grad is None and not p.requires_grad, fqn
+            continue
+        full = p.grad.full_tensor()
+        with mode.disable():
+            for got in tc.rank_values(full).values():
+                torch.testing.assert_close(
+                    got, want_grads[fqn], rtol=1e-5, atol=atol, msg=lambda m, fqn=fqn: f"{fqn} step {step}: {m}"
+                )

@@ -18,20 +18,12 @@ from autoshard.runtime.module import parallelize
 from autoshard.workloads import hf
 from autoshard_models.train_single import TrainSettings, make_optimizer
 from plan_audit import sharded_plan
-from simulation import simulated_mesh
+from simulation import assert_step_matches, simulated_mesh
+from test_hf import SMALL
 
 peft = pytest.importorskip("peft")
 
 BATCH, SEQ, VOCAB, STEPS = 4, 8, 128, 3
-SMALL = dict(
-    vocab_size=VOCAB,
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    use_cache=False,
-)
 MARIAN = dict(vocab_size=VOCAB, d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4)
 MARIAN |= dict(decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=64)
 MARIAN |= dict(dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, pad_token_id=0, decoder_start_token_id=0)
@@ -149,21 +141,7 @@ def test_frozen_parameters_are_planned_sharded_and_train_like_one_device(kind, m
         for step, (x, y) in enumerate(data):
             loss = pmodel(*pmodel.shard_inputs(x, y))
             loss.backward()
-            want_loss, want_grads = ref[step]
-            with mode.disable():
-                for got in tc.rank_values(loss).values():
-                    assert abs(got.item() - want_loss) <= 1e-5 * max(1.0, abs(want_loss)), (step, got, want_loss)
-            atol = 1e-6 if step == 0 else 1e-5  # AdamW's steps turn reduction-order ulps into ~1e-7
-            for fqn, p in pmodel.named_parameters():
-                if fqn in frozen:
-                    assert p.grad is None and not p.requires_grad, fqn
-                    continue
-                full = p.grad.full_tensor()
-                with mode.disable():
-                    for got in tc.rank_values(full).values():
-                        torch.testing.assert_close(
-                            got, want_grads[fqn], rtol=1e-5, atol=atol, msg=lambda m: f"{fqn} step {step}: {m}"
-                        )
+            assert_step_matches(pmodel, mode, loss, *ref[step], step)  # frozen ones: no gradient
             optim.step()
             optim.zero_grad()
         after = {fqn: pmodel.get_parameter(fqn).full_tensor() for fqn in frozen}

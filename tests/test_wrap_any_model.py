@@ -14,14 +14,13 @@ import transformers
 from torch import nn
 from torch.nn import functional as F
 
-from autoshard import _torch_compat as tc
 from autoshard.capture.calls import loss_of
 from autoshard.driver.api import AutoShard
 from autoshard.layout import Layout
 from autoshard.runtime.module import parallelize
 from autoshard_models.train_single import TrainSettings, make_optimizer
 from plan_audit import sharded_plan
-from simulation import simulated_mesh
+from simulation import assert_step_matches, simulated_mesh
 
 BATCH, SEQ, VOCAB, STEPS = 4, 8, 128, 3
 MESH = (2, 2)
@@ -101,18 +100,7 @@ def trains_like_single_device(plan, meta: nn.Module, initial: dict, ref: list) -
         for step, (x, y) in enumerate(data):
             loss = pmodel(*pmodel.shard_inputs(x, y))
             loss.backward()
-            want_loss, want_grads = ref[step]
-            with mode.disable():
-                for got in tc.rank_values(loss).values():
-                    assert abs(got.item() - want_loss) <= 1e-5 * max(1.0, abs(want_loss)), (step, got, want_loss)
-            atol = 1e-6 if step == 0 else 1e-5  # AdamW's steps turn reduction-order ulps into ~1e-7
-            for fqn, p in pmodel.named_parameters():
-                full = p.grad.full_tensor()
-                with mode.disable():
-                    for got in tc.rank_values(full).values():
-                        torch.testing.assert_close(
-                            got, want_grads[fqn], rtol=1e-5, atol=atol, msg=lambda m: f"{fqn} step {step}: {m}"
-                        )
+            assert_step_matches(pmodel, mode, loss, *ref[step], step)
             optim.step()
             optim.zero_grad()
 
