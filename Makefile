@@ -47,7 +47,7 @@ install: $(STAMP)
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[test,fast,hf,data,logging,wandb,lint]'
+	$(PY) -m pip install --quiet -e '.[test,fast,hf,data,logging,wandb,lint,lora]'
 	touch $(STAMP)
 
 # Headless chromium for tests/test_report_html.py (renders report.html in a real browser; the test

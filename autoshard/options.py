@@ -156,6 +156,18 @@ INIT_FROM = option(
     help="start from the weights of a safetensors file or directory "
     "(e.g. an HF model directory) instead of a seeded init",
 )
+LORA = option(
+    "--lora",
+    metavar="RANK[,alpha=A,targets=NAME,...]",
+    help="fine-tune peft's LoRA adapters of this rank over the frozen model (alpha: default 2 x rank; "
+    "targets: the modules wrapped, default peft's for the model type, all-linear: every linear but the head)",
+)
+FREEZE = option(
+    "--freeze",
+    action="append",
+    metavar="GLOB",
+    help="freeze the parameters whose names match (repeatable): planned and kept as they are, never trained",
+)
 BATCH = option("--batch", type=positive_int, help="global batch size")
 SEQ = option("--seq", type=positive_int, help="sequence length")
 OUT = option("--out", help="output directory")

@@ -1,8 +1,10 @@
 """`python -m autoshard export RUN_DIR --hf OUT`: a training run's checkpoint as a Hugging Face model
 directory (safetensors in the run's dtype or --dtype, config.json, the tokenizer's files) that
-`transformers.AutoModelForCausalLM.from_pretrained(OUT)` loads. Bad input (not a run directory, no
-such checkpoint, a crafted checkpoint, weights that are NaN or inf or that overflow --dtype, OUT not
-writable or not empty) is one `error: ...` line, exit code 2, and nothing is written.
+`transformers.AutoModelForCausalLM.from_pretrained(OUT)` loads; a LoRA run's, its adapter in peft's
+format (`PeftModel.from_pretrained(base, OUT)`), or with --merge the base model with it merged.
+Bad input (not a run directory, no such checkpoint, a crafted checkpoint, weights that are NaN or
+inf or that overflow --dtype, OUT not writable or not empty) is one `error: ...` line, exit code 2,
+and nothing is written.
 """
 
 from __future__ import annotations
@@ -31,6 +33,12 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> None:
         "weights it cannot hold (fp16 past 65504) are an error",
     )
     parser.add_argument(
+        "--merge",
+        action="store_true",
+        help="a LoRA run (train --lora): write the base model with the adapter merged into its weights "
+        "(default: the adapter alone, in peft's format: adapter_config.json, adapter_model.safetensors)",
+    )
+    parser.add_argument(
         "--max-shard-size",
         type=arg_type(parse_bytes),
         default=5e9,
@@ -44,7 +52,12 @@ def run_export(args: argparse.Namespace) -> int:
 
     try:
         done = export_hf(
-            args.run_dir, args.hf, step=args.step, max_shard_bytes=int(args.max_shard_size), dtype=args.dtype
+            args.run_dir,
+            args.hf,
+            step=args.step,
+            max_shard_bytes=int(args.max_shard_size),
+            dtype=args.dtype,
+            merge=args.merge,
         )
     except ValueError as err:
         fail(str(err))

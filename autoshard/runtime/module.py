@@ -199,11 +199,14 @@ class ParallelModule(nn.Module):
             raise KeyError(f"the values lack {len(left)} parameters or buffers, e.g. {sorted(left)[:3]}")
 
     @torch.no_grad()
-    def load_slices(self, read: SliceReader) -> None:
-        """Every parameter from `read(fqn, box)`: the part of its full value inside `box` (one
-        slice per dim, `shards.shard_box`), which is exactly this rank's shard, so a checkpoint
-        read this way is never whole on any rank. Buffers are left to `load_each`."""
+    def load_slices(self, read: SliceReader, names: Collection[str] | None = None) -> None:
+        """Every parameter (those in `names`, None: all) from `read(fqn, box)`: the part of its
+        full value inside `box` (one slice per dim, `shards.shard_box`), which is exactly this
+        rank's shard, so a checkpoint read this way is never whole on any rank. Buffers are left
+        to `load_each`."""
         for fqn in self.program.param_names:
+            if names is not None and fqn not in names:
+                continue
             target = self._tensor(fqn)
             local = target.to_local()
             layout = self.plan.param_layouts[fqn]

@@ -1,4 +1,5 @@
-"""A training run's checkpoint as a Hugging Face model directory (`export --hf OUT`).
+"""A training run's checkpoint as a Hugging Face model directory (`export --hf OUT`); a LoRA run's
+as its adapter in peft's format, or merged into the base model (`--merge`; `adapters`).
 
 The weights of one checkpoint (the newest complete one, or a given step) go into safetensors files
 under the names transformers expects (the workload's `hf_format`), in the run's compute dtype
@@ -36,9 +37,11 @@ import torch
 from autoshard import _torch_compat as tc
 from autoshard.data.text import tokenizer_files
 from autoshard.options import UsageError
+from autoshard.train import adapters
 from autoshard.train.checkpoints import Checkpoint, checkpoints
 from autoshard.train.safe_metadata import load_value, read_metadata
-from autoshard.workloads import get_workload
+from autoshard.workloads import Workload, get_workload
+from autoshard.workloads.finetune import FineTune, fine_tuned, parse_lora
 
 MAX_SHARD_BYTES = 5 * 10**9  # transformers' default max_shard_size, "5GB"
 WEIGHTS = "model.safetensors"
@@ -271,26 +274,34 @@ class _Weights:
     files: list[str]
 
 
-def _weights(ckpt: Checkpoint, metadata: Any, form: Any, dtype: torch.dtype, max_shard_bytes: int) -> _Weights:
-    """What each model tensor of the checkpoint becomes: floating ones in `dtype`, the rest kept."""
-    tensors = {
+def _model_tensors(metadata: Any) -> dict[str, Any]:
+    """The checkpoint's model tensors: FQN -> DCP metadata."""
+    return {
         key.removeprefix("model."): meta
         for key, meta in metadata.state_dict_metadata.items()
         if key.startswith("model.") and hasattr(meta, "size")
     }
+
+
+def _weights(
+    ckpt: Checkpoint,
+    tensors: dict[str, Any],
+    name: Callable[[str], str],
+    dtype: torch.dtype,
+    max_shard_bytes: int,
+    single: str = WEIGHTS,
+) -> _Weights:
+    """What each of `tensors` becomes: floating ones in `dtype`, the rest kept, under `name(fqn)`,
+    in `single` or, past `max_shard_bytes`, several numbered files."""
     stored = {fqn: meta.properties.dtype for fqn, meta in tensors.items()}
     dtypes = {fqn: dtype if d.is_floating_point else d for fqn, d in stored.items()}
     if unknown := sorted({str(d) for d in dtypes.values() if d not in _SAFETENSORS}):
         raise ValueError(f"{ckpt.path}: holds tensors of dtype {', '.join(unknown)}, which safetensors cannot hold")
     sizes = {fqn: math.prod(meta.size) * dtypes[fqn].itemsize for fqn, meta in tensors.items()}
     groups = _shards(sizes, max_shard_bytes)
-    files = (
-        [WEIGHTS]
-        if len(groups) == 1
-        else [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
-    )
-    names = {fqn: form.name(fqn) for fqn in tensors}
-    return _Weights(tensors, dtypes, names, sizes, groups, files)
+    files = [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
+    files = files if len(files) > 1 else [single]
+    return _Weights(tensors, dtypes, {fqn: name(fqn) for fqn in tensors}, sizes, groups, files)
 
 
 def _check_values(weights: _Weights, read: Callable, ckpt: Checkpoint, run: Path, dtype: str) -> None:
@@ -393,11 +404,13 @@ def export_hf(
     step: int | None = None,
     max_shard_bytes: int = MAX_SHARD_BYTES,
     dtype: str | None = None,
+    merge: bool = False,
 ) -> Export:
     """Write checkpoint `step` (default: the newest complete one) of training run `run` as a
     Hugging Face model directory `out` (it must not exist, or be empty), its floating tensors in
     `dtype` (bf16, fp16, fp32; default `default_dtype`). ValueError names what is wrong (weights
-    that are not finite, or not in `dtype`, included); nothing is left half-written."""
+    that are not finite, or not in `dtype`, included); nothing is left half-written. A LoRA run
+    exports its adapter in peft's format, or with `merge` the base model with the adapter merged."""
     run, out = Path(run), Path(out)
     if max_shard_bytes < 1:
         raise ValueError(f"the largest file must hold at least one byte, got {max_shard_bytes}")
@@ -407,21 +420,44 @@ def export_hf(
         raise ValueError(f"{out} exists and is not an empty directory")
     settings = _run_settings(run)
     ckpt = _checkpoint(run, step)
-    workload = get_workload(settings["model"], int(settings.get("seq", 1)))
-    if settings.get("vocab_size") and workload.resize_vocab is not None:  # trained with a tokenizer's vocabulary
-        workload = workload.resize_vocab(int(settings["vocab_size"]))
+    workload = _workload(settings)
     if workload.hf_format is None:
         raise ValueError(f"{workload.name} has no Hugging Face form to export to")
     form = workload.hf_format()
+    lora = workload.tune.lora if workload.tune is not None else None
+    if merge and lora is None:
+        raise ValueError(f"--merge: {run} is not a LoRA run (trained with --lora): its export is the whole model")
     dtype = dtype or default_dtype(settings)
     metadata = _metadata(ckpt, run)
-    weights = _weights(ckpt, metadata, form, DTYPES[dtype], max_shard_bytes)
+    tensors, read = _model_tensors(metadata), _tensor_reader(ckpt, metadata)
     tokenizer = _tokenizer_of(run, settings)
-    texts = dict(form.files) | tokenizer_files(tokenizer)  # the tokenizer's, or made for it
-    texts["config.json"] = _config(texts["config.json"], DTYPES[dtype])
+    texts = tokenizer_files(tokenizer)  # the tokenizer's, or made for it
+    if lora is None or merge:  # the whole model, as the base model's own directory
+        name = form.name
+        if lora is not None:
+            tensors, read = adapters.merged(tensors, read, lora.scale)
+            name = lambda fqn: form.name(adapters.base_name(fqn))  # noqa: E731
+        weights = _weights(ckpt, tensors, name, DTYPES[dtype], max_shard_bytes)
+        texts = dict(form.files) | texts
+        texts["config.json"] = _config(texts["config.json"], DTYPES[dtype])
+    else:  # the adapter alone, in peft's format
+        tensors = {fqn: meta for fqn, meta in tensors.items() if adapters.is_adapter(fqn)}
+        weights = _weights(ckpt, tensors, adapters.adapter_name, DTYPES[dtype], 2**63, adapters.ADAPTER_WEIGHTS)
+        base = settings["model"].removeprefix("hf:") if settings["model"].startswith("hf:") else None
+        texts[adapters.ADAPTER_CONFIG] = adapters.adapter_config(workload.build("meta"), base)
     copies = {name: file for name, file in _source_files(settings, tokenizer).items() if name not in texts}
-    read = _tensor_reader(ckpt, metadata)
+    if lora is not None and not merge:
+        copies = {name: file for name, file in copies.items() if name != "generation_config.json"}
     _check_values(weights, read, ckpt, run, dtype)  # before anything is written
     _publish(out, lambda tmp: _write(tmp, weights, read, texts, copies))
     others = tuple(sorted(set(texts) | set(copies)))
     return Export(out, ckpt.step, weights.files, len(weights.tensors), sum(weights.sizes.values()), dtype, others)
+
+
+def _workload(settings: dict) -> Workload:
+    """The run's model as it trained: its vocabulary, and --lora and --freeze applied."""
+    workload = get_workload(settings["model"], int(settings.get("seq", 1)))
+    if settings.get("vocab_size") and workload.resize_vocab is not None:  # trained with a tokenizer's vocabulary
+        workload = workload.resize_vocab(int(settings["vocab_size"]))
+    lora = parse_lora(settings["lora"]) if settings.get("lora") else None
+    return fine_tuned(workload, FineTune(lora, tuple(settings.get("freeze") or ())))

@@ -22,7 +22,7 @@ log = logging.getLogger("autoshard")
 
 # what a run's data and model are: resuming with another value would mix two runs' losses (the data
 # files and the tokenizer are compared by content: `autoshard.data.fingerprint`)
-RUN_DEFINING = ("model", "seq", "batch", "vocab_size", "val_fraction", "data_seed")
+RUN_DEFINING = ("model", "seq", "batch", "vocab_size", "val_fraction", "data_seed", "lora", "freeze")
 # what shapes the updates beside the optimizer's param groups: the command line's applies on resume
 SCHEDULE = ("steps", "lr_schedule", "warmup_steps", "min_lr", "decay_fraction", "grad_clip")
 

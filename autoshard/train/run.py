@@ -25,6 +25,7 @@ from autoshard.train.resume import resume_check, run_changes
 from autoshard.train.rundir import RunDirLock, first_attempt, refuse_earlier_run
 from autoshard.train.settings import Settings
 from autoshard.workloads import CheckpointSlices, Start, Workload, get_workload
+from autoshard.workloads.finetune import fine_tuned
 
 
 @dataclass(frozen=True)
@@ -87,12 +88,14 @@ def _model(settings: Settings, tokenizer: Tokenizer | None) -> tuple[Workload, S
     except ValueError as err:
         raise UsageError(str(err)) from None
     vocab = fitted_vocab(settings.vocab_size, tokenizer, workload, settings.tokenizer or "")
-    if vocab is None:
-        return workload, settings
-    if vocab != workload.vocab_size:
+    if vocab is not None and vocab != workload.vocab_size:
         assert workload.resize_vocab is not None  # fitted_vocab refuses otherwise
         workload = workload.resize_vocab(vocab)
-    return workload, settings.replace(vocab_size=vocab)
+    try:
+        workload = fine_tuned(workload, settings.fine_tune)  # --lora, --freeze
+    except ValueError as err:
+        raise UsageError(str(err)) from None
+    return workload, settings if vocab is None else settings.replace(vocab_size=vocab)
 
 
 def _initial_values(settings: Settings, workload: Workload) -> Start:

@@ -10,8 +10,9 @@ from dataclasses import dataclass
 
 from autoshard.data.files import DTYPES as DATA_DTYPES
 from autoshard.driver.config import PlanConfig
-from autoshard.options import BATCH, INIT_FROM, MODEL, OUT, SEQ, positive_int, run_name, setting
+from autoshard.options import BATCH, FREEZE, INIT_FROM, LORA, MODEL, OUT, SEQ, positive_int, run_name, setting
 from autoshard.train.optimizer import LR_SCHEDULES, OptimizerConfig, ScheduleConfig
+from autoshard.workloads.finetune import FineTune, parse_lora
 
 RESUME_MODES = ("auto", "yes", "no", "force")
 CHECKPOINT_WRITES = ("auto", "async", "sync")
@@ -89,6 +90,8 @@ class Settings(PlanConfig):
         "the same on every rank holding a value",
     )
     init_from: str | None = setting(None, INIT_FROM)
+    lora: str | None = setting(None, LORA)
+    freeze: tuple[str, ...] | None = setting(None, FREEZE)
     data_seed: int = setting(
         0, type=int, help="seed of the training data (the batch of step N is a pure function of it and N)"
     )
@@ -239,6 +242,14 @@ class Settings(PlanConfig):
             raise ValueError(f"--bucket-cap-mb must be positive, got {self.bucket_cap_mb}")
         self._check_optimizer()
         self._check_data()
+        if self.freeze is not None:  # argparse appends to a list
+            object.__setattr__(self, "freeze", tuple(self.freeze))
+        self.fine_tune  # noqa: B018 (a bad --lora names itself now)
+
+    @property
+    def fine_tune(self) -> FineTune:
+        """What --lora and --freeze ask (empty: train every parameter)."""
+        return FineTune(parse_lora(self.lora) if self.lora else None, tuple(self.freeze or ()))
 
     @property
     def micro_batch(self) -> int:

@@ -68,6 +68,9 @@ class Workload:
     # the same model with another vocabulary (a tokenizer's, `--vocab-size`); None: the config's is fixed
     resize_vocab: Callable[[int], Workload] | None = None
     initial_values: Callable[[int, Collection[str] | None], Iterator[tuple[str, torch.Tensor]]] | None = None
+    # parameters only the init gives (LoRA adapters): a checkpoint of the base model lacks them
+    init_only: frozenset[str] = frozenset()
+    tune: Any = None  # the fine-tune applied (`finetune.FineTune`), None: the model as it is
 
 
 def initial_stream(

@@ -120,7 +120,7 @@ def _checked_params(
 ) -> dict[str, torch.dtype]:
     """`check_checkpoint`'s checks; the model's parameters with their dtypes."""
     model = workload.build("meta")
-    params = dict(model.named_parameters())
+    params = {n: p for n, p in model.named_parameters() if n not in workload.init_only}  # adapters: from the init
     known = dict(model.state_dict(keep_vars=True)) | params  # tied names (lm_head.weight) too
     missing = [name for name in params if name not in shapes]
     if missing:
@@ -222,11 +222,12 @@ class Start:
             return
         params = set(self.checkpoint.params)
         # buffers first: the init may draw (scratch of one tensor) before any shard is written
-        pmodel.load_each(self._buffers(params), exclude=params)
-        pmodel.load_slices(self.checkpoint.read)
+        pmodel.load_each(self._from_init(params), exclude=params)
+        pmodel.load_slices(self.checkpoint.read, params)
 
-    def _buffers(self, params: Collection[str]) -> Iterator[tuple[str, torch.Tensor]]:
-        """The seed's init of everything that is not a checkpoint parameter (buffers)."""
+    def _from_init(self, params: Collection[str]) -> Iterator[tuple[str, torch.Tensor]]:
+        """The seed's init of everything that is not a checkpoint parameter: buffers, and the
+        parameters only the init gives (LoRA adapters)."""
         model = self.workload.build("meta")
-        want = {name for name, _ in model.named_buffers()} - set(params)
+        want = ({name for name, _ in model.named_buffers()} | self.workload.init_only) - set(params)
         return initial_stream(self.workload, self.seed, want)

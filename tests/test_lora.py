@@ -1,0 +1,156 @@
+"""`train --lora` and `--freeze` from the command line, and a LoRA run's export: a tiny HF Llama
+saved as transformers saves it is fine-tuned from its weights (`--init-from`); the losses are
+one device's peft run's from the same start, the base stays bit-identical, and the adapter
+exported in peft's format (or merged, `--merge`) gives the trained model's logits through
+`PeftModel.from_pretrained` (or `AutoModelForCausalLM.from_pretrained`)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import transformers
+
+from autoshard.cli.train import main as train_main
+from autoshard.train.adapters import base_name
+from autoshard.train.export import export_hf
+from autoshard.workloads import get_workload
+from autoshard.workloads.finetune import FineTune, fine_tuned, parse_lora
+from autoshard_models import cross_entropy_loss
+from autoshard_models.train_single import TrainSettings, make_optimizer
+from plan_audit import assert_shards, budget_bytes
+from test_export import checkpoint_tensors
+from test_hf import save_tiny
+
+peft = pytest.importorskip("peft")
+
+LORA = "4,alpha=8,targets=q_proj,v_proj"
+RUN = ["--batch", "8", "--seq", "16", "--mesh", "1", "--steps", "3", "--checkpoint-every", "3"]
+ONE_PROCESS = pytest.mark.replicated_plan  # the CLI's fine-tuning path; sharded numerics: test_frozen
+
+
+def test_lora_flags_parse_and_refuse_what_they_cannot_mean():
+    assert parse_lora("16") == parse_lora("16,alpha=32")  # alpha defaults to 2 x rank
+    lora = parse_lora("8,alpha=4,targets=q_proj,v_proj,o_proj")
+    assert (lora.rank, lora.scale, lora.targets) == (8, 0.5, ("q_proj", "v_proj", "o_proj"))
+    for bad, message in [
+        ("0", "starts with the rank"),
+        ("x", "starts with the rank"),
+        ("4,alpha=no", "alpha=no is not a number"),
+        ("4,beta=2", "unknown part 'beta=2'"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            parse_lora(bad)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--freeze", "nothing.*"], "--freeze nothing.*: matches no parameter of llama3-tiny"),
+        (["--freeze", "*"], "--freeze *: leaves no parameter of llama3-tiny to train"),
+        (["--lora", "4"], "--lora: peft cannot wrap llama3-tiny"),  # no default targets for our llama
+        (["--lora", "4,targets=nope"], "--lora: peft cannot wrap llama3-tiny"),
+    ],
+)
+def test_bad_fine_tuning_flags_are_one_error_line(tmp_path, capsys, args, message):
+    code = train_main(["--model", "llama3-tiny", "--mesh", "1", *args, "--out", str(tmp_path / "o")])
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.splitlines()) == 1 and message in err, err
+    assert not (tmp_path / "o").exists()
+
+
+def reference(directory, workload):
+    """One device: the saved model wrapped by peft, its adapters from the workload's init, 3 AdamW
+    steps on the run's batches; the losses and the model."""
+    base = transformers.AutoModelForCausalLM.from_pretrained(directory)
+    model = peft.get_peft_model(base, parse_lora(LORA).peft_config())
+    adapters = dict(workload.initial_values(0, workload.init_only))
+    model.load_state_dict(adapters, strict=False)
+    optim = make_optimizer([p for p in model.parameters() if p.requires_grad], TrainSettings())
+    losses = []
+    for step in range(3):
+        tokens, targets = workload.data(0).batch(step, 8, 16)
+        loss = cross_entropy_loss(model(tokens).logits, targets)
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        losses.append(loss.item())
+    return losses, model
+
+
+def fine_tuned_like_peft(tmp_path, base_model, directory, run) -> None:
+    """The run's losses are one device's peft run's, its base bit-identical, and its adapter (and
+    its merged model) exported give the trained model's logits in transformers and peft."""
+    workload = fine_tuned(get_workload(f"hf:{directory}", 16), FineTune(parse_lora(LORA)))
+    want, trained = reference(directory, workload)
+    got = [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert len(got) == 3 and all(abs(a - b) <= 1e-5 * b for a, b in zip(got, want)), (got, want)
+    saved = checkpoint_tensors(run / "checkpoints" / "step-000003")
+    plan = json.loads((run / "plan.json").read_text())
+    frozen = {p["fqn"] for p in plan["parameters"] if p["frozen"]}
+    assert {base_name(n) for n in frozen} == set(dict(base_model.named_parameters()))  # the whole base
+    for fqn in frozen:  # bit-identical after training
+        assert torch.equal(saved[fqn], base_model.get_parameter(base_name(fqn))), fqn
+
+    adapter = tmp_path / "adapter"
+    done = export_hf(run, adapter)
+    assert done.files == ["adapter_model.safetensors"] and done.tensors == 8  # A and B of q and v, 2 layers
+    assert json.loads((adapter / "adapter_config.json").read_text())["target_modules"] == ["q_proj", "v_proj"]
+    loaded = peft.PeftModel.from_pretrained(transformers.AutoModelForCausalLM.from_pretrained(directory), adapter)
+    tokens = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want_logits = trained(tokens).logits
+        torch.testing.assert_close(loaded(tokens).logits, want_logits, rtol=1e-5, atol=1e-5)
+
+    merged = tmp_path / "merged"
+    export_hf(run, merged, merge=True)
+    plain = transformers.AutoModelForCausalLM.from_pretrained(merged)
+    assert type(plain) is transformers.LlamaForCausalLM
+    with torch.no_grad():
+        torch.testing.assert_close(plain(tokens).logits, want_logits, rtol=1e-5, atol=1e-5)
+
+
+@ONE_PROCESS
+def test_a_lora_run_trains_like_peft_on_one_device_and_exports_an_adapter_peft_loads(tmp_path):
+    base_model, directory = save_tiny(tmp_path / "base", seed=3)
+    run = tmp_path / "run"
+    args = ["--model", f"hf:{directory}", "--init-from", str(directory), "--lora", LORA, *RUN]
+    assert train_main([*args, "--out", str(run)]) == 0
+    fine_tuned_like_peft(tmp_path, base_model, directory, run)
+
+
+@pytest.mark.slow
+@pytest.mark.ranks
+def test_a_lora_run_on_2x2_shards_its_frozen_base_and_trains_like_peft(tmp_path, executed_plans):
+    """4 gloo ranks on (2,2), the frozen base sharded by a parameter budget: the same as one device."""
+    from test_train import torchrun
+
+    base_model, directory = save_tiny(tmp_path / "base", seed=3)
+    run = tmp_path / "run"
+    args = ["--model", f"hf:{directory}", "--init-from", str(directory), "--lora", LORA, *RUN]
+    args[args.index("--mesh") + 1] = "2x2"
+    torchrun(*args, "--memory-budget", str(budget_bytes(base_model, (2, 2))), "--out", str(run))
+    (facts,) = executed_plans()
+    assert_shards(facts, batch_split=False)
+    plan = json.loads((run / "plan.json").read_text())
+    assert any("S" in p["layout"] for p in plan["parameters"] if p["frozen"])
+    fine_tuned_like_peft(tmp_path, base_model, directory, run)
+
+
+@ONE_PROCESS
+def test_a_frozen_embedding_stays_as_it_was_and_exports_whole(tmp_path):
+    run = tmp_path / "run"
+    assert train_main(["--model", "llama3-tiny", "--freeze", "tok_embeddings.*", *RUN, "--out", str(run)]) == 0
+    start = dict(get_workload("llama3-tiny", 16).initial_values(0, {"tok_embeddings.weight"}))
+    saved = checkpoint_tensors(run / "checkpoints" / "step-000003")
+    assert torch.equal(saved["tok_embeddings.weight"], start["tok_embeddings.weight"])
+    assert not torch.equal(
+        saved["output.weight"],
+        dict(get_workload("llama3-tiny", 16).initial_values(0, {"output.weight"}))["output.weight"],
+    )
+    plan = json.loads((run / "plan.json").read_text())
+    assert [p["fqn"] for p in plan["parameters"] if p["frozen"]] == ["tok_embeddings.weight"]
+    assert export_hf(run, tmp_path / "hf").tensors == len(saved)
+    with pytest.raises(ValueError, match="--merge: .* is not a LoRA run"):
+        export_hf(run, tmp_path / "merged", merge=True)
