@@ -178,3 +178,18 @@ def test_a_parameter_the_loss_never_reaches_says_to_freeze_it():
     unused.requires_grad_(False)  # frozen: planned, never trained
     plan = AutoShard(model, example, (4,), loss_fn=logits_loss).optimize()
     assert "unused.weight" in plan.param_layouts and "unused.weight" not in plan.grad_sinks
+
+
+def test_a_peft_model_is_traced_from_its_repeated_blocks(caplog):
+    """peft's wrappers reach the model through module tables (`__dict__['_modules']`): the module
+    paths still name the blocks, so a LoRA model traces 4 of its blocks (block 0, before which no
+    gradient flows, then the pattern) and unrolls the rest."""
+    import logging
+
+    config = transformers.LlamaConfig(**(SMALL | {"num_hidden_layers": 6}))
+    meta = lora(hf.build(hf.training_config(config), "meta"))
+    example = lambda: (torch.empty(BATCH, SEQ, dtype=torch.int64, device="meta"),) * 2  # noqa: E731
+    with caplog.at_level(logging.INFO, logger="autoshard"):
+        plan = AutoShard(meta, example, (4,), loss_fn=logits_loss).optimize()
+    assert "traced 4 of the 6 blocks of base_model.model.model.layers and unrolled the rest" in caplog.text
+    assert set(plan.grad_sinks) == {n for n, p in meta.named_parameters() if p.requires_grad}

@@ -45,7 +45,10 @@ def canonical(graph):
         target = "" if node.op == "placeholder" else str(node.target)
         rows.append((node.op, target, graph.module_path(node), shapes, tuple(args)))
     roles = (
-        [(fqn, index[node], index[graph.grads[fqn]]) for fqn, node in graph.params.items()],
+        [
+            (fqn, index[node], index[graph.grads[fqn]] if fqn in graph.grads else None)
+            for fqn, node in graph.params.items()
+        ],
         [(fqn, index[node]) for fqn, node in graph.buffers.items()],
         [index[n] for n in graph.inputs],
         [index[n] for n in graph.tangents],
@@ -74,6 +77,21 @@ def test_unrolled_llama_equals_the_full_trace(n_layers, caplog):
     assert sum(unrolled.module_path(n) == last for n in unrolled.nodes) > 0
     # The unrolled graph runs: placeholders are unique and the code generates.
     assert "def forward" in unrolled.gm.code
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("n_layers", [5, 7])
+def test_with_a_frozen_embedding_blocks_1_to_3_are_the_pattern(n_layers, caplog):
+    """No gradient flows into block 0 (its input is a frozen embedding's), so its backward differs
+    from the next blocks': blocks 1-3 are traced as the pattern and the graph is still a full trace's."""
+    model = tiny(n_layers)
+    model.tok_embeddings.requires_grad_(False)
+    tokens = torch.zeros(2, 16, dtype=torch.int64)
+    with caplog.at_level(logging.INFO, logger=LOG):
+        unrolled = traced(model, (tokens, tokens))
+    assert f"traced 4 of the {n_layers} blocks of layers" in caplog.text
+    assert canonical(unrolled) == canonical(traced(model, (tokens, tokens), unrolled=False))
+    assert "tok_embeddings.weight" not in unrolled.grads and len(unrolled.grads) == len(unrolled.params) - 1
 
 
 class Scaled(nn.Module):

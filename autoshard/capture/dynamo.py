@@ -25,6 +25,9 @@ from autoshard import _torch_compat as tc
 _ROOT = re.compile(r"^L\['self'\]\.model(?:\.|$)")
 _INDEX = re.compile(r"\[(\d+)\]")
 _GETATTR = re.compile(r"getattr\((.*), '([^']*)'\)")
+# a module reached through its parent's module table (peft's wrappers forward attribute lookups):
+# "L['self'].model.__dict__['_modules']['base_model']"
+_TABLE = re.compile(r"\.__dict__\['_modules'\]\['([^']*)'\]")
 
 
 def module_path(dynamo_name: str) -> str:
@@ -35,7 +38,7 @@ def module_path(dynamo_name: str) -> str:
         if unwrapped == name:
             break
         name = unwrapped
-    name = _INDEX.sub(r".\1", name)
+    name = _TABLE.sub(r".\1", _INDEX.sub(r".\1", name))
     match = _ROOT.match(name)
     return name[match.end() :] if match else ""
 

@@ -8,8 +8,9 @@ as blocks 2..N-2 and traced block 2 becomes block N-1. The result is the graph a
 
 Checked before unrolling: block 2 repeats block 1 exactly as block 1 repeats block 0 (same ops,
 shapes, constants, wiring one block further on), nothing outside the blocks reads block 1, and
-the graph order lets every copy be placed. If a check fails, or the cut model does not trace, the
-whole model is traced. Assumed, and not checkable from three blocks: the step's code neither
+the graph order lets every copy be placed. Where block 0 alone differs (no gradient flows into it
+when what precedes it is frozen: a LoRA model's embedding), four blocks are traced and blocks
+1-3 are the pattern. If the checks fail, or the cut model does not trace, the whole model is traced. Assumed, and not checkable from three blocks: the step's code neither
 branches on a block's depth past block 2 nor reads the number of blocks (e.g. a residual scaled by
 1/sqrt(len(layers)) would be traced for three); such models pass `unroll=False` to `AutoShard`.
 """
@@ -52,23 +53,30 @@ def trace_step(
     found = repeated_block_list(model) if unroll else None
     if found is not None:
         prefix, blocks = found
-        cut_stack = contextlib.ExitStack()  # the cut trace's fake mode; closed if we fall back
-        try:
-            with tc.truncated_module_list(blocks, TRACED_BLOCKS):
-                short = trace_joint(model, step_fn, example_args, cut_stack, precision)
-            graph = unroll_blocks(short, prefix, len(blocks))
-        except NotRepeating as why:
-            cut_stack.close()
-            log.info("autoshard: tracing all %d blocks of %s: %s", len(blocks), prefix, why)
-        except Exception as err:  # the cut model may not run (e.g. code that indexes block N-1)
-            cut_stack.close()
-            log.info("autoshard: tracing all %d blocks of %s: the cut model failed (%s)", len(blocks), prefix, err)
-        else:
+        # Block 0 may differ from the rest (a frozen embedding before it: no gradient flows into
+        # it), so when the first three do not repeat, blocks 1-3 are tried as the pattern.
+        why = None
+        for first in (0, 1):
+            if first + MIN_BLOCKS > len(blocks):
+                break
+            traced = first + TRACED_BLOCKS
+            cut_stack = contextlib.ExitStack()  # the cut trace's fake mode; closed if we fall back
+            try:
+                with tc.truncated_module_list(blocks, traced):
+                    short = trace_joint(model, step_fn, example_args, cut_stack, precision)
+                graph = unroll_blocks(short, prefix, len(blocks), first)
+            except NotRepeating as err:
+                cut_stack.close()
+                why = why or str(err)
+                continue
+            except Exception as err:  # the cut model may not run (e.g. code that indexes block N-1)
+                cut_stack.close()
+                why = f"the cut model failed ({err})"
+                break
             stack.push(cut_stack)
-            log.info(
-                "autoshard: traced %d of the %d blocks of %s and unrolled the rest", TRACED_BLOCKS, len(blocks), prefix
-            )
+            log.info("autoshard: traced %d of the %d blocks of %s and unrolled the rest", traced, len(blocks), prefix)
             return graph
+        log.info("autoshard: tracing all %d blocks of %s: %s", len(blocks), prefix, why)
     return trace_joint(model, step_fn, example_args, stack, precision)
 
 
@@ -121,22 +129,22 @@ def _renamed(path: str, prefix: str, old: int, new: int) -> str:
     return path if rest is None else f"{prefix}.{new}{rest}"
 
 
-def _check_recurrence(graph: JointGraph, prefix: str, traced: list[list[fx.Node]]) -> None:
-    """Block 2 must depend on block 1 as block 1 depends on block 0, op for op."""
+def _check_recurrence(graph: JointGraph, prefix: str, traced: list[list[fx.Node]], first: int = 0) -> None:
+    """Block first + 2 must depend on block first + 1 as that depends on block `first`, op for op."""
     _, b1, b2 = traced
     if len(b1) != len(b2):
-        raise NotRepeating(f"block 1 has {len(b1)} ops and block 2 has {len(b2)}")
+        raise NotRepeating(f"block {first + 1} has {len(b1)} ops and block {first + 2} has {len(b2)}")
     pos = [{n: i for i, n in enumerate(b)} for b in traced]
     for a, b in zip(b1, b2):
         same = (
             a.op == b.op
             and (a.op == "placeholder" or a.target == b.target)
             and _shapes(a) == _shapes(b)
-            and _relative(graph, prefix, a, 1) == _relative(graph, prefix, b, 2)
+            and _relative(graph, prefix, a, first + 1) == _relative(graph, prefix, b, first + 2)
         )
         args_a, args_b = flat_args(a), flat_args(b)
         if not same or len(args_a) != len(args_b):
-            raise NotRepeating(f"op {b.name} of block 2 differs from {a.name} of block 1")
+            raise NotRepeating(f"op {b.name} of block {first + 2} differs from {a.name} of block {first + 1}")
         for x, y in zip(args_a, args_b):
             if not isinstance(x, fx.Node):
                 ok = not isinstance(y, fx.Node) and repr(x) == repr(y)
@@ -149,14 +157,14 @@ def _check_recurrence(graph: JointGraph, prefix: str, traced: list[list[fx.Node]
             else:
                 ok = y is x
             if not ok:
-                raise NotRepeating(f"{b.name} in block 2 is wired unlike {a.name} in block 1")
+                raise NotRepeating(f"{b.name} in block {first + 2} is wired unlike {a.name} in block {first + 1}")
     for node in b1:
         for user in node.users:
             if user.op != "output" and not any(user in p for p in pos):
-                raise NotRepeating(f"{user.name}, outside the blocks, reads {node.name} of block 1")
+                raise NotRepeating(f"{user.name}, outside the blocks, reads {node.name} of block {first + 1}")
     for node in b2:
         if any(user in pos[0] for user in node.users):
-            raise NotRepeating(f"block 0 reads {node.name} of block 2")
+            raise NotRepeating(f"block {first} reads {node.name} of block {first + 2}")
 
 
 def _shapes(node: fx.Node) -> tuple:
@@ -171,28 +179,31 @@ def _relative(graph: JointGraph, prefix: str, node: fx.Node, index: int) -> str 
     return _inside(path, prefix, index)
 
 
-def unroll_blocks(graph: JointGraph, prefix: str, n_blocks: int) -> JointGraph:
-    """The joint graph of the model with `n_blocks` blocks, from the graph of its first three."""
+def unroll_blocks(graph: JointGraph, prefix: str, n_blocks: int, first: int = 0) -> JointGraph:
+    """The joint graph of the model with `n_blocks` blocks, from the graph of its first
+    `first` + 3: blocks `first`..`first` + 2 are the pattern (blocks before it stay as traced)."""
     members: list[list[fx.Node]] = [[] for _ in range(TRACED_BLOCKS)]
     for node, (pre, index) in assign_blocks(graph).items():
-        if pre == prefix and index < TRACED_BLOCKS:
-            members[index].append(node)
+        if pre == prefix and first <= index < first + TRACED_BLOCKS:
+            members[index - first].append(node)
     if not all(members):
         raise NotRepeating("a traced block has no ops")
-    _check_recurrence(graph, prefix, members)
-    return _Unroller(graph, prefix, members, n_blocks).build()
+    _check_recurrence(graph, prefix, members, first)
+    return _Unroller(graph, prefix, members, n_blocks, first + 1).build()
 
 
 class _Unroller:
-    """Copies traced block 1 into blocks 2..N-2 of a new graph; traced block 2 becomes block N-1."""
+    """Copies the traced middle block M (`mid`, 1 unless the pattern starts later) into blocks
+    M+1..N-2 of a new graph; traced block M+1 becomes block N-1. In the names below, b1 is block M
+    and b2 block M+1; `pos[0]` finds block M-1's nodes."""
 
-    def __init__(self, graph: JointGraph, prefix: str, traced: list[list[fx.Node]], n_blocks: int):
-        self.graph, self.prefix, self.n = graph, prefix, n_blocks
-        _, self.b1, self.b2 = traced  # block 0 is reached through `pos[0]`
+    def __init__(self, graph: JointGraph, prefix: str, traced: list[list[fx.Node]], n_blocks: int, mid: int = 1):
+        self.graph, self.prefix, self.n, self.mid = graph, prefix, n_blocks, mid
+        _, self.b1, self.b2 = traced  # block M-1 is reached through `pos[0]`
         self.pos = [{node: i for i, node in enumerate(b)} for b in traced]
         self.new = fx.Graph()
-        self.env: dict[fx.Node, fx.Node] = {}  # traced node -> new node (blocks 0, 1, N-1, outside)
-        self.copies: dict[int, dict[fx.Node, fx.Node]] = {k: {} for k in range(2, n_blocks - 1)}
+        self.env: dict[fx.Node, fx.Node] = {}  # traced node -> new node (blocks up to M, N-1, outside)
+        self.copies: dict[int, dict[fx.Node, fx.Node]] = {k: {} for k in range(mid + 1, n_blocks - 1)}
         # Parameters of the unrolled model, in placeholder order: FQN -> (placeholder, traced FQN,
         # index of the copy it belongs to or None for a traced block).
         self.params: dict[str, tuple[fx.Node, str, int | None]] = {}
@@ -200,7 +211,7 @@ class _Unroller:
     def block_node(self, k: int, b1_node: fx.Node) -> fx.Node:
         """Block k's counterpart of traced block 1's `b1_node`, in the new graph."""
         try:
-            if k == 1:
+            if k == self.mid:
                 return self.env[b1_node]
             if k == self.n - 1:
                 return self.env[self.b2[self.pos[1][b1_node]]]
@@ -227,29 +238,29 @@ class _Unroller:
     def original_arg(self, node: fx.Node, x: fx.Node) -> fx.Node:
         """Traced blocks 1 and 2 now have copies between them."""
         if node in self.pos[1] and x in self.pos[2]:
-            return self.block_node(2, self.b1[self.pos[2][x]])
+            return self.block_node(self.mid + 1, self.b1[self.pos[2][x]])
         if node in self.pos[2] and x in self.pos[1]:
             return self.block_node(self.n - 2, x)
         return self.lookup(x)
 
     def emit_copy(self, node: fx.Node, k: int) -> None:
         if node.op == "placeholder":
-            fqn = _renamed(self.graph.param_names[node], self.prefix, 1, k)
+            fqn = _renamed(self.graph.param_names[node], self.prefix, self.mid, k)
             new = self.new.placeholder("primals_" + fqn.replace(".", "_"))
             new.meta = dict(node.meta)
             self.params[fqn] = (new, self.graph.param_names[node], k)
         else:
             new = self.new.node_copy(node, lambda x: self.copy_arg(x, k))
-            self._repath(new, 1, k)
+            self._repath(new, self.mid, k)
         self.copies[k][node] = new
 
     def emit_original(self, node: fx.Node) -> None:
         new = self.new.node_copy(node, lambda x: self.original_arg(node, x))
         if node in self.pos[2]:
-            self._repath(new, 2, self.n - 1)
+            self._repath(new, self.mid + 1, self.n - 1)
         fqn = self.graph.param_names.get(node)
         if fqn is not None:
-            self.params[_renamed(fqn, self.prefix, 2, self.n - 1)] = (new, fqn, None)
+            self.params[_renamed(fqn, self.prefix, self.mid + 1, self.n - 1)] = (new, fqn, None)
         self.env[node] = new
 
     def _repath(self, new: fx.Node, old: int, k: int) -> None:
@@ -274,7 +285,7 @@ class _Unroller:
             anchors[next(n for n in self.b2 if n.op == "placeholder")] = (params, False)
         if backward:
             anchors[backward[0]] = (backward, True)
-        middle = range(2, self.n - 1)
+        middle = range(self.mid + 1, self.n - 1)
         for node in g.nodes:
             if node in anchors:
                 nodes, reverse = anchors[node]
