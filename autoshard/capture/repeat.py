@@ -10,8 +10,9 @@ Checked before unrolling: block 2 repeats block 1 exactly as block 1 repeats blo
 shapes, constants, wiring one block further on), nothing outside the blocks reads block 1, and
 the graph order lets every copy be placed. Where block 0 alone differs (no gradient flows into it
 when what precedes it is frozen: a LoRA model's embedding), four blocks are traced and blocks
-1-3 are the pattern. If the checks fail, or the cut model does not trace, the whole model is traced. Assumed, and not checkable from three blocks: the step's code neither
-branches on a block's depth past block 2 nor reads the number of blocks (e.g. a residual scaled by
+1-3 are the pattern. If the checks fail, or the cut model does not trace, the whole model is
+traced. Assumed, and not checkable from three blocks: the step's code neither branches on a
+block's depth past block 2 nor reads the number of blocks (e.g. a residual scaled by
 1/sqrt(len(layers)) would be traced for three); such models pass `unroll=False` to `AutoShard`.
 """
 
