@@ -88,6 +88,21 @@ def apply_fsdp(model, dp_mesh, mp_policy: MixedPrecisionPolicy | None = None) ->
     fully_shard(model, mesh=dp_mesh, mp_policy=policy)
 
 
+def lora_model(model, name: str, spec: str, seed: int, seq: int):
+    """peft's LoRA over `model` as a user writes it (`get_peft_model`), the adapters starting from
+    the values `autoshard train --lora` starts them from, so the loss curves compare."""
+    import peft
+
+    from autoshard.workloads import get_workload
+    from autoshard.workloads.finetune import FineTune, fine_tuned, parse_lora
+
+    lora = parse_lora(spec)
+    wrapped = peft.get_peft_model(model, lora.peft_config())
+    workload = fine_tuned(get_workload(name, seq), FineTune(lora))
+    wrapped.load_state_dict(dict(workload.initial_values(seed, workload.init_only)), strict=False)
+    return wrapped
+
+
 def layouts(model) -> dict[str, str]:
     """Parameter FQN -> its placements on (dp, tp), for the log (DDP: replicated everywhere)."""
     if isinstance(model, DistributedDataParallel):
@@ -116,6 +131,8 @@ def train(args) -> None:
     if args.seq > cfg.max_seq_len:
         cfg = cfg.with_(max_seq_len=args.seq)
     model = build_model(cfg, seed=args.seed)  # full weights on every rank, equal to single-device
+    if args.lora:
+        model = lora_model(model, args.model, args.lora, args.seed, args.seq)
     tp = mesh_shape[1] > 1
     if args.ddp:
         if tp or args.param_dtype:
@@ -125,7 +142,7 @@ def train(args) -> None:
         if tp:  # Nx1: pure FSDP2 over every rank
             apply_tp(model, mesh["tp"])
         apply_fsdp(model, mesh["dp"], mp_policy(args.param_dtype, args.reduce_dtype))
-    optim = make_optimizer(model.parameters(), TrainSettings(lr=args.lr))
+    optim = make_optimizer([p for p in model.parameters() if p.requires_grad], TrainSettings(lr=args.lr))
 
     out = Path(args.out)
     metrics_path = out / "metrics.jsonl"
@@ -187,6 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--param-dtype", default=None, help="FSDP2 MixedPrecisionPolicy.param_dtype (bf16, ...)")
     p.add_argument("--reduce-dtype", default=None, help="FSDP2 MixedPrecisionPolicy.reduce_dtype (fp32, ...)")
     p.add_argument("--ddp", action="store_true", help="torch's DistributedDataParallel instead (mesh Nx1)")
+    p.add_argument("--lora", default=None, metavar="SPEC", help="peft's LoRA over the model (`train --lora`'s SPEC)")
     p.add_argument("--out", default="runs/recipe")
     try:
         train(p.parse_args(argv))
