@@ -19,6 +19,8 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.optim import lr_scheduler as sched
 
+from autoshard import _torch_compat as tc
+
 LR_SCHEDULES = ("constant", "cosine", "linear", "wsd")
 
 
@@ -52,7 +54,8 @@ class OptimizerConfig:
 
     def build(self, params: Iterable[torch.nn.Parameter]) -> torch.optim.AdamW:
         """torch's fused AdamW (as `autoshard_models.train_single.make_optimizer`: element by
-        element, so a shard updates as the same elements of the whole tensor do) over two param
+        element, so a shard updates as the same elements of the whole tensor do; stepped on the
+        local shards, `tc.ShardwiseAdamW`) over two param
         groups: the matrices with `weight_decay`, the rest without (empty groups left out). Each
         group holds the `initial_lr` its schedule starts from, so a checkpoint carries the peak lr,
         not only the scheduled one of its step."""
@@ -63,7 +66,7 @@ class OptimizerConfig:
         ]
         for group in groups:
             group["initial_lr"] = self.lr
-        return torch.optim.AdamW([g for g in groups if g["params"]], lr=self.lr, betas=self.betas, fused=True)
+        return tc.ShardwiseAdamW([g for g in groups if g["params"]], lr=self.lr, betas=self.betas, fused=True)
 
 
 @dataclass(frozen=True)
