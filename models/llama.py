@@ -32,10 +32,22 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [batch, seq, heads, head_dim]; cos/sin: [seq, head_dim] (fp32 tables, applied in x's dtype)."""
-    cos = cos[None, :, None, :].to(x.dtype)
-    sin = sin[None, :, None, :].to(x.dtype)
+    """x: [batch, seq, heads, head_dim]; cos/sin: [seq, head_dim], or [batch, seq, head_dim] for
+    each token's own position (fp32 tables, applied in x's dtype)."""
+    if cos.dim() == 3:
+        cos, sin = cos[:, :, None, :].to(x.dtype), sin[:, :, None, :].to(x.dtype)
+    else:
+        cos, sin = cos[None, :, None, :].to(x.dtype), sin[None, :, None, :].to(x.dtype)
     return x * cos + rotate_half(x) * sin
+
+
+def document_mask(positions: torch.Tensor) -> torch.Tensor:
+    """The block-causal mask of packed documents, [batch, 1, seq, seq] (True: attend): each token's
+    position restarts at 0 where its document starts, so query i sees keys i - positions[i] .. i."""
+    idx = torch.arange(positions.shape[1], device=positions.device)
+    keys = idx[None, None, :]
+    start = (idx[None, :] - positions)[:, :, None]
+    return ((keys <= idx[None, :, None]) & (keys >= start))[:, None]
 
 
 def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
@@ -69,7 +81,9 @@ class Attention(nn.Module):
         self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
         b, s, _ = x.shape
         # -1 for the head count keeps the views valid when heads are split across ranks.
         q = self.wq(x).view(b, s, -1, self.head_dim)
@@ -78,7 +92,11 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         n_rep = self.n_heads // self.n_kv_heads
         k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        if mask is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:  # packed documents: causal within each, nothing across
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
 
 
@@ -103,13 +121,17 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.feed_forward = FeedForward(cfg.dim, cfg.ffn_hidden)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), cos, sin)
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin, mask)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
 class Transformer(nn.Module):
-    """Token ids [batch, seq] -> logits [batch, seq, vocab]."""
+    """Token ids [batch, seq] -> logits [batch, seq, vocab]; with `positions` [batch, seq] (each
+    token's position in its document, 0 where one starts) several documents share a row, each
+    attending only to itself and rotated from its own start, as if it were alone."""
 
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
@@ -123,15 +145,21 @@ class Transformer(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         seq_len = tokens.shape[1]
         if seq_len > self.cfg.max_seq_len:
             raise ValueError(f"sequence length {seq_len} exceeds max_seq_len {self.cfg.max_seq_len}")
         h = self.tok_embeddings(tokens)
         # the rope tables in the compute dtype, once for every block (a no-op in fp32)
-        cos, sin = self.rope_cos[:seq_len].to(h.dtype), self.rope_sin[:seq_len].to(h.dtype)
+        mask = None
+        if positions is None:
+            cos, sin = self.rope_cos[:seq_len].to(h.dtype), self.rope_sin[:seq_len].to(h.dtype)
+        else:  # each token's row of the tables (an embedding lookup: sharding rules know it)
+            cos = F.embedding(positions, self.rope_cos).to(h.dtype)
+            sin = F.embedding(positions, self.rope_sin).to(h.dtype)
+            mask = document_mask(positions)
         for layer in self.layers:
-            h = layer(h, cos, sin)
+            h = layer(h, cos, sin, mask)
         return self.output(self.norm(h))
 
     @torch.no_grad()
