@@ -172,15 +172,20 @@ class Windows:
         return out
 
     def shuffled(self, positions: np.ndarray, seed: int) -> np.ndarray:
-        """The window at each position of the shuffled stream of epochs: position p is in epoch
-        p // count, where windows come in the order of that epoch's permutation."""
-        positions = np.asarray(positions, np.int64)
-        epochs, within = np.divmod(positions, self.count)
-        out = np.empty_like(positions)
-        for epoch in np.unique(epochs):
-            at = epochs == epoch
-            out[at] = permute(within[at], self.count, _mix(_mix(seed) ^ int(epoch)))
-        return out
+        """The window at each position of the shuffled stream of epochs (`shuffled`)."""
+        return shuffled(positions, self.count, seed)
+
+
+def shuffled(positions: np.ndarray, count: int, seed: int) -> np.ndarray:
+    """The item (of `count`) at each position of the shuffled stream of epochs: position p is in
+    epoch p // count, where items come in the order of that epoch's permutation."""
+    positions = np.asarray(positions, np.int64)
+    epochs, within = np.divmod(positions, count)
+    out = np.empty_like(positions)
+    for epoch in np.unique(epochs):
+        at = epochs == epoch
+        out[at] = permute(within[at], count, _mix(_mix(seed) ^ int(epoch)))
+    return out
 
 
 def _mix(x: int) -> int:

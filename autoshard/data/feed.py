@@ -18,8 +18,8 @@ one `UsageError`. Duck-typed on the workload and the parallel module: no plannin
 from __future__ import annotations
 
 import logging
-import math
 from dataclasses import dataclass, fields
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Protocol
 
@@ -28,7 +28,9 @@ import torch
 
 from autoshard.data.corpus import Tokens, Windows, split_by_document
 from autoshard.data.files import check_range, find_files, open_tokens
+from autoshard.data.instruction_feed import Instructions, instruction_files, open_instructions
 from autoshard.data.text import Tokenizer, default_cache, tokenized
+from autoshard.data.validation import Position, validation_loss
 from autoshard.options import UsageError
 
 log = logging.getLogger("autoshard")
@@ -64,26 +66,15 @@ class DataConfig:
     val_fraction: float = 0.0
     eval_every: int = 0
     eval_batches: int = 8
+    loss_on: str | None = None  # instruction data: "completion" (its default) or "all"
+    instruction_layout: str | None = None  # instruction data: "pack" (its default) or "pad"
 
     @classmethod
     def from_settings(cls, settings: Any) -> DataConfig:
         return cls(**{f.name: getattr(settings, f.name) for f in fields(cls)})
 
 
-class _Position:
-    """The steps a feed has served, as its checkpointable state (the batches themselves are a pure
-    function of the seed and the step: a resumed run continues at the step its checkpoint says)."""
-
-    served = 0
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"steps": self.served}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.served = int(state.get("steps", 0))
-
-
-class SyntheticFeed(_Position):
+class SyntheticFeed(Position):
     """The workload's own data source: the global batch of a step, cut to this rank's shards."""
 
     def __init__(self, source: Any, pmodel: Any, batch: int, seq: int, micro_batches: int = 1):
@@ -102,7 +93,7 @@ class SyntheticFeed(_Position):
         return {}
 
 
-class CorpusFeed(_Position):
+class CorpusFeed(Position):
     """Windows of a token corpus, each rank reading its own rows; validation every `eval_every`
     steps on the first `eval_batches` batches of the held-out windows (in order, wrapping)."""
 
@@ -124,22 +115,10 @@ class CorpusFeed(_Position):
     def evaluate(self, step: int) -> dict[str, float]:
         """Every `eval_every` steps: the mean validation loss over `eval_batches` batches, run
         through the parallel module without gradients, and its perplexity."""
-        val, config, pmodel = self.corpus.val, self.corpus.config, self.pmodel
+        val, config = self.corpus.val, self.corpus.config
         if val is None or not config.eval_every or step % config.eval_every:
             return {}
-        drawn = pmodel.random.step  # the next step's random ops draw as if no evaluation had run
-        total = 0.0
-        micro = config.batch // self.micro_batches  # the rows the program takes
-        count = config.eval_batches * self.micro_batches
-        with torch.no_grad():
-            for k in range(count):
-                ids = lambda rows, k=k: (k * micro + rows) % val.count  # noqa: E731
-                total += float(pmodel(*self._local(val, ids)).item())
-        pmodel.random.step = drawn
-        loss = total / count
-        ppl = math.exp(loss) if loss < 700 else math.inf
-        log.info("step %4d  val loss %.4f  val ppl %.2f", step, loss, ppl)
-        return {"val_loss": loss, "val_ppl": ppl}
+        return validation_loss(self.pmodel, config, self.micro_batches, val.count, partial(self._local, val), step)
 
     def _local(self, windows: Windows, ids: Callable[[np.ndarray], np.ndarray]) -> tuple:
         """(tokens, targets) of this rank: the windows of the rows it holds, cut by the layout."""
@@ -189,11 +168,20 @@ class Synthetic:
         return SyntheticFeed(self.source, pmodel, self.config.batch, self.config.seq, micro_batches)
 
 
-def open_data(config: DataConfig, workload: Any, tokenizer: Tokenizer | None) -> Corpus | Synthetic:
+def open_data(config: DataConfig, workload: Any, tokenizer: Tokenizer | None) -> Corpus | Synthetic | Instructions:
     """The run's data, every file checked (UsageError for any bad input, on every rank alike);
-    `workload` is the model as it will be built (its vocabulary already fitted to the data)."""
+    `workload` is the model as it will be built (its vocabulary already fitted to the data).
+    Instruction data (`instruction_feed`) steps its model on other inputs: `model_workload`."""
     if not config.data:
         return Synthetic(config, workload.data(config.data_seed))
+    if instruction_files(find_files(config.data, "--data"), "--data"):
+        return open_instructions(config, tokenizer)
+    for flag, value in (("--loss-on", config.loss_on), ("--instruction-layout", config.instruction_layout)):
+        if value is not None and (flag, value) != ("--loss-on", "all"):
+            raise UsageError(
+                f"{flag} {value}: --data is not instruction data (JSONL records of messages or prompt/completion); "
+                "plain text and tokens train on every token, packed into windows"
+            )
     vocab = tokenizer.vocab_size if tokenizer is not None else workload.vocab_size
     stream = _stream(config, "--data", config.data, tokenizer, vocab, workload.vocab_size)
     val, held = None, ""

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from autoshard.data import Corpus, DataConfig, Synthetic, fitted_vocab, open_data
+from autoshard.data import Corpus, DataConfig, Instructions, Synthetic, fitted_vocab, open_data
 from autoshard.data.fingerprint import data_fingerprint
 from autoshard.data.text import Tokenizer, load_tokenizer
 from autoshard.options import UsageError
@@ -35,7 +35,7 @@ class ResolvedRun:
 
     settings: Settings
     workload: Workload
-    data: Corpus | Synthetic | None
+    data: Corpus | Synthetic | Instructions | None
     initial: Start
     overwrite: bool  # start over in an --out that holds an earlier run
     resuming: bool  # --out holds a checkpoint to continue from
@@ -58,6 +58,8 @@ def resolve(settings: Settings, *, own_data: bool = False) -> ResolvedRun:
     workload, settings = _model(settings, tokenizer)
     data_config = DataConfig.from_settings(settings)
     data = None if own_data else open_data(data_config, workload, tokenizer)
+    if isinstance(data, Instructions):  # packed rows: the model takes positions too
+        workload = data.model_workload(workload)
     fingerprint = data_fingerprint(data_config, tokenizer.digest if tokenizer is not None else None)
     initial = _initial_values(settings, workload)  # every rank: a bad checkpoint fails them together
     overwrite = settings.overwrite and first_attempt()  # a restart resumes what this job wrote

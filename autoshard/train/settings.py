@@ -137,6 +137,18 @@ class Settings(PlanConfig):
         0, type=int, metavar="K", help="every K steps, the validation loss and perplexity into the metrics row"
     )
     eval_batches: int = setting(8, type=positive_int, metavar="N", help="validation batches per evaluation")
+    loss_on: str | None = setting(
+        None,
+        choices=("all", "completion"),
+        help="the tokens the loss trains on: completion (the default for instruction data: the assistant's turns "
+        "of messages records, or the completion of prompt/completion ones) or all (plain text and tokens: always)",
+    )
+    instruction_layout: str | None = setting(
+        None,
+        choices=("pack", "pad"),
+        help="instruction data into rows of --seq: pack (default) several examples to a row, none attending to "
+        "another (the model takes each token's position in its example: llama3 models); pad one to a row",
+    )
     compile: bool = setting(
         False,
         help="run the program's forward and backward through torch.compile (inductor) "
@@ -277,7 +289,8 @@ class Settings(PlanConfig):
             raise ValueError(f"--eval-every must be >= 0, got {self.eval_every}")
         if self.val_data and self.val_fraction:
             raise ValueError("--val-data and --val-fraction both say what to validate on: give one")
-        needs_data = [f for f, v in (("--tokenizer", self.tokenizer), ("--val-data", self.val_data)) if v]
+        given = (("--tokenizer", self.tokenizer), ("--val-data", self.val_data), ("--loss-on", self.loss_on))
+        needs_data = [f for f, v in (*given, ("--instruction-layout", self.instruction_layout)) if v]
         needs_data += ["--val-fraction"] if self.val_fraction else []
         if needs_data and not self.data:
             raise ValueError(f"{', '.join(needs_data)} without --data: the synthetic tokens need none")
