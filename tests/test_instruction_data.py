@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from autoshard import _torch_compat as tc
-from autoshard.data import DataConfig, InstructionFeed, Instructions, open_data
+from autoshard.data import DataConfig, InstructionFeed, Instructions, open_data, with_layout
 from autoshard.data.examples import IGNORE, lay_out, packed_workload
 from autoshard.data.fingerprint import data_fingerprint, describe_change
 from autoshard.data.instruct import Example, chat_template, read_examples
@@ -142,6 +142,11 @@ def test_usage_errors_of_the_data_and_its_flags(tmp_path, tokenizer_dir):
     hf_like = type(hf_like)(**(hf_like.__dict__ | {"build": lambda device: torch.nn.Embedding(4, 4)}))
     with pytest.raises(UsageError, match=r"--instruction-layout pack: .* takes no document positions"):
         packed_workload(hf_like)
+    # left to the default, the layout is what the model can: pack for our llama, pad for the others
+    assert with_layout(config(chats, tokenizer_dir), get_workload("llama3-tiny", 16)).instruction_layout == "pack"
+    assert with_layout(config(chats, tokenizer_dir), hf_like).instruction_layout == "pad"
+    assert with_layout(config(chats, tokenizer_dir, instruction_layout="pad"), hf_like).instruction_layout == "pad"
+    assert with_layout(config(plain, tokenizer_dir), hf_like).instruction_layout is None  # not instruction data
 
 
 # ---------------------------------------------------------------------------- rows

@@ -11,7 +11,17 @@ transformers' chat-template renderer, never a planning stage. docs/data.md is th
 """
 
 from autoshard.data.batches import BatchesFeed
-from autoshard.data.feed import Corpus, CorpusFeed, DataConfig, Feed, Synthetic, SyntheticFeed, fitted_vocab, open_data
+from autoshard.data.feed import (
+    Corpus,
+    CorpusFeed,
+    DataConfig,
+    Feed,
+    Synthetic,
+    SyntheticFeed,
+    fitted_vocab,
+    open_data,
+    with_layout,
+)
 from autoshard.data.instruction_feed import InstructionFeed, Instructions
 
 __all__ = [
@@ -26,4 +36,5 @@ __all__ = [
     "SyntheticFeed",
     "fitted_vocab",
     "open_data",
+    "with_layout",
 ]

@@ -17,6 +17,7 @@ one `UsageError`. Duck-typed on the workload and the parallel module: no plannin
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass, fields
 from functools import partial
@@ -27,6 +28,7 @@ import numpy as np
 import torch
 
 from autoshard.data.corpus import Tokens, Windows, split_by_document
+from autoshard.data.examples import takes_positions
 from autoshard.data.files import check_range, find_files, open_tokens
 from autoshard.data.instruction_feed import Instructions, instruction_files, open_instructions
 from autoshard.data.text import Tokenizer, default_cache, tokenized
@@ -166,6 +168,17 @@ class Synthetic:
 
     def feed(self, pmodel: Any, micro_batches: int) -> SyntheticFeed:
         return SyntheticFeed(self.source, pmodel, self.config.batch, self.config.seq, micro_batches)
+
+
+def with_layout(config: DataConfig, workload: Any) -> DataConfig:
+    """`config` with instruction data's layout decided: `--instruction-layout` as given, else pack
+    where the model keeps packed examples apart (takes their positions: our llama family), else pad."""
+    if config.instruction_layout is not None or not config.data:
+        return config
+    if not instruction_files(find_files(config.data, "--data"), "--data"):
+        return config
+    packs = workload.n_model_inputs == 1 and workload.loss_fn is not None and takes_positions(workload)
+    return dataclasses.replace(config, instruction_layout="pack" if packs else "pad")
 
 
 def open_data(config: DataConfig, workload: Any, tokenizer: Tokenizer | None) -> Corpus | Synthetic | Instructions:

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from autoshard.data import Corpus, DataConfig, Instructions, Synthetic, fitted_vocab, open_data
+from autoshard.data import Corpus, DataConfig, Instructions, Synthetic, fitted_vocab, open_data, with_layout
 from autoshard.data.fingerprint import data_fingerprint
 from autoshard.data.text import Tokenizer, load_tokenizer
 from autoshard.options import UsageError
@@ -56,7 +56,7 @@ def resolve(settings: Settings, *, own_data: bool = False) -> ResolvedRun:
     check_out(out, settings.checkpoint_every > 0)  # first: a bad --out fails every rank alike
     tokenizer = load_tokenizer(settings.tokenizer) if settings.tokenizer else None
     workload, settings = _model(settings, tokenizer)
-    data_config = DataConfig.from_settings(settings)
+    data_config = with_layout(DataConfig.from_settings(settings), workload)  # pack or pad: what the model can
     data = None if own_data else open_data(data_config, workload, tokenizer)
     if isinstance(data, Instructions):  # packed rows: the model takes positions too
         workload = data.model_workload(workload)

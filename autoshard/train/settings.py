@@ -146,8 +146,9 @@ class Settings(PlanConfig):
     instruction_layout: str | None = setting(
         None,
         choices=("pack", "pad"),
-        help="instruction data into rows of --seq: pack (default) several examples to a row, none attending to "
-        "another (the model takes each token's position in its example: llama3 models); pad one to a row",
+        help="instruction data into rows of --seq: pack several examples to a row, none attending to another "
+        "(the model takes each token's position in its example: llama3 models; their default), or pad one to a "
+        "row (the default for other models)",
     )
     compile: bool = setting(
         False,
