@@ -63,9 +63,10 @@ def apply_tp(model, tp_mesh) -> None:
             tp_mesh,
             {
                 "attention_norm": SequenceParallel(),
-                # Attention.forward(x, cos, sin): only x changes layout; the rope tables stay plain.
+                # Attention.forward(x, cos, sin, mask): only x changes layout; the rope tables (and
+                # the packed documents' mask, None here) stay plain.
                 "attention": PrepareModuleInput(
-                    input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None)
+                    input_layouts=(Shard(1), None, None, None), desired_input_layouts=(Replicate(), None, None, None)
                 ),
                 "attention.wq": ColwiseParallel(),
                 "attention.wk": ColwiseParallel(),
