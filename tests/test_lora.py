@@ -154,3 +154,32 @@ def test_a_frozen_embedding_stays_as_it_was_and_exports_whole(tmp_path):
     assert export_hf(run, tmp_path / "hf").tensors == len(saved)
     with pytest.raises(ValueError, match="--merge: .* is not a LoRA run"):
         export_hf(run, tmp_path / "merged", merge=True)
+
+
+@ONE_PROCESS
+def test_the_documented_flow_chats_to_a_peft_adapter_and_a_resume_repeats_the_losses(tmp_path):
+    """docs/finetuning.md's commands at tiny size: an HF Llama's own weights, a chat JSONL with a
+    chat template (padded rows: HF models take no positions), `--lora`, the adapter exported and
+    loaded by peft; a run resumed from its step-2 checkpoint repeats the uninterrupted losses."""
+    from test_instruction_data import chat, jsonl, make_tokenizer, text_of
+
+    _, directory = save_tiny(tmp_path / "base", seed=3)
+    tokenizer = make_tokenizer(tmp_path / "tok")
+    rng = __import__("numpy").random.default_rng(0)
+    chats = jsonl(tmp_path / "chats.jsonl", [chat(text_of(rng, 2, 6), text_of(rng, 2, 6)) for _ in range(40)])
+    args = ["--model", f"hf:{directory}", "--init-from", str(directory), "--tokenizer", str(tokenizer)]
+    args += ["--data", str(chats), "--lora", LORA, "--batch", "4", "--seq", "16", "--mesh", "1", "--steps", "4"]
+    run, again = tmp_path / "run", tmp_path / "again"
+    assert train_main([*args, "--checkpoint-every", "2", "--out", str(run)]) == 0
+    plan = json.loads((run / "plan.json").read_text())
+    assert [i["shape"] for i in plan["inputs"] if i["kind"] == "input"] == [[4, 16]] * 2  # padded: no positions
+    losses = [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    export_hf(run, tmp_path / "adapter")
+    peft.PeftModel.from_pretrained(transformers.AutoModelForCausalLM.from_pretrained(directory), tmp_path / "adapter")
+    import shutil
+
+    shutil.copytree(run, again)
+    shutil.rmtree(again / "checkpoints" / "step-000004")
+    assert train_main([*args, "--checkpoint-every", "2", "--out", str(again)]) == 0  # resumes from step 2
+    resumed = [json.loads(line)["loss"] for line in (again / "metrics.jsonl").read_text().splitlines()]
+    assert resumed == losses
