@@ -86,7 +86,7 @@ def test_micro_batches_train_like_their_whole_batch_and_all_reduce_once(case):
         pmodel = parallelize(plan, mesh, build_model(TINY, device="meta"), accumulate=True)
         pmodel.init_weights(0)
         held = pmodel.program.held
-        names = pmodel.program.param_names
+        names = pmodel.program.grad_names  # held.params index the trained parameters
         held_names = {names[i] for i in held.params}
         attention = {n for n in names if ".attention.w" in n}  # replicated on the batch's dim
         assert attention & held_names  # held (where the plan all-reduces them)

@@ -14,6 +14,7 @@ from torch import nn
 
 from autoshard import _torch_compat as tc
 from autoshard.driver.api import AutoShard
+from autoshard.profiles.device import DeviceProfile
 from autoshard.runtime.module import parallelize
 from autoshard.workloads import hf
 from autoshard_models.train_single import TrainSettings, make_optimizer
@@ -193,3 +194,39 @@ def test_a_peft_model_is_traced_from_its_repeated_blocks(caplog):
         plan = AutoShard(meta, example, (4,), loss_fn=logits_loss).optimize()
     assert "traced 4 of the 6 blocks of base_model.model.model.layers and unrolled the rest" in caplog.text
     assert set(plan.grad_sinks) == {n for n, p in meta.named_parameters() if p.requires_grad}
+
+
+def test_accumulated_micro_batches_with_frozen_parameters_train_like_the_whole_batch():
+    """Two micro-batches, the first under `no_sync()` (the held all-reduces of replicated trained
+    gradients): the trained gradients equal one device's over the whole batch; frozen ones stay None."""
+    from contextlib import nullcontext
+
+    model = build("two-layers", "cpu")
+    initial = {k: v.clone() for k, v in model.state_dict().items()}
+    g = torch.Generator().manual_seed(0)
+    x, y = (torch.randint(2, VOCAB, (8, 256), generator=g) for _ in range(2))  # enough work to split the batch
+    logits_loss(model(x), y).backward()
+    want = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+    meta = build("two-layers", "meta")
+    example = lambda: (torch.empty(4, 256, dtype=torch.int64, device="meta"),) * 2  # noqa: E731
+    # compute priced slow, so the batch stays split (its gradients all-reduced: held under no_sync)
+    slow = DeviceProfile(1e8, 2e7, "slow", peak_flops_fp32=1e8)
+    auto = AutoShard(meta, example, (2,), loss_fn=logits_loss, device=slow)
+    auto.constrain_inputs("S(0)", "S(0)")
+    auto.pin("*", "R")
+    plan = auto.optimize()
+    with simulated_mesh((2,)) as (mesh, mode):
+        pmodel = parallelize(plan, mesh, meta, accumulate=True)
+        pmodel.load_full(initial)
+        assert pmodel.program.held.params  # something is held
+        for k in range(2):
+            rows = slice(4 * k, 4 * (k + 1))
+            with pmodel.no_sync() if k == 0 else nullcontext():
+                (pmodel(*pmodel.shard_inputs(x[rows], y[rows])) / 2).backward()
+        for fqn, p in pmodel.named_parameters():
+            if fqn not in want:
+                assert p.grad is None, fqn
+                continue
+            with mode.disable():
+                for got in tc.rank_values(p.grad.full_tensor()).values():
+                    torch.testing.assert_close(got, want[fqn], rtol=1e-5, atol=1e-6, msg=fqn)
