@@ -181,6 +181,7 @@ def test_a_parameter_the_loss_never_reaches_says_to_freeze_it():
     assert "unused.weight" in plan.param_layouts and "unused.weight" not in plan.grad_sinks
 
 
+@pytest.mark.slow
 def test_a_peft_model_is_traced_from_its_repeated_blocks(caplog):
     """peft's wrappers reach the model through module tables (`__dict__['_modules']`): the module
     paths still name the blocks, so a LoRA model traces 4 of its blocks (block 0, before which no

@@ -111,6 +111,7 @@ def fine_tuned_like_peft(tmp_path, base_model, directory, run) -> None:
         torch.testing.assert_close(plain(tokens).logits, want_logits, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 @ONE_PROCESS
 def test_a_lora_run_trains_like_peft_on_one_device_and_exports_an_adapter_peft_loads(tmp_path):
     base_model, directory = save_tiny(tmp_path / "base", seed=3)
@@ -156,6 +157,7 @@ def test_a_frozen_embedding_stays_as_it_was_and_exports_whole(tmp_path):
         export_hf(run, tmp_path / "merged", merge=True)
 
 
+@pytest.mark.slow
 @ONE_PROCESS
 def test_the_documented_flow_chats_to_a_peft_adapter_and_a_resume_repeats_the_losses(tmp_path):
     """docs/finetuning.md's commands at tiny size: an HF Llama's own weights, a chat JSONL with a
