@@ -97,14 +97,13 @@ def _check(args: argparse.Namespace):
     (profiles resolved: a preset or a calibrated file)."""
     from autoshard.profiles.files import device_profile, network_profile
     from autoshard.workloads import get_workload
-    from autoshard.workloads.finetune import FineTune, fine_tuned, parse_lora
+    from autoshard.workloads.finetune import FineTune, fine_tuned
 
     try:
         config = from_values(PlanConfig, vars(args)).with_default_profiles()
         config.check_batch(args.batch)
         workload = get_workload(args.model, args.seq)
-        lora = parse_lora(args.lora) if args.lora else None
-        workload = fine_tuned(workload, FineTune(lora, tuple(args.freeze or ())))  # --lora, --freeze
+        workload = fine_tuned(workload, FineTune.from_flags(args.lora, args.freeze))  # --lora, --freeze
         config = config.replace(
             network=network_profile(config.network, config.mesh, config.intra_node_dims),
             device_profile=device_profile(config.device_profile),

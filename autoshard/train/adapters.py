@@ -45,7 +45,6 @@ def adapter_config(model: Any, base_model: str | None) -> str:
 class _Pair:
     a: str  # the checkpoint FQN of lora_A.default.weight
     b: str
-    scale: float
 
 
 def merged(tensors: dict[str, Any], read: Callable, scale: float) -> tuple[dict[str, Any], Callable]:
@@ -61,7 +60,7 @@ def merged(tensors: dict[str, Any], read: Callable, scale: float) -> tuple[dict[
         if ".lora_A." in fqn:
             module = fqn.split(".lora_A.")[0]
             weight = f"{module}.base_layer.weight"
-            pairs[weight] = _Pair(fqn, fqn.replace(".lora_A.", ".lora_B."), scale)
+            pairs[weight] = _Pair(fqn, fqn.replace(".lora_A.", ".lora_B."))
     base = {fqn: meta for fqn, meta in tensors.items() if not is_adapter(fqn)}
 
     def read_merged(fqn: str, meta: Any, dtype: torch.dtype) -> torch.Tensor:
@@ -71,6 +70,6 @@ def merged(tensors: dict[str, Any], read: Callable, scale: float) -> tuple[dict[
         weight = read(fqn, meta, torch.float32)
         a = read(pair.a, tensors[pair.a], torch.float32)
         b = read(pair.b, tensors[pair.b], torch.float32)
-        return weight.addmm_(b, a, alpha=pair.scale).to(dtype)
+        return weight.addmm_(b, a, alpha=scale).to(dtype)
 
     return base, read_merged

@@ -41,7 +41,7 @@ from autoshard.train import adapters
 from autoshard.train.checkpoints import Checkpoint, checkpoints
 from autoshard.train.safe_metadata import load_value, read_metadata
 from autoshard.workloads import Workload, get_workload
-from autoshard.workloads.finetune import FineTune, fine_tuned, parse_lora
+from autoshard.workloads.finetune import FineTune, fine_tuned
 
 MAX_SHARD_BYTES = 5 * 10**9  # transformers' default max_shard_size, "5GB"
 WEIGHTS = "model.safetensors"
@@ -459,5 +459,4 @@ def _workload(settings: dict) -> Workload:
     workload = get_workload(settings["model"], int(settings.get("seq", 1)))
     if settings.get("vocab_size") and workload.resize_vocab is not None:  # trained with a tokenizer's vocabulary
         workload = workload.resize_vocab(int(settings["vocab_size"]))
-    lora = parse_lora(settings["lora"]) if settings.get("lora") else None
-    return fine_tuned(workload, FineTune(lora, tuple(settings.get("freeze") or ())))
+    return fine_tuned(workload, FineTune.from_flags(settings.get("lora"), settings.get("freeze")))

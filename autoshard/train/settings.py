@@ -12,7 +12,7 @@ from autoshard.data.files import DTYPES as DATA_DTYPES
 from autoshard.driver.config import PlanConfig
 from autoshard.options import BATCH, FREEZE, INIT_FROM, LORA, MODEL, OUT, SEQ, positive_int, run_name, setting
 from autoshard.train.optimizer import LR_SCHEDULES, OptimizerConfig, ScheduleConfig
-from autoshard.workloads.finetune import FineTune, parse_lora
+from autoshard.workloads.finetune import FineTune
 
 RESUME_MODES = ("auto", "yes", "no", "force")
 CHECKPOINT_WRITES = ("auto", "async", "sync")
@@ -262,7 +262,7 @@ class Settings(PlanConfig):
     @property
     def fine_tune(self) -> FineTune:
         """What --lora and --freeze ask (empty: train every parameter)."""
-        return FineTune(parse_lora(self.lora) if self.lora else None, tuple(self.freeze or ()))
+        return FineTune.from_flags(self.lora, self.freeze)
 
     @property
     def micro_batch(self) -> int:

@@ -89,6 +89,11 @@ class FineTune:
     def __bool__(self) -> bool:
         return self.lora is not None or bool(self.freeze)
 
+    @classmethod
+    def from_flags(cls, lora: str | None, freeze: Any) -> FineTune:
+        """From `--lora`'s text (None: no LoRA) and `--freeze`'s patterns (None: none)."""
+        return cls(parse_lora(lora) if lora else None, tuple(freeze or ()))
+
 
 def fine_tuned(base: Workload, tune: FineTune) -> Workload:
     """`base` with `tune` applied (`base` itself when `tune` asks nothing). ValueError for a
