@@ -79,6 +79,23 @@ def test_unrolled_llama_equals_the_full_trace(n_layers, caplog):
     assert "def forward" in unrolled.gm.code
 
 
+def test_in_bf16_each_block_casts_its_parameters_and_the_blocks_still_repeat(caplog):
+    """Under mixed precision a block casts its whole subtree's parameters as its forward starts
+    (dynamo names the submodules through the patched forward's closure): the casts carry the
+    block's path and the blocks still repeat, so 3 of them are traced."""
+    from autoshard.capture.precision import Precision, is_cast
+
+    model = tiny(4)
+    tokens = torch.zeros(2, 16, dtype=torch.int64)
+    with caplog.at_level(logging.INFO, logger=LOG), contextlib.ExitStack() as stack:
+        graph = trace_step(model, llama_step, (tokens, tokens), stack, precision=Precision(torch.bfloat16))
+    assert "traced 3 of the 4 blocks of layers" in caplog.text
+    casts = {fqn: [u for u in node.users if is_cast(u)] for fqn, node in graph.params.items()}
+    assert all(len(c) == 1 for c in casts.values())
+    assert graph.module_path(casts["layers.3.feed_forward.w2.weight"][0]) == "layers.3"
+    assert graph.module_path(casts["output.weight"][0]) == "output"
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("n_layers", [5, 7])
 def test_with_a_frozen_embedding_blocks_1_to_3_are_the_pattern(n_layers, caplog):

@@ -28,6 +28,9 @@ _GETATTR = re.compile(r"getattr\((.*), '([^']*)'\)")
 # a module reached through its parent's module table (peft's wrappers forward attribute lookups):
 # "L['self'].model.__dict__['_modules']['base_model']"
 _TABLE = re.compile(r"\.__dict__\['_modules'\]\['([^']*)'\]")
+# a module reached through a forward patched for mixed precision (`precision.cast_parameters`):
+# "...attention.forward.__closure__[1].cell_contents.__self__.wo" is "...attention.wo"
+_PATCHED = re.compile(r"\.forward\.__closure__\[\d+\]\.cell_contents(?:\.__self__)?")
 
 
 def module_path(dynamo_name: str) -> str:
@@ -38,7 +41,7 @@ def module_path(dynamo_name: str) -> str:
         if unwrapped == name:
             break
         name = unwrapped
-    name = _TABLE.sub(r".\1", _INDEX.sub(r".\1", name))
+    name = _TABLE.sub(r".\1", _INDEX.sub(r".\1", _PATCHED.sub("", name)))
     match = _ROOT.match(name)
     return name[match.end() :] if match else ""
 

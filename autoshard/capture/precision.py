@@ -1,9 +1,9 @@
 """Mixed precision in the traced step, with FSDP2's meaning of `MixedPrecisionPolicy`.
 
 The parameters stay in their own dtype (fp32 master weights: what the optimizer updates and the
-checkpoint keeps). While the step is traced, each module casts its own parameters to
-`param_dtype` as its forward starts (FSDP2 casts per unit at pre-forward), so the joint graph
-carries one cast node per parameter, tagged with the owning module's path. The cast's backward
+checkpoint keeps). While the step is traced, each module casts its parameters to `param_dtype`
+as its forward starts (FSDP2 casts per unit at pre-forward; `cast_parameters` says which), so the
+joint graph carries one cast node per parameter, tagged with the casting module's path. The cast's backward
 turns the gradient into `reduce_dtype` before autograd hands it back in the parameter's dtype.
 
 Because the casts are graph nodes, every later stage sees the real dtype of every tensor: the
@@ -122,32 +122,47 @@ def _cast(param: torch.Tensor, precision: Precision) -> torch.Tensor:
 
 @contextlib.contextmanager
 def cast_parameters(model: nn.Module, precision: Precision) -> Iterator[None]:
-    """For the duration of one traced step, each module's forward first swaps its floating
-    parameters for their casts (`_cast`; one per parameter, made at the first forward of a module
-    owning it: a tied weight is one cast), then runs. Nothing happens when `precision` casts
-    nothing. Casts are keyed by FQN strings (no object identities), so dynamo traces this too."""
+    """For the duration of one traced step, each module's forward first swaps floating parameters
+    for their casts (`_cast`; one per parameter, made at the first forward that reaches it: a tied
+    weight is one cast), then runs. A module casts its own parameters, and a module with no
+    container of several modules below it (a transformer block, a peft LoRA layer) those of its
+    whole subtree, as FSDP2 casts a unit's: code that reads a child's weight dtype before calling
+    it (peft casts its input to `lora_A.weight.dtype`) sees the compute dtype. Nothing happens when
+    `precision` casts nothing. Casts are keyed by FQN strings (no object identities), so dynamo
+    traces this too."""
     if not precision.casts:
         yield
         return
     first_name: dict[int, str] = {}  # id(parameter) -> its first FQN: tied weights share a cast
-    owned: dict[nn.Module, list[tuple[str, str]]] = {}
-    for module_name, module in model.named_modules(remove_duplicate=False):
+    paths: dict[nn.Module, str] = {}
+    for path, module in model.named_modules(remove_duplicate=False):
+        paths.setdefault(module, path)
+    own: dict[nn.Module, list[tuple[str, str]]] = {}  # module -> (name, key) of its own parameters
+    for module, module_name in paths.items():
         for name, param in module.named_parameters(recurse=False, remove_duplicate=False):
             if param.is_floating_point():
                 key = first_name.setdefault(id(param), f"{module_name}.{name}")
-                owned.setdefault(module, []).append((name, key))
+                own.setdefault(module, []).append((name, key))
+    # module -> (path of the owner below it, name, key) of each parameter it casts
+    owned: dict[nn.Module, list[tuple[str, str, str]]] = {}
+    for module, path in paths.items():
+        subtree = module.named_modules(prefix=path) if _is_unit(module) else [(path, module)]
+        items = [(p.removeprefix(path).lstrip("."), name, key) for p, m in subtree for name, key in own.get(m, ())]
+        if items:
+            owned[module] = items
     casts: dict[str, torch.Tensor] = {}  # FQN -> its cast, for this step
     originals = [
-        (module._parameters, name, module._parameters[name]) for module, items in owned.items() for name, _ in items
+        (module._parameters, name, module._parameters[name]) for module, items in own.items() for name, _ in items
     ]
 
-    def casting(module: nn.Module, forward, items: list[tuple[str, str]]):
+    def casting(module: nn.Module, forward, items: list[tuple[str, str, str]]):
         # the cast runs inside the module's forward, so both tracers tag it with the module's path
         def forward_in_compute_dtype(*args, **kwargs):
-            for name, key in items:
+            for sub, name, key in items:
+                owner = module.get_submodule(sub) if sub else module
                 if key not in casts:
-                    casts[key] = _cast(module._parameters[name], precision)
-                module._parameters[name] = casts[key]
+                    casts[key] = _cast(owner._parameters[name], precision)
+                owner._parameters[name] = casts[key]
             return forward(*args, **kwargs)
 
         return forward_in_compute_dtype
@@ -162,6 +177,15 @@ def cast_parameters(model: nn.Module, precision: Precision) -> Iterator[None]:
             del module.forward
         for table, name, param in originals:
             table[name] = param
+
+
+_CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
+
+
+def _is_unit(module: nn.Module) -> bool:
+    """Whether `module` casts its whole subtree: no container of two or more modules (a list of
+    blocks, of experts) at or below it."""
+    return not any(isinstance(m, _CONTAINERS) and len(m) > 1 for m in module.modules())
 
 
 def cast_floating(value, dtype: torch.dtype | None):
