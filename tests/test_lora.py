@@ -157,6 +157,30 @@ def test_a_frozen_embedding_stays_as_it_was_and_exports_whole(tmp_path):
         export_hf(run, tmp_path / "merged", merge=True)
 
 
+@ONE_PROCESS
+def test_a_bf16_lora_run_holds_its_frozen_base_in_bf16_and_exports_it(tmp_path):
+    """With `--param-dtype bf16` the frozen base is held (and checkpointed) in bf16, what every
+    forward computes with; the adapters stay fp32 master weights; the merged export and the adapter
+    still load."""
+    base_model, directory = save_tiny(tmp_path / "base", seed=3)
+    run = tmp_path / "run"
+    args = ["--model", f"hf:{directory}", "--init-from", str(directory), "--lora", LORA, *RUN]
+    assert train_main([*args, "--param-dtype", "bf16", "--reduce-dtype", "fp32", "--out", str(run)]) == 0
+    saved = checkpoint_tensors(run / "checkpoints" / "step-000003")
+    frozen = {p["fqn"] for p in json.loads((run / "plan.json").read_text())["parameters"] if p["frozen"]}
+    assert frozen and frozen < set(saved)
+    for fqn, value in saved.items():
+        if fqn in frozen:
+            assert value.dtype == torch.bfloat16, fqn
+            assert torch.equal(value, base_model.get_parameter(base_name(fqn)).to(torch.bfloat16)), fqn
+        elif value.is_floating_point():
+            assert value.dtype == torch.float32, fqn
+    export_hf(run, tmp_path / "merged", merge=True)
+    assert type(transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged")) is transformers.LlamaForCausalLM
+    export_hf(run, tmp_path / "adapter")
+    peft.PeftModel.from_pretrained(transformers.AutoModelForCausalLM.from_pretrained(directory), tmp_path / "adapter")
+
+
 @pytest.mark.slow
 @ONE_PROCESS
 def test_the_documented_flow_chats_to_a_peft_adapter_and_a_resume_repeats_the_losses(tmp_path):

@@ -103,7 +103,8 @@ def _check(args: argparse.Namespace):
         config = from_values(PlanConfig, vars(args)).with_default_profiles()
         config.check_batch(args.batch)
         workload = get_workload(args.model, args.seq)
-        workload = fine_tuned(workload, FineTune.from_flags(args.lora, args.freeze))  # --lora, --freeze
+        tune = FineTune.from_flags(args.lora, args.freeze, config.precision.param_dtype)  # --lora, --freeze
+        workload = fine_tuned(workload, tune)
         config = config.replace(
             network=network_profile(config.network, config.mesh, config.intra_node_dims),
             device_profile=device_profile(config.device_profile),

@@ -262,7 +262,7 @@ class Settings(PlanConfig):
     @property
     def fine_tune(self) -> FineTune:
         """What --lora and --freeze ask (empty: train every parameter)."""
-        return FineTune.from_flags(self.lora, self.freeze)
+        return FineTune.from_flags(self.lora, self.freeze, self.precision.param_dtype)
 
     @property
     def micro_batch(self) -> int:

@@ -81,18 +81,24 @@ def parse_lora(text: str) -> Lora:
 
 @dataclass(frozen=True)
 class FineTune:
-    """What `--lora` and `--freeze` ask of a workload (both empty: train everything)."""
+    """What `--lora` and `--freeze` ask of a workload (both empty: train everything).
+
+    `frozen_dtype` (`--param-dtype`'s): the frozen parameters are held in it. They never change,
+    and under mixed precision every forward reads them cast to it anyway, so the values computed
+    with are the same; what it saves is the fp32 copy, half of a LoRA run's parameter memory."""
 
     lora: Lora | None = None
     freeze: tuple[str, ...] = ()
+    frozen_dtype: torch.dtype | None = None
 
     def __bool__(self) -> bool:
         return self.lora is not None or bool(self.freeze)
 
     @classmethod
-    def from_flags(cls, lora: str | None, freeze: Any) -> FineTune:
-        """From `--lora`'s text (None: no LoRA) and `--freeze`'s patterns (None: none)."""
-        return cls(parse_lora(lora) if lora else None, tuple(freeze or ()))
+    def from_flags(cls, lora: str | None, freeze: Any, param_dtype: torch.dtype | None = None) -> FineTune:
+        """From `--lora`'s text (None: no LoRA), `--freeze`'s patterns (None: none) and the
+        compute dtype (`--param-dtype`; None: the parameters' own)."""
+        return cls(parse_lora(lora) if lora else None, tuple(freeze or ()), param_dtype)
 
 
 def fine_tuned(base: Workload, tune: FineTune) -> Workload:
@@ -155,6 +161,10 @@ def _wrapped(base: Workload, tune: FineTune, device: str | torch.device) -> nn.M
             params[name].requires_grad_(False)
     if not any(p.requires_grad for p in params.values()):
         raise ValueError(f"--freeze {' '.join(tune.freeze)}: leaves no parameter of {base.name} to train")
+    if tune.frozen_dtype is not None:
+        for param in params.values():
+            if not param.requires_grad and param.is_floating_point():
+                param.data = param.data.to(tune.frozen_dtype)
     return model
 
 
