@@ -227,6 +227,20 @@ def test_no_plan_fits_is_one_clear_error():
         plan_debug(10e6)
 
 
+def test_when_nothing_fits_bf16_is_suggested_only_to_a_run_not_computing_in_it():
+    from types import SimpleNamespace
+
+    from autoshard.capture.precision import Precision
+    from autoshard.driver.fit import _remedies
+
+    def remedies(param_dtype):
+        return _remedies(SimpleNamespace(graph=SimpleNamespace(precision=Precision(param_dtype))))
+
+    assert remedies(None).endswith(", or bf16 parameters (--param-dtype bf16)")
+    assert remedies(torch.float32).endswith("(--param-dtype bf16)")
+    assert remedies(torch.bfloat16) == "use more devices, a smaller batch or sequence"
+
+
 @pytest.mark.slow
 def test_when_nothing_fits_the_first_budgets_the_fit_raises_them(caplog):
     """With 1 ms launches (bf16 parameters, fp32 reductions) the plan as solved is data parallel

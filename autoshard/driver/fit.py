@@ -44,6 +44,8 @@ import threading
 from dataclasses import dataclass
 from typing import Callable, TypeVar
 
+import torch
+
 import autoshard_solver as solver
 from autoshard.driver import limits
 from autoshard.pricing.planner import Planner
@@ -225,6 +227,7 @@ def _fit_options(fit: _Fit, options: list[_Option], smallest: DryRunResult | Non
     a miss tightens that option's budget (dropped after `ROUNDS` misses), nothing under the
     budgets loosens them all. MemoryLimitError naming the smallest peak seen when none fits."""
     limit, steps = fit.limit, fit.steps
+    remedies = _remedies(options[0].sharding)
     loosened = 0
     while options:
         best = _best_budgeted(options, steps, fit.planner)
@@ -257,10 +260,9 @@ def _fit_options(fit: _Fit, options: list[_Option], smallest: DryRunResult | Non
     if smallest is None:
         raise MemoryLimitError(
             f"no plan fits {size_text(limit)} per rank: even with every option (resharding, "
-            f"activation checkpointing) the modeled peak is over it; use more devices, a smaller "
-            f"batch or sequence, or bf16 parameters (--param-dtype bf16)"
+            f"activation checkpointing) the modeled peak is over it; {remedies}"
         )
-    raise MemoryLimitError(_no_fit_message(limit, smallest))
+    raise MemoryLimitError(_no_fit_message(limit, smallest, remedies))
 
 
 def _loosen(options: list[_Option], limit: float) -> None:
@@ -410,7 +412,15 @@ def _next_budget(limit: float, budget: float, nonlinear: float, missed: list[tup
     return out
 
 
-def _no_fit_message(limit: float, smallest: DryRunResult) -> str:
+def _remedies(sharding: ShardingProblem) -> str:
+    """What a user can change when nothing fits (bf16 only for a run not already computing in it)."""
+    computes_16_bit = sharding.graph.precision.param_dtype not in (None, torch.float32, torch.float64)
+    return "use more devices, a smaller batch or sequence" + (
+        "" if computes_16_bit else ", or bf16 parameters (--param-dtype bf16)"
+    )
+
+
+def _no_fit_message(limit: float, smallest: DryRunResult, remedies: str) -> str:
     rank = max(smallest.ranks.values(), key=lambda m: m.peak_bytes)
     parts = sorted(
         (
@@ -422,6 +432,5 @@ def _no_fit_message(limit: float, smallest: DryRunResult) -> str:
     largest = ", ".join(f"{k} {size_text(v)}" for v, k in parts[:3])
     return (
         f"no plan fits {size_text(limit)} per rank: the smallest peak reached is {size_text(smallest.peak_bytes)} "
-        f"(largest: {largest}); use more devices, a smaller batch or sequence, or bf16 "
-        f"parameters (--param-dtype bf16)"
+        f"(largest: {largest}); {remedies}"
     )
