@@ -133,6 +133,7 @@ def test_llama_tiny_trains_like_single_device(reference, mesh_shape, inputs, pin
         }
 
 
+@pytest.mark.slow
 def test_parameters_hold_the_rows_their_order_implies():
     """Non-default order: physically `_StridedShard`; each rank's local rows are the order's
     chunk; the DTensor's global value is the full parameter; state_dict keys are the model's."""

@@ -151,6 +151,7 @@ def _run(cmd: list[str], timeout: int = 300) -> subprocess.CompletedProcess:
     return out
 
 
+@pytest.mark.slow
 def test_single_process_calibrate_writes_a_device_profile(tmp_path):
     out = _run([sys.executable, "-m", "autoshard", "calibrate", "--quick", "--out", str(tmp_path / "d.json")])
     assert "device cpu float32: matmul" in out.stdout and "wrote" in out.stdout

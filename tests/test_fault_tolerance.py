@@ -132,6 +132,7 @@ def test_retention_keeps_the_newest_k_and_a_rerun_resumes_by_itself(tmp_path, ca
     assert list(again) == list(range(1, 12)) and all(again[s] == first[s] for s in range(1, 9))
 
 
+@pytest.mark.slow
 @ONE_PROCESS
 def test_a_damaged_newest_checkpoint_is_skipped_with_one_warning(tmp_path, capsys):
     """The newest checkpoint's data truncated: one warning line naming it, the one before is loaded,

@@ -7,7 +7,10 @@ import os
 import subprocess
 import sys
 
+import pytest
 
+
+@pytest.mark.slow
 def test_the_cli_runs_from_a_project_with_its_own_models_and_solver(tmp_path):
     for name in ("models", "solver"):
         (tmp_path / name).mkdir()

@@ -337,6 +337,7 @@ def test_validation_holds_out_whole_examples(tmp_path, tokenizer_dir):
 
 
 # ---------------------------------------------------------------------------- train, resumed
+@pytest.mark.slow
 @pytest.mark.replicated_plan  # one process: what it checks is the data a resumed run reads
 def test_train_on_chats_resumes_exactly(tmp_path, tokenizer_dir):
     """`train --data chats.jsonl` packs and trains; resumed from step 3's checkpoint, steps 4-6

@@ -90,7 +90,7 @@ def reference(name: str, policy: MixedPrecisionPolicy | None, steps: int = STEPS
     "name, mesh_shape",
     [
         ("llama3-tiny", (2, 2)),
-        ("llama3-tiny", (4,)),
+        pytest.param("llama3-tiny", (4,), marks=pytest.mark.slow),
         pytest.param("llama3-debug", (2, 2), marks=pytest.mark.slow),
     ],
 )

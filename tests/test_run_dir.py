@@ -64,6 +64,7 @@ def test_a_fresh_start_refuses_an_earlier_run_unless_overwrite(tmp_path, capsys)
     assert steps(out) == [1, 2, 3] and not (out / LOCK_NAME).exists()
 
 
+@pytest.mark.slow
 @ONE_PROCESS
 def test_overwrite_starts_over_instead_of_resuming_and_removes_the_old_checkpoints(tmp_path, capsys):
     out = tmp_path / "run"

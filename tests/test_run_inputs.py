@@ -35,6 +35,7 @@ def errors(capsys) -> list[str]:
     return [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
 
 
+@pytest.mark.slow
 def test_the_same_files_spelled_another_way_resume(tmp_path, monkeypatch):
     data = token_dir(tmp_path / "dd")
     out = tmp_path / "run"
@@ -123,6 +124,7 @@ def test_the_checkpoint_a_nan_stop_names_is_one_whose_loss_had_not_diverged(tmp_
     ), line
 
 
+@pytest.mark.slow
 def test_init_from_on_a_resumed_run_says_it_is_not_used(tmp_path, capsys):
     from safetensors.torch import save_file
 
@@ -186,6 +188,7 @@ def test_an_error_line_is_said_once_per_launch_even_with_a_repeated_rdzv_id(tmp_
     assert [p.name.split("-")[2] for p in tmp_path.iterdir()] == [str(os.getpid())]
 
 
+@pytest.mark.slow
 def test_a_start_that_failed_after_planning_does_not_block_the_corrected_command(tmp_path, capsys):
     """What a start that failed after planning leaves (its plan, report and an empty metrics file)
     is replaced by the next start without --overwrite; a run that ran a step is still protected."""
@@ -222,6 +225,7 @@ def test_an_out_no_file_can_be_made_in_is_refused_before_planning(capsys):
     assert line.startswith("error: --out /proc/autoshard-x: cannot write into /proc (")
 
 
+@pytest.mark.slow
 def test_plans_own_file_is_a_plan_file(tmp_path, capsys):
     from autoshard.cli.plan import plan_main
 
