@@ -134,9 +134,7 @@ def cast_parameters(model: nn.Module, precision: Precision) -> Iterator[None]:
         yield
         return
     first_name: dict[int, str] = {}  # id(parameter) -> its first FQN: tied weights share a cast
-    paths: dict[nn.Module, str] = {}
-    for path, module in model.named_modules(remove_duplicate=False):
-        paths.setdefault(module, path)
+    paths = {module: path for path, module in model.named_modules()}  # a shared module at its first path
     own: dict[nn.Module, list[tuple[str, str]]] = {}  # module -> (name, key) of its own parameters
     for module, module_name in paths.items():
         for name, param in module.named_parameters(recurse=False, remove_duplicate=False):
