@@ -296,10 +296,48 @@ def test_results_are_dense_in_the_asked_dim_order():
             assert _dense_in(y, order) == y.permute(*order).is_contiguous(), (y.shape, y.stride(), order)
 
 
+def test_a_collective_on_an_inner_dim_is_one_split_and_one_cat_or_a_view():
+    """Each op is host work on a GPU: gathering, scattering or exchanging a tensor dim past 0 costs
+    one split and one cat around the collective, and only a view where the shard's outer dims are
+    all 1 (the chunks lie one after another: a batch of 1 per rank); values as the planner's
+    reference layouts say (the sweeps above)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    ops: list[str] = []
+
+    class Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            ops.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    cases = [
+        ("S(0)S(1)", "S(0)R", (2, 4, 3), ["all_gather_into_tensor", "wait_tensor", "view"]),
+        ("S(0)S(1)", "S(0)R", (4, 4, 3), ["all_gather_into_tensor", "wait_tensor", "split", "cat"]),
+        ("S(0)P", "S(0)S(1)", (2, 4, 3), ["view", "reduce_scatter_tensor", "wait_tensor"]),
+        ("S(0)P", "S(0)S(1)", (4, 4, 3), ["split", "cat", "reduce_scatter_tensor", "wait_tensor"]),
+        ("S(0)S(1)", "S(0)S(2)", (2, 4, 4), ["split", "cat", "all_to_all_single", "wait_tensor", "view"]),
+        ("S(0)S(1)", "S(0)S(2)", (4, 4, 4), ["split", "cat", "all_to_all_single", "wait_tensor", "split", "cat"]),
+        ("S(0)R", "RR", (4, 3), ["all_gather_into_tensor", "wait_tensor"]),
+    ]
+    with tc.fake_process_group(4):
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("m0", "m1"))
+        for src, dst, shape, want in cases:
+            plan = Planner((2, 2), "cpu-gloo").plan(Layout.parse(src), Layout.parse(dst), shape, torch.float32)
+            assert len(plan.steps) == 1, plan
+            x = torch.randn(plan.src.local_shape(shape, (2, 2)))
+            ops.clear()
+            with Ops():
+                y = execute(plan, x, mesh)
+            assert ops == want, (src, dst, shape, ops)
+            assert tuple(y.shape) == plan.dst.local_shape(shape, (2, 2)) and y.is_contiguous()
+
+
 def test_a_bucket_gives_each_member_what_execute_gives_with_one_copy_out_for_gathers():
     """A bucket's members come out as `execute` returns each alone (values, shapes, strides), for
-    gathers (ordered shards and a dim order among them) and reduce-scatters; a gathered bucket
-    copies its members out of the shared buffer with one kernel, not one per member."""
+    gathers (ordered shards and a dim order among them) and reduce-scatters (on one dim, on
+    several, in another order); a gathered bucket copies its members in and out of the shared
+    buffer with one kernel each, and dispatches no other op per member than its allocation."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from autoshard.program.collectives import finish_bucket, launch_bucket
@@ -312,6 +350,8 @@ def test_a_bucket_gives_each_member_what_execute_gives_with_one_copy_out_for_gat
             ("S(1)S(0)", "RS(0)", (4, 4), (1, 0)),
         ],
         "reduce_scatter": [("PR", "S(0)R", (4, 6), None), ("PR", "S(1)R", (2, 4), None)],
+        "reduce_scatter, all on dim 1": [("PR", "S(1)R", (2, 4), None), ("PR", "S(1)R", (2, 6), (1, 0))],
+        "reduce_scatter, ordered": [("PP", "S(0)S(0)[1,0]", (8, 3), None), ("PP", "S(1)S(1)[1,0]", (2, 8), None)],
     }
     gen = torch.Generator().manual_seed(0)
     with Simulation((2, 2)) as sim:
@@ -319,7 +359,7 @@ def test_a_bucket_gives_each_member_what_execute_gives_with_one_copy_out_for_gat
             plans = [
                 sim.planner.plan(Layout.parse(a), Layout.parse(b), shape, torch.float64) for a, b, shape, _ in members
             ]
-            assert {p.steps[0].kind for p in plans} == {kind}
+            assert {p.steps[0].kind for p in plans} == {kind.split(",")[0]}
             with sim._mode.disable():
                 shapes = [p.src.local_shape(p.shape, (2, 2)) for p in plans]
                 xs = [
@@ -350,10 +390,16 @@ def test_a_bucket_gives_each_member_what_execute_gives_with_one_copy_out_for_gat
             Planner((2, 2), "cpu-gloo").plan(Layout.parse("S(0)R"), Layout.parse("RR"), (4, n), torch.float32)
             for n in (2, 3, 5)
         ]
-        pending = launch_bucket(plans, [torch.randn(2, n) for n in (2, 3, 5)], mesh)
+        xs = [torch.randn(2, n) for n in (2, 3, 5)]
         with Ops():
-            finish_bucket(pending)
-    assert ops.count("split_with_sizes_copy") == 1 and "clone" not in ops and "slice" not in ops, ops
+            pending = launch_bucket(plans, xs, mesh)
+        assert ops == ["_chunk_cat", "all_gather_into_tensor"], ops  # one copy in, no reshape per member
+        ops.clear()
+        with Ops():
+            got = finish_bucket(pending)
+    # each member allocated in its final shape and copied into by one kernel: no op after it
+    assert ops == ["wait_tensor", *["new_empty", "view"] * 3, "split_with_sizes_copy"], ops
+    assert [tuple(g.shape) for g in got] == [(4, 2), (4, 3), (4, 5)]
 
 
 def test_a_buckets_priced_copies_are_the_bytes_its_copy_kernels_move():
@@ -370,7 +416,14 @@ def test_a_buckets_priced_copies_are_the_bytes_its_copy_kernels_move():
     class Copies(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = func(*args, **(kwargs or {}))
-            if func.overloadpacket.__name__ in ("cat", "split_with_sizes_copy", "copy_", "clone", "contiguous"):
+            if func.overloadpacket.__name__ in (
+                "cat",
+                "_chunk_cat",
+                "split_with_sizes_copy",
+                "copy_",
+                "clone",
+                "contiguous",
+            ):
                 tensors = (kwargs or {}).get("out", out)
                 for t in tensors if isinstance(tensors, (list, tuple)) else [tensors]:
                     written.append(t.numel() * t.element_size())

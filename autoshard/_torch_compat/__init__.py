@@ -50,6 +50,9 @@ from autoshard._torch_compat.collectives import (
     all_to_all_now as all_to_all_now,
 )
 from autoshard._torch_compat.collectives import (
+    chunk_cat as chunk_cat,
+)
+from autoshard._torch_compat.collectives import (
     flattened_mesh as flattened_mesh,
 )
 from autoshard._torch_compat.collectives import (
@@ -72,6 +75,9 @@ from autoshard._torch_compat.collectives import (
 )
 from autoshard._torch_compat.collectives import (
     wait as wait,
+)
+from autoshard._torch_compat.collectives import (
+    wait_launched as wait_launched,
 )
 from autoshard._torch_compat.dtensor import (
     DTensorSpec as DTensorSpec,

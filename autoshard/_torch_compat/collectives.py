@@ -72,6 +72,14 @@ def all_to_all_now(x: torch.Tensor, out_splits: list[int], in_splits: list[int],
     return _F.wait_tensor(_F.all_to_all_single(x, out_splits, in_splits, name))
 
 
+def chunk_cat(tensors: list[torch.Tensor], dim: int, chunks: int) -> torch.Tensor:
+    """For `dim` 0, [chunks, total]: row i is chunk i of every tensor, flattened and concatenated (a
+    bucket's buffer, FSDP2's reduce-scatter copy-in): one op and one kernel for the whole bucket,
+    not a reshape per member and a cat. Every tensor non-empty. (Past dim 0 the chunk index goes
+    inside the leading dims, which no bucket wants.)"""
+    return torch._chunk_cat(tensors, dim, chunks)
+
+
 if legacy.TORCH < (2, 12):  # 2.11's kernels refuse a non-contiguous input
     all_gather_now = legacy.dense_input(all_gather_now)
     reduce_scatter_now = legacy.dense_input(reduce_scatter_now)
@@ -84,21 +92,26 @@ reduce_scatter_single = getattr(funcol, "reduce_scatter_single", None) or funcol
 
 
 def all_gather_launch(x: torch.Tensor, group_size: int, name: str) -> torch.Tensor:
-    """`all_gather_single` on dim 0 of the group named `name`, without funcol's group lookup and
-    wrapper (a bucket's launch); waited on by `wait`."""
-    return funcol._maybe_wrap_tensor(_F.all_gather_into_tensor(x, group_size, name))
+    """`all_gather_single` on dim 0 of the group named `name`, as the raw op: no group lookup and
+    no async-tensor wrapper (a custom autograd op per call); in flight until `wait_launched`."""
+    return _F.all_gather_into_tensor(x, group_size, name)
 
 
 def reduce_scatter_launch(x: torch.Tensor, op: str, group_size: int, name: str) -> torch.Tensor:
     """`reduce_scatter_single` on dim 0 of the group named `name`, as `all_gather_launch`."""
-    return funcol._maybe_wrap_tensor(_F.reduce_scatter_tensor(x, op, group_size, name))
+    return _F.reduce_scatter_tensor(x, op, group_size, name)
 
 
 def all_reduce_owned(t: torch.Tensor, op: str, name: str) -> torch.Tensor:
     """`funcol.all_reduce` of a buffer the caller owns, reduced in place on the group named `name`:
     the functional op copies its input first (a 25 MiB gradient bucket: 5-15 ms on a CPU rank).
-    Waited on by `wait`."""
-    return funcol._maybe_wrap_tensor(_F.all_reduce_(t, op, name))
+    In flight until `wait_launched`."""
+    return _F.all_reduce_(t, op, name)
+
+
+def wait_launched(t: torch.Tensor) -> torch.Tensor:
+    """The data of a collective launched above, once it has arrived."""
+    return _F.wait_tensor(t)
 
 
 def wait(t: torch.Tensor) -> torch.Tensor:

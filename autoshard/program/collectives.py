@@ -9,12 +9,13 @@ reduce-scatter, all-to-all <-> all-to-all, permute <-> inverse permute, all-redu
 and the local chunk / R->P steps <-> local zero-fill / mask (a partial gradient needs no
 communication).
 
-Collectives always run on dim 0 of a contiguous buffer; gathering or scattering another tensor dim
-is a reshape/movedim around that, which can leave a strided view. So the result is always made dense
-in the dim order the caller names (row-major by default): a traced `view` downstream needs the
-strides the traced value had, not whatever the last movedim left. A step over several mesh dims runs
-on the flattened mesh of those dims (ascending, as torch builds it); when the step's split order is
-not ascending, the chunks are permuted locally so that chunk index = row-major over the split order.
+Collectives always run on dim 0 of a contiguous buffer: gathering or scattering another tensor dim
+is one split (views) and one cat around that, one op each, since every op is host work on a GPU. A
+step over several mesh dims runs on the flattened mesh of those dims (ascending, as torch builds
+it); when the step's split order is not ascending, its chunks are reordered as a Python list
+(chunk index = row-major over the split order), not as a tensor. The result is made dense in the
+dim order the caller names (row-major by default): a traced `view` downstream needs the strides the
+traced value had.
 """
 
 from __future__ import annotations
@@ -101,15 +102,11 @@ def launch_bucket(
     names = list(names) if names is not None else [group_names(plan, mesh) for plan in plans]
     group = names[0][0]  # every member's first step runs on it
     if kind == "reduce_scatter":
-        chunks = [
-            _reindex(_split(x, f.tensor_dims[0], n), shape, f.mesh_dims, phys) for f, x in zip(firsts, local_tensors)
-        ]
-        parts = [tuple(c.shape[1:]) for c in chunks]
-        flat = torch.cat([c.reshape(n, -1) for c in chunks], dim=1).reshape(-1)
-        result = tc.reduce_scatter_launch(flat, "sum", n, group)
+        parts = [_chunk_shape(x.shape, f.tensor_dims[0], n) for f, x in zip(firsts, local_tensors)]
+        result = tc.reduce_scatter_launch(_scattered_buffer(firsts, local_tensors, shape, n), "sum", n, group)
     else:
         parts = [tuple(x.shape) for x in local_tensors]
-        flat = torch.cat([x.reshape(-1) for x in local_tensors])
+        flat = _flat_buffer(local_tensors)
         result = (
             tc.all_gather_launch(flat, n, group) if kind == "all_gather" else tc.all_reduce_owned(flat, "sum", group)
         )  # `flat` is ours: reduced in place
@@ -117,24 +114,40 @@ def launch_bucket(
     return PendingBucket(list(plans), result, parts, mesh, orders, names)
 
 
+def _flat_buffer(xs: Sequence[torch.Tensor]) -> torch.Tensor:
+    """[1, total]: the tensors flattened and concatenated, in one op where `chunk_cat` takes them."""
+    if all(x.dim() > 0 and x.numel() > 0 for x in xs):
+        return tc.chunk_cat(list(xs), 0, 1)
+    return torch.cat([x.reshape(-1) for x in xs]).view(1, -1)
+
+
+def _scattered_buffer(
+    firsts: Sequence[Step], xs: Sequence[torch.Tensor], mesh_shape: tuple[int, ...], n: int
+) -> torch.Tensor:
+    """[n, total] for a bucketed reduce-scatter: row i holds every member's chunk for group rank i.
+    One `chunk_cat` when every member is cut along dim 0 in the group's own rank order (FSDP's
+    gradients); otherwise each member's chunks stacked in rank order first."""
+    phys = group_dims(firsts[0])
+    if all(f.tensor_dims[0] == 0 and tuple(f.mesh_dims) == phys and x.numel() > 0 for f, x in zip(firsts, xs)):
+        return tc.chunk_cat(list(xs), 0, n)
+    stacked = [
+        _stacked_chunks(x, f.tensor_dims[0], n, mesh_shape, f.mesh_dims, phys).view(n, -1) for f, x in zip(firsts, xs)
+    ]
+    return torch.cat(stacked, dim=1)
+
+
 def finish_bucket(pending: PendingBucket) -> list[torch.Tensor]:
     """Wait for a launched bucket; each member's result, as `execute` gives it (values and strides)."""
     mesh, firsts = pending.mesh, [plan.steps[0] for plan in pending.plans]
     phys, shape = group_dims(firsts[0]), tuple(mesh.shape)
     n = _group_size(shape, phys)
-    out = tc.wait(pending.result)
+    out = tc.wait_launched(pending.result)  # [n, total] gathered, [1, total] reduced
     sizes = [math.prod(part_shape) for part_shape in pending.parts]
-    outs: list[torch.Tensor] = []
     if firsts[0].kind == "all_gather":
-        # each member's n parts lie apart in the gathered [n, total] buffer: one copy kernel moves
-        # every member's into a dense [n, size] of its own (FSDP2's copy-out), not one per member
-        pieces = [out.new_empty((n, size)) for size in sizes]
-        torch.split_with_sizes_copy(out.view(n, -1), sizes, dim=1, out=pieces)
-        for step, part_shape, piece in zip(firsts, pending.parts, pieces):
-            part = piece.view([n, *part_shape])
-            outs.append(_merge(_reindex(part, shape, phys, step.mesh_dims), step.tensor_dims[0]))
+        outs = _gathered_members(out, firsts, pending.parts, sizes, shape, n)
     else:
-        for step, part_shape, part in zip(firsts, pending.parts, out.split(sizes)):
+        outs = []
+        for step, part_shape, part in zip(firsts, pending.parts, out.split(sizes, dim=1)):
             part = part.view(part_shape)
             outs.append(part / n if _reduce_op(step) == "avg" else part)
     coord = mesh.get_coordinate()
@@ -143,6 +156,37 @@ def finish_bucket(pending: PendingBucket) -> list[torch.Tensor]:
             outs[i] = _RUN[step.kind](step, outs[i], mesh, coord, name)
         outs[i] = in_dim_order(outs[i], pending.dim_orders[i])
     return outs
+
+
+def _gathered_members(
+    out: torch.Tensor,
+    firsts: Sequence[Step],
+    parts: Sequence[tuple[int, ...]],
+    sizes: list[int],
+    mesh_shape: tuple[int, ...],
+    n: int,
+) -> list[torch.Tensor]:
+    """Each member's n parts lie apart in the gathered [n, total] buffer: one copy kernel moves
+    them all (FSDP2's copy-out), into tensors allocated in their final shape where a member
+    gathers dim 0 in the group's rank order (a view of each, no op after), else into [n, size]
+    ones joined after."""
+    phys = group_dims(firsts[0])
+    outs: list[torch.Tensor | None] = []
+    pieces = []
+    for step, part, size in zip(firsts, parts, sizes):
+        direct = step.tensor_dims[0] == 0 and tuple(step.mesh_dims) == phys
+        piece = out.new_empty([n * part[0], *part[1:]] if direct else [n, size])
+        outs.append(piece if direct else None)
+        pieces.append(piece.view(n, size) if direct else piece)
+    torch.split_with_sizes_copy(out, sizes, dim=1, out=pieces)
+    return [
+        got
+        if got is not None
+        else _joined(
+            piece.view([n * part[0], *part[1:]]), part[0], mesh_shape, phys, step.mesh_dims, step.tensor_dims[0]
+        )
+        for got, piece, part, step in zip(outs, pieces, parts, firsts)
+    ]
 
 
 def dim_order(t: torch.Tensor) -> tuple[int, ...]:
@@ -160,8 +204,8 @@ def in_dim_order(x: torch.Tensor, order: Sequence[int] | None = None) -> torch.T
         return x.contiguous()
     if _dense_in(x, order):
         return x
-    inverse = sorted(range(len(order)), key=lambda i: order[i])
-    return x.permute(*order).contiguous().permute(*inverse)
+    dense = torch.empty_permuted(x.shape, list(order), dtype=x.dtype, device=x.device)
+    return dense.copy_(x)  # two ops, not a permute, a copy and a permute back
 
 
 def _dense_in(x: torch.Tensor, order: Sequence[int]) -> bool:
@@ -206,35 +250,46 @@ def prepare_groups(plans: Sequence[RedistributePlan], mesh: Any) -> None:
         _group(mesh, dims)
 
 
-def _reindex(chunks: torch.Tensor, mesh_shape: Sequence[int], src: Sequence[int], dst: Sequence[int]) -> torch.Tensor:
-    """`chunks` is [N, ...] indexed row-major over mesh dims `src`; return it indexed row-major
-    over the same mesh dims in order `dst`."""
+def _reordered(chunks: list[torch.Tensor], mesh_shape: Sequence[int], src: Sequence[int], dst: Sequence[int]) -> list:
+    """`chunks` indexed row-major over mesh dims `src`, indexed row-major over the same mesh dims in
+    order `dst`: a permutation of the list, no op."""
     if tuple(src) == tuple(dst):
         return chunks
-    k = len(src)
-    rest = list(chunks.shape[1:])
-    grid = chunks.reshape([mesh_shape[m] for m in src] + rest)
-    grid = grid.permute([list(src).index(m) for m in dst] + list(range(k, k + len(rest))))
-    return grid.reshape([-1] + rest)
+    src_sizes, dst_sizes = [mesh_shape[m] for m in src], [mesh_shape[m] for m in dst]
+    out = []
+    for j in range(len(chunks)):
+        at = dict(zip(dst, split_digits(j, dst_sizes)))
+        out.append(chunks[_ravel([at[m] for m in src], src_sizes)])
+    return out
 
 
-def _split(x: torch.Tensor, dim: int, n: int) -> torch.Tensor:
-    """[n, ...]: the n chunks of `x` along `dim`."""
-    shape = list(x.shape)
-    chunks = x.reshape(shape[:dim] + [n, shape[dim] // n] + shape[dim + 1 :])
-    return chunks if dim == 0 else chunks.movedim(dim, 0)  # (a no-op movedim still dispatches a permute)
+def _chunk_shape(shape: Sequence[int], dim: int, n: int) -> tuple[int, ...]:
+    return tuple(s // n if i == dim else s for i, s in enumerate(shape))
 
 
-def _merge(chunks: torch.Tensor, dim: int) -> torch.Tensor:
-    """Inverse of `_split`: concatenate the leading chunk axis into `dim`."""
-    moved = chunks if dim == 0 else chunks.movedim(0, dim)
-    shape = list(moved.shape)
-    return moved.reshape(shape[:dim] + [shape[dim] * shape[dim + 1]] + shape[dim + 2 :])
+def _stacked_chunks(
+    x: torch.Tensor, dim: int, n: int, mesh_shape: Sequence[int], src: Sequence[int], dst: Sequence[int]
+) -> torch.Tensor:
+    """The n chunks of `x` along `dim` (indexed over mesh dims `src`), indexed over `dst` and
+    stacked on dim 0 of one contiguous buffer: a collective's input. `x` itself (or a view of it)
+    where its chunks already lie one after another in that order; otherwise one split (views) and
+    one cat."""
+    if tuple(src) == tuple(dst) and math.prod(x.shape[:dim]) == 1:  # the chunks lie one after another
+        return x.contiguous() if dim == 0 else x.contiguous().view([n, *_chunk_shape(x.shape, dim, n)[1:]])
+    return torch.cat(_reordered(list(x.split(x.shape[dim] // n, dim)), mesh_shape, src, dst))
 
 
-def _stacked(x: torch.Tensor) -> torch.Tensor:
-    """[N, a, b, ...] -> contiguous [N*a, b, ...], the dim-0 buffer collectives take."""
-    return x.reshape([x.shape[0] * x.shape[1]] + list(x.shape[2:]))
+def _joined(
+    stacked: torch.Tensor, rows: int, mesh_shape: Sequence[int], src: Sequence[int], dst: Sequence[int], dim: int
+) -> torch.Tensor:
+    """Inverse of `_stacked_chunks`: `stacked` holds chunks of `rows` rows on dim 0, indexed over
+    mesh dims `src`; they are concatenated along `dim` in their order over `dst`."""
+    chunk = [rows, *stacked.shape[1:]]
+    if tuple(src) == tuple(dst) and math.prod(chunk[:dim]) == 1:  # the chunks lie one after another
+        return (
+            stacked if dim == 0 else stacked.view(chunk[:dim] + [chunk[dim] * len(stacked) // rows] + chunk[dim + 1 :])
+        )
+    return torch.cat(_reordered(list(stacked.split(rows)), mesh_shape, src, dst), dim)
 
 
 def _reduce_op(step: Step) -> str:
@@ -245,19 +300,15 @@ def _reduce_op(step: Step) -> str:
 def _all_gather(step: Step, x: torch.Tensor, mesh: Any, coord: Any, group: str | None) -> torch.Tensor:
     (d,) = step.tensor_dims
     phys = group_dims(step)
-    n = _group_size(mesh.shape, phys)
-    gathered = tc.all_gather_now(x.contiguous(), n, group)
-    chunks = _reindex(gathered.reshape([n] + list(x.shape)), mesh.shape, phys, step.mesh_dims)
-    return _merge(chunks, d)
+    gathered = tc.all_gather_now(x.contiguous(), _group_size(mesh.shape, phys), group)
+    return _joined(gathered, x.shape[0], mesh.shape, phys, step.mesh_dims, d)
 
 
 def _reduce_scatter(step: Step, x: torch.Tensor, mesh: Any, coord: Any, group: str | None) -> torch.Tensor:
     (d,) = step.tensor_dims
     phys = group_dims(step)
     n = _group_size(mesh.shape, phys)
-    chunks = _reindex(_split(x, d, n), mesh.shape, step.mesh_dims, phys)
-    out = tc.reduce_scatter_now(_stacked(chunks), "sum", n, group)
-    out = out.reshape(chunks.shape[1:])
+    out = tc.reduce_scatter_now(_stacked_chunks(x, d, n, mesh.shape, step.mesh_dims, phys), "sum", n, group)
     return out / n if _reduce_op(step) == "avg" else out
 
 
@@ -272,12 +323,10 @@ def _all_to_all(step: Step, x: torch.Tensor, mesh: Any, coord: Any, group: str |
     a, b = step.tensor_dims
     phys = group_dims(step)
     n = _group_size(mesh.shape, phys)
-    send = _reindex(_split(x, b, n), mesh.shape, step.mesh_dims, phys)
-    stacked = _stacked(send)
-    even = [stacked.shape[0] // n] * n
-    recv = tc.all_to_all_now(stacked, even, even, group)
-    recv = _reindex(recv.reshape(send.shape), mesh.shape, phys, step.mesh_dims)
-    return _merge(recv, a)
+    send = _stacked_chunks(x, b, n, mesh.shape, step.mesh_dims, phys)
+    even = [send.shape[0] // n] * n
+    recv = tc.all_to_all_now(send, even, even, group)
+    return _joined(recv, send.shape[0] // n, mesh.shape, phys, step.mesh_dims, a)
 
 
 def _permute(step: Step, x: torch.Tensor, mesh: Any, coord: Any, group: str | None) -> torch.Tensor:
@@ -285,8 +334,10 @@ def _permute(step: Step, x: torch.Tensor, mesh: Any, coord: Any, group: str | No
     phys = group_dims(step)
     n = _group_size(mesh.shape, phys)
     src_order, dst_order = dict(step.src.order)[d], dict(step.dst.order)[d]
-    splits = _permute_splits(tuple(coord[m] for m in phys), tuple(mesh.shape), phys, src_order, dst_order, x.numel())
-    return tc.all_to_all_now(x.contiguous().reshape(-1), splits[n:], splits[:n], group).reshape(x.shape)
+    splits = _permute_splits(
+        tuple(coord[m] for m in phys), tuple(mesh.shape), phys, src_order, dst_order, x.shape[0]
+    )  # whole rows: the shard goes to one rank, in one piece
+    return tc.all_to_all_now(x.contiguous(), splits[n:], splits[:n], group)
 
 
 @tc.per_rank
@@ -296,7 +347,7 @@ def _permute_splits(
     phys: tuple[int, ...],
     src_order: tuple[int, ...],
     dst_order: tuple[int, ...],
-    numel: int,
+    rows: int,
 ) -> list[int]:
     """all_to_all split sizes (input splits, then output splits) for this rank's permute: send the
     whole shard to the rank that holds the same chunk in the destination order, receive from the
@@ -312,8 +363,8 @@ def _permute_splits(
 
     n = math.prod([mesh_shape[m] for m in phys])
     send, recv = [0] * n, [0] * n
-    send[rank_with(dst_order, index(src_order, mine))] = numel
-    recv[rank_with(src_order, index(dst_order, mine))] = numel
+    send[rank_with(dst_order, index(src_order, mine))] = rows
+    recv[rank_with(src_order, index(dst_order, mine))] = rows
     return send + recv
 
 

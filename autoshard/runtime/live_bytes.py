@@ -117,10 +117,11 @@ class LiveBytes(tc.DispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if func is not tc.WAIT_TENSOR:  # eager returns its input; fake mode a copy that is not memory
-            for t in tensors_in(out):
-                self._new(t)
-            self.update_peak()
+        if func is tc.WAIT_TENSOR:  # eager returns its input; fake mode a copy, which is not memory
+            return args[0]
+        for t in tensors_in(out):
+            self._new(t)
+        self.update_peak()
         return out
 
     def add(self, value: Any, kind: str) -> None:

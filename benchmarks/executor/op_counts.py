@@ -32,7 +32,7 @@ WHERE = {Redistribute: "redistributions", Bucket: "bucket launches", AwaitBucket
 VIEWS = set(
     "view _unsafe_view reshape t transpose permute slice narrow expand as_strided unsqueeze squeeze split "
     "split_with_sizes chunk detach alias select unbind movedim view_as _reshape_alias unflatten flatten "
-    "empty new_empty empty_strided".split()
+    "empty new_empty empty_strided empty_permuted".split()
 )
 METADATA = {"device", "sym_size", "sym_stride", "sym_numel", "sym_storage_offset", "dim", "is_contiguous"}
 
