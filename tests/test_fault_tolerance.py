@@ -211,14 +211,14 @@ def test_resume_no_refuses_an_earlier_runs_checkpoints(tmp_path, capsys):
 @pytest.mark.slow
 @pytest.mark.ranks
 def test_torchrun_restarts_after_sigkills_continue_with_the_same_losses():
-    """4 gloo ranks (2,2), parameters sharded, 20 steps, checkpoints every 4 written in the background: a random rank
-    SIGKILLed at two steps (maybe mid-write) under --max-restarts 2; torchrun exits 0 and every
-    step's loss equals the uninterrupted run's."""
+    """4 gloo ranks (2,2), parameters sharded, 12 steps, checkpoints every 4 written in the background: a random rank
+    SIGKILLed at a random step (maybe mid-write) under --max-restarts 1; torchrun exits 0 and every
+    step's loss equals the uninterrupted run's. (Several kills in one run: benchmarks.training.fault.)"""
     figures = survive(
-        steps=20, checkpoint_every=4, kills=2, seed=1, extra=("--checkpoint-writes", "async", *SHARDED_ON_4)
+        steps=12, checkpoint_every=4, kills=1, seed=1, extra=("--checkpoint-writes", "async", *SHARDED_ON_4)
     )
     assert figures["clean_returncode"] == 0 and figures["returncode"] == 0, figures["stderr_tail"]
-    assert len(figures["killed_at"]) == 2 and figures["rows"] == 20
+    assert len(figures["killed_at"]) == 1 and figures["rows"] == 12
     assert figures["differing_steps"] == []
 
 
