@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from benchmarks.cost_model.accuracy import _median_case
 from benchmarks.cost_model.accuracy import markdown as accuracy_markdown
@@ -271,7 +272,8 @@ def test_init_memory_reports_the_later_steps_apart_from_the_first():
 def test_host_work_times_each_redistribution_kind_bucket_and_program(tmp_path):
     """benchmarks.executor.host_work at a few calls: a row per redistribution with its raw collectives
     timed apart (none for a local chunk), a per-member figure per bucketed kind, and both programs
-    of make train's model with their redistribution modules counted and timed inside the step."""
+    of make train's model with their redistribution modules counted and timed inside the step, and
+    no read of a value back to the host in either program's step."""
     from benchmarks.executor import host_work
 
     assert host_work.main(["--calls", "4", "--steps", "1", "--json", str(tmp_path / "h.json")]) == 0
@@ -290,6 +292,11 @@ def test_host_work_times_each_redistribution_kind_bucket_and_program(tmp_path):
     assert default["buckets"] >= 1 and default["members"] > default["buckets"]
     assert recipe["redistributions"] > default["redistributions"]
     assert all(0 < p["executor_s"] < p["step_s"] for p in (default, recipe))
+    # the forward (loss included) and backward never read a value back: on a GPU, no host wait
+    assert default["host_reads"] == recipe["host_reads"] == []
+    with host_work.HostReads() as reads:
+        bool(torch.ones(2).sum() > 0), torch.arange(3).sum().item()
+    assert reads.ops == ["_local_scalar_dense", "_local_scalar_dense"]  # what it would catch
 
 
 def test_op_counts_files_rank_0_s_ops_by_where_and_kind(tmp_path, capsys):

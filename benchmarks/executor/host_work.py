@@ -26,9 +26,11 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch.distributed.device_mesh import init_device_mesh
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from autoshard import _torch_compat as tc
 from autoshard.pricing.planner import Planner
@@ -171,6 +173,10 @@ def measure_program(recipe: str | None, steps: int) -> dict:
                     timed(module)
         args = local_values(program.forward, "cpu", workload.vocab_size)
         tangent = torch.ones(())
+        with HostReads() as reads:  # one step apart, untimed: what waits for the device on a GPU
+            _, *saved = program.forward(*args)
+            program.backward(*saved, tangent)
+            del saved
         figures = []
         for step in range(steps + 1):
             spent[0] = 0.0
@@ -187,9 +193,27 @@ def measure_program(recipe: str | None, steps: int) -> dict:
         "plan": recipe or "default",
         "summary": plan.summary(),
         **counts,
+        "host_reads": reads.ops,
         "executor_s": statistics.median(f[0] for f in figures),
         "step_s": statistics.median(f[1] for f in figures),
     }
+
+
+class HostReads(TorchDispatchMode):
+    """The ops that hand a tensor's value to the host (`item`, `bool`, `equal`, data-dependent
+    shapes): each makes a GPU's host wait for the device. (`tolist` of a CPU tensor reads its
+    memory without dispatching an op, so it is not seen here.)"""
+
+    READS = {"_local_scalar_dense", "equal", "is_nonzero", "nonzero", "masked_select", "unique_dim", "_unique2"}
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func.overloadpacket.__name__ in self.READS:
+            self.ops.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
 
 
 def markdown(result: dict) -> str:
