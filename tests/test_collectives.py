@@ -154,6 +154,18 @@ def _assert_none(failures):
     assert not failures, f"{len(failures)} failures, first: " + "\n".join(failures[:5])
 
 
+def _recorder(ops: list[str]) -> type:
+    """A dispatch mode appending the name of every op dispatched under it to `ops`."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            ops.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    return Ops
+
+
 # ----------------------------------------------------------------------------- tests
 @pytest.mark.slow
 def test_every_pair_on_2x2():
@@ -302,14 +314,9 @@ def test_a_collective_on_an_inner_dim_is_one_split_and_one_cat_or_a_view():
     all 1 (the chunks lie one after another: a batch of 1 per rank); values as the planner's
     reference layouts say (the sweeps above)."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.utils._python_dispatch import TorchDispatchMode
 
     ops: list[str] = []
-
-    class Ops(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            ops.append(func.overloadpacket.__name__)
-            return func(*args, **(kwargs or {}))
+    Ops = _recorder(ops)
 
     cases = [
         ("S(0)S(1)", "S(0)R", (2, 4, 3), ["all_gather_into_tensor", "wait_tensor", "view"]),
@@ -338,8 +345,6 @@ def test_a_bucket_gives_each_member_what_execute_gives_with_one_copy_out_for_gat
     gathers (ordered shards and a dim order among them) and reduce-scatters (on one dim, on
     several, in another order); a gathered bucket copies its members in and out of the shared
     buffer with one kernel each, and dispatches no other op per member than its allocation."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     from autoshard.program.collectives import finish_bucket, launch_bucket
 
     cases = {
@@ -376,11 +381,7 @@ def test_a_bucket_gives_each_member_what_execute_gives_with_one_copy_out_for_gat
                         assert torch.equal(v, tc.rank_values(want)[r]), (kind, plan, r)
 
     ops: list[str] = []
-
-    class Ops(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            ops.append(func.overloadpacket.__name__)
-            return func(*args, **(kwargs or {}))
+    Ops = _recorder(ops)
 
     with tc.fake_process_group(4):
         from torch.distributed.device_mesh import init_device_mesh

@@ -167,25 +167,17 @@ def _gathered_members(
     n: int,
 ) -> list[torch.Tensor]:
     """Each member's n parts lie apart in the gathered [n, total] buffer: one copy kernel moves
-    them all (FSDP2's copy-out), into tensors allocated in their final shape where a member
-    gathers dim 0 in the group's rank order (a view of each, no op after), else into [n, size]
-    ones joined after."""
+    them all (FSDP2's copy-out), each member's into its n parts stacked on dim 0, a tensor that is
+    already its result where it gathers dim 0 in the group's rank order (`_joined` leaves it)."""
     phys = group_dims(firsts[0])
-    outs: list[torch.Tensor | None] = []
-    pieces = []
-    for step, part, size in zip(firsts, parts, sizes):
-        direct = step.tensor_dims[0] == 0 and tuple(step.mesh_dims) == phys
-        piece = out.new_empty([n * part[0], *part[1:]] if direct else [n, size])
-        outs.append(piece if direct else None)
-        pieces.append(piece.view(n, size) if direct else piece)
-    torch.split_with_sizes_copy(out, sizes, dim=1, out=pieces)
+    stacked, rows_of_parts = [], []
+    for part, size in zip(parts, sizes):
+        stacked.append(out.new_empty([n * part[0], *part[1:]]))
+        rows_of_parts.append(stacked[-1].view(n, size))  # the same memory, as the copy writes it
+    torch.split_with_sizes_copy(out, sizes, dim=1, out=rows_of_parts)
     return [
-        got
-        if got is not None
-        else _joined(
-            piece.view([n * part[0], *part[1:]]), part[0], mesh_shape, phys, step.mesh_dims, step.tensor_dims[0]
-        )
-        for got, piece, part, step in zip(outs, pieces, parts, firsts)
+        _joined(s, part[0], mesh_shape, phys, step.mesh_dims, step.tensor_dims[0])
+        for s, part, step in zip(stacked, parts, firsts)
     ]
 
 
@@ -284,11 +276,9 @@ def _joined(
 ) -> torch.Tensor:
     """Inverse of `_stacked_chunks`: `stacked` holds chunks of `rows` rows on dim 0, indexed over
     mesh dims `src`; they are concatenated along `dim` in their order over `dst`."""
-    chunk = [rows, *stacked.shape[1:]]
+    chunk, n = [rows, *stacked.shape[1:]], len(stacked) // rows
     if tuple(src) == tuple(dst) and math.prod(chunk[:dim]) == 1:  # the chunks lie one after another
-        return (
-            stacked if dim == 0 else stacked.view(chunk[:dim] + [chunk[dim] * len(stacked) // rows] + chunk[dim + 1 :])
-        )
+        return stacked if dim == 0 else stacked.view(chunk[:dim] + [chunk[dim] * n] + chunk[dim + 1 :])
     return torch.cat(_reordered(list(stacked.split(rows)), mesh_shape, src, dst), dim)
 
 
