@@ -221,12 +221,12 @@ def test_ilp_chooses_tp_first_order_for_column_parallel_weights(wide_free):
 @pytest.mark.slow
 def test_hand_written_fsdp_tp_recipe_costs_at_least_the_free_plan():
     model = build_model(WIDE, device="meta")
-    layouts = recipe_layouts(model, "fsdp-tp")
+    layouts = recipe_layouts(model, "fsdp-tp", 2)
     assert str(layouts["layers.1.feed_forward.w2.weight"]) == "S(0)S(1)"
     assert str(layouts["layers.0.attention.wk.weight"]) == "S(0)S(0)[1,0]"
     assert str(layouts["norm.weight"]) == "S(0)R"
     budget = param_bytes_per_rank(model, layouts, (8, 8))
-    recipe, _ = plan_for((8, 8), **WIDE_RUN, pins=recipe_pins("fsdp-tp"), budget=budget)
+    recipe, _ = plan_for((8, 8), **WIDE_RUN, pins=recipe_pins("fsdp-tp", 2), budget=budget)
     assert recipe.param_layouts == layouts
     free, _ = plan_for((8, 8), **WIDE_RUN, budget=budget)
     assert recipe.step_time_s >= free.step_time_s * (1 - 1e-9)
@@ -234,14 +234,37 @@ def test_hand_written_fsdp_tp_recipe_costs_at_least_the_free_plan():
 
 def test_unknown_recipe_is_named():
     with pytest.raises(ValueError, match="unknown recipe 'megatron'; known: fsdp-tp, fsdp, ddp$"):
-        recipe_pins("megatron")
+        recipe_pins("megatron", 2)
 
 
 def test_ddp_and_fsdp_recipes_lay_out_every_parameter_alike():
     """`train --recipe ddp` replicates every parameter; `--recipe fsdp` splits each on dim 0 over
     both mesh dims (dp first): a quarter of the bytes on (2,2)."""
     model = build_model(get_config("llama3-tiny"), device="meta")
-    ddp, fsdp = recipe_layouts(model, "ddp"), recipe_layouts(model, "fsdp")
+    ddp, fsdp = recipe_layouts(model, "ddp", 2), recipe_layouts(model, "fsdp", 2)
     assert set(map(str, ddp.values())) == {"RR"} and set(map(str, fsdp.values())) == {"S(0)S(0)[0,1]"}
     assert len(ddp) == len(fsdp) == len(list(model.parameters()))
     assert param_bytes_per_rank(model, fsdp, (2, 2)) == param_bytes_per_rank(model, ddp, (2, 2)) / 4
+
+
+@pytest.mark.parametrize("mesh", [(4,), (2, 2, 2)])
+def test_ddp_and_fsdp_recipes_fit_any_mesh_and_plan_as_pinned(mesh):
+    """On a 1-D or a 3-D mesh DDP replicates on every dim and FSDP splits dim 0 over every dim, the
+    first outermost; the planner takes the pins as they are (2-D layouts crashed there)."""
+    model = build_model(get_config("llama3-tiny"), device="meta")
+    n = len(mesh)
+    ddp, fsdp = recipe_layouts(model, "ddp", n), recipe_layouts(model, "fsdp", n)
+    assert set(map(str, ddp.values())) == {"R" * n}
+    assert {(lay.placements, lay.order) for lay in fsdp.values()} == {
+        (Layout.parse("S(0)" * n).placements, ((0, tuple(range(n))),))
+    }
+    assert param_bytes_per_rank(model, fsdp, mesh) == param_bytes_per_rank(model, ddp, mesh) / math.prod(mesh)
+    plan, _ = plan_for(mesh, pins=recipe_pins("fsdp", n), budget=param_bytes_per_rank(model, fsdp, mesh))
+    assert plan.param_layouts == fsdp
+
+
+@pytest.mark.parametrize("mesh_ndim", [1, 3])
+def test_the_fsdp_tp_recipe_names_the_mesh_it_needs(mesh_ndim):
+    needs = rf"recipe 'fsdp-tp' needs a 2-D \(dp, tp\) mesh; this mesh has {mesh_ndim} dim"
+    with pytest.raises(ValueError, match=needs):
+        recipe_pins("fsdp-tp", mesh_ndim)

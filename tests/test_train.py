@@ -168,6 +168,7 @@ def run_main(args: list[str], capsys) -> tuple[int, str]:
         ([*TINY, "--mesh", "1", "--plan-file", "{tmp}/corrupt.json"], ": not JSON ("),
         ([*TINY, "--mesh", "1", "--plan-file", "{tmp}/missing.json"], "no such file"),
         ([*TINY, "--mesh", "1", "--memory-budget", "1", "--out", "{tmp}/run"], "infeasible"),
+        ([*TINY, "--mesh", "1", "--recipe", "fsdp-tp"], "recipe 'fsdp-tp' needs a 2-D (dp, tp) mesh"),
         ([*TINY, "--mesh", "1", "--wire-step", "-1"], "--wire-step must be >= 0"),
         ([*TINY, "--mesh", "1", "--memory-step", "-1"], "--memory-step must be >= 0"),
         ([*TINY, "--mesh", "1", "--memory-limit", "0"], "--memory-limit: bad byte count '0': must be positive"),

@@ -200,7 +200,7 @@ def _manual_budget(workload, recipe: str, mesh: tuple[int, ...]) -> float:
 
     model = workload.build("meta")
     try:
-        return param_bytes_per_rank(model, recipe_layouts(model, recipe), mesh)
+        return param_bytes_per_rank(model, recipe_layouts(model, recipe, len(mesh)), mesh)
     except ValueError as err:
         fail(f"recipe {recipe}: {err}")
 
@@ -290,7 +290,12 @@ def _compare(workload, config: PlanConfig, args) -> dict:
     recipe = COMPARE[args.compare]
     budget = _manual_budget(workload, recipe, config.mesh)
     manual, manual_timings, _ = _plan_once(
-        workload, config, args, pins=recipe_pins(recipe), budget=budget, what=f"{args.compare} ({recipe} recipe pinned)"
+        workload,
+        config,
+        args,
+        pins=recipe_pins(recipe, len(config.mesh)),
+        budget=budget,
+        what=f"{args.compare} ({recipe} recipe pinned)",
     )
     return {
         "label": f"{recipe} pinned",

@@ -27,25 +27,28 @@ FSDP_TP_2D = {
     "*norm.weight": "S(0)R",
 }
 
-# Pure FSDP over every rank of a 2D mesh: each parameter split on dim 0 over both mesh dims.
-FSDP_2D = {"*": "S(0)S(0)[0,1]"}
-
-# DDP: every parameter replicated on every rank (gradients all-reduced).
-DDP_2D = {"*": "RR"}
-
-RECIPES = {"fsdp-tp": FSDP_TP_2D, "fsdp": FSDP_2D, "ddp": DDP_2D}
+RECIPES = ("fsdp-tp", "fsdp", "ddp")
 
 
-def recipe_pins(name: str) -> dict[str, str]:
-    try:
-        return dict(RECIPES[name])
-    except KeyError:
-        raise ValueError(f"unknown recipe {name!r}; known: {', '.join(RECIPES)}") from None
+def recipe_pins(name: str, mesh_ndim: int) -> dict[str, str]:
+    """Parameter pattern -> layout text of recipe `name` on a mesh of `mesh_ndim` dims. DDP
+    replicates every parameter; pure FSDP splits each on dim 0 over every mesh dim, the first dim
+    outermost; the FSDP+TP recipe needs a (dp, tp) mesh."""
+    if name not in RECIPES:
+        raise ValueError(f"unknown recipe {name!r}; known: {', '.join(RECIPES)}")
+    if name == "ddp":
+        return {"*": "R" * mesh_ndim}
+    if name == "fsdp":
+        order = f"[{','.join(map(str, range(mesh_ndim)))}]" if mesh_ndim > 1 else ""
+        return {"*": "S(0)" * mesh_ndim + order}
+    if mesh_ndim != 2:
+        raise ValueError(f"recipe {name!r} needs a 2-D (dp, tp) mesh; this mesh has {mesh_ndim} dim(s)")
+    return dict(FSDP_TP_2D)
 
 
-def recipe_layouts(model: nn.Module, name: str) -> dict[str, Layout]:
+def recipe_layouts(model: nn.Module, name: str, mesh_ndim: int) -> dict[str, Layout]:
     """Parameter FQN -> the layout recipe `name` gives it (its first matching pattern)."""
-    pins = recipe_pins(name)
+    pins = recipe_pins(name, mesh_ndim)
     layouts = {}
     for fqn, _ in model.named_parameters():
         pattern = next((p for p in pins if fnmatch.fnmatchcase(fqn, p)), None)

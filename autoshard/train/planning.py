@@ -150,8 +150,10 @@ def _solve(settings: Settings, workload: Workload, mesh, plan_file: PlanFile | N
     if settings.recipe is not None:
         from autoshard.problem.recipes import param_bytes_per_rank, recipe_layouts, recipe_pins
 
-        auto.pin(recipe_pins(settings.recipe))
+        mesh_ndim = len(settings.mesh)
+        auto.pin(recipe_pins(settings.recipe, mesh_ndim))
         if settings.memory_budget is None:
-            auto.memory_budget(param_bytes_per_rank(model, recipe_layouts(model, settings.recipe), settings.mesh))
+            layouts = recipe_layouts(model, settings.recipe, mesh_ndim)
+            auto.memory_budget(param_bytes_per_rank(model, layouts, settings.mesh))
     plan = auto.optimize(planning=planning)
     return _Solved(settings.grad_accum, auto, plan, planning)

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from autoshard.data.files import DTYPES as DATA_DTYPES
 from autoshard.driver.config import PlanConfig
 from autoshard.options import BATCH, FREEZE, INIT_FROM, LORA, MODEL, OUT, SEQ, positive_int, run_name, setting
+from autoshard.problem.recipes import RECIPES, recipe_pins
 from autoshard.train.optimizer import LR_SCHEDULES, OptimizerConfig, ScheduleConfig
 from autoshard.workloads.finetune import FineTune
 
@@ -147,8 +148,8 @@ class Settings(PlanConfig):
         None,
         choices=("pack", "pad"),
         help="instruction data into rows of --seq: pack several examples to a row, none attending to another "
-        "(the model takes each token's position in its example: llama3 models; their default), or pad one to a "
-        "row (the default for other models)",
+        "(the model takes each token's position in its example: llama3 models and transformers causal LMs; "
+        "their default), or pad one to a row (the default for other models)",
     )
     compile: bool = setting(
         False,
@@ -159,7 +160,7 @@ class Settings(PlanConfig):
     plan_file: str | None = setting(None, help="reuse a plan.json written by an earlier run or `plan`")
     recipe: str | None = setting(
         None,
-        choices=("fsdp-tp", "fsdp", "ddp"),
+        choices=RECIPES,
         help="pin the parameters to a hand-written recipe's layouts (autoshard.problem.recipes), "
         "at its own parameter bytes per rank: to measure it beside autoshard's plan",
     )
@@ -255,6 +256,8 @@ class Settings(PlanConfig):
             raise ValueError(f"--bucket-cap-mb must be positive, got {self.bucket_cap_mb}")
         self._check_optimizer()
         self._check_data()
+        if self.recipe is not None:
+            recipe_pins(self.recipe, len(self.mesh))  # fsdp-tp names the mesh it needs
         if self.freeze is not None:  # argparse appends to a list
             object.__setattr__(self, "freeze", tuple(self.freeze))
         self.fine_tune  # noqa: B018 (a bad --lora names itself now)

@@ -64,9 +64,9 @@ def _plan_case(
     ) as auto:
         auto.memory_limit(math.inf)  # planning speed and modeled quality as they were measured: no fitting
         if pins:
-            auto.pin(recipe_pins(pins) if isinstance(pins, str) else pins)
+            auto.pin(recipe_pins(pins, len(mesh)) if isinstance(pins, str) else pins)
         if budget_from_recipe:
-            auto.memory_budget(param_bytes_per_rank(net, recipe_layouts(net, "fsdp-tp"), mesh))
+            auto.memory_budget(param_bytes_per_rank(net, recipe_layouts(net, "fsdp-tp", len(mesh)), mesh))
         plan = auto.optimize()
         total = time.perf_counter() - start  # planning: the dry run is timed on its own
         memory = auto.dry_run(plan) if dry else None
