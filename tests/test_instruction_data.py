@@ -206,9 +206,10 @@ def data_file(tmp_path: Path, n: int = 24) -> Path:
     return jsonl(tmp_path / "chats.jsonl", records)
 
 
-def alone(model, data: Instructions, rows: np.ndarray) -> tuple[torch.Tensor, dict]:
+def alone(model, data: Instructions, rows: np.ndarray, logits=lambda model, x: model(x)) -> tuple[torch.Tensor, dict]:
     """The batch's completion loss from its examples each run alone (plain causal attention, no
-    positions), summed over their trained targets / their count, and its gradients."""
+    positions: `logits(model, tokens)`), summed over their trained targets / their count, and its
+    gradients."""
     model.zero_grad()
     train, total, count = data.train, 0.0, 0
     for r in rows:
@@ -217,7 +218,7 @@ def alone(model, data: Instructions, rows: np.ndarray) -> tuple[torch.Tensor, di
             x = torch.from_numpy(train.ids[lo : hi - 1])[None]
             y = torch.from_numpy(np.where(train.trained[lo + 1 : hi], train.ids[lo + 1 : hi], IGNORE))[None]
             n = int((y != IGNORE).sum())
-            total = total + cross_entropy_loss(model(x), y) * n
+            total = total + cross_entropy_loss(logits(model, x), y) * n
             count += n
     loss = total / count
     loss.backward()
@@ -252,10 +253,11 @@ def test_a_packed_batch_trains_like_its_examples_alone_on_one_device(tmp_path, t
 def test_a_packed_batch_trains_like_its_examples_alone_on_a_sharded_plan(tmp_path, tokenizer_dir):
     """(2, 2) mesh, batch split and parameters sharded (asserted, collectives on both mesh dims):
     every rank's loss and every gradient equal the examples' alone on one device."""
-    batch, seq = 4, 24
+    batch, seq = 4, 40
     data = opened(data_file(tmp_path), tokenizer_dir, seq=seq, batch=batch)
     cfg = get_config("llama3-tiny").with_(vocab_size=len(WORDS))
     rows = np.arange(batch)
+    assert (np.diff(data.train.bounds)[rows] > 1).all()  # every row holds several examples
     want, grads = alone(build_model(cfg, seed=0), data, rows)
     meta = build_model(cfg, device="meta")
     example = lambda: (torch.empty(batch, seq, dtype=torch.int64, device="meta"),) * 3  # noqa: E731
@@ -268,13 +270,18 @@ def test_a_packed_batch_trains_like_its_examples_alone_on_a_sharded_plan(tmp_pat
         pmodel.init_weights(0)
         loss = pmodel(*pmodel.shard_inputs(*inputs))
         loss.backward()
-        full = {name: p.grad.full_tensor() for name, p in pmodel.named_parameters()}
-        with mode.disable():
-            for got in tc.rank_values(loss).values():
-                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
-            for name, grad in full.items():
-                for got in tc.rank_values(grad).values():
-                    torch.testing.assert_close(got, grads[name], rtol=1e-4, atol=1e-6, msg=name)
+        every_rank_has(pmodel, loss, mode, want, grads)
+
+
+def every_rank_has(pmodel, loss, mode, want: torch.Tensor, grads: dict) -> None:
+    """Every rank's loss is `want` and every parameter's whole gradient is `grads`'."""
+    full = {name: p.grad.full_tensor() for name, p in pmodel.named_parameters()}
+    with mode.disable():
+        for got in tc.rank_values(loss).values():
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        for name, grad in full.items():
+            for got in tc.rank_values(grad).values():
+                torch.testing.assert_close(got, grads[name], rtol=1e-4, atol=1e-6, msg=name)
 
 
 # ---------------------------------------------------------------------------- each rank's rows, resume

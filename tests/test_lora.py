@@ -185,7 +185,7 @@ def test_a_bf16_lora_run_holds_its_frozen_base_in_bf16_and_exports_it(tmp_path):
 @ONE_PROCESS
 def test_the_documented_flow_chats_to_a_peft_adapter_and_a_resume_repeats_the_losses(tmp_path):
     """docs/finetuning.md's commands at tiny size: an HF Llama's own weights, a chat JSONL with a
-    chat template (padded rows: HF models take no positions), `--lora`, the adapter exported and
+    chat template (packed rows: the model takes `position_ids`), `--lora`, the adapter exported and
     loaded by peft; a run resumed from its step-2 checkpoint repeats the uninterrupted losses."""
     from test_instruction_data import chat, jsonl, make_tokenizer, text_of
 
@@ -198,7 +198,7 @@ def test_the_documented_flow_chats_to_a_peft_adapter_and_a_resume_repeats_the_lo
     run, again = tmp_path / "run", tmp_path / "again"
     assert train_main([*args, "--checkpoint-every", "2", "--out", str(run)]) == 0
     plan = json.loads((run / "plan.json").read_text())
-    assert [i["shape"] for i in plan["inputs"] if i["kind"] == "input"] == [[4, 16]] * 2  # padded: no positions
+    assert [i["shape"] for i in plan["inputs"] if i["kind"] == "input"] == [[4, 16]] * 3  # packed: positions too
     losses = [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()]
     export_hf(run, tmp_path / "adapter")
     peft.PeftModel.from_pretrained(transformers.AutoModelForCausalLM.from_pretrained(directory), tmp_path / "adapter")

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -133,24 +134,51 @@ def held_out(count: int, fraction: float, seed: int) -> np.ndarray | None:
     return held
 
 
-def takes_positions(workload: Any) -> bool:
-    """Whether the workload's model takes `positions` second (our llama family; a peft model over
-    it passes them through)."""
+def positions_input(workload: Any) -> str | None:
+    """How the workload's model takes each token's position in its example, so that packed
+    examples stay apart: "positions" (second, our llama family), "position_ids" (a transformers
+    causal LM whose attention mask comes from transformers' masking functions, which find the
+    examples where the positions restart), or None (it cannot: pad). A peft model over either
+    passes them through. Sequence-to-sequence and loss-returning models never pack."""
+    if workload.n_model_inputs != 1 or workload.loss_fn is None:
+        return None
     model = workload.build("meta")
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     params = list(inspect.signature(base.forward).parameters)
-    return len(params) > 1 and params[1] == "positions"
+    if len(params) > 1 and params[1] == "positions":
+        return "positions"
+    if "position_ids" in params and _masks_packed_positions(type(base)):
+        return "position_ids"
+    return None
+
+
+def _masks_packed_positions(cls: type) -> bool:
+    """Whether a transformers model class makes its attention mask with transformers' masking
+    functions (which, given positions and no padding mask, keep packed sequences apart)."""
+    try:
+        from transformers import masking_utils
+    except ImportError:
+        return False
+    module = sys.modules.get(cls.__module__)
+    makers = (getattr(masking_utils, name, None) for name in MASK_MAKERS)
+    return any(maker is not None and maker in vars(module).values() for maker in makers)
+
+
+MASK_MAKERS = ("create_causal_mask", "create_sliding_window_causal_mask", "create_chunked_causal_mask")
 
 
 def packed_workload(workload: Any) -> Any:
-    """The workload stepping on (tokens, positions, targets): the model takes the first two."""
-    if workload.n_model_inputs != 1 or workload.loss_fn is None or not takes_positions(workload):
+    """The workload stepping on (tokens, positions, targets): the model takes the first two
+    (positionally, or `input_ids=` and `position_ids=` for a transformers model)."""
+    how = positions_input(workload)
+    if how is None:
         raise UsageError(
             f"--instruction-layout pack: {workload.name} takes no document positions to keep packed examples "
-            "apart (our llama3 models do); use --instruction-layout pad"
+            "apart (our llama3 models and transformers causal LMs do); use --instruction-layout pad"
         )
 
-    def example_inputs(batch: int, seq: int, device: Any = "meta") -> tuple[torch.Tensor, ...]:
-        return (torch.empty(batch, seq, dtype=torch.int64, device=device),) * 3
+    def example_inputs(batch: int, seq: int, device: Any = "meta") -> Any:
+        rows = (torch.empty(batch, seq, dtype=torch.int64, device=device),) * 3
+        return rows if how == "positions" else dict(zip(("input_ids", "position_ids", "targets"), rows))
 
     return dataclasses.replace(workload, example_inputs=example_inputs, n_model_inputs=2)

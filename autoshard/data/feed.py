@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from autoshard.data.corpus import Tokens, Windows, split_by_document
-from autoshard.data.examples import takes_positions
+from autoshard.data.examples import positions_input
 from autoshard.data.files import check_range, find_files, open_tokens
 from autoshard.data.instruction_feed import Instructions, instruction_files, open_instructions
 from autoshard.data.text import Tokenizer, default_cache, tokenized
@@ -172,12 +172,13 @@ class Synthetic:
 
 def with_layout(config: DataConfig, workload: Any) -> DataConfig:
     """`config` with instruction data's layout decided: `--instruction-layout` as given, else pack
-    where the model keeps packed examples apart (takes their positions: our llama family), else pad."""
+    where the model keeps packed examples apart (takes their positions: our llama family and
+    transformers causal LMs), else pad."""
     if config.instruction_layout is not None or not config.data:
         return config
     if not instruction_files(find_files(config.data, "--data"), "--data"):
         return config
-    packs = workload.n_model_inputs == 1 and workload.loss_fn is not None and takes_positions(workload)
+    packs = positions_input(workload) is not None
     return dataclasses.replace(config, instruction_layout="pack" if packs else "pad")
 
 

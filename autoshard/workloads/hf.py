@@ -138,8 +138,9 @@ def causal_sdpa() -> str:
     without the [b, 1, s, s] tensor. transformers skips that tensor itself, but not while tracing
     (dynamo export, or the make_fx fallback): it cannot see that the padding mask is absent or
     that the positions are not packed sequences. Here both are known: our workloads pass neither.
-    With a padding mask passed (the API, a model of one's own), the mask is made as transformers
-    makes it."""
+    With a padding mask passed (the API, a model of one's own), or where transformers says the
+    causal shortcut does not hold (`allow_is_causal_skip=False`: packed sequences found in the
+    positions, an extra mask function), the mask is made as transformers makes it."""
     transformers = _transformers()
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from transformers.masking_utils import sdpa_mask
@@ -155,7 +156,8 @@ def causal_sdpa() -> str:
         **kwargs: Any,
     ):
         if (
-            attention_mask is None
+            kwargs.get("allow_is_causal_skip", True)  # False: packed sequences, an and/or mask function
+            and attention_mask is None
             and local_size is None
             and q_length == kv_length
             and isinstance(q_offset, int)
