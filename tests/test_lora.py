@@ -209,3 +209,28 @@ def test_the_documented_flow_chats_to_a_peft_adapter_and_a_resume_repeats_the_lo
     assert train_main([*args, "--checkpoint-every", "2", "--out", str(again)]) == 0  # resumes from step 2
     resumed = [json.loads(line)["loss"] for line in (again / "metrics.jsonl").read_text().splitlines()]
     assert resumed == losses
+
+
+@ONE_PROCESS
+def test_an_embedding_adapter_exports_in_peft_format_and_merges(tmp_path):
+    """LoRA on the embedding beside a projection: peft keeps the embedding's halves in parameter
+    dicts (`lora_embedding_A.default`, [rank, vocab]); the adapter exported loads in peft, and
+    merged (W + scale * (B @ A)^T) gives the same logits in plain transformers."""
+    _, directory = save_tiny(tmp_path / "base", seed=3)
+    spec = "4,alpha=8,targets=q_proj,embed_tokens"
+    run = tmp_path / "run"
+    args = ["--model", f"hf:{directory}", "--init-from", str(directory), "--lora", spec, *RUN, "--out", str(run)]
+    assert train_main(args) == 0
+    saved = checkpoint_tensors(run / "checkpoints" / "step-000003")
+    embedding_a = "base_model.model.model.embed_tokens.lora_embedding_A.default"
+    assert saved[embedding_a].shape == (4, 128)
+    assert saved[embedding_a.replace("_A.", "_B.")].abs().sum() > 0  # B starts at zero: trained
+    export_hf(run, tmp_path / "adapter")
+    base = transformers.AutoModelForCausalLM.from_pretrained(directory)
+    loaded = peft.PeftModel.from_pretrained(base, tmp_path / "adapter")
+    assert torch.equal(loaded.get_parameter(embedding_a), saved[embedding_a])
+    export_hf(run, tmp_path / "merged", merge=True)
+    plain = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
+    tokens = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(plain(tokens).logits, loaded(tokens).logits, rtol=1e-5, atol=1e-5)
