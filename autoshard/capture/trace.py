@@ -227,7 +227,7 @@ def _export(stack: contextlib.ExitStack, wrapper: nn.Module, model: nn.Module, a
         log.info("autoshard: traced by direct joint export (dynamo capture failed: %s)", _first_line(err))
         try:
             # the path annotations open before the casts run, so a cast is tagged with its module's path
-            with _module_path_annotations(model), cast_parameters(model, precision):
+            with _module_path_annotations(model), cast_parameters(model, precision), _transformers_sees_a_trace():
                 return tc.export_joint(stack, wrapper, args)
         except Exception as direct:
             # The step's own error (a bad loss, say) beats a tracer's: when the direct route
@@ -239,6 +239,27 @@ def _export(stack: contextlib.ExitStack, wrapper: nn.Module, model: nn.Module, a
     log.info("autoshard: traced by dynamo graph capture (%d nodes), then the joint export", len(captured.graph.nodes))
     with fx.traceback.preserve_node_meta():  # the captured nodes' module paths reach the aten nodes
         return tc.export_joint(stack, captured, args)
+
+
+@contextlib.contextmanager
+def _transformers_sees_a_trace():
+    """transformers keeps data-dependent branches out of traces by asking `is_tracing`, which
+    knows dynamo and fake tensors but not the functional tensors the direct export traces with:
+    its mask code then asks a fake tensor for a value (`find_packed_sequence_indices`) and the
+    export fails. While the direct export runs, transformers is told what dynamo's capture tells
+    it: a graph is being traced."""
+    import sys
+
+    utils = sys.modules.get("transformers.utils.import_utils")
+    if utils is None or not hasattr(utils, "is_torchdynamo_compiling"):
+        yield
+        return
+    original = utils.is_torchdynamo_compiling
+    utils.is_torchdynamo_compiling = lambda: True
+    try:
+        yield
+    finally:
+        utils.is_torchdynamo_compiling = original
 
 
 def _first_line(err: Exception) -> str:
