@@ -33,6 +33,7 @@ def test_profile_file_round_trips(tmp_path):
         memory_bytes=8e9,
         op_overhead_s=8e-6,
         optimizer_rate=5e8,
+        host_op_s=2.5e-5,
     )
     path = ProfileFile(TRUE, device, (2, 2), {"host": "x"}).save(tmp_path / "p.json")
     back = read_profile(path)

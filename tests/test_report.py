@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -16,7 +17,9 @@ from autoshard.options import parse_bytes, parse_mesh
 from autoshard.profiles.device import DeviceProfile
 from autoshard.report.build import plan_report
 from autoshard.report.files import write_report
+from autoshard.report.html import render_html
 from autoshard.report.text import format_log, human_bytes, human_time, memory_line, summary_lines
+from autoshard.runtime.dryrun import dry_run
 from autoshard.runtime.module import parallelize
 from autoshard_models import build_model, cross_entropy_loss, get_config
 from plan_audit import sharded_plan
@@ -231,3 +234,29 @@ def test_plan_command_llama3_8b(tmp_path):
     memory = report["memory"]
     assert memory["ranks"][0]["activations"] > 10 * 2**30 and memory["peak_bytes"] > 20 * 2**30
     assert "memory per rank: peak" in done.stdout
+
+
+def test_a_gpu_profile_prices_the_hosts_dispatch_and_names_a_host_bound_rank(tiny):
+    """Where the host runs ahead of the device (`host_op_s`: the GPU presets), the report sets the
+    ops rank 0 dispatches (the dry run's count) at that price beside the modeled device step: a
+    tiny model's step is all host. A CPU profile has no host term: dispatch is in each op's time."""
+    plan, _, _ = tiny
+    result = dry_run(plan)
+    ops = result.ranks[0].ops
+    assert ops > len([n for n in plan.graph.nodes if n.op == "call_function"]) / 2
+    h200 = DeviceProfile.preset("h200")
+    host = plan_report(plan, dry_run=result, device=h200)["host"]
+    assert host["ranks"] == [{"rank": 0, "ops": ops, "host_s": ops * h200.host_op_s}]
+    assert host["host_bound_ranks"] == [0] and host["step_s"] == host["host_s"] > host["device_step_s"]
+    report = plan_report(plan, dry_run=result, device=h200)
+    line = f"host: rank 0 dispatches {ops:,} ops a step, {human_time(ops * 21e-6)} at 21 us each on h200, over"
+    assert any(x.startswith(line) and x.endswith(f"host-bound, a step takes {human_time(ops * 21e-6)}")
+               for x in summary_lines(report))  # fmt: skip
+    fast = dataclasses.replace(h200, host_op_s=1e-12)
+    report = plan_report(plan, dry_run=result, device=fast)
+    assert report["host"]["host_bound_ranks"] == [] and report["host"]["step_s"] == report["host"]["device_step_s"]
+    assert "the device bounds the step" in format_log(report) and not any(
+        x.startswith("host:") for x in summary_lines(report)
+    )
+    assert "host" not in plan_report(plan, dry_run=result, device=DeviceProfile.preset("cpu"))
+    assert "<dt>host</dt><dd>rank 0 dispatches" in render_html(report)

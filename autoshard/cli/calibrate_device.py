@@ -198,5 +198,7 @@ def fit_device_profile(timings: dict, step: dict, device, name: str):
         peak_flops_fp32=flop_rate,
         op_overhead_s=parts.op_overhead_s,
         optimizer_rate=parts.optimizer_rate,
+        # not timed here (the lowered program's own dispatch would be): a GPU takes the preset's
+        host_op_s=None if device.type == "cpu" else DeviceProfile.preset("h100").host_op_s,
     )
     return profile, by_dtype, step_details

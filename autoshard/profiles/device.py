@@ -21,20 +21,23 @@ import torch
 ADAMW_STEP_BYTES = 28  # per fp32 parameter element: read value, gradient, two states; write value, two states
 
 # name -> (16-bit peak flops/s, fp32 peak flops/s, memory bandwidth bytes/s, memory capacity bytes
-# (None = this machine's RAM), per-op overhead s)
+# (None = this machine's RAM), per-op overhead s, host s per dispatched op (None: host and device are one))
 _PRESETS = {
     # H100 SXM and H200: what one GPU sustains on the op shapes of llama3-8b and -70b plans (seq
     # 8192, TP 8), measured on each by benchmarks/gpu/rates.py (docs/benchmarks.md, "GPU rates",
     # has the figures, their spread and dates), not the datasheets' peaks, which plans never reach:
     # bf16 and fp32 (no TF32) matmuls, elementwise ops on activations (fused AdamW streams at the
     # same rate), the capacity torch.cuda reports, and the per-kernel launch the GPU cannot hide.
-    "h100": (640e12, 46e12, 2.4e12, 85.0e9, 2e-6),
-    "h200": (640e12, 46e12, 2.85e12, 150.1e9, 2e-6),
+    # The host's time per op the program dispatches (Python, torch's dispatcher, the launch): the
+    # GPU check's profiled host time of rank 0's own ops over their count, on an H200's host
+    # (docs/benchmarks.md, "GPU check"); no H100 host was profiled: the same figure.
+    "h100": (640e12, 46e12, 2.4e12, 85.0e9, 2e-6, 21e-6),
+    "h200": (640e12, 46e12, 2.85e12, 150.1e9, 2e-6, 21e-6),
     # A small CPU share (the 2-core CI machine class, two ranks a core as `make train` runs them):
     # ~50 GFLOP/s fp32 inside a step (calibrate measures 48 there, 55 for a matmul alone), ~20 GB/s
     # DRAM. bf16 is anywhere from much slower to 4x faster by the CPU's ISA: the same rate here;
     # calibrate measures it. ~10 us per op: the lowered program's Python call and torch's dispatch.
-    "cpu": (50e9, 50e9, 20e9, None, 10e-6),
+    "cpu": (50e9, 50e9, 20e9, None, 10e-6, None),
 }
 _FP32_RATE = frozenset({torch.float32, torch.float64})
 
@@ -52,6 +55,10 @@ class DeviceProfile:
     peak_flops_fp32: float | None = None  # flop/s of fp32 compute; None = peak_flops
     op_overhead_s: float = 0.0  # every op of the program, on top of its roofline
     optimizer_rate: float | None = None  # parameter elements/s of the optimizer step; None: mem_bw / 28 B
+    # host s per op the program dispatches, where the host runs ahead of the device (a GPU): a step
+    # takes at least ops x this. None: host and device are one (a CPU), each op's dispatch is in
+    # its compute already (op_overhead_s)
+    host_op_s: float | None = None
 
     def __post_init__(self) -> None:
         if not (self.peak_flops > 0 and self.mem_bw > 0 and (self.peak_flops_fp32 or 1) > 0):
@@ -59,18 +66,19 @@ class DeviceProfile:
                 f"peak_flops, peak_flops_fp32 and mem_bw must be positive, got {self.peak_flops}, "
                 f"{self.peak_flops_fp32} and {self.mem_bw}"
             )
-        if not self.op_overhead_s >= 0 or not (self.optimizer_rate is None or self.optimizer_rate > 0):
+        if not self.op_overhead_s >= 0 or not all(v is None or v > 0 for v in (self.optimizer_rate, self.host_op_s)):
             raise ValueError(
-                f"op_overhead_s must be >= 0 and optimizer_rate positive, got {self.op_overhead_s} "
-                f"and {self.optimizer_rate}"
+                f"op_overhead_s must be >= 0, optimizer_rate and host_op_s positive, got {self.op_overhead_s}, "
+                f"{self.optimizer_rate} and {self.host_op_s}"
             )
 
     @classmethod
     def preset(cls, name: str) -> DeviceProfile:
         if name not in _PRESETS:
             raise ValueError(f"unknown device profile {name!r}; known: {sorted(_PRESETS)}")
-        flops16, flops32, bw, memory, overhead = _PRESETS[name]
-        return cls(flops16, bw, name, memory if memory is not None else _physical_memory(), flops32, overhead)
+        flops16, flops32, bw, memory, overhead, host = _PRESETS[name]
+        capacity = memory if memory is not None else _physical_memory()
+        return cls(flops16, bw, name, capacity, flops32, overhead, host_op_s=host)
 
     def peak_for(self, dtype: torch.dtype | None) -> float:
         """Peak flop/s of compute in `dtype` (fp32/fp64: the fp32 rate; anything else: 16-bit)."""

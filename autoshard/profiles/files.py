@@ -70,6 +70,7 @@ class ProfileFile:
                 "memory_bytes": d.memory_bytes,
                 "op_overhead_s": d.op_overhead_s,
                 "optimizer_rate": d.optimizer_rate,
+                "host_op_s": d.host_op_s,
             }
         return data | {"details": self.details}
 
@@ -111,6 +112,7 @@ class ProfileFile:
                     peak_flops_fp32=None if fp32 is None else float(fp32),
                     op_overhead_s=float(d.get("op_overhead_s") or 0.0),
                     optimizer_rate=None if rate is None else float(rate),
+                    host_op_s=None if d.get("host_op_s") is None else float(d["host_op_s"]),
                 )
             return cls(network, device, mesh, dict(data.get("details") or {}))
         except (KeyError, TypeError, AttributeError) as err:

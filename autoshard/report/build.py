@@ -39,6 +39,7 @@ OWN_KEYS = (
     "sinks",
     "totals",
     "memory",
+    "host",
     "timings",
     "compare",
     "explain",
@@ -107,6 +108,10 @@ def plan_report(
         report["totals"]["overlapped_step_s"] = step.overlapped_s
     if dry_run is not None:
         report["memory"] = memory_entry(dry_run, device)
+        device_step = report["totals"].get("overlapped_step_s", plan.step_time_s)
+        host = host_entry(dry_run, device, device_step, plan.micro_batches)
+        if host is not None:
+            report["host"] = host
     if memory_fit is not None:
         report["memory_fit"] = _memory_fit_entry(memory_fit)
     if timings:
@@ -240,6 +245,31 @@ def memory_entry(result: DryRunResult, device: DeviceProfile | None) -> dict:
         "peak_bytes": result.peak_bytes,
         "fits": None if capacity is None else result.peak_bytes <= capacity,
         "ranks": [{**asdict(m), "peak_bytes": m.peak_bytes} for m in result.ranks.values()],
+    }
+
+
+def host_entry(
+    result: DryRunResult, device: DeviceProfile | None, device_step_s: float, micro_batches: int
+) -> dict | None:
+    """The host's share of a step where it runs ahead of the device (`device.host_op_s`: a GPU):
+    each checked rank's dispatched ops (the dry run's count, times the micro-batches) at the
+    device's host time per op, beside the modeled device step; the step is the longer of the two.
+    None where host and device are one (a CPU: dispatch is already in each op's compute)."""
+    if device is None or device.host_op_s is None:
+        return None
+    ranks = [
+        {"rank": m.rank, "ops": m.ops * micro_batches, "host_s": m.ops * micro_batches * device.host_op_s}
+        for m in result.ranks.values()
+    ]
+    worst = max(ranks, key=lambda r: r["host_s"])
+    return {
+        "device": device.name,
+        "host_op_s": device.host_op_s,
+        "ranks": ranks,
+        "host_s": worst["host_s"],
+        "device_step_s": device_step_s,
+        "step_s": max(device_step_s, worst["host_s"]),
+        "host_bound_ranks": [r["rank"] for r in ranks if r["host_s"] > device_step_s],
     }
 
 

@@ -36,7 +36,7 @@ from autoshard.report.charts import (
 from autoshard.report.charts import (
     mesh_dim_label as _md,
 )
-from autoshard.report.text import human_bytes, human_time
+from autoshard.report.text import host_line, human_bytes, human_time
 
 CSS = """
 body{font:14px/1.45 system-ui,-apple-system,"Segoe UI",sans-serif;color:#1d2330;margin:24px auto;max-width:1320px;
@@ -313,7 +313,8 @@ _RUN_KEYS = ("model", "batch", "seq", "steps", "network", "device", "device_prof
 
 
 def summary_section(report: dict, names: Sequence[str], colors: dict[str, str]) -> str:
-    items = [*_run_items(report, names), *_step_items(report["totals"], colors), *_plan_items(report)]
+    host = [("host", _e(host_line(report["host"]).removeprefix("host: ")))] if report.get("host") else []
+    items = [*_run_items(report, names), *_step_items(report["totals"], colors), *host, *_plan_items(report)]
     dl = '<dl class="kv">' + "".join(f"<dt>{_e(k)}</dt><dd>{v}</dd>" for k, v in items) + "</dl>"
     return f'<section id="summary"><h2>Summary</h2>{dl}{memory_block(report.get("memory"))}</section>'
 

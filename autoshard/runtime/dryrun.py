@@ -79,6 +79,7 @@ class MemoryEstimate:
     forward_peak_bytes: int  # peak during the forward (optimizer states included)
     backward_peak_bytes: int  # peak during the backward (optimizer states included)
     saved_bytes: int  # all the forward hands to the backward (activations + gathered parameters)
+    ops: int = 0  # ops the forward and backward dispatch (graph ops, redistributions' own, collectives, waits)
 
     @property
     def peak_bytes(self) -> int:
@@ -242,6 +243,7 @@ def account(
         forward_peak_bytes=forward_peak,
         backward_peak_bytes=backward_peak,
         saved_bytes=saved_bytes,
+        ops=live.ops,
     )
 
 

@@ -19,6 +19,9 @@ import torch
 from autoshard import _torch_compat as tc
 from autoshard.program.collectives import PendingBucket
 
+# ops that read a tensor's metadata (no kernel, no dispatch of the program's own): not counted as ops
+METADATA = frozenset({"device", "sym_size", "sym_stride", "sym_numel", "sym_storage_offset", "dim", "is_contiguous"})
+
 
 @dataclass
 class Replay:
@@ -33,14 +36,16 @@ class Replay:
     excess: int  # peak while running minus bytes it kept
     pending: PendingBucket | None = None  # a bucket's launch, less its buffer: replayed with a new one
     fake: Any = None  # the fake mode the outputs belong to (None: real tensors)
+    ops: int = 0  # ops it dispatched: a replay counts them as dispatched again
 
     @staticmethod
     def record(live: "LiveBytes", run, args) -> tuple["Replay | None", Any]:
         """Run `run` (reading the tensors `args`) and record it; None if its outputs cannot be
         replayed (not all tensors, or of symbolic shape)."""
-        start = live.total
+        start, ops = live.total, live.ops
         live.window = start
         result = run()
+        ops = live.ops - ops
         kept, excess = live.total - start, live.window - start
         live.window = None
         pending = result if isinstance(result, PendingBucket) else None
@@ -65,9 +70,8 @@ class Replay:
             outputs.append(("new", storages[id(st)], *meta, t.dtype, t.device))
         form = None if isinstance(result, torch.Tensor) or pending else type(result)
         fake = tc.fake_mode_of(outs[0]) if outs else None
-        return Replay(
-            store, outputs, form, max(0, excess - kept), pending and dataclasses.replace(pending, result=None), fake
-        ), result
+        launch = pending and dataclasses.replace(pending, result=None)
+        return Replay(store, outputs, form, max(0, excess - kept), launch, fake, ops), result
 
     def replay(self, live: "LiveBytes", args) -> Any:
         if self.fake is not None:
@@ -88,6 +92,7 @@ class Replay:
                 for kind, i, shape, stride, offset, _, _ in self.outputs
             ]
         live.update_peak(extra=self.excess)
+        live.ops += self.ops
         if self.pending is not None:
             return dataclasses.replace(self.pending, result=outs[0])
         return outs[0] if self.form is None else self.form(outs)
@@ -114,8 +119,10 @@ class LiveBytes(tc.DispatchMode):
         self.param_storages: set[int] = set()
         self.window: int | None = None  # highest total since a redistribution started
         self.replays: dict[tuple, Replay] = {}
+        self.ops = 0  # dispatched (replays count what they stand for): each is host work on a GPU
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += func.overloadpacket.__name__ not in METADATA
         out = func(*args, **(kwargs or {}))
         if func is tc.WAIT_TENSOR:  # eager returns its input; fake mode a copy, which is not memory
             return args[0]

@@ -24,6 +24,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from autoshard import _torch_compat as tc
 from autoshard.program.modules import AwaitBucket, Bucket, Redistribute
+from autoshard.runtime.live_bytes import METADATA
 from benchmarks.gpu.check.measure import local_values
 from benchmarks.gpu.check.parts import auto_shard
 
@@ -34,7 +35,6 @@ VIEWS = set(
     "split_with_sizes chunk detach alias select unbind movedim view_as _reshape_alias unflatten flatten "
     "empty new_empty empty_strided empty_permuted".split()
 )
-METADATA = {"device", "sym_size", "sym_stride", "sym_numel", "sym_storage_offset", "dim", "is_contiguous"}
 
 
 class Counter(TorchDispatchMode):
