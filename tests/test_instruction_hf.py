@@ -47,6 +47,15 @@ def saved(tmp_path, kind: str) -> str:
     return f"hf:{tmp_path / kind}"
 
 
+def packed_model(kind: str):
+    """The model as the packed workload builds it (transformers' own SDPA: the default
+    implementation takes positions to be 0..s-1), at a seeded init."""
+    config = hf.training_config(CONFIGS[kind]())
+    assert config._attn_implementation == hf.CAUSAL_SDPA
+    config._attn_implementation = "sdpa"
+    return hf.build(config, "cpu", seed=0)
+
+
 def alone(model, data, rows) -> tuple[torch.Tensor, dict]:
     """The examples' loss and gradients, each example run alone (no positions, no mask)."""
     return examples_alone(model, data, rows, logits=lambda model, x: model(input_ids=x).logits)
@@ -62,9 +71,10 @@ def test_an_hf_causal_lm_packs_by_default_and_a_packed_batch_trains_like_its_exa
     assert with_layout(config(data_file(tmp_path), tokenizer_dir), workload).instruction_layout == "pack"
     packed = packed_workload(workload)
     assert list(packed.example_inputs(2, 24)) == ["input_ids", "position_ids", "targets"]
+    assert packed.build("meta").config._attn_implementation == "sdpa"  # not CAUSAL_SDPA: it assumes no packing
     data = opened(data_file(tmp_path), tokenizer_dir, seq=24)
     assert (np.diff(data.train.bounds) > 1).any()  # some rows hold several examples
-    model = hf.build(hf.training_config(CONFIGS[kind]()), "cpu", seed=0)
+    model = packed_model(kind)
     rows = np.arange(data.train.count)
     want, grads = alone(model, data, rows)
     model.zero_grad()
@@ -89,13 +99,13 @@ def test_a_packed_batch_trains_an_hf_llama_like_its_examples_alone_on_a_sharded_
     data = opened(data_file(tmp_path), tokenizer_dir, seq=seq, batch=batch)
     rows = np.arange(batch)
     assert (np.diff(data.train.bounds)[rows] > 1).all()  # every row holds several examples
-    want, grads = alone(hf.build(hf.training_config(CONFIGS["llama"]()), "cpu", seed=0), data, rows)
+    want, grads = alone(packed_model("llama"), data, rows)
     meta = packed.build("meta")
     auto = AutoShard(meta, lambda: packed.example_inputs(batch, seq), (2, 2), loss_fn=hf.logits_loss, n_model_inputs=2)
     plan = sharded_plan(auto)
     collectives = collectives_by_mesh_dim(plan)
     assert all(collectives[d] for d in (0, 1)), collectives
-    built = hf.build(hf.training_config(CONFIGS["llama"]()), "cpu", seed=0)
+    built = packed_model("llama")
     reference = built.state_dict() | dict(built.named_buffers())
     with simulated_mesh(plan.mesh_shape) as (mesh, mode):
         pmodel = parallelize(plan, mesh, meta)

@@ -13,6 +13,7 @@ import collections
 import contextlib
 import functools
 import logging
+import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -248,8 +249,6 @@ def _transformers_sees_a_trace():
     its mask code then asks a fake tensor for a value (`find_packed_sequence_indices`) and the
     export fails. While the direct export runs, transformers is told what dynamo's capture tells
     it: a graph is being traced."""
-    import sys
-
     utils = sys.modules.get("transformers.utils.import_utils")
     if utils is None or not hasattr(utils, "is_torchdynamo_compiling"):
         yield

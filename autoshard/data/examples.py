@@ -138,8 +138,9 @@ def positions_input(workload: Any) -> str | None:
     """How the workload's model takes each token's position in its example, so that packed
     examples stay apart: "positions" (second, our llama family), "position_ids" (a transformers
     causal LM whose attention mask comes from transformers' masking functions, which find the
-    examples where the positions restart), or None (it cannot: pad). A peft model over either
-    passes them through. Sequence-to-sequence and loss-returning models never pack."""
+    examples where the positions restart; its `packed` variant runs them), or None (it cannot:
+    pad). A peft model over either passes them through. Sequence-to-sequence and loss-returning
+    models never pack."""
     if workload.n_model_inputs != 1 or workload.loss_fn is None:
         return None
     model = workload.build("meta")
@@ -147,7 +148,7 @@ def positions_input(workload: Any) -> str | None:
     params = list(inspect.signature(base.forward).parameters)
     if len(params) > 1 and params[1] == "positions":
         return "positions"
-    if "position_ids" in params and _masks_packed_positions(type(base)):
+    if workload.packed is not None and "position_ids" in params and _masks_packed_positions(type(base)):
         return "position_ids"
     return None
 
@@ -160,6 +161,8 @@ def _masks_packed_positions(cls: type) -> bool:
     except ImportError:
         return False
     module = sys.modules.get(cls.__module__)
+    if module is None:
+        return False
     makers = (getattr(masking_utils, name, None) for name in MASK_MAKERS)
     return any(maker is not None and maker in vars(module).values() for maker in makers)
 
@@ -181,4 +184,5 @@ def packed_workload(workload: Any) -> Any:
         rows = (torch.empty(batch, seq, dtype=torch.int64, device=device),) * 3
         return rows if how == "positions" else dict(zip(("input_ids", "position_ids", "targets"), rows))
 
-    return dataclasses.replace(workload, example_inputs=example_inputs, n_model_inputs=2)
+    model = workload if how == "positions" else workload.packed()
+    return dataclasses.replace(model, example_inputs=example_inputs, n_model_inputs=2)

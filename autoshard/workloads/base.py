@@ -71,6 +71,9 @@ class Workload:
     # parameters only the init gives (LoRA adapters): a checkpoint of the base model lacks them
     init_only: frozenset[str] = frozenset()
     tune: Any = None  # the fine-tune applied (`finetune.FineTune`), None: the model as it is
+    # the same model set up to be given each token's position in its example (`position_ids`) and
+    # keep packed examples apart; None: no such setup (our llama takes positions as it is)
+    packed: Callable[[], Workload] | None = None
 
 
 def initial_stream(

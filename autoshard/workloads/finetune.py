@@ -121,7 +121,7 @@ def fine_tuned(base: Workload, tune: FineTune) -> Workload:
     def adapt_state_dict(state: dict[str, Any]) -> dict[str, Any]:
         return {peft_name.get(k, k): v for k, v in base.adapt_state_dict(state).items()}
 
-    resize = base.resize_vocab
+    resize, packed = base.resize_vocab, base.packed
     return dataclasses.replace(
         base,
         build=lambda device: _wrapped(base, tune, device),
@@ -129,6 +129,7 @@ def fine_tuned(base: Workload, tune: FineTune) -> Workload:
         initial_values=initial_values,
         adapt_state_dict=adapt_state_dict,
         resize_vocab=(lambda vocab: fine_tuned(resize(vocab), tune)) if resize is not None else None,
+        packed=(lambda: fine_tuned(packed(), tune)) if packed is not None else None,
         init_only=adapters,
         tune=tune,
     )

@@ -137,10 +137,10 @@ def causal_sdpa() -> str:
     The causal mask is then a pure function of positions, and SDPA's `is_causal=True` says it
     without the [b, 1, s, s] tensor. transformers skips that tensor itself, but not while tracing
     (dynamo export, or the make_fx fallback): it cannot see that the padding mask is absent or
-    that the positions are not packed sequences. Here both are known: our workloads pass neither.
-    With a padding mask passed (the API, a model of one's own), or where transformers says the
-    causal shortcut does not hold (`allow_is_causal_skip=False`: packed sequences found in the
-    positions, an extra mask function), the mask is made as transformers makes it."""
+    that the positions are not packed sequences. Here both are known: our workloads pass neither
+    (packed instruction rows, which pass positions, run the workload's `packed` variant, on
+    transformers' own SDPA). With a padding mask passed (the API, a model of one's own), the mask
+    is made as transformers makes it."""
     transformers = _transformers()
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from transformers.masking_utils import sdpa_mask
@@ -156,8 +156,7 @@ def causal_sdpa() -> str:
         **kwargs: Any,
     ):
         if (
-            kwargs.get("allow_is_causal_skip", True)  # False: packed sequences, an and/or mask function
-            and attention_mask is None
+            attention_mask is None
             and local_size is None
             and q_length == kv_length
             and isinstance(q_offset, int)
@@ -237,10 +236,14 @@ def resolve(name: str, seq: int) -> Workload | None:
     return workload(name[len(PREFIX) :], seq) if name.startswith(PREFIX) else None
 
 
-def workload(path: str, seq: int) -> Workload:
+def workload(path: str, seq: int, packed: bool = False) -> Workload:
     """The workload `hf:PATH`: tokens in, `.logits` against targets (a sequence-to-sequence LM:
-    its own `.loss` of the targets as labels), Markov-chain token data."""
+    its own `.loss` of the targets as labels), Markov-chain token data. `packed`: the model on
+    transformers' own SDPA, which makes the mask of packed examples from the positions it is
+    given (`Workload.packed`; the default implementation assumes positions 0..s-1)."""
     config = load_config(path)
+    if packed and config._attn_implementation == CAUSAL_SDPA:
+        config._attn_implementation = "sdpa"
     seq2seq = is_seq2seq(model_class(config))
     return Workload(
         name=PREFIX + path,
@@ -253,6 +256,7 @@ def workload(path: str, seq: int) -> Workload:
         initial_values=lambda seed, want=None: hf_init.initial_values(config, model_class(config), seed, want),
         hf_format=lambda: hf_format(path),
         vocab_size=config.vocab_size,
+        packed=None if seq2seq else lambda: workload(path, seq, packed=True),
     )
 
 

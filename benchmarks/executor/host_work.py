@@ -141,7 +141,7 @@ def measure_program(recipe: str | None, steps: int) -> dict:
     with tc.fake_process_group(MESH[0] * MESH[1]):
         auto = auto_shard(workload, config, batch, seq)
         if recipe is not None:
-            auto.pin(recipe_pins(recipe))
+            auto.pin(recipe_pins(recipe, len(MESH)))
         plan = auto.optimize()
         program = lower(plan, init_device_mesh("cpu", MESH, mesh_dim_names=auto.config.mesh_names))
         spent = [0.0]

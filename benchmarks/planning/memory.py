@@ -87,10 +87,10 @@ def _plan(case: Case, recipe: bool) -> dict:
     ) as auto:
         if recipe:
             try:  # the recipe's layouts must split every parameter evenly on this mesh
-                budget = param_bytes_per_rank(net, recipe_layouts(net, RECIPE), case.mesh)
+                budget = param_bytes_per_rank(net, recipe_layouts(net, RECIPE, len(case.mesh)), case.mesh)
             except ValueError as err:
                 return dict(runs=False, reason=str(err))
-            auto.pin(recipe_pins(RECIPE))
+            auto.pin(recipe_pins(RECIPE, len(case.mesh)))
             auto.memory_budget(budget)
             auto.memory_limit(math.inf)
         elif case.limit is not None:
