@@ -101,7 +101,8 @@ def test_a_packed_batch_trains_an_hf_llama_like_its_examples_alone_on_a_sharded_
     assert (np.diff(data.train.bounds)[rows] > 1).all()  # every row holds several examples
     want, grads = alone(packed_model("llama"), data, rows)
     meta = packed.build("meta")
-    auto = AutoShard(meta, lambda: packed.example_inputs(batch, seq), (2, 2), loss_fn=hf.logits_loss, n_model_inputs=2)
+    example = lambda: packed.example_inputs(batch, seq)  # noqa: E731
+    auto = AutoShard(meta, example, (2, 2), loss_fn=hf.logits_loss, n_model_inputs=2, device="cpu", network="cpu-gloo")
     plan = sharded_plan(auto)
     collectives = collectives_by_mesh_dim(plan)
     assert all(collectives[d] for d in (0, 1)), collectives

@@ -112,7 +112,10 @@ def hf_loss(model, x, y):
 # ------------------------------------------------------------------------------ encoders and T5
 def planned_hf(kind: str, sharded: bool):
     meta = build(MODELS[kind], "meta")
-    auto = AutoShard(meta, meta_inputs("input_ids", "labels"), MESH)  # no loss_fn: the model's .loss
+    # no loss_fn: the model's .loss; a sharded plan priced for CPU ranks (the h100 presets make the
+    # budgeted ILP of these tiny models a long search of near-ties; any sharded plan checks numerics)
+    cpu = dict(device="cpu", network="cpu-gloo") if sharded else {}
+    auto = AutoShard(meta, meta_inputs("input_ids", "labels"), MESH, **cpu)
     plan = sharded_plan(auto) if sharded else auto.optimize()
     names = [n for n, _ in meta.named_parameters()]
     assert sorted(plan.param_layouts) == sorted(names)  # every parameter once, under its first name
