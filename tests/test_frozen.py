@@ -18,7 +18,7 @@ from autoshard.profiles.device import DeviceProfile
 from autoshard.runtime.module import parallelize
 from autoshard.workloads import hf
 from autoshard_models.train_single import TrainSettings, make_optimizer
-from plan_audit import sharded_plan
+from plan_audit import CPU_PRICED, sharded_plan
 from simulation import assert_step_matches, simulated_mesh
 from test_hf import SMALL
 
@@ -111,17 +111,14 @@ def single_device(kind: str):
 
 
 def plan_sharded(kind: str, mesh_shape):
-    """Priced for CPU ranks: the h100 presets make these tiny models' budgeted ILPs a long search
-    of near-ties, and any sharded plan checks the numerics."""
     meta = build(kind, "meta")
-    cpu = dict(device="cpu", network="cpu-gloo")
     if kind == "marian":  # keyword inputs, the model's own `.loss`
         names = ("input_ids", "labels")
         example = lambda: {k: torch.empty(BATCH, SEQ, dtype=torch.int64, device="meta") for k in names}  # noqa: E731
-        auto = AutoShard(meta, example, mesh_shape, **cpu)
+        auto = AutoShard(meta, example, mesh_shape, **CPU_PRICED)
     else:
         example = lambda: (torch.empty(BATCH, SEQ, dtype=torch.int64, device="meta"),) * 2  # noqa: E731
-        auto = AutoShard(meta, example, mesh_shape, loss_fn=logits_loss, **cpu)
+        auto = AutoShard(meta, example, mesh_shape, loss_fn=logits_loss, **CPU_PRICED)
     plan = sharded_plan(auto, budget=1.0 if kind == "two-layers" else 1.5)
     return plan, meta
 
@@ -326,8 +323,8 @@ def test_a_lora_model_in_bf16_trains_like_one_device_under_the_same_policy():
         if not p.requires_grad:
             p.data = p.data.to(torch.bfloat16)
     example = lambda: (torch.empty(BATCH, SEQ, dtype=torch.int64, device="meta"),) * 2  # noqa: E731
-    auto = AutoShard(meta, example, (2, 2), loss_fn=logits_loss, mp_policy=policy, device="cpu", network="cpu-gloo")
-    plan = sharded_plan(auto, budget=1.5)  # priced for CPU ranks, as plan_sharded
+    auto = AutoShard(meta, example, (2, 2), loss_fn=logits_loss, mp_policy=policy, **CPU_PRICED)
+    plan = sharded_plan(auto, budget=1.5)
     assert any(
         any(p.kind == "S" for p in plan.param_layouts[n].placements) for n in plan.graph.frozen
     )  # the frozen base is sharded

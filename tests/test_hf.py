@@ -17,7 +17,7 @@ from autoshard.workloads import hf
 from autoshard.workloads.base import full_state
 from autoshard_models import MarkovTokens, cross_entropy_loss
 from autoshard_models.train_single import TrainSettings, make_optimizer
-from plan_audit import assert_shards, budget_bytes, sharded_plan
+from plan_audit import CPU_PRICED, assert_shards, budget_bytes, sharded_plan
 from simulation import simulated_mesh
 
 BATCH, SEQ, VOCAB, STEPS = 4, 8, 128, 3
@@ -89,10 +89,8 @@ def test_hf_causal_lm_trains_like_single_device(kind, mesh_shape, keywords, capl
     else:  # a loss function of one's own gets `.logits`
         example = lambda: (torch.empty(BATCH, SEQ, dtype=torch.int64, device="meta"),) * 2  # noqa: E731
         loss_fn = logits_loss
-    # priced for CPU ranks: the h100 presets make this tiny model's budgeted ILP a long search of
-    # near-ties (13 s of llama's 17 s planning), and any sharded plan checks the numerics
     with caplog.at_level(logging.INFO, logger="autoshard"):
-        plan = sharded_plan(AutoShard(meta, example, mesh_shape, loss_fn=loss_fn, device="cpu", network="cpu-gloo"))
+        plan = sharded_plan(AutoShard(meta, example, mesh_shape, loss_fn=loss_fn, **CPU_PRICED))
     assert "traced by dynamo graph capture" in caplog.text
     assert "will run replicated" not in caplog.text  # no op without a strategy
     names = [n for n, _ in meta.named_parameters()]
@@ -182,7 +180,7 @@ def test_a_padding_mask_is_kept_and_numerics_stay_exact():
         "labels": torch.empty(BATCH, SEQ, dtype=torch.int64, device="meta"),
     }
     meta = hf.build(hf.training_config(config), "meta")
-    plan = sharded_plan(AutoShard(meta, example, (2, 2), device="cpu", network="cpu-gloo"))  # as above
+    plan = sharded_plan(AutoShard(meta, example, (2, 2), **CPU_PRICED))
     assert all(call.get("attn_mask") is not None for call in sdpa_calls(plan.graph))  # the mask is traced
     with simulated_mesh((2, 2)) as (mesh, mode):
         pmodel = parallelize(plan, mesh, meta)

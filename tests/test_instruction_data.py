@@ -23,7 +23,7 @@ from autoshard.options import UsageError
 from autoshard.runtime.module import parallelize
 from autoshard.workloads import get_workload
 from autoshard_models import build_model, cross_entropy_loss, get_config
-from plan_audit import collectives_by_mesh_dim, sharded_plan
+from plan_audit import CPU_PRICED, collectives_by_mesh_dim, sharded_plan
 from simulation import simulated_mesh
 
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -261,8 +261,7 @@ def test_a_packed_batch_trains_like_its_examples_alone_on_a_sharded_plan(tmp_pat
     want, grads = alone(build_model(cfg, seed=0), data, rows)
     meta = build_model(cfg, device="meta")
     example = lambda: (torch.empty(batch, seq, dtype=torch.int64, device="meta"),) * 3  # noqa: E731
-    cpu = dict(device="cpu", network="cpu-gloo")  # a short solve (the h100 presets: a long search of near-ties)
-    plan = sharded_plan(AutoShard(meta, example, (2, 2), loss_fn=cross_entropy_loss, n_model_inputs=2, **cpu))
+    plan = sharded_plan(AutoShard(meta, example, (2, 2), loss_fn=cross_entropy_loss, n_model_inputs=2, **CPU_PRICED))
     collectives = collectives_by_mesh_dim(plan)
     assert all(collectives[d] for d in (0, 1)), collectives
     inputs = data.inputs(data.train, rows)

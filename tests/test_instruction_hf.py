@@ -14,7 +14,7 @@ from autoshard.data.examples import packed_workload, positions_input
 from autoshard.driver.api import AutoShard
 from autoshard.runtime.module import parallelize
 from autoshard.workloads import get_workload, hf
-from plan_audit import collectives_by_mesh_dim, sharded_plan
+from plan_audit import CPU_PRICED, collectives_by_mesh_dim, sharded_plan
 from simulation import simulated_mesh
 from test_instruction_data import WORDS, config, data_file, every_rank_has, make_tokenizer, opened
 from test_instruction_data import alone as examples_alone
@@ -102,7 +102,7 @@ def test_a_packed_batch_trains_an_hf_llama_like_its_examples_alone_on_a_sharded_
     want, grads = alone(packed_model("llama"), data, rows)
     meta = packed.build("meta")
     example = lambda: packed.example_inputs(batch, seq)  # noqa: E731
-    auto = AutoShard(meta, example, (2, 2), loss_fn=hf.logits_loss, n_model_inputs=2, device="cpu", network="cpu-gloo")
+    auto = AutoShard(meta, example, (2, 2), loss_fn=hf.logits_loss, n_model_inputs=2, **CPU_PRICED)
     plan = sharded_plan(auto)
     collectives = collectives_by_mesh_dim(plan)
     assert all(collectives[d] for d in (0, 1)), collectives

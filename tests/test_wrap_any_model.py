@@ -19,7 +19,7 @@ from autoshard.driver.api import AutoShard
 from autoshard.layout import Layout
 from autoshard.runtime.module import parallelize
 from autoshard_models.train_single import TrainSettings, make_optimizer
-from plan_audit import sharded_plan
+from plan_audit import CPU_PRICED, sharded_plan
 from simulation import assert_step_matches, simulated_mesh
 
 BATCH, SEQ, VOCAB, STEPS = 4, 8, 128, 3
@@ -112,10 +112,8 @@ def hf_loss(model, x, y):
 # ------------------------------------------------------------------------------ encoders and T5
 def planned_hf(kind: str, sharded: bool):
     meta = build(MODELS[kind], "meta")
-    # no loss_fn: the model's .loss; a sharded plan priced for CPU ranks (the h100 presets make the
-    # budgeted ILP of these tiny models a long search of near-ties; any sharded plan checks numerics)
-    cpu = dict(device="cpu", network="cpu-gloo") if sharded else {}
-    auto = AutoShard(meta, meta_inputs("input_ids", "labels"), MESH, **cpu)
+    cpu = CPU_PRICED if sharded else {}
+    auto = AutoShard(meta, meta_inputs("input_ids", "labels"), MESH, **cpu)  # no loss_fn: the model's .loss
     plan = sharded_plan(auto) if sharded else auto.optimize()
     names = [n for n, _ in meta.named_parameters()]
     assert sorted(plan.param_layouts) == sorted(names)  # every parameter once, under its first name

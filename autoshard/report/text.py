@@ -388,8 +388,8 @@ def no_collectives(report: dict) -> str | None:
 
 
 def host_line(host: dict) -> str:
-    """'host: rank 0 dispatches 11,176 ops a step, 234.7 ms at 21 us each on h200, over the device's
-    modeled 141.5 ms: host-bound, a step takes 234.7 ms'."""
+    """'host: rank 0 dispatches 10,867 ops a step, 228.2 ms at 21 us each on h200, over the device's
+    modeled 161.1 ms: host-bound, a step takes 228.2 ms'."""
     worst = max(host["ranks"], key=lambda r: r["host_s"])
     line = (
         f"host: rank {worst['rank']} dispatches {worst['ops']:,} ops a step, {human_time(worst['host_s'])} at "
