@@ -1,4 +1,4 @@
-"""Named llama3-style model shapes, from a test-sized toy to the published 8B and 70B."""
+"""Named llama3-style model shapes, from a test-sized toy to the published 8B, 70B and 405B."""
 
 from __future__ import annotations
 
@@ -68,6 +68,9 @@ CONFIGS: dict[str, LlamaConfig] = {
         LlamaConfig("llama3-1b", dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, vocab_size=128256, ffn_hidden=8192),
         LlamaConfig("llama3-8b", dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=128256, ffn_hidden=14336),
         LlamaConfig("llama3-70b", dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, vocab_size=128256, ffn_hidden=28672),
+        LlamaConfig(
+            "llama3-405b", dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, vocab_size=128256, ffn_hidden=53248
+        ),
     )
 }
 

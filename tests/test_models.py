@@ -15,7 +15,12 @@ def count_params(model: torch.nn.Module) -> int:
 
 @pytest.mark.parametrize(
     "name, expected, tolerance, n_params",
-    [("llama3-1b", 1.50e9, 0.01e9, 147), ("llama3-8b", 8.03e9, 0.01e9, 291), ("llama3-70b", 70.6e9, 0.1e9, 723)],
+    [
+        ("llama3-1b", 1.50e9, 0.01e9, 147),
+        ("llama3-8b", 8.03e9, 0.01e9, 291),
+        ("llama3-70b", 70.6e9, 0.1e9, 723),
+        ("llama3-405b", 405.85e9, 0.01e9, 1137),
+    ],
 )
 def test_published_sizes_on_meta(name, expected, tolerance, n_params):
     model = build_model(get_config(name), device="meta")

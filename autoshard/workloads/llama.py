@@ -1,4 +1,4 @@
-"""Our own llama family (`models/`): llama3-tiny, llama3-debug, llama3-8b, llama3-70b.
+"""Our own llama family (`models/`): llama3-tiny, llama3-debug, llama3-8b, llama3-70b, llama3-405b.
 
 Its Hugging Face form is `LlamaForCausalLM`: the same architecture (rotate-half rotary, RMSNorm,
 SwiGLU, grouped-query attention, untied output) under other names, so an exported run loads in
