@@ -2,8 +2,19 @@
 
 from autoshard.driver.api import AutoShard, auto_shard
 from autoshard.driver.config import PlanConfig
+from autoshard.driver.pipeline import PipelinePlan, plan_pipeline
 from autoshard.layout import Layout
 from autoshard.problem.plan import Plan
 from autoshard.runtime.module import ParallelModule, parallelize
 
-__all__ = ["AutoShard", "auto_shard", "Layout", "ParallelModule", "Plan", "PlanConfig", "parallelize"]
+__all__ = [
+    "AutoShard",
+    "auto_shard",
+    "Layout",
+    "ParallelModule",
+    "PipelinePlan",
+    "Plan",
+    "PlanConfig",
+    "parallelize",
+    "plan_pipeline",
+]

@@ -132,7 +132,7 @@ def test_mesh_roles_are_checked_with_one_error_line(capsys):
 
     with pytest.raises(
         ValueError,
-        match=r"unknown role 'dp_replicte'; each mesh dim is one of dp_replicate, "
+        match=r"unknown role 'dp_replicte'; each mesh dim is one of pp, dp_replicate, "
         r"dp_shard, tp, cp \(dp means dp_shard\)",
     ):
         PlanConfig(mesh=(2, 2, 2), mesh_names=("dp_replicte", "dp_shard", "tp"))
@@ -140,20 +140,32 @@ def test_mesh_roles_are_checked_with_one_error_line(capsys):
         PlanConfig(mesh=(2, 2), mesh_names=("dp", "dp_shard"))
     with pytest.raises(ValueError, match=r"mesh 2x2x2x2 has 4 dims: name them with --mesh-names"):
         PlanConfig(mesh=(2,) * 4)
-    # no role is invented: unnamed meshes get what the docs' examples use, and pipeline
-    # parallelism, which nothing implements, is refused rather than planned as a free dim
+    # no role is invented: unnamed meshes get what the docs' examples use; pp is named, first
     assert [PlanConfig(mesh=(2,) * n).mesh_names for n in (1, 2, 3)] == [
         ("dp",),
         ("dp", "tp"),
         ("dp_replicate", "dp_shard", "tp"),
     ]
-    with pytest.raises(ValueError, match=r"role pp \(pipeline parallelism\) is not implemented"):
+    with pytest.raises(ValueError, match=r"pp must name the first \(outermost\) mesh dim"):
         PlanConfig(mesh=(2, 2, 2), mesh_names=("dp", "tp", "pp"))
+    with pytest.raises(ValueError, match=r"a pipeline needs a dim beside pp"):
+        PlanConfig(mesh=(2,), mesh_names=("pp",))
+    piped = PlanConfig(mesh=(4, 2, 2), mesh_names=("pp", "dp", "tp"), network="h100-node")
+    assert piped.pipeline_ranks == 4 and PlanConfig(mesh=(2, 2)).pipeline_ranks is None
+    stage = piped.stage_config()
+    assert (stage.mesh, stage.mesh_names, stage.data_parallel_dims) == ((2, 2), ("dp", "tp"), (0,))
+    with pytest.raises(ValueError, match=r"AutoShard plans one stage's mesh, without a pp dim"):
+        AutoShard(torch.nn.Linear(2, 2), lambda: (torch.ones(4, 2),), config=piped)
     base = ["--model", "llama3-tiny", "--batch", "8", "--seq", "16"]
     for argv, message in (
         (["plan", *base, "--mesh", "2x2x2", "--mesh-names", "dp_replicate,fsdp,tp"], "unknown role 'fsdp'"),
         (["plan", *base, "--mesh", "2x2x2", "--mesh-names", "dp,tp,dp_shard"], "role dp_shard is given twice"),
-        (["plan", *base, "--mesh", "2x2x2", "--mesh-names", "dp,tp,pp"], "role pp (pipeline parallelism) is not"),
+        (["plan", *base, "--mesh", "2x2x2", "--mesh-names", "dp,tp,pp"], "pp must name the first (outermost) mesh dim"),
+        (
+            ["plan", *base, "--mesh", "2x2", "--mesh-names", "pp,dp", "--explain", "output.weight"],
+            "--explain plans one",
+        ),
+        (["train", *base, "--mesh", "2x2", "--mesh-names", "pp,dp"], "train does not run pipeline stages yet"),
         (
             ["train", *base, "--mesh", "2x2x2", "--mesh-names", "dp_replicate,dp_shard,tp"],
             "has 8 devices but the world size is 1",

@@ -23,6 +23,7 @@ STAGES = (
     "strategies",
     "pricing",
     "problem",
+    "pipeline",
     "program",
     "runtime",
 )
@@ -36,9 +37,13 @@ ALLOWED: dict[str, set[str]] = {
     "strategies": {"_torch_compat", "layout"},
     "pricing": {"_torch_compat", "layout", "profiles", "strategies"},
     "problem": {"_torch_compat", "layout", "profiles", "capture", "strategies", "pricing", "solver"},
+    "pipeline": {"capture", "problem"},
     "program": {"_torch_compat", "layout", "profiles", "capture", "strategies", "pricing", "problem"},
     "runtime": {"_torch_compat", "layout", "profiles", "capture", "pricing", "problem", "program"},
-    "report": {"_torch_compat", "fileio", "layout", "profiles", "capture", "pricing", "problem", "program", "runtime"},
+    "report": {
+        *("_torch_compat", "fileio", "layout", "profiles", "capture", "pricing", "problem", "pipeline"),
+        *("program", "runtime"),
+    },
     "workloads": {"_torch_compat", "fileio", "models", "options"},
     "data": {"options", "fileio"},
     "driver": {*STAGES, "solver"},

@@ -111,6 +111,8 @@ def _check(args: argparse.Namespace):
         )
     except ValueError as err:
         fail(str(err))
+    if config.pipeline_ranks is not None and (args.compare or args.explain):
+        fail(f"--{'compare' if args.compare else 'explain'} plans one stage mesh: not with a pp dim")
     if args.compare and len(config.mesh) != 2:
         fail(f"--compare {args.compare} needs a 2-D (dp, tp) mesh, got {config.mesh}")
     if args.out is not None and args.out.exists() and not args.out.is_dir():
@@ -248,6 +250,8 @@ def run_plan(args: argparse.Namespace) -> int:
         "memory_limit": config.memory_limit,
     }
     extra: dict = {"run": run}
+    if config.pipeline_ranks is not None:
+        return _run_pipeline(workload, config, args, out, extra)
     with _process_group(math.prod(config.mesh)):
         plan, timings, auto = _plan_once(workload, config, args, budget=config.memory_budget, what="autoshard")
         explanation = _explain(auto, args) if args.explain is not None else None
@@ -278,6 +282,46 @@ def run_plan(args: argparse.Namespace) -> int:
     if report.get("explain"):
         for line in [f"explain {args.explain}:"] + explain_lines(report["explain"]):
             _say(line)
+    _say(f"wrote {log_path}, {json_path} and {log_path.with_name(HTML_NAME)}")
+    return 0
+
+
+def _run_pipeline(workload, config: PlanConfig, args, out: Path, extra: dict) -> int:
+    """`plan` on a mesh with a pp dim: the pipeline search (`driver.pipeline`), then the report of
+    the search and of the first stage's layout family."""
+    from autoshard.driver.pipeline import plan_pipeline
+    from autoshard.report.build import plan_report
+    from autoshard.report.files import HTML_NAME, write_report_files
+    from autoshard.report.pipeline import pipeline_entry
+    from autoshard.report.text import summary_lines
+
+    log.info("planning a pipeline: %s on mesh %s, batch %d, seq %d", workload.name, config.mesh, args.batch, args.seq)
+    with _process_group(math.prod(config.mesh[1:])):
+        try:
+            result = plan_pipeline(
+                workload.build("meta"),
+                lambda rows: workload.example_inputs(rows, args.seq, "meta"),
+                config,
+                batch=args.batch,
+                loss_fn=workload.loss_fn,
+                n_model_inputs=workload.n_model_inputs,
+            )
+        except ValueError as err:
+            fail(f"planning the pipeline failed: {err}")
+    stage_config = result.config.stage_config()
+    report = plan_report(
+        result.stage_plan(0),
+        device=stage_config.device_profile,
+        timings=result.timings,
+        mesh_names=stage_config.mesh_names,
+        extra=extra | {"pipeline": pipeline_entry(result, args.batch * args.seq)},
+    )
+    try:
+        log_path, json_path = write_report_files(report, out)
+    except OSError as err:
+        fail(f"cannot write the report to {out}: {err}")
+    for line in summary_lines(report):
+        _say(line)
     _say(f"wrote {log_path}, {json_path} and {log_path.with_name(HTML_NAME)}")
     return 0
 

@@ -34,7 +34,7 @@ from autoshard.capture.calls import run_step, step_inputs
 from autoshard.capture.precision import cast_floating
 from autoshard.capture.regions import find_repeated_blocks
 from autoshard.capture.repeat import trace_step
-from autoshard.capture.trace import mark_outputs
+from autoshard.capture.trace import JointGraph, mark_outputs
 from autoshard.driver import limits
 from autoshard.driver.config import Mesh, PlanConfig
 from autoshard.driver.fit import FitSteps, fit_memory, solving_here
@@ -130,6 +130,11 @@ class AutoShard:
         if mp_policy is not None:
             config = config.with_policy(mp_policy)
         self.config = config.with_mesh(mesh).with_default_profiles()
+        if self.config.pipeline_ranks is not None:
+            raise ValueError(
+                "AutoShard plans one stage's mesh, without a pp dim: a pipeline is planned by "
+                "autoshard.plan_pipeline (or `python -m autoshard plan` with --mesh-names pp,...)"
+            )
         self.model = model
         self.compile = compile
         self.precision = self.config.precision
@@ -253,35 +258,8 @@ class AutoShard:
             planning = RankZeroPlanning(
                 device_mesh(self.mesh), backend=self.config.backend, time_limit=self.config.time_limit
             )
-        inputs, self._input_names = step_inputs(self.input_fn())
-        self._check_input_layouts(inputs)
-        planner = Planner(self.mesh_shape, self.network)
-        # Planning sees global shapes only: no ambient mode (e.g. LocalTensorMode) applies to it;
-        # the tracer's fake mode ends with the stack.
-        with tc.no_dispatch_modes(), without_cyclic_gc(), contextlib.ExitStack() as stack:
-            with self._stage("trace"):
-                graph = trace_step(
-                    self.model, self._step, inputs, stack, unroll=self.config.unroll, precision=self.precision
-                )
-            spec = self.spec
-            repeated = None  # the graph's repeated blocks: found once when two problems are built
-            replicate = self.config.replicate_dim
-            if replicate is not None:
-                with self._stage("replicas"):
-                    repeated = find_repeated_blocks(graph)
-                    spec = dataclasses.replace(
-                        spec,
-                        fixed_dim=fix_replicate_dim(
-                            graph,
-                            self.mesh_shape,
-                            replicate,
-                            self.network,
-                            self.device,
-                            spec,
-                            self._solve_step(planning),
-                            repeated=repeated,
-                        ),
-                    )
+        with self.traced() as (graph, planner):
+            spec, repeated = self.graph_spec(graph, planning)
             with self._stage("build"):
                 sharding = build_problem(graph, self.mesh_shape, planner, self.device, spec, repeated=repeated)
             with self._stage("solve"):
@@ -298,6 +276,43 @@ class AutoShard:
         log.info("autoshard plan: %s", plan.summary())
         self.plan, self.sharding, self.planner = plan, sharding, planner
         return plan
+
+    @contextlib.contextmanager
+    def traced(self):
+        """Yields (the traced joint graph, a planner for this mesh), valid inside the block: the
+        tracer's fake mode ends with it. Planning sees global shapes only: no ambient mode (e.g.
+        LocalTensorMode) applies to it."""
+        inputs, self._input_names = step_inputs(self.input_fn())
+        self._check_input_layouts(inputs)
+        planner = Planner(self.mesh_shape, self.network)
+        with tc.no_dispatch_modes(), without_cyclic_gc(), contextlib.ExitStack() as stack:
+            with self._stage("trace"):
+                graph = trace_step(
+                    self.model, self._step, inputs, stack, unroll=self.config.unroll, precision=self.precision
+                )
+            yield graph, planner
+
+    def graph_spec(
+        self, graph: JointGraph, planning: RankZeroPlanning | None = None
+    ) -> tuple[ProblemSpec, list | None]:
+        """The constraints to build `graph`'s problem with, and its repeated blocks when finding
+        them was needed already: a dp_replicate dim's placements are planned first (HSDP)."""
+        replicate = self.config.replicate_dim
+        if replicate is None:
+            return self.spec, None
+        with self._stage("replicas"):
+            repeated = find_repeated_blocks(graph)
+            fixed = fix_replicate_dim(
+                graph,
+                self.mesh_shape,
+                replicate,
+                self.network,
+                self.device,
+                self.spec,
+                self._solve_step(planning),
+                repeated=repeated,
+            )
+        return dataclasses.replace(self.spec, fixed_dim=fixed), repeated
 
     def _check_input_layouts(self, inputs: Sequence[Any]) -> None:
         for index, layout in self.spec.input_layouts.items():

@@ -5,8 +5,9 @@
 
 Every field that is also a command-line flag is declared here once (`autoshard.options.setting`):
 `plan` and `train` generate their flags from this class, so a new planning knob is one field.
-The mesh is a shape with one name per dim, and the name is the dim's role (`dp_replicate`,
-`dp_shard`, `tp`, `cp`, or `dp` for `dp_shard`); unnamed meshes of 1 to 3 dims get `dp`, `dp,tp` or
+The mesh is a shape with one name per dim, and the name is the dim's role (`pp`, first when
+named: pipeline stages, `driver.pipeline`; `dp_replicate`, `dp_shard`, `tp`, `cp`, or `dp` for
+`dp_shard`); unnamed meshes of 1 to 3 dims get `dp`, `dp,tp` or
 `dp_replicate,dp_shard,tp` (HSDP x TP), and no role is ever invented beyond those. The data
 splits over the data-parallel dims (`check_batch`). A bad value raises ValueError when the config
 is made.
@@ -29,10 +30,8 @@ from autoshard.options import name_list, parse_bytes, parse_limit, parse_mesh, p
 from autoshard.profiles.device import DeviceProfile
 from autoshard.profiles.network import NetworkProfile
 
-ROLES = ("dp_replicate", "dp_shard", "tp", "cp")  # what a mesh dim is for
+ROLES = ("pp", "dp_replicate", "dp_shard", "tp", "cp")  # what a mesh dim is for
 ROLE_OF_NAME = {"dp": "dp_shard"}  # names that are not roles themselves but mean one
-# roles users may expect that nothing here implements: named, they are refused
-UNIMPLEMENTED_ROLES = {"pp": "pipeline parallelism"}
 # an unnamed mesh's dims, by how many it has: what the docs' examples use
 DEFAULT_MESH_NAMES = {1: ("dp",), 2: ("dp", "tp"), 3: ("dp_replicate", "dp_shard", "tp")}
 BACKENDS = ("auto", "highs", "cbc")
@@ -61,11 +60,6 @@ def mesh_names(names: str | Sequence[str] | None, mesh: Sequence[int]) -> tuple[
         raise ValueError(f"--mesh-names {text!r} must give {len(mesh)} distinct names, one per dim of mesh {mesh_text}")
     roles = [ROLE_OF_NAME.get(name, name) for name in found]
     for name, role in zip(found, roles):
-        if role in UNIMPLEMENTED_ROLES:
-            raise ValueError(
-                f"--mesh-names {text!r}: role {role} ({UNIMPLEMENTED_ROLES[role]}) is not implemented; "
-                f"each mesh dim is one of {', '.join(ROLES)} (dp means dp_shard)"
-            )
         if role not in ROLES:
             raise ValueError(
                 f"--mesh-names {text!r}: unknown role {name!r}; each mesh dim is one of "
@@ -75,6 +69,12 @@ def mesh_names(names: str | Sequence[str] | None, mesh: Sequence[int]) -> tuple[
             raise ValueError(
                 f"--mesh-names {text!r}: role {role} is given twice (dp means dp_shard); each role names one mesh dim"
             )
+    if "pp" in roles[1:]:
+        raise ValueError(f"--mesh-names {text!r}: pp must name the first (outermost) mesh dim")
+    if roles[:1] == ["pp"] and len(roles) == 1:
+        raise ValueError(
+            f"--mesh-names {text!r}: a pipeline needs a dim beside pp for its stages' layouts (e.g. pp,dp)"
+        )
     return found
 
 
@@ -126,9 +126,10 @@ class PlanConfig:
         None,
         "--mesh-names",
         type=name_list,
-        help="mesh dim roles, one per dim: dp_replicate, dp_shard (or dp), tp, cp, each at most once "
-        "(default: dp; dp,tp; dp_replicate,dp_shard,tp for 1, 2, 3 dims); parameters are replicated "
-        "over dp_replicate and the batch splits over both dp dims",
+        help="mesh dim roles, one per dim: pp (first), dp_replicate, dp_shard (or dp), tp, cp, each at most "
+        "once (default: dp; dp,tp; dp_replicate,dp_shard,tp for 1, 2, 3 dims); parameters are replicated "
+        "over dp_replicate, the batch splits over both dp dims, and `plan` cuts the model into pipeline "
+        "stages over pp",
     )
     network: NetworkProfile | str | None = setting(
         None,
@@ -227,8 +228,8 @@ class PlanConfig:
             if config.mesh is not None and config.mesh != shape:
                 raise ValueError(f"the mesh {shape} differs from the config's {config.mesh}")
             names = getattr(mesh, "mesh_dim_names", None)
-            if not names or not all(role_of(name) in ROLES or name in UNIMPLEMENTED_ROLES for name in names):
-                # a DeviceMesh's own labels, not roles (a role nothing implements is refused below)
+            if not names or not all(role_of(name) in ROLES for name in names):
+                # a DeviceMesh's own labels, not roles
                 names = config.mesh_names
             config = config.replace(mesh=shape, mesh_names=names if names and len(names) == len(shape) else None)
         if config.mesh is None:
@@ -242,6 +243,18 @@ class PlanConfig:
     def roles(self) -> tuple[str, ...]:
         """Each mesh dim's role."""
         return tuple(role_of(name) for name in self.mesh_names or ())
+
+    @property
+    def pipeline_ranks(self) -> int | None:
+        """The size of the pp dim (the first, when there is one): None without one."""
+        return self.mesh[0] if self.mesh is not None and self.roles[:1] == ("pp",) else None
+
+    def stage_config(self) -> PlanConfig:
+        """This config for one pipeline stage: the mesh without its pp dim (a network profile
+        without that dim's link)."""
+        assert self.mesh is not None and self.mesh_names is not None and self.pipeline_ranks is not None, "no pp dim"
+        network = self.network.without(0) if isinstance(self.network, NetworkProfile) else self.network
+        return self.replace(mesh=self.mesh[1:], mesh_names=self.mesh_names[1:], network=network)
 
     @property
     def intra_node_dims(self) -> tuple[int, ...] | None:

@@ -29,6 +29,7 @@ class Redistribution:
     plan: RedistributePlan
     cost_s: float  # what the edge costs in the plan: the plan's, with a bucketed first step's launch shared
     copy_s: float = 0.0  # of cost_s, the executor's copies into and out of the bucket it rides in
+    held: bool = False  # a gradient reduction accumulation holds for the last micro-batch (once a step)
 
 
 @dataclass(frozen=True)
@@ -131,10 +132,11 @@ def decode(sp: ShardingProblem, solution: solver.Solution, planner: Planner) -> 
             share = sp.bucket_shares.get((producer.node, consumer))
             cost = plan.cost_s if share is None else share.cost_s(plan)
             copies = 0.0 if share is None else share.copy_s(plan)
-            redistributions.append(Redistribution(producer.node, consumer, slot, plan, cost, copies))
+            held = sp.micro_batches > 1 and (producer.node, consumer) in gradient_edges and holds_for_accumulation(plan)
+            redistributions.append(Redistribution(producer.node, consumer, slot, plan, cost, copies, held))
             runs = 2 if consumer in sp.recomputed else 1  # once more in the recomputation
             comm_s += runs * cost
-            if sp.micro_batches > 1 and (producer.node, consumer) in gradient_edges and holds_for_accumulation(plan):
+            if held:
                 held_comm_s += cost
             for step in plan.steps:
                 if step.kind in COLLECTIVE_KINDS:

@@ -101,6 +101,18 @@ class NetworkProfile:
             (self.alpha[mesh_dim],), (self.beta[mesh_dim],), self.launch_s, self.mem_bw, self.name, kinds=kinds
         )
 
+    def without(self, mesh_dim: int) -> NetworkProfile:
+        """This profile for the mesh with `mesh_dim` taken out (a pipeline stage's sub-mesh): the
+        other dims' links, groups and kinds, renumbered."""
+        keep = [m for m in range(self.mesh_ndim) if m != mesh_dim]
+        if not keep:
+            raise ValueError("a 1-D mesh has no sub-mesh without its only dim")
+        new = {m: i for i, m in enumerate(keep)}
+        groups = tuple((tuple(new[m] for m in dims), a, b) for dims, a, b in self.groups if mesh_dim not in dims)
+        kinds = tuple((k, tuple(new[m] for m in dims), a, b) for k, dims, a, b in self.kinds if mesh_dim not in dims)
+        alpha, beta = tuple(self.alpha[m] for m in keep), tuple(self.beta[m] for m in keep)
+        return NetworkProfile(alpha, beta, self.launch_s, self.mem_bw, self.name, groups=groups, kinds=kinds)
+
     @property
     def mesh_ndim(self) -> int:
         return len(self.alpha)

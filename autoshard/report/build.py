@@ -43,6 +43,7 @@ OWN_KEYS = (
     "timings",
     "compare",
     "explain",
+    "pipeline",
 )
 EXPLAIN_CHANGES = 10  # redistribution changes listed per alternative (the rest counted)
 

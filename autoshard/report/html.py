@@ -36,7 +36,8 @@ from autoshard.report.charts import (
 from autoshard.report.charts import (
     mesh_dim_label as _md,
 )
-from autoshard.report.text import host_line, human_bytes, human_time
+from autoshard.report.pipeline import pipeline_section
+from autoshard.report.text import STAGE_PLAN, host_line, human_bytes, human_time
 
 CSS = """
 body{font:14px/1.45 system-ui,-apple-system,"Segoe UI",sans-serif;color:#1d2330;margin:24px auto;max-width:1320px;
@@ -466,12 +467,14 @@ def render_html(report: dict, metrics: Sequence[dict] | None = None) -> str:
     colors: dict[str, str] = {}
     run = report.get("run") if isinstance(report.get("run"), dict) else report.get("settings")
     model = run.get("model") if isinstance(run, dict) else None
-    mesh_text = "x".join(map(str, report["mesh_shape"]))
+    pipeline = report.get("pipeline")
+    mesh_text = "x".join(map(str, pipeline["mesh"] if pipeline else report["mesh_shape"]))
     title = f"autoshard plan: {model + ' on ' if model else ''}mesh {mesh_text}"
     body = [
         f"<h1>{_e(title)}</h1>",
         '<p class="muted">Rendered from plan.json, the same data as sharding.log. Times and bytes are the '
         "planner's model, per rank.</p>",
+        *([pipeline_section(pipeline), f'<p class="muted">Below: {_e(STAGE_PLAN)}.</p>'] if pipeline else []),
         summary_section(report, names, colors),
         layouts_section(report, names),
         timeline_section(report, colors),

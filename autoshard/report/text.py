@@ -6,28 +6,8 @@ import json
 import math
 
 from autoshard.report.build import OWN_KEYS
-
-
-def human_bytes(n: float) -> str:
-    """1536 -> '1.5 KiB' (binary units; plain bytes below 1 KiB)."""
-    if abs(n) < 1024:
-        return f"{n:.0f} B"
-    for unit in ("KiB", "MiB", "GiB", "TiB"):
-        n /= 1024
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}"
-    raise AssertionError("unreachable")
-
-
-def human_time(seconds: float) -> str:
-    """Seconds in the unit that keeps 1-3 integer digits: '18.1 µs', '407.8 ms', '23.4 s'."""
-    if seconds < 1e-6:
-        return f"{seconds * 1e9:.0f} ns"
-    if seconds < 1e-3:
-        return f"{seconds * 1e6:.1f} µs"
-    if seconds < 1:
-        return f"{seconds * 1e3:.1f} ms"
-    return f"{seconds:.1f} s"
+from autoshard.report.pipeline import pipeline_lines, pipeline_summary
+from autoshard.report.units import human_bytes, human_time
 
 
 def _shape(shape: list[int]) -> str:
@@ -59,8 +39,13 @@ _JSON_ONLY = {"solution"}  # machine-readable extras (the solver's choices) stay
 def format_log(report: dict) -> str:
     """The human-readable sharding log, rendered from `plan_report`'s dict."""
     shape, names = tuple(report["mesh_shape"]), report.get("mesh_names")
+    if report.get("pipeline"):
+        shape, names = tuple(report["pipeline"]["mesh"]), report["pipeline"]["mesh_names"]
     roles = f" = {' x '.join(f'{name} {size}' for name, size in zip(names, shape))}" if names else ""
     out = [f"autoshard sharding log: mesh {shape}{roles}"]
+    if report.get("pipeline"):
+        out += pipeline_lines(report["pipeline"])
+        out += ["", f"== {STAGE_PLAN} =="]
     if names and "dp_replicate" in names and shape[names.index("dp_replicate")] > 1:
         out.append(
             f"dp_replicate (mesh dim {names.index('dp_replicate')}): parameters replicated over it, the batch "
@@ -280,8 +265,17 @@ def _ilp_line(ilp: dict) -> str:
     )
 
 
+# what the rest of a pipeline's report describes
+STAGE_PLAN = (
+    "layouts of the first stage's family: the whole model planned on the stage mesh, its blocks laid "
+    "out as every stage of that family lays out its own (its step is the whole model's on that mesh)"
+)
+
+
 def summary_lines(report: dict) -> list[str]:
     """A compact console summary (at most 8 lines) of `plan_report`'s dict."""
+    if report.get("pipeline"):
+        return pipeline_summary(report["pipeline"])
     t = report["totals"]
     overlap = f", {human_time(t['overlapped_step_s'])} overlapped" if "overlapped_step_s" in t else ""
     lines = [

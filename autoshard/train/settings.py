@@ -256,6 +256,11 @@ class Settings(PlanConfig):
             raise ValueError(f"--bucket-cap-mb must be positive, got {self.bucket_cap_mb}")
         self._check_optimizer()
         self._check_data()
+        if self.pipeline_ranks is not None:
+            raise ValueError(
+                "train does not run pipeline stages yet: `python -m autoshard plan` with a pp dim chooses "
+                "them (stage cuts, schedule, micro-batches); train on a mesh without pp"
+            )
         if self.recipe is not None:
             recipe_pins(self.recipe, len(self.mesh))  # fsdp-tp names the mesh it needs
         if self.freeze is not None:  # argparse appends to a list

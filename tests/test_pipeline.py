@@ -1,0 +1,198 @@
+"""Pipeline planning: the schedules' cost model, the search over cuts, a plan read as segments,
+and `plan` on a mesh with a pp dim."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from autoshard import AutoShard, PlanConfig, plan_pipeline
+from autoshard._torch_compat import fake_process_group
+from autoshard.pipeline.schedules import Schedule, schedules
+from autoshard.pipeline.search import Link, Run, best_cut, even_cut, search
+from autoshard.pipeline.segments import Segment, Segments, plan_segments
+from autoshard.problem.memory import modeled_bytes, peak_memory_table
+from autoshard.profiles.network import NetworkProfile
+from autoshard_models import build_model, cross_entropy_loss, get_config
+
+CPU = {"network": "cpu-gloo", "device_profile": "cpu"}  # PlanConfig's names
+CPU_KW = {"network": "cpu-gloo", "device": "cpu"}  # AutoShard's
+FREE_LINK = Link(0.0, math.inf)
+
+
+def _segments(n: int, block_s: float = 1.0, head_s: float = 0.0, state: float = 1.0, act: float = 1.0) -> Segments:
+    before = Segment("before layers", 0.0, 0.0, 0.0, 0.0, 1.0)
+    blocks = tuple(Segment(f"layers.{i}", block_s, 0.0, state, act, 1.0) for i in range(n))
+    after = Segment("after layers", head_s, 0.0, 0.0, 0.0, 0.0)
+    return Segments("layers", (before, *blocks, after))
+
+
+def test_the_schedules_model_torchs_bubbles_and_in_flight_micro_batches():
+    t, ranks, m = 1.0, 4, 8
+    one_f_one_b, gpipe, interleaved = Schedule("1F1B"), Schedule("GPipe"), Schedule("Interleaved1F1B", 2)
+    # even stages: (P - 1) t of bubble, (P - 1) t / v interleaved (each chunk is t / v)
+    assert one_f_one_b.step_s([t] * ranks, ranks, m) == gpipe.step_s([t] * ranks, ranks, m) == (m + ranks - 1) * t
+    assert interleaved.step_s([t / 2] * 2 * ranks, ranks, m) == pytest.approx(m * t + (ranks - 1) * t / 2)
+    # memory: GPipe holds every micro-batch, 1F1B P - rank, interleaved its warm-up's forwards
+    # ((v - 1) x micro-batches per round + 2 (P - 1 - rank), one more before the first backward)
+    assert [gpipe.in_flight(r, ranks, m) for r in range(ranks)] == [[8]] * 4
+    assert [one_f_one_b.in_flight(r, ranks, m) for r in range(ranks)] == [[4], [3], [2], [1]]
+    assert interleaved.in_flight(0, ranks, m) == [7, 4]  # forwards 0-3 and 8-10 on chunk 0, 4-7 on chunk 1
+    assert interleaved.in_flight(3, ranks, m) == [4, 1]
+    # what torch refuses
+    assert "at least as many micro-batches as stages" in one_f_one_b.refuses(4, 2)
+    assert interleaved.refuses(4, 9) is not None and interleaved.refuses(4, 10) is None  # rounds of 2
+    assert [s.torch_class for s in schedules(4)] == ["Schedule1F1B", "ScheduleInterleaved1F1B", "ScheduleGPipe"]
+
+
+def test_a_heavy_head_gets_a_short_last_stage_and_beats_the_even_split():
+    families = {"only": _segments(14, head_s=4.0)}
+    run = Run(4, 8, 8, FREE_LINK, math.inf)
+    cut, even = best_cut(families, Schedule("1F1B"), run), even_cut(families, Schedule("1F1B"), run)
+    assert even.blocks == [3, 4, 4, 3]  # torchtitan's: the embedding and the head count as a block each
+    assert (
+        cut.blocks[-1] == 1 and sorted(cut.blocks[:-1]) == [4, 4, 5] and cut.stages[-1].after and cut.stages[0].before
+    )
+    assert max(cut.rank_micro_s) == 5.0 and cut.step_time_s == 8 * 5 + (18 - 5)
+    assert cut.step_time_s < even.step_time_s == 8 * 7 + (18 - 7)
+
+
+def test_each_stage_takes_the_fastest_family_that_fits_its_in_flight_micro_batches():
+    """The first stage holds 4 micro-batches under 1F1B: its activations only fit recomputed."""
+    kept = _segments(8, block_s=1.0, state=1.0, act=4.0)
+    recomputed = _segments(8, block_s=1.5, state=1.0, act=0.5)
+    found = best_cut({"keep": kept, "recompute": recomputed}, Schedule("1F1B"), Run(4, 8, 1, FREE_LINK, 12.0))
+    assert [s.in_flight for s in found.stages] == [4, 3, 2, 1]
+    assert [s.family for s in found.stages][0] == "recompute" and found.stages[-1].family == "keep"
+    assert all(s.memory_bytes <= 12.0 for s in found.stages)
+    assert best_cut({"keep": kept}, Schedule("1F1B"), Run(4, 8, 1, FREE_LINK, 2.0)) is None  # nothing fits
+
+
+def test_the_search_ranks_schedules_and_micro_batch_counts_and_prices_the_sends():
+    segs = _segments(8)
+    ranked = search({4: (2, {"a": segs}), 8: (1, {"a": segs})}, schedules(4), 4, FREE_LINK, math.inf)
+    assert [p.step_time_s for p in ranked] == sorted(p.step_time_s for p in ranked)
+    assert {(p.schedule.name, p.micro_batches) for p in ranked} >= {("1F1B", 4), ("GPipe", 8), ("Interleaved1F1B", 8)}
+    slow = Link(1.0, 1.0)  # a second per send and per byte: each block sends 1 byte, twice a micro-batch
+    priced = best_cut({"a": segs}, Schedule("1F1B"), Run(4, 4, 1, slow, math.inf))
+    assert [s.micro_s - s.n_blocks for s in priced.stages] == [4, 4, 4, 0]  # the last sends nothing
+    assert priced.blocks == [1, 1, 1, 5]  # so it takes the most blocks
+
+
+def test_a_plan_read_as_segments_adds_up_to_the_plan():
+    model = build_model(get_config("llama3-debug"), device="meta")
+    with fake_process_group(4):
+        auto = AutoShard(
+            model,
+            lambda: (torch.empty(8, 64, dtype=torch.int64),) * 2,
+            (2, 2),
+            loss_fn=cross_entropy_loss,
+            **CPU_KW,
+        )
+        auto.accumulate(4)
+        auto.memory_limit(math.inf)
+        plan = auto.optimize(dry_run=False)
+    segs = plan_segments(plan, auto.sharding)
+    assert segs.blocks == "layers" and segs.n_blocks == 6
+    assert [s.name for s in segs.items] == ["before layers", *[f"layers.{i}" for i in range(6)], "after layers"]
+    total = lambda field: sum(getattr(s, field) for s in segs.items)  # noqa: E731
+    assert total("micro_s") == pytest.approx(plan.compute_s + plan.comm_s - plan.held_comm_s, rel=1e-12)
+    assert total("step_s") == pytest.approx(plan.held_comm_s + plan.optimizer_s, rel=1e-12)
+    linear = modeled_bytes(peak_memory_table(auto.sharding), plan.solution.choice)
+    assert total("state_bytes") + total("act_bytes") == pytest.approx(linear, rel=1e-12)
+    blocks = segs.items[1:-1]
+    assert len({(s.micro_s, s.state_bytes, s.act_bytes) for s in blocks[1:-1]}) == 1  # the middle blocks repeat
+    # a block sends its output, [8, 64, 256] fp32 over 4 ranks at most and the whole at least
+    assert 8 * 64 * 256 * 4 / 4 <= blocks[2].out_bytes <= 8 * 64 * 256 * 4
+    assert segs.items[-1].out_bytes == 0 and segs.items[-1].state_bytes > 0  # the head's weight
+
+
+def test_the_planner_cuts_a_model_with_a_large_head_unevenly():
+    """A 32K vocabulary on 8 small blocks: the head costs several blocks, so the last stage holds
+    fewer blocks than torchtitan's even split gives it, and the modeled step is faster."""
+    model = build_model(get_config("llama3-debug").with_(vocab_size=32768, n_layers=8), device="meta")
+    with fake_process_group(2):
+        result = plan_pipeline(
+            model,
+            lambda rows: (torch.empty(rows, 64, dtype=torch.int64, device="meta"),) * 2,
+            PlanConfig(mesh=(2, 2), mesh_names=("pp", "dp"), **CPU),
+            batch=8,
+            loss_fn=cross_entropy_loss,
+            micro_batches=[4],
+        )
+    best, even = result.best, result.even
+    assert best.schedule.name == "1F1B" and best.micro_batches == 4 and best.rows == 2
+    assert sum(best.blocks) == 8 and best.blocks[-1] < 4 and even.blocks == [4, 4]
+    assert best.step_time_s < even.step_time_s
+    assert all(best.step_time_s <= other.step_time_s for other in result.others)
+    assert {family for m, family in result.plans} == {
+        *("free", "sharded", "free, recompute", "sharded, recompute"),
+        *("sharded, gathered once", "sharded, recompute, gathered once"),  # priced from the sharded plans
+    }
+    assert result.stage_plan(0).micro_batches == 4  # priced as accumulation over the micro-batches
+
+
+def test_a_network_profile_without_a_dim_keeps_the_others_links():
+    net = NetworkProfile.preset("h100-node", 3, intra_node_dims=(2,))
+    sub = net.without(0)
+    assert (sub.alpha, sub.beta) == (net.alpha[1:], net.beta[1:]) and sub.mesh_ndim == 2
+    assert NetworkProfile.preset("cpu-gloo", 3).without(0).kinds == NetworkProfile.preset("cpu-gloo", 2).kinds
+
+
+def test_plan_on_a_pp_mesh_writes_the_stages(tmp_path, capsys):
+    from autoshard.__main__ import main
+
+    out = tmp_path / "plan"
+    argv = ["plan", "--model", "llama3-debug", "--mesh", "2x2", "--mesh-names", "pp,dp", "--batch", "4", "--seq", "64"]
+    assert main([*argv, "--network", "cpu-gloo", "--device", "cpu", "--out", str(out)]) == 0
+    console = capsys.readouterr().out
+    assert "pipeline over pp 2 x dp 2:" in console and "blocks per stage:" in console
+    entry = json.loads((out / "plan.json").read_text())["pipeline"]
+    assert entry["mesh"] == [2, 2] and entry["stage_mesh"] == [2] and entry["micro_batches"] == 2
+    assert sum(entry["blocks_per_stage"]) == 6 and len(entry["stages"]) == 2 * entry["virtual_stages"]
+    assert entry["stages"][0]["before_blocks"] and entry["stages"][-1]["after_blocks"]
+    assert entry["peak_bytes"] == max(entry["rank_bytes"]) and entry["tokens_per_s_per_device"] > 0
+    log = (out / "sharding.log").read_text()
+    assert log.startswith("autoshard sharding log: mesh (2, 2) = pp 2 x dp 2")
+    assert "== pipeline (modeled, per rank of a stage) ==" in log and "runners-up" in log
+    assert "stages not dry-run" in log and "== layouts of the first stage's family" in log
+    assert 'id="pipeline"' in (out / "report.html").read_text()
+
+
+def test_a_stage_that_gathers_once_a_step_pays_its_gathers_once_and_holds_them():
+    """Fully sharded parameters (a budget of total / world forces it): under gradient accumulation
+    each micro-batch gathers them again; a pipeline stage that holds them across its micro-batches
+    (as torch's pipelining runs FSDP) moves those gathers and the gradient reductions to once a
+    step and holds the gathered copies and unreduced gradients instead."""
+    model = build_model(get_config("llama3-debug"), device="meta")
+    total = sum(p.numel() * 4 for p in model.parameters())
+    with fake_process_group(4):
+        auto = AutoShard(
+            model, lambda: (torch.empty(8, 64, dtype=torch.int64),) * 2, (2, 2), loss_fn=cross_entropy_loss, **CPU_KW
+        )
+        auto.accumulate(4)
+        auto.memory_limit(math.inf)
+        auto.memory_budget(total / 4)
+        plan = auto.optimize(dry_run=False)
+    graph = auto.sharding.graph
+    derived = {n.name for n in graph.from_params} | {n.name for n in graph.params.values()}
+    moved = [r for r in plan.redistributions if r.producer in derived or r.consumer.startswith("sink:grad:")]
+    assert any(r.plan.collective_counts.get("all_gather") for r in moved), "the plan gathers no parameter"
+    per_micro, once = plan_segments(plan, auto.sharding), plan_segments(plan, auto.sharding, gathered_once=True)
+    total = lambda segs, field: sum(getattr(s, field) for s in segs.items)  # noqa: E731
+    moved_s = sum(r.cost_s for r in moved if not r.held)
+    assert total(once, "step_s") == pytest.approx(total(per_micro, "step_s") + moved_s, rel=1e-9)
+    assert total(once, "micro_s") == pytest.approx(total(per_micro, "micro_s") - moved_s, rel=1e-9)
+    assert total(once, "state_bytes") > total(per_micro, "state_bytes")  # the gathered copies, held
+    assert total(once, "act_bytes") == total(per_micro, "act_bytes")
+
+
+def test_free_parameters_that_overfill_a_stage_skip_their_recomputed_solve():
+    from autoshard.driver.pipeline import _holds_too_much
+
+    free = (None, _segments(8, state=10.0))  # an even share of 2 stages: 4 blocks, 40 bytes of state
+    assert _holds_too_much(free, 2, 39.0) and not _holds_too_much(free, 2, 40.0)
+    assert not _holds_too_much(None, 2, 0.0)  # no free plan: nothing to judge by
