@@ -167,6 +167,11 @@ def test_mesh_roles_are_checked_with_one_error_line(capsys):
         ),
         (["train", *base, "--mesh", "2x2", "--mesh-names", "pp,dp"], "train does not run pipeline stages yet"),
         (
+            ["plan", *base, "--mesh", "2x2", "--mesh-names", "pp,dp", "--compare", "manual"],
+            "--compare manual plans one",
+        ),
+        (["plan", *base, "--mesh", "2x2", "--compare", "no-pp"], "--compare no-pp needs a mesh with a pp dim"),
+        (
             ["train", *base, "--mesh", "2x2x2", "--mesh-names", "dp_replicate,dp_shard,tp"],
             "has 8 devices but the world size is 1",
         ),

@@ -135,6 +135,15 @@ def test_the_planner_cuts_a_model_with_a_large_head_unevenly():
     assert result.stage_plan(0).micro_batches == 4  # priced as accumulation over the micro-batches
 
 
+def test_the_devices_without_the_pp_dim_fold_it_into_data_parallelism():
+    three = PlanConfig(mesh=(4, 2, 2), mesh_names=("pp", "dp", "tp")).without_pipeline()
+    assert (three.mesh, three.mesh_names) == ((8, 2), ("dp", "tp"))
+    hsdp = PlanConfig(mesh=(2, 2, 2, 2), mesh_names=("pp", "dp_replicate", "dp_shard", "tp")).without_pipeline()
+    assert (hsdp.mesh, hsdp.mesh_names) == ((4, 2, 2), ("dp_replicate", "dp_shard", "tp"))
+    no_dp = PlanConfig(mesh=(2, 4), mesh_names=("pp", "tp")).without_pipeline()
+    assert (no_dp.mesh, no_dp.mesh_names) == ((2, 4), ("dp", "tp"))
+
+
 def test_a_network_profile_without_a_dim_keeps_the_others_links():
     net = NetworkProfile.preset("h100-node", 3, intra_node_dims=(2,))
     sub = net.without(0)
@@ -147,10 +156,14 @@ def test_plan_on_a_pp_mesh_writes_the_stages(tmp_path, capsys):
 
     out = tmp_path / "plan"
     argv = ["plan", "--model", "llama3-debug", "--mesh", "2x2", "--mesh-names", "pp,dp", "--batch", "4", "--seq", "64"]
-    assert main([*argv, "--network", "cpu-gloo", "--device", "cpu", "--out", str(out)]) == 0
+    assert main([*argv, "--network", "cpu-gloo", "--device", "cpu", "--out", str(out), "--compare", "no-pp"]) == 0
     console = capsys.readouterr().out
     assert "pipeline over pp 2 x dp 2:" in console and "blocks per stage:" in console
     entry = json.loads((out / "plan.json").read_text())["pipeline"]
+    flat = entry["without_pp"]  # the same 4 devices as one dp dim, planned and priced alike
+    assert flat["mesh"] == [4] and flat["mesh_names"] == ["dp"] and flat["step_time_s"] > 0
+    assert "without pp, mesh (4,) (dp): modeled step" in console
+    assert f"the pipeline's step is {entry['step_time_s'] / flat['step_time_s']:.3f}x its" in console
     assert entry["mesh"] == [2, 2] and entry["stage_mesh"] == [2] and entry["micro_batches"] == 2
     assert sum(entry["blocks_per_stage"]) == 6 and len(entry["stages"]) == 2 * entry["virtual_stages"]
     assert entry["stages"][0]["before_blocks"] and entry["stages"][-1]["after_blocks"]

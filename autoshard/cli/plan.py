@@ -24,6 +24,7 @@ from autoshard.options import from_values, run_name
 log = logging.getLogger("autoshard")
 
 COMPARE = {"manual": "fsdp-tp"}  # --compare name -> the hand-written recipe it pins (recipes.py)
+NO_PP = "no-pp"  # --compare for a pp mesh: the same devices planned without pipeline stages
 
 
 def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
@@ -49,9 +50,10 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--compare",
-        choices=sorted(COMPARE),
+        choices=sorted([*COMPARE, NO_PP]),
         default=None,
-        help="also plan with the hand-written FSDP+TP recipe pinned and compare (2-D meshes)",
+        help="also plan with the hand-written FSDP+TP recipe pinned (manual, 2-D meshes) or the same "
+        "devices without the pp dim (no-pp, folded into the first dp dim), and compare",
     )
     parser.add_argument(
         "--explain",
@@ -111,9 +113,11 @@ def _check(args: argparse.Namespace):
         )
     except ValueError as err:
         fail(str(err))
-    if config.pipeline_ranks is not None and (args.compare or args.explain):
-        fail(f"--{'compare' if args.compare else 'explain'} plans one stage mesh: not with a pp dim")
-    if args.compare and len(config.mesh) != 2:
+    if config.pipeline_ranks is not None and (args.compare in COMPARE or args.explain):
+        fail(f"--{'compare ' + args.compare if args.compare else 'explain'} plans one stage mesh: not with a pp dim")
+    if args.compare == NO_PP and config.pipeline_ranks is None:
+        fail(f"--compare {NO_PP} needs a mesh with a pp dim (--mesh-names pp,...)")
+    if args.compare in COMPARE and len(config.mesh) != 2:
         fail(f"--compare {args.compare} needs a 2-D (dp, tp) mesh, got {config.mesh}")
     if args.out is not None and args.out.exists() and not args.out.is_dir():
         fail(f"--out {args.out} exists and is not a directory")
@@ -141,8 +145,11 @@ def _setup_logging() -> None:
     log.setLevel(logging.INFO)
 
 
-def _plan_once(workload, config: PlanConfig, args, *, pins: dict | None = None, budget: float | None = None, what: str):
-    """One AutoShard run on a fresh meta model; returns (plan, timings, the AutoShard)."""
+def _plan_once(
+    workload, config: PlanConfig, args, *, pins: dict | None = None, budget: float | None = None, what: str, fit=None
+):
+    """One AutoShard run on a fresh meta model; returns (plan, timings, the AutoShard). `fit`: under
+    the memory limit (default: for autoshard's own plan; a compared recipe is planned as it is)."""
     from autoshard.driver.api import AutoShard
 
     model = workload.build("meta")
@@ -150,7 +157,7 @@ def _plan_once(workload, config: PlanConfig, args, *, pins: dict | None = None, 
     def inputs():
         return workload.example_inputs(args.batch, args.seq, "meta")
 
-    if what != "autoshard":  # a compared recipe is planned as it is, memory aside
+    if not (what == "autoshard" if fit is None else fit):
         config = config.replace(memory_limit=math.inf)
     elif not args.dry_run:
         log.info("memory limit checked on the modeled peak only (--no-dry-run: no program runs)")
@@ -308,13 +315,17 @@ def _run_pipeline(workload, config: PlanConfig, args, out: Path, extra: dict) ->
             )
         except ValueError as err:
             fail(f"planning the pipeline failed: {err}")
+    entry = pipeline_entry(result, args.batch * args.seq)
+    if args.compare == NO_PP:
+        entry["without_pp"] = _without_pp(workload, result.config.without_pipeline(), args)
+        result.timings["without pp"] = entry["without_pp"]["seconds"]
     stage_config = result.config.stage_config()
     report = plan_report(
         result.stage_plan(0),
         device=stage_config.device_profile,
         timings=result.timings,
         mesh_names=stage_config.mesh_names,
-        extra=extra | {"pipeline": pipeline_entry(result, args.batch * args.seq)},
+        extra=extra | {"pipeline": entry},
     )
     try:
         log_path, json_path = write_report_files(report, out)
@@ -324,6 +335,23 @@ def _run_pipeline(workload, config: PlanConfig, args, out: Path, extra: dict) ->
         _say(line)
     _say(f"wrote {log_path}, {json_path} and {log_path.with_name(HTML_NAME)}")
     return 0
+
+
+def _without_pp(workload, config: PlanConfig, args) -> dict:
+    """`--compare no-pp`: the same devices planned without pipeline stages, memory-fitted as `plan`
+    fits any plan, in a fake process group of their own."""
+    assert config.mesh is not None
+    with _process_group(math.prod(config.mesh)):
+        plan, timings, auto = _plan_once(workload, config, args, what="without pp", fit=True)
+    peak = auto.fit.peak_bytes if auto.fit is not None else None
+    return {
+        "mesh": list(config.mesh),
+        "mesh_names": list(config.mesh_names or ()),
+        "step_time_s": plan.step_time_s,
+        "tokens_per_s_per_device": args.batch * args.seq / plan.step_time_s / math.prod(config.mesh),
+        "peak_bytes": peak,
+        "seconds": sum(timings.values()),
+    }
 
 
 def _compare(workload, config: PlanConfig, args) -> dict:

@@ -256,6 +256,18 @@ class PlanConfig:
         network = self.network.without(0) if isinstance(self.network, NetworkProfile) else self.network
         return self.replace(mesh=self.mesh[1:], mesh_names=self.mesh_names[1:], network=network)
 
+    def without_pipeline(self) -> PlanConfig:
+        """The same devices with no pp dim: its size folded into the first data-parallel dim, or a
+        dp dim of its own in front when there is none (the plan a pipeline is weighed against)."""
+        stage = self.stage_config()
+        assert stage.mesh is not None and stage.mesh_names is not None and self.pipeline_ranks is not None
+        dims = stage.data_parallel_dims
+        if not dims:
+            return stage.replace(mesh=(self.pipeline_ranks, *stage.mesh), mesh_names=("dp", *stage.mesh_names))
+        mesh = list(stage.mesh)
+        mesh[dims[0]] *= self.pipeline_ranks
+        return stage.replace(mesh=tuple(mesh))
+
     @property
     def intra_node_dims(self) -> tuple[int, ...] | None:
         """The mesh dims a network preset puts inside a node: those of role tp (None: no tp dim,

@@ -119,6 +119,14 @@ def pipeline_summary(entry: dict) -> list[str]:
         )
     elif "even_split" in entry:
         lines.append("even split (torchtitan's, same schedule): does not fit the memory limit")
+    flat = entry.get("without_pp")
+    if flat is not None:
+        peak = "" if flat["peak_bytes"] is None else f", peak {human_bytes(flat['peak_bytes'])} dry-run"
+        lines.append(
+            f"without pp, mesh {tuple(flat['mesh'])} ({','.join(flat['mesh_names'])}): modeled step "
+            f"{human_time(flat['step_time_s'])}{peak}, {flat['tokens_per_s_per_device']:,.1f} tokens/s per device; "
+            f"the pipeline's step is {entry['step_time_s'] / flat['step_time_s']:.3f}x its"
+        )
     return lines
 
 
