@@ -84,13 +84,13 @@ def plan_segments(
         if name != LOSS_SINK:
             micro[of(name)] += seconds
     from_params = {node.name for node in graph.from_params} | {node.name for node in graph.params.values()}
-    held_copies: set[tuple[str, int, object]] = set()
+    held_copies: set[tuple[str, object]] = set()  # (producer, layout): one held copy each
     for r in plan.redistributions:
         runs = 2 if r.consumer in sp.recomputed else 1
         if gathered_once and r.producer in from_params:
             step[of(r.consumer)] += r.cost_s
-            if (r.producer, r.slot, r.plan.dst) not in held_copies:
-                held_copies.add((r.producer, r.slot, r.plan.dst))
+            if (r.producer, r.plan.dst) not in held_copies:
+                held_copies.add((r.producer, r.plan.dst))
                 state[of(r.consumer)] += _local_bytes(r.plan.dst, r.plan.shape, sp.mesh_shape, r.plan.itemsize)
         elif gathered_once and r.consumer.startswith("sink:grad:"):
             step[of(r.consumer)] += r.cost_s
