@@ -76,6 +76,11 @@ class Problem:
     _converted: dict = field(default_factory=dict, repr=False, compare=False)  # id(matrix) -> (matrix, floats)
 
     # ---- building helpers -------------------------------------------------------------------
+    def copy(self) -> Problem:
+        """A problem sharing this one's nodes, edges and their matrices, with lists of its own:
+        constraints added to the copy leave this problem as it is."""
+        return Problem(list(self.nodes), list(self.edges), list(self.constraints), list(self.regions))
+
     def add_node(self, name: str, choices: Sequence[Choice | str]) -> Node:
         """Nodes passed the same list of Choice objects share it, as edges share matrices:
         validation and presolve convert a shared list once (the list must not change after)."""

@@ -168,6 +168,8 @@ def test_plan_on_a_pp_mesh_writes_the_stages(tmp_path, capsys):
     assert sum(entry["blocks_per_stage"]) == 6 and len(entry["stages"]) == 2 * entry["virtual_stages"]
     assert entry["stages"][0]["before_blocks"] and entry["stages"][-1]["after_blocks"]
     assert entry["peak_bytes"] == max(entry["rank_bytes"]) and entry["tokens_per_s_per_device"] > 0
+    families = entry["families"]  # the whole model's step on the stage mesh, as each family prices it
+    assert families["sharded, gathered once"] < families["sharded"]  # its gathers once a step, not per micro-batch
     log = (out / "sharding.log").read_text()
     assert log.startswith("autoshard sharding log: mesh (2, 2) = pp 2 x dp 2")
     assert "== pipeline (modeled, per rank of a stage) ==" in log and "runners-up" in log

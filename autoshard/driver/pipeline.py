@@ -35,7 +35,7 @@ from autoshard.driver.config import PlanConfig
 from autoshard.pipeline.schedules import Schedule, schedules
 from autoshard.pipeline.search import Link, Pipeline, Run, even_cut, search
 from autoshard.pipeline.segments import Segments, plan_segments, segments_of
-from autoshard.problem.build import ShardingProblem, build_problem, with_options
+from autoshard.problem.build import build_problem, with_options, with_param_budget
 from autoshard.problem.memory import peak_memory_table
 from autoshard.problem.plan import Plan, decode
 from autoshard.profiles.files import device_profile, network_profile
@@ -202,7 +202,8 @@ def _solve_families(
     recompute = with_options(keep, dataclasses.replace(spec, recompute=True))
     budget = sum(p.numel() * p.element_size() for p in model.parameters()) / math.prod(auto.mesh_shape)
     where = segments_of(keep)  # every problem here is of one graph
-    tables = {id(sp): peak_memory_table(sp) for sp in (keep, recompute)}
+    problems = {False: keep, True: recompute}  # by whether the family recomputes
+    tables = {recomputes: peak_memory_table(sp) for recomputes, sp in problems.items()}
     found: dict[str, tuple[Plan, Segments]] = {}
     for family in FAMILIES:
         if (
@@ -212,15 +213,14 @@ def _solve_families(
         ):
             log.info("autoshard: layout family %s left out: free parameters alone overfill a stage", family.name)
             continue
-        sp = recompute if family.recompute else keep
-        problem = _with_param_budget(sp, budget) if family.sharded else sp.problem
+        sp, table = problems[family.recompute], tables[family.recompute]
+        problem = with_param_budget(sp, budget) if family.sharded else sp.problem
         try:
             solution = limits.solve(problem, backend=stage.backend, time_limit=stage.time_limit)
         except solver.InfeasibleError as err:
             log.info("autoshard: layout family %s: %s", family.name, err)
             continue
         plan = decode(sp, solution, planner)
-        table = tables[id(sp)]
         found[family.name] = (plan, plan_segments(plan, sp, segment_map=where, table=table))
         if family.sharded:
             once = dataclasses.replace(family, gathered_once=True)
@@ -235,12 +235,3 @@ def _holds_too_much(free: tuple[Plan, Segments] | None, ranks: int, bound: float
     blocks = free[1].items[1:-1]
     share = math.ceil(len(blocks) / ranks)
     return sum(sorted(b.state_bytes for b in blocks)[:share]) > bound
-
-
-def _with_param_budget(sp: ShardingProblem, budget: float) -> solver.Problem:
-    """`sp`'s problem with its parameters' bytes per rank under `budget` (full sharding)."""
-    p = sp.problem
-    extended = solver.Problem(list(p.nodes), list(p.edges), list(p.constraints), list(p.regions))
-    names = [node.name for node in sp.graph.params.values()]
-    extended.memory_budget(names, budget * (1 + 1e-9), name="parameter bytes per rank (fully sharded)")
-    return extended

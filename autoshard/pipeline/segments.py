@@ -14,6 +14,7 @@ reads) are left out: each stage makes its own from its buffers.
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from dataclasses import dataclass
 
@@ -128,10 +129,7 @@ def plan_segments(
 
 
 def _local_bytes(layout, shape, mesh_shape, itemsize: int) -> float:
-    local = 1
-    for size in layout.local_shape(shape, mesh_shape):
-        local *= size
-    return float(local * itemsize)
+    return float(math.prod(layout.local_shape(shape, mesh_shape)) * itemsize)
 
 
 def _segment_name(index: int, prefix: str, n: int) -> str:

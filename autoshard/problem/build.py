@@ -241,9 +241,7 @@ def _fill_solver_problem(
         )
     limit = spec.param_memory_bytes
     if limit is not None and math.isfinite(limit):
-        problem.memory_budget(
-            [node.name for node in sp.graph.params.values()], limit * (1 + 1e-9), name="parameter bytes per rank"
-        )
+        _add_param_budget(problem, sp.graph, limit)
     for copies in repeated:
         problem.add_region([_ilp_names(sp, copy) for copy in copies])
     loops = []
@@ -254,6 +252,20 @@ def _fill_solver_problem(
             loops.append(f"{sp.graph.module_path(steps[0][0]) or 'the model'}: {len(tied)} x {len(tied[0])} ops")
     if loops:
         log.info("autoshard: loops planned as one step each (steps x ops per step): %s", "; ".join(loops))
+
+
+def _add_param_budget(problem: solver.Problem, graph: JointGraph, limit: float) -> None:
+    problem.memory_budget(
+        [node.name for node in graph.params.values()], limit * (1 + 1e-9), name="parameter bytes per rank"
+    )
+
+
+def with_param_budget(sp: ShardingProblem, limit: float) -> solver.Problem:
+    """`sp`'s problem with its parameters' bytes per rank under `limit`, as `ProblemSpec`'s
+    `param_memory_bytes` would have built it (`sp.problem` itself is left as it is)."""
+    problem = sp.problem.copy()
+    _add_param_budget(problem, sp.graph, limit)
+    return problem
 
 
 def _add_nodes(sp: ShardingProblem, param_fqn) -> None:

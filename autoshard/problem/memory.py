@@ -215,10 +215,7 @@ def modeled_bytes(table: PeakTable, choice: dict[str, int]) -> float:
 
 def with_peak_budget(sp: ShardingProblem, table: PeakTable, limit: float) -> solver.Problem:
     """The problem with one more constraint: the table's bytes of the chosen layouts <= `limit`."""
-    problem = sp.problem
-    extended = solver.Problem(
-        list(problem.nodes), list(problem.edges), list(problem.constraints), list(problem.regions)
-    )
+    extended = sp.problem.copy()
     extended.memory_budget(
         list(table.nodes), limit, name="modeled peak bytes per rank", memory=table.nodes, edges=table.edges
     )

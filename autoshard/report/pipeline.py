@@ -7,6 +7,7 @@ bubble, the runners-up, and torchtitan's even split priced the same way.
 
 from __future__ import annotations
 
+import math
 from html import escape
 from typing import Any
 
@@ -63,14 +64,11 @@ def pipeline_entry(result: Any, tokens_per_step: int | None = None) -> dict[str,
         ],
         "runners_up": [pipeline_figures(p) for p in result.others],
         "even_split": None if result.even is None else pipeline_figures(result.even),
-        "families": {family: plan.step_time_s for (m, family), plan in result.plans.items() if m == best.micro_batches},
+        "families": result.family_steps(),
         "memory_checked": "modeled (parameters, gradients, AdamW states, in-flight activations); stages not dry-run",
     }
     if tokens_per_step:
-        devices = 1
-        for size in config.mesh:
-            devices *= size
-        entry["tokens_per_s_per_device"] = tokens_per_step / best.step_time_s / devices
+        entry["tokens_per_s_per_device"] = tokens_per_step / best.step_time_s / math.prod(config.mesh)
     return entry
 
 

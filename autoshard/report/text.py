@@ -39,13 +39,13 @@ _JSON_ONLY = {"solution"}  # machine-readable extras (the solver's choices) stay
 def format_log(report: dict) -> str:
     """The human-readable sharding log, rendered from `plan_report`'s dict."""
     shape, names = tuple(report["mesh_shape"]), report.get("mesh_names")
-    if report.get("pipeline"):
-        shape, names = tuple(report["pipeline"]["mesh"]), report["pipeline"]["mesh_names"]
+    pipeline = report.get("pipeline")
+    if pipeline:
+        shape, names = tuple(pipeline["mesh"]), pipeline["mesh_names"]
     roles = f" = {' x '.join(f'{name} {size}' for name, size in zip(names, shape))}" if names else ""
     out = [f"autoshard sharding log: mesh {shape}{roles}"]
-    if report.get("pipeline"):
-        out += pipeline_lines(report["pipeline"])
-        out += ["", f"== {STAGE_PLAN} =="]
+    if pipeline:
+        out += pipeline_lines(pipeline) + ["", f"== {STAGE_PLAN} =="]
     if names and "dp_replicate" in names and shape[names.index("dp_replicate")] > 1:
         out.append(
             f"dp_replicate (mesh dim {names.index('dp_replicate')}): parameters replicated over it, the batch "
