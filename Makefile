@@ -23,13 +23,15 @@ PY_NEXT := $(VENV_NEXT)/bin/python
 STAMP_NEXT := $(VENV_NEXT)/.autoshard-installed
 # their fast cases, and one slow case of each kind that differs across torch releases: sharded HF
 # numerics, a dry run at 8B scale, bf16 under torchrun with a checkpoint and resume, the compiled
-# program under torchrun (all of them run on 2.13 in `make test`)
+# program under torchrun, pipeline stages under torch's schedules (all of them run on 2.13 in `make test`)
 NEXT_TESTS := tests/test_layers.py tests/test_trace.py tests/test_apply.py tests/test_hf.py tests/test_dryrun.py \
-	tests/test_precision.py tests/test_compile.py tests/test_random.py tests/test_strategies.py tests/test_losses.py
+	tests/test_precision.py tests/test_compile.py tests/test_random.py tests/test_strategies.py tests/test_losses.py \
+	tests/test_pipeline_run.py
 NEXT_SLOW := 'tests/test_hf.py::test_hf_causal_lm_trains_like_single_device[llama-mesh_shape0-False]' \
 	'tests/test_dryrun.py::test_dry_runs_at_scale[llama3-8b-8x8]' \
 	tests/test_precision.py::test_torchrun_bf16_trains_checkpoints_and_resumes \
-	tests/test_compile.py::test_torchrun_compiled_program_trains_like_the_uncompiled_one
+	tests/test_compile.py::test_torchrun_compiled_program_trains_like_the_uncompiled_one \
+	tests/test_pipeline_run.py::test_pipelines_train_as_one_device_does
 
 # The oldest supported torch (also a CUDA wheel that runs on CPU; the GPU machines' own release), in
 # a third venv, tested on the same subset.

@@ -162,6 +162,10 @@ class Transformer(nn.Module):
             h = layer(h, cos, sin, mask)
         return self.output(self.norm(h))
 
+    def pipeline_stage(self, start: int, stop: int) -> "TransformerStage":
+        """Blocks [start, stop) as one pipeline stage (`TransformerStage`), sharing this model's modules."""
+        return TransformerStage(self, start, stop)
+
     @torch.no_grad()
     def init_weights(self, seed: int = 0) -> None:
         """Deterministic init from `seed`, independent of the global RNG and of the device.
@@ -201,6 +205,57 @@ class Transformer(nn.Module):
         cos, sin = rope_tables(self.cfg.head_dim, self.cfg.max_seq_len, self.cfg.rope_theta)
         yield "rope_cos", cos
         yield "rope_sin", sin
+
+
+class TransformerStage(nn.Module):
+    """Blocks `[start, stop)` of a `Transformer` as one pipeline stage, sharing its modules under
+    their names (`layers.5.attention.wq.weight`): the first stage also embeds the tokens, the last
+    also applies the norm and head and returns the loss of `targets`; the others take and return
+    the hidden states `[batch, seq, dim]`. No document positions: each row is one sequence."""
+
+    def __init__(self, model: Transformer, start: int, stop: int):
+        super().__init__()
+        n = model.cfg.n_layers
+        if not 0 <= start <= stop <= n or (start == stop and 0 < start < n):
+            raise ValueError(
+                f"a stage holds blocks [start, stop) of 0..{n} (some, unless it is the first or last), "
+                f"got [{start}, {stop})"
+            )
+        self.cfg, self.start, self.stop = model.cfg, start, stop
+        if start == 0:
+            self.tok_embeddings = model.tok_embeddings
+        self.layers = nn.ModuleDict({str(i): model.layers[i] for i in range(start, stop)})
+        if stop == n:
+            self.norm, self.output = model.norm, model.output
+        self.register_buffer("rope_cos", model.rope_cos, persistent=False)
+        self.register_buffer("rope_sin", model.rope_sin, persistent=False)
+
+    @property
+    def first(self) -> bool:
+        return self.start == 0
+
+    def example_inputs(self, tokens: torch.Tensor, targets: torch.Tensor, dtype: torch.dtype) -> tuple:
+        """What this stage takes for a micro-batch of `tokens` and `targets` (shapes are what
+        matter): the tokens, or the hidden states in `dtype` (requiring a gradient, which goes
+        back to the previous stage); and the targets when it is the last."""
+        x = tokens if self.first else torch.empty(*tokens.shape, self.cfg.dim, dtype=dtype, requires_grad=True)
+        return (x, targets) if self.last else (x,)
+
+    @property
+    def last(self) -> bool:
+        return self.stop == self.cfg.n_layers
+
+    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        h = self.tok_embeddings(x) if self.first else x
+        seq_len = h.shape[1]
+        cos, sin = self.rope_cos[:seq_len].to(h.dtype), self.rope_sin[:seq_len].to(h.dtype)
+        for layer in self.layers.values():
+            h = layer(h, cos, sin)
+        if not self.last:
+            return h
+        if targets is None:
+            raise ValueError("the last stage computes the loss: it needs the targets")
+        return cross_entropy_loss(self.output(self.norm(h)), targets)
 
 
 def cross_entropy_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

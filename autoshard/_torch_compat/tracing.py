@@ -115,13 +115,15 @@ def describe_input(desc) -> tuple[str, str | int | None]:
 
 
 def describe_output(desc) -> tuple[str, str | int | None]:
-    """('output'|'grad'|'other', name or index) for an output descriptor."""
+    """('output'|'grad'|'input_grad'|'other', name or index) for an output descriptor."""
     if isinstance(desc, _desc.PlainAOTOutput):
         return "output", desc.idx
     if isinstance(desc, _desc.GradAOTOutput):
         inner = desc.grad_of
         if isinstance(inner, _desc.ParamAOTInput):
             return "grad", inner.target
+        if isinstance(inner, _desc.PlainAOTInput):
+            return "input_grad", inner.idx
         return "other", None
     return "other", None
 

@@ -48,9 +48,11 @@ def trace_step(
     *,
     unroll: bool = True,
     precision: Precision = Precision(),
+    stage: bool = False,
 ) -> JointGraph:
     """The joint graph of `step_fn(model, *example_args)`: traced in full, or (when the model has a
-    list of >= 4 identical blocks and `unroll`) from three blocks, unrolled."""
+    list of >= 4 identical blocks and `unroll`) from three blocks, unrolled. `stage`: a pipeline
+    stage's step (`trace_joint`)."""
     found = repeated_block_list(model) if unroll else None
     if found is not None:
         prefix, blocks = found
@@ -64,7 +66,7 @@ def trace_step(
             cut_stack = contextlib.ExitStack()  # the cut trace's fake mode; closed if we fall back
             try:
                 with tc.truncated_module_list(blocks, traced):
-                    short = trace_joint(model, step_fn, example_args, cut_stack, precision)
+                    short = trace_joint(model, step_fn, example_args, cut_stack, precision, stage)
                 graph = unroll_blocks(short, prefix, len(blocks), first)
             except NotRepeating as err:
                 cut_stack.close()
@@ -78,7 +80,7 @@ def trace_step(
             log.info("autoshard: traced %d of the %d blocks of %s and unrolled the rest", traced, len(blocks), prefix)
             return graph
         log.info("autoshard: tracing all %d blocks of %s: %s", len(blocks), prefix, why)
-    return trace_joint(model, step_fn, example_args, stack, precision)
+    return trace_joint(model, step_fn, example_args, stack, precision, stage)
 
 
 # ------------------------------------------------------------------------------ finding blocks
@@ -303,7 +305,8 @@ class _Unroller:
             if traced in g.grads
         }
         loss = self.lookup(g.loss)
-        self.new.output((loss, *grads.values()))
+        input_grads = {i: self.lookup(n) for i, n in g.input_grads.items()}
+        self.new.output((loss, *grads.values(), *input_grads.values()))
         gm = tc.lazy_graph_module(g.gm, self.new)
         return JointGraph(
             gm=gm,
@@ -314,4 +317,5 @@ class _Unroller:
             loss=loss,
             grads=grads,
             precision=g.precision,
+            input_grads=input_grads,
         )

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import functools
 import logging
 import sys
@@ -38,10 +39,13 @@ class JointGraph:
     params: dict[str, fx.Node]  # parameter FQN -> placeholder
     buffers: dict[str, fx.Node]  # buffer FQN -> placeholder
     inputs: list[fx.Node]  # user inputs, in call order
-    tangents: list[fx.Node]  # seed gradient of the loss
-    loss: fx.Node  # the loss value (first output)
+    tangents: list[fx.Node]  # seed gradient of the loss (of a pipeline stage's output: its shape)
+    loss: fx.Node  # the loss value (first output); a pipeline stage's output, sent to the next stage
     grads: dict[str, fx.Node]  # trained parameter FQN -> node computing its gradient
     precision: Precision = Precision()  # the casts the trace applied to parameters
+    # user input index -> its gradient, for inputs that require one (a pipeline stage's input
+    # activation, whose gradient goes back to the previous stage)
+    input_grads: dict[int, fx.Node] = dataclasses.field(default_factory=dict)
 
     @property
     def trained(self) -> list[str]:
@@ -104,15 +108,19 @@ def mark_outputs(outputs: Any) -> Any:
 
 
 class _StepModule(nn.Module):
-    """Wraps `step_fn(model, *args) -> loss` so the tracer sees one module whose output is the loss."""
+    """Wraps `step_fn(model, *args) -> loss` so the tracer sees one module whose output is the
+    loss; a pipeline stage's (`stage`) is any one tensor, whose gradient comes from the next stage."""
 
-    def __init__(self, model: nn.Module, step_fn: Callable[..., torch.Tensor]):
+    def __init__(self, model: nn.Module, step_fn: Callable[..., torch.Tensor], stage: bool = False):
         super().__init__()
         self.model = model
         self.step_fn = step_fn
+        self.stage = stage
 
     def forward(self, *args):
         loss = self.step_fn(self.model, *args)
+        if self.stage and isinstance(loss, torch.Tensor) and loss.is_floating_point():
+            return loss
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
             got = type(loss).__name__ if not isinstance(loss, torch.Tensor) else f"shape {tuple(loss.shape)}"
             raise ValueError(f"the loss function must return a scalar tensor, got {got}")
@@ -178,8 +186,8 @@ def _fake_parameters(model: nn.Module, fake_mode, device: torch.device):
 def _fake_like(value: Any, fake_mode, device: torch.device) -> Any:
     """A fake tensor with `value`'s shape and dtype (non-tensors pass through)."""
     if isinstance(value, torch.Tensor):
-        with fake_mode:
-            return torch.empty(value.shape, dtype=value.dtype, device=device)
+        with fake_mode:  # an input that requires a gradient (a stage's activation) gets one
+            return torch.empty(value.shape, dtype=value.dtype, device=device).requires_grad_(value.requires_grad)
     return value
 
 
@@ -189,17 +197,20 @@ def trace_joint(
     example_args: Sequence[Any],
     stack: contextlib.ExitStack,
     precision: Precision = Precision(),
+    stage: bool = False,
 ) -> JointGraph:
     """Trace `step_fn(model, *example_args)` and its backward into one joint graph.
 
-    `example_args` carry global shapes and dtypes only (real, meta or fake tensors all work).
+    `example_args` carry global shapes and dtypes only (real, meta or fake tensors all work); an
+    input that requires a gradient gets one (`JointGraph.input_grads`).
     `stack` must stay open while the returned graph is compiled into a runnable step.
-    `precision` casts parameters for compute (see `capture.precision`).
+    `precision` casts parameters for compute (see `capture.precision`). `stage`: a pipeline
+    stage's step, whose output need not be a scalar (its gradient is the graph's tangent).
     """
     device = torch.device("cpu")
     fake_mode = tc.new_fake_mode()
     args = tuple(_fake_like(a, fake_mode, device) for a in example_args)
-    wrapper = _StepModule(model, step_fn)
+    wrapper = _StepModule(model, step_fn, stage)
     with _fake_parameters(model, fake_mode, device):
         joint = _export(stack, wrapper, model, args, precision)
     frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
@@ -320,7 +331,7 @@ def _describe(
                 f"traced graph has an input autoshard does not understand: {node.meta.get('desc')}"
             )
     (output,) = gm.graph.find_nodes(op="output")
-    loss, grads = None, {}
+    loss, grads, input_grads = None, {}, {}
     for value, desc in zip(output.args[0], output.meta["desc"]):
         kind, target = tc.describe_output(desc)
         if kind == "output":
@@ -330,6 +341,8 @@ def _describe(
         elif kind == "grad" and value is not None:
             name = _strip(target)
             grads[(tied or {}).get(name, name)] = value
+        elif kind == "input_grad" and value is not None:
+            input_grads[target] = value
     missing = sorted(set(params) - set(grads) - set(frozen))
     if missing:
         raise ValueError(
@@ -345,4 +358,5 @@ def _describe(
         loss=loss,
         grads=grads,
         precision=precision,
+        input_grads=input_grads,
     )

@@ -98,6 +98,8 @@ class AutoShard:
     `MixedPrecisionPolicy`), `recompute`, `reshard_after_forward`, `unroll`. Under a memory limit
     the fit may turn recomputation or resharding on. `compile=True`: the applied module runs its
     program's forward and backward through `torch.compile` (inductor) from the second step on.
+    `stages`: the model is one pipeline stage of that many pp ranks (`autoshard.pipeline_run`), so
+    the mesh is that share of the world.
     """
 
     def __init__(
@@ -117,6 +119,7 @@ class AutoShard:
         recompute: bool | None = None,
         reshard_after_forward: bool | None = None,
         compile: bool = False,
+        stages: int = 1,
     ):
         config = config or PlanConfig()
         sugar = {
@@ -129,7 +132,7 @@ class AutoShard:
         config = config.replace(**{k: v for k, v in sugar.items() if v is not None})
         if mp_policy is not None:
             config = config.with_policy(mp_policy)
-        self.config = config.with_mesh(mesh).with_default_profiles()
+        self.config = config.with_mesh(mesh, stages).with_default_profiles()
         if self.config.pipeline_ranks is not None:
             raise ValueError(
                 "AutoShard plans one stage's mesh, without a pp dim: a pipeline is planned by "
@@ -183,6 +186,13 @@ class AutoShard:
             raise ValueError("constrain_outputs needs a loss_fn: without one the model's output is the loss")
         self.spec.output_layouts = {i: _as_layout(lay) for i, lay in enumerate(layouts) if lay is not None}
 
+    def pipeline_stage(self, layout: Layout | str) -> None:
+        """Plan the model as one pipeline stage (`autoshard.pipeline_stages`): what it returns is
+        sent to the next stage, not a loss (unless it is a scalar: the last stage's loss), and it
+        and the gradients of the inputs that require one (the activations the previous stage
+        sent) are in `layout`, as every stage's boundary is."""
+        self.spec.stage_layout = _as_layout(layout)
+
     def memory_budget(self, param_bytes_per_rank: float | None) -> None:
         """Cap on parameter bytes per rank (None: no cap; the memory limit bounds the peak)."""
         self.config = self.config.replace(memory_budget=param_bytes_per_rank)
@@ -216,6 +226,8 @@ class AutoShard:
 
     # ------------------------------------------------------------------ planning
     def _step(self, model: nn.Module, *inputs: Any) -> torch.Tensor:
+        if self.spec.stage_layout is not None:  # a pipeline stage returns what it sends on
+            return self._with_casts(model)(*inputs)
         how = (self._input_names, self.n_model_inputs, self._mark_outputs, self.loss_output)
         return run_step(self._with_casts(model), self.loss_fn, inputs, *how)
 
@@ -288,7 +300,13 @@ class AutoShard:
         with tc.no_dispatch_modes(), without_cyclic_gc(), contextlib.ExitStack() as stack:
             with self._stage("trace"):
                 graph = trace_step(
-                    self.model, self._step, inputs, stack, unroll=self.config.unroll, precision=self.precision
+                    self.model,
+                    self._step,
+                    inputs,
+                    stack,
+                    unroll=self.config.unroll,
+                    precision=self.precision,
+                    stage=self.spec.stage_layout is not None,
                 )
             yield graph, planner
 

@@ -219,9 +219,11 @@ class PlanConfig:
         return dataclasses.replace(self, **changes)
 
     # ------------------------------------------------------------------ the mesh
-    def with_mesh(self, mesh: Mesh | None) -> PlanConfig:
+    def with_mesh(self, mesh: Mesh | None, stages: int = 1) -> PlanConfig:
         """This config with the shape (and names) of `mesh` (a DeviceMesh or a shape; None: its
-        own); ValueError when neither gives one, when they disagree, or the world size differs."""
+        own); ValueError when neither gives one, when they disagree, or the world size differs
+        from its size (or, for one of a pipeline's `stages`, from `stages` times its size: the
+        whole pipeline's world)."""
         config = self
         if mesh is not None:
             shape = tuple(int(s) for s in (mesh.shape if isinstance(mesh, DeviceMesh) else mesh))
@@ -234,9 +236,9 @@ class PlanConfig:
             config = config.replace(mesh=shape, mesh_names=names if names and len(names) == len(shape) else None)
         if config.mesh is None:
             raise ValueError("no mesh: pass a DeviceMesh or a mesh shape, or a PlanConfig with one")
-        world = _world_size()
-        if world is not None and math.prod(config.mesh) != world:
-            raise ValueError(f"mesh {config.mesh} has {math.prod(config.mesh)} devices but the world size is {world}")
+        world, size = _world_size(), math.prod(config.mesh)
+        if world is not None and world not in (size, stages * size):
+            raise ValueError(f"mesh {config.mesh} has {size} devices but the world size is {world}")
         return config
 
     @property

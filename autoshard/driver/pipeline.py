@@ -193,7 +193,12 @@ def _solve_families(
     even share of the blocks (of `ranks` stages) already exceeds the limit `bound` (recomputing
     activations does not shrink it)."""
     auto = AutoShard(
-        model, inputs, config=stage.replace(memory_limit=math.inf), loss_fn=loss_fn, n_model_inputs=n_model_inputs
+        model,
+        inputs,
+        config=stage.replace(memory_limit=math.inf),
+        loss_fn=loss_fn,
+        n_model_inputs=n_model_inputs,
+        stages=ranks,
     )
     auto.accumulate(micro_batches)
     with auto.traced() as (graph, planner):

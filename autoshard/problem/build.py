@@ -58,6 +58,9 @@ from autoshard.problem.choices import (
 from autoshard.problem.choices import (
     grad_sink as grad_sink,
 )
+from autoshard.problem.choices import (
+    input_grad_sink as input_grad_sink,
+)
 from autoshard.profiles.device import DeviceProfile
 from autoshard.strategies import Strategy, StrategyCatalog
 from autoshard_solver.problem import problem_digest
@@ -146,7 +149,7 @@ def build_problem(
     pricer = ComputePricer(device, mesh_shape)
     choices = Choices()
     collect_choices(choices, graph, catalog, pricer, spec, mesh_shape)
-    add_sinks(choices, graph, mesh_shape)
+    add_sinks(choices, graph, mesh_shape, spec.stage_layout)
     repeated = find_repeated_blocks(graph) if repeated is None else repeated
     recompute_blocks, reshard_blocks, recomputed = _runs_twice(graph, repeated, spec)
     compute_s = choices.compute_s

@@ -31,6 +31,10 @@ def grad_sink(fqn: str) -> str:
     return f"sink:grad:{fqn}"
 
 
+def input_grad_sink(index: int) -> str:
+    return f"sink:input_grad:{index}"
+
+
 @dataclass(frozen=True)
 class Producer:
     """Where an input slot's value comes from: ILP node name and which of its outputs."""
@@ -88,6 +92,9 @@ class ProblemSpec:
     reshard: bool = False  # reshard after forward: every repeated block gathers its parameters again in the backward
     fixed_dim: FixedMeshDim | None = None  # placements decided on one mesh dim before the ILP
     micro_batches: int = 1  # gradient accumulation: the graph is one of these per optimizer step
+    # a pipeline stage's boundary: its output (sent on, not a loss), that output's gradient (the
+    # tangent) and each input's gradient (sent back) are in this layout, as the neighbours' are
+    stage_layout: Layout | None = None
 
 
 def _placeholder_strategies(
@@ -142,6 +149,7 @@ def collect_choices(
     param_fqn = graph.param_names
     user_inputs = {node: i for i, node in enumerate(graph.inputs)}
     pins = _resolve_pins(graph, spec.pins, mesh_shape)
+    tangents = set(graph.tangents)
 
     for node in graph.nodes:
         if node.op == "placeholder":
@@ -149,6 +157,8 @@ def collect_choices(
                 fixed = pins.get(param_fqn[node])
             elif node in user_inputs:
                 fixed = spec.input_layouts.get(user_inputs[node])
+            elif node in tangents and node.meta["val"].dim() > 0:  # a stage's output's gradient
+                fixed = spec.stage_layout
             else:
                 fixed = None
             c.strategies[node.name] = _placeholder_strategies(node, catalog, fixed, spec.fixed_dim)
@@ -186,12 +196,22 @@ def collect_choices(
         c.inputs[node.name] = [c.alias[slot] for slot in input_slots(node)] if node.op == "call_function" else []
 
 
-def add_sinks(c: Choices, graph: JointGraph, mesh_shape: tuple[int, ...]) -> None:
-    """Sinks: the loss stays replicated; each gradient lands in its parameter's layout."""
+def add_sinks(c: Choices, graph: JointGraph, mesh_shape: tuple[int, ...], stage_layout: Layout | None = None) -> None:
+    """Sinks: the loss stays replicated (a pipeline stage's output and its inputs' gradients
+    land in `stage_layout`); each gradient lands in its parameter's layout."""
+    if graph.input_grads and stage_layout is None:
+        raise ValueError("inputs that require a gradient are a pipeline stage's: plan it with a stage layout")
     loss = c.alias[graph.loss]
-    c.strategies[LOSS_SINK] = [Strategy(outputs=(), inputs=(Layout.replicate(len(mesh_shape)),))]
+    scalar = graph.loss.meta["val"].dim() == 0  # a last stage's output is its loss
+    out = Layout.replicate(len(mesh_shape)) if scalar or stage_layout is None else stage_layout
+    c.strategies[LOSS_SINK] = [Strategy(outputs=(), inputs=(out,))]
     c.compute_s[LOSS_SINK] = [0.0]
     c.fx_nodes[LOSS_SINK], c.inputs[LOSS_SINK] = graph.loss, [loss]
+    for index, grad in graph.input_grads.items():
+        name = input_grad_sink(index)
+        c.strategies[name] = [Strategy(outputs=(), inputs=(stage_layout,))]
+        c.compute_s[name] = [0.0]
+        c.fx_nodes[name], c.inputs[name] = grad, [c.alias[grad]]
     for fqn, grad in graph.grads.items():
         name = grad_sink(fqn)
         param_choices = c.strategies[graph.params[fqn].name]

@@ -15,7 +15,7 @@ from autoshard.layout import Layout
 from autoshard.pricing.planner import Planner, RedistributePlan, holds_for_accumulation
 from autoshard.pricing.ring import COLLECTIVE_KINDS
 from autoshard.problem.buckets import GRAD_BUCKET_KINDS
-from autoshard.problem.build import LOSS_SINK, ShardingProblem, grad_sink
+from autoshard.problem.build import LOSS_SINK, ShardingProblem, grad_sink, input_grad_sink
 from autoshard.strategies import Strategy
 
 
@@ -38,8 +38,8 @@ class Sink:
     parameter's layout). `name` is how redistributions into it are addressed (`Redistribution.consumer`)."""
 
     name: str
-    kind: str  # "loss" or "grad"
-    fqn: str  # the parameter of a gradient; "" for the loss
+    kind: str  # "loss", "grad" or "input_grad"
+    fqn: str  # the parameter of a gradient; "" for the loss; an input gradient's input index
     layout: Layout
 
 
@@ -73,6 +73,8 @@ class Plan:
     # all-reduces held for the last one (`comm_s` includes them) cost `held_comm_s` once per step
     micro_batches: int = 1
     held_comm_s: float = 0.0
+    # a pipeline stage: user input index -> the sink of its gradient, sent back to the previous stage
+    input_grad_sinks: dict[int, Sink] = field(default_factory=dict)
 
     @property
     def step_time_s(self) -> float:
@@ -164,4 +166,8 @@ def decode(sp: ShardingProblem, solution: solver.Solution, planner: Planner) -> 
         reshard_blocks=sp.reshard_blocks,
         micro_batches=sp.micro_batches,
         held_comm_s=held_comm_s,
+        input_grad_sinks={
+            i: Sink(input_grad_sink(i), "input_grad", str(i), chosen[input_grad_sink(i)].inputs[0])
+            for i in graph.input_grads
+        },
     )

@@ -122,5 +122,6 @@ def prune(graph: fx.Graph) -> None:
 
 
 def held_outputs(grads: list[fx.Node], names: list[str], held: HeldReductions) -> list[fx.Node]:
-    """The held backward's outputs: the gradients of the parameters not held, then every sum."""
-    return [g for g, fqn in zip(grads, names) if fqn not in held.params] + held.sums
+    """The held backward's outputs: the gradients of the parameters not held, the inputs'
+    gradients (a pipeline stage's, after the parameters' in `grads`), then every sum."""
+    return [g for g, fqn in zip(grads, names) if fqn not in held.params] + grads[len(names) :] + held.sums

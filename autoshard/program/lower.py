@@ -95,7 +95,8 @@ class HeldBackward:
 class Program:
     """The per-rank step: `forward(*params, *buffers, *inputs) -> (loss, *saved)` and
     `backward(*saved, tangent) -> grads` (one per trained parameter, in `grad_names` order: the
-    frozen ones, `requires_grad=False`, get none). Lowered to
+    frozen ones, `requires_grad=False`, get none; then, for a pipeline stage, one per input in
+    `input_grads`: its output is not a loss, and the tangent is its gradient). Lowered to
     accumulate (`held` set), the backward also takes the held reductions' sums so far, after the
     tangent, and reduces them with its own."""
 
@@ -110,6 +111,7 @@ class Program:
     device_type: str = "cpu"  # the mesh's: where its values live (a dry run makes its fakes there)
     held: HeldBackward | None = None  # lowered to accumulate gradients over micro-batches
     grad_names: list[str] = field(default_factory=list)  # the trained parameters, in `param_names` order
+    input_grads: list[int] = field(default_factory=list)  # the inputs whose gradients the backward returns
 
     def step_s(self, micro_batches: int = 1) -> float:
         """Modeled seconds of an optimizer step of `micro_batches` micro-batches, on two streams:
@@ -175,6 +177,7 @@ def lower(
         mesh.device_type,
         held_backward,
         graph.trained,
+        list(graph.input_grads),
     )
 
 
@@ -236,6 +239,7 @@ def _local_joint_graph(plan: Plan, mesh: Any, stream: RandomStream) -> tuple[fx.
 
     loss = redistributed(env[graph.loss], plan.loss_sink.name, 0)
     grads = [redistributed(env[graph.grads[fqn]], plan.grad_sinks[fqn].name, 0) for fqn in graph.trained]
+    grads += [redistributed(env[graph.input_grads[i]], plan.input_grad_sinks[i].name, 0) for i in graph.input_grads]
     out.output((loss, *grads))
     return out, modules
 

@@ -74,12 +74,16 @@ class _JointStep(torch.autograd.Function):
         saved, ctx.saved = ctx.saved, None  # free activations as soon as they are used
         if saved is None:
             raise RuntimeError("autoshard: backward ran twice through the same step; call the module again")
-        grads = ctx.runner._backward(saved, grad_loss, ctx.holding)
+        grads, input_grads = ctx.runner._backward(saved, grad_loss, ctx.holding)
+        rest: list[torch.Tensor | None] = [None] * ctx.n_rest
+        n_buffers = len(ctx.runner.program.buffer_names)
+        for i, g in zip(ctx.runner.program.input_grads, input_grads):  # a pipeline stage's, sent back
+            rest[n_buffers + i] = g
         return (
             None,
             None,
             *(None if g is None else tc.dtensor_like(p, g) for p, g in zip(ctx.params, grads)),
-            *([None] * ctx.n_rest),
+            *rest,
         )
 
 
@@ -335,29 +339,34 @@ class ParallelModule(nn.Module):
         finally:
             self._holding = False
 
-    def _backward(self, saved: list, grad_loss: torch.Tensor, holding: bool) -> list[torch.Tensor | None]:
+    def _backward(
+        self, saved: list, grad_loss: torch.Tensor, holding: bool
+    ) -> tuple[list[torch.Tensor | None], list[torch.Tensor]]:
         """One backward: a gradient per parameter in `param_names` order, None for a frozen one;
         `holding` (its forward ran inside `no_sync()`), the held ones are None too (their sums
-        stay here)."""
+        stay here). Then the gradients of the inputs in `program.input_grads` (a pipeline stage's)."""
         held = self.program.held
+        n_grads = len(self.program.grad_names)
         if held is None:
-            return self._by_param(self._run("backward", (*saved, grad_loss)))
+            out = self._run("backward", (*saved, grad_loss))
+            return self._by_param(out[:n_grads]), list(out[n_grads:])
         sums = self._accumulated
         if sums is None:
             sums = [a.zeros(grad_loss.device) for a in held.accumulators]
         if not holding:
             self._accumulated = None
-            return self._by_param(self._run("backward", (*saved, grad_loss, *sums)))
+            out = self._run("backward", (*saved, grad_loss, *sums))
+            return self._by_param(out[:n_grads]), list(out[n_grads:])
         out = self._run("backward_held", (*saved, grad_loss, *sums))
         kept = len(out) - len(sums)
         self._accumulated = list(out[kept:])
-        grads: list[torch.Tensor | None] = [None] * len(self.program.grad_names)
-        others = iter(out[:kept])
+        grads: list[torch.Tensor | None] = [None] * n_grads
         skip = set(held.params)
+        others = iter(out[: n_grads - len(skip)])
         for i in range(len(grads)):
             if i not in skip:
                 grads[i] = next(others)
-        return self._by_param(grads)
+        return self._by_param(grads), list(out[n_grads - len(skip) : kept])
 
     def _by_param(self, grads) -> list[torch.Tensor | None]:
         """The backward's gradients (one per trained parameter) placed by parameter, None for a

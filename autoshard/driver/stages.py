@@ -1,0 +1,285 @@
+"""Run a pipeline: every rank plans and lowers its own stages, and torch's pipelining schedule
+drives them.
+
+    run = pipeline_run([StageSpec(stage_module, example_inputs), ...], config, mesh,
+                       schedule="1F1B", micro_batches=4)
+    run.init_weights(model.initial_values(seed))          # or run.load_full(state_dict)
+    loss = run.step(tokens, targets)                      # this rank's rows; the loss on the last stage
+    optimizer = torch.optim.AdamW(run.parameters())       # this rank's stages' DTensor parameters
+
+Each stage is planned as its own model on the stage mesh (the mesh without pp) by the same ILP
+(`AutoShard.pipeline_stage`): its inputs, its output and their gradients cross the stage
+boundary in one layout, the rows split over the data-parallel dims and whole on the others, so a
+stage sends its local shard to the same coordinate of the next stage's mesh. Every rank plans
+every stage in the same order (rank 0 solves each for all, as `AutoShard.optimize` does in a
+process group) and keeps the programs of the stages it runs: stage `k` runs on pp rank
+`k % pp`, as torch's looped schedules place them. Torch's `PipelineStage` sends the activations
+and gradients and its schedule (GPipe, 1F1B, Interleaved1F1B) orders the micro-batches; the
+loss of each micro-batch is its mean, so gradients are averaged over the micro-batches as the
+schedule scales them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+from torch import nn
+
+from autoshard.driver.api import AutoShard
+from autoshard.driver.config import PlanConfig
+from autoshard.driver.pipeline import FAMILIES, PipelinePlan
+from autoshard.driver.ranks import broadcast, in_process_group
+from autoshard.layout import Layout, R, S
+from autoshard.pipeline.search import Pipeline
+from autoshard.problem.plan import Plan
+from autoshard.runtime.module import ParallelModule
+
+SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B")
+
+
+@dataclass
+class StageSpec:
+    """One stage (chunk) of the model, in pipeline order: the module, and example inputs of
+    one micro-batch in global shapes (the first stage's tokens; a later stage's activations,
+    requiring a gradient; the last stage's also the targets). Its layout family, as the
+    pipeline planner chose it (`PipelinePlan.best.stages[k].family`): `sharded`, every
+    parameter split over the whole stage mesh (a parameter budget of its even share);
+    `recompute`, its blocks' activations recomputed in the backward."""
+
+    module: nn.Module
+    inputs: tuple[Any, ...]
+    sharded: bool = False
+    recompute: bool = False
+
+
+@dataclass
+class PipelineRun:
+    """This rank's stages of a pipeline and the torch schedule that drives them."""
+
+    modules: dict[int, ParallelModule]  # stage index -> its parallel module (those this rank runs)
+    plans: list[Plan] = field(repr=False)  # every stage's plan, in stage order
+    schedule: Any = field(repr=False)  # torch.distributed.pipelining's schedule object
+    micro_batches: int = 1
+    last_stage: int = 0
+
+    def parameters(self) -> Iterable[nn.Parameter]:
+        for module in self.modules.values():
+            yield from module.parameters()
+
+    def named_parameters(self) -> Iterable[tuple[str, nn.Parameter]]:
+        for module in self.modules.values():
+            yield from module.named_parameters()
+
+    def init_weights(self, values: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Each of this rank's stages takes its shard of the whole model's values, one full tensor
+        at a time (an init that yields each, `model.initial_values(seed)`): names no stage here
+        holds are skipped; KeyError when a stage's parameter or buffer never comes."""
+        left = {k: set(m.program.param_names) | set(m.program.buffer_names) for k, m in self.modules.items()}
+        for fqn, full in values:
+            for k, module in self.modules.items():
+                if fqn in left[k]:
+                    module.load_full({fqn: full}, strict=False)
+                    left[k].discard(fqn)
+            del full
+        missing = sorted(fqn for names in left.values() for fqn in names)
+        if missing:
+            raise KeyError(f"the values lack {len(missing)} parameters or buffers, e.g. {missing[:3]}")
+
+    def load_full(self, values: Mapping[str, torch.Tensor]) -> None:
+        for module in self.modules.values():
+            module.load_full(values, strict=False)
+
+    def step(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
+        """One training step's forward and backward over this rank's rows (split into the
+        micro-batches); gradients land in `.grad`. The mean loss on the rank that runs the last
+        stage, None on the others."""
+        losses: list[torch.Tensor] = []
+        runs_first = 0 in self.modules
+        args = (tokens,) if runs_first else ()
+        self.schedule.step(*args, target=targets, losses=losses, return_outputs=False, targets=targets)
+        if self.last_stage not in self.modules:
+            return None
+        return torch.stack([loss.detach() for loss in losses]).mean()
+
+
+class _Stage(nn.Module):
+    """What torch's `PipelineStage` calls: the parallel module of one stage, given the targets
+    (a keyword every stage gets from `step`) only when it is the last. Every schedule runs a
+    stage's micro-batches in order, forward and backward alike, so the forwards of all but the
+    last of each step run inside `no_sync()`: their backwards hold the gradient all-reduces,
+    and the last backward reduces the sums once a step, as DDP under torch's pipelining does."""
+
+    def __init__(self, module: ParallelModule, last: bool, micro_batches: int):
+        super().__init__()
+        self.module, self.last, self.micro_batches = module, last, micro_batches
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        inputs = (x, targets) if self.last else (x,)
+        if not torch.is_grad_enabled():  # evaluation: no backward to hold
+            return self.module(*inputs)
+        held = self.calls % self.micro_batches < self.micro_batches - 1
+        self.calls += 1
+        with self.module.no_sync() if held else contextlib.nullcontext():
+            return self.module(*inputs)
+
+
+def stage_specs(
+    model: nn.Module, pipeline: Pipeline, tokens: torch.Tensor, targets: torch.Tensor, dtype: torch.dtype
+) -> list[StageSpec]:
+    """The stages of `pipeline` (a `PipelinePlan.best`: its cuts and each chunk's layout family)
+    for a model that splits itself (`model.pipeline_stage(start, stop)`, our llama's); `tokens`
+    and `targets` are one micro-batch's (global shapes), `dtype` the hidden states' between stages."""
+    split = getattr(model, "pipeline_stage", None)
+    if split is None:
+        raise TypeError(f"{type(model).__name__} has no pipeline_stage(start, stop): build its StageSpecs by hand")
+    families = {f.name: f for f in FAMILIES} | {f.name: f for f in (replace(f, gathered_once=True) for f in FAMILIES)}
+    specs = []
+    for chunk in pipeline.stages:
+        module = split(chunk.first_block, chunk.first_block + chunk.n_blocks)
+        family = families[chunk.family]
+        inputs = module.example_inputs(tokens, targets, dtype)
+        specs.append(StageSpec(module, inputs, sharded=family.sharded, recompute=family.recompute))
+    return specs
+
+
+def boundary_layout(stage: PlanConfig) -> Layout:
+    """Where activations cross a stage boundary: rows split over the data-parallel dims, whole
+    on the others."""
+    assert stage.mesh is not None
+    dp = set(stage.data_parallel_dims)
+    return Layout(tuple(S(0) if d in dp else R for d in range(len(stage.mesh))))
+
+
+def plan_stage(
+    spec: StageSpec, stage: PlanConfig, mesh: Any, *, micro_batches: int = 1, stages: int = 1
+) -> tuple[AutoShard, Plan]:
+    """One stage planned on the stage mesh `mesh` (its shape when no process group) of one of
+    `stages` pp ranks, its boundary in `boundary_layout`, for `micro_batches` per step."""
+    config = stage.replace(recompute=spec.recompute)
+    auto = AutoShard(spec.module, lambda: spec.inputs, mesh, config=config, stages=stages)
+    layout = boundary_layout(stage)
+    auto.pipeline_stage(layout)
+    auto.constrain_inputs(*(layout for _ in spec.inputs))
+    auto.accumulate(micro_batches)
+    if spec.sharded:
+        assert stage.mesh is not None
+        held = sum(p.numel() * p.element_size() for p in spec.module.parameters())
+        auto.memory_budget(held / math.prod(stage.mesh))
+    return auto, auto.optimize()
+
+
+def pipeline_run(
+    stages: Sequence[StageSpec],
+    config: PlanConfig,
+    mesh: Any,
+    *,
+    schedule: str = "1F1B",
+    micro_batches: int,
+    seed: int = 0,
+) -> PipelineRun:
+    """Plan every stage, lower this rank's and build torch's schedule over them. `config` has
+    the whole mesh, pp first; `mesh` is the DeviceMesh of it, with its dims' names."""
+    from torch.distributed.pipelining import PipelineStage, schedules
+
+    ranks = config.pipeline_ranks
+    if ranks is None:
+        raise ValueError("a pipeline needs a mesh whose first dim is named pp")
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
+    looped = schedule == "Interleaved1F1B"
+    if len(stages) % ranks or (len(stages) != ranks and not looped) or (looped and len(stages) == ranks):
+        raise ValueError(
+            f"{schedule} runs {'several stages' if looped else 'one stage'} per pp rank: "
+            f"{len(stages)} stages on {ranks} pp ranks"
+        )
+    names = mesh.mesh_dim_names
+    pp_rank = mesh.get_local_rank(0)
+    stage_mesh = mesh[names[1:]] if len(names) > 2 else mesh[names[1]]
+    stage_config = config.stage_config()
+    layout = boundary_layout(stage_config)
+    plans, modules, pipes = [], {}, []
+    for k, spec in enumerate(stages):
+        auto, plan = plan_stage(spec, stage_config, stage_mesh, micro_batches=micro_batches, stages=ranks)
+        plans.append(plan)
+        if k % ranks != pp_rank:
+            continue
+        module = auto.apply(plan, seed=seed)
+        modules[k] = module
+        local = tuple(_local_example(x, layout, stage_config) for x in spec.inputs)
+        last = k == len(stages) - 1
+        out = _output_example(plan, layout, stage_config)
+        pipes.append(
+            PipelineStage(
+                _Stage(module, last, micro_batches),
+                k,
+                len(stages),
+                _device(mesh.device_type),
+                input_args=local[:1],
+                output_args=out,
+                group=mesh.get_group(0),
+            )
+        )
+    if looped:
+        runner = schedules.ScheduleInterleaved1F1B(pipes, micro_batches, loss_fn=_stage_loss)
+    else:
+        cls = schedules.ScheduleGPipe if schedule == "GPipe" else schedules.Schedule1F1B
+        runner = cls(pipes[0], micro_batches, loss_fn=_stage_loss)
+    return PipelineRun(modules, plans, runner, micro_batches, len(stages) - 1)
+
+
+def apply_pipeline(
+    model: nn.Module,
+    result: PipelinePlan,
+    mesh: Any,
+    input_fn: Callable[[int], tuple],
+    *,
+    pipeline: Pipeline | None = None,
+    seed: int = 0,
+) -> PipelineRun:
+    """Run the pipeline `plan_pipeline` chose (`result.best`: cuts, layout families, schedule,
+    micro-batches; or another of its `pipeline`s, `result.even` say) for `model` (one with
+    `pipeline_stage(start, stop)`) on the DeviceMesh `mesh`; `input_fn(rows)` is the planning's,
+    returning (tokens, targets). Inside a process group every rank runs rank 0's choice."""
+    best = pipeline if pipeline is not None else result.best
+    if in_process_group():
+        best = broadcast(best)
+    tokens, targets = input_fn(best.rows)
+    dtype = result.config.precision.param_dtype or next(model.parameters()).dtype
+    specs = stage_specs(model, best, tokens, targets, dtype)
+    return pipeline_run(
+        specs, result.config, mesh, schedule=best.schedule.name, micro_batches=best.micro_batches, seed=seed
+    )
+
+
+def _stage_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """The last stage returns its micro-batch's loss already (computed in its program)."""
+    return output
+
+
+def _device(device_type: str) -> torch.device:
+    """This rank's device: on a GPU mesh the current CUDA device (torchrun's local rank)."""
+    if device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(device_type)
+
+
+def _local_example(x: Any, layout: Layout, stage: PlanConfig) -> Any:
+    """An empty tensor of `x`'s local shape in `layout` (what torch's stage checks inputs against)."""
+    assert stage.mesh is not None
+    shape = layout.local_shape(tuple(x.shape), stage.mesh)
+    return torch.empty(shape, dtype=x.dtype, device="meta").requires_grad_(x.requires_grad)
+
+
+def _output_example(plan: Plan, layout: Layout, stage: PlanConfig) -> torch.Tensor:
+    """The stage output's local shape: the boundary layout's shard, or the scalar loss; it
+    requires a gradient (torch's stage sends one back only for an output that does)."""
+    assert stage.mesh is not None
+    value = plan.graph.loss.meta["val"]
+    shape = () if value.dim() == 0 else layout.local_shape(tuple(value.shape), stage.mesh)
+    return torch.empty(shape, dtype=value.dtype, device="meta", requires_grad=True)

@@ -1,0 +1,108 @@
+"""Pipeline stages run by torch's schedules on 4 gloo ranks, against one device: each case builds
+the stages of llama3-debug (every stage's parameters fully sharded over its stage mesh, so
+every mesh dim runs collectives), runs one step of 8 rows and reports the loss on the last
+stage's ranks, the largest relative gradient error of this rank's parameters (gathered whole)
+and the summary of each of its stages' plans. The last case runs what `plan_pipeline` chose."""
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
+
+from autoshard.driver.config import PlanConfig  # noqa: E402
+from autoshard.driver.pipeline import plan_pipeline  # noqa: E402
+from autoshard.driver.stages import StageSpec, apply_pipeline, pipeline_run  # noqa: E402
+from autoshard_models import build_model, get_config  # noqa: E402
+from autoshard_models.llama import cross_entropy_loss  # noqa: E402
+from plan_audit import CPU_PRICED, summary  # noqa: E402
+from torchrun import report_ranks  # noqa: E402
+
+BATCH, SEQ = 8, 32
+# name: (mesh, mesh names, schedule, blocks per stage, micro-batches)
+CASES = {
+    "pp2xdp2 1F1B uneven": ((2, 2), ("pp", "dp"), "1F1B", (4, 2), 4),
+    "pp2xtp2 GPipe uneven": ((2, 2), ("pp", "tp"), "GPipe", (2, 4), 2),
+    "pp4 interleaved": ((4, 1), ("pp", "dp"), "Interleaved1F1B", (1,) * 8, 4),
+}
+
+
+def config_of(shape, names):
+    return PlanConfig(mesh=shape, mesh_names=names, device_profile=CPU_PRICED["device"], network=CPU_PRICED["network"])
+
+
+def batch(cfg):
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, cfg.vocab_size, (BATCH, SEQ), generator=g)
+    return tokens, torch.randint(0, cfg.vocab_size, (BATCH, SEQ), generator=g)
+
+
+def check(run, cfg, mesh, names):
+    """One step of the run against one device: (loss, worst relative gradient error)."""
+    reference = build_model(cfg, seed=0)
+    run.init_weights(reference.initial_values(0))
+    tokens, targets = batch(cfg)
+    rows = slice(None)
+    if "dp" in names and mesh.shape[names.index("dp")] > 1:
+        share = BATCH // mesh.shape[names.index("dp")]
+        at = mesh.get_local_rank(names.index("dp")) * share
+        rows = slice(at, at + share)
+    loss = run.step(tokens[rows], targets[rows])
+    expected = cross_entropy_loss(reference(tokens), targets)
+    expected.backward()
+    grads = {name: p.grad for name, p in reference.named_parameters()}
+    worst = max(
+        ((p.grad.full_tensor() - grads[name]).abs().max() / grads[name].abs().max()).item()
+        for name, p in run.named_parameters()
+    )
+    return {"loss": None if loss is None else loss.item(), "expected": expected.item(), "worst_grad": worst}
+
+
+def by_hand(shape, names, schedule, blocks, micro_batches):
+    cfg = get_config("llama3-debug").with_(n_layers=sum(blocks))
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+    model = build_model(cfg, device="meta")
+    tokens, targets = (torch.zeros(BATCH // micro_batches, SEQ, dtype=torch.long) for _ in range(2))
+    specs, start = [], 0
+    for n in blocks:
+        stage = model.pipeline_stage(start, start + n)
+        specs.append(StageSpec(stage, stage.example_inputs(tokens, targets, torch.float32), sharded=True))
+        start += n
+    run = pipeline_run(specs, config_of(shape, names), mesh, schedule=schedule, micro_batches=micro_batches)
+    result = check(run, cfg, mesh, names)
+    result["plans"] = {k: summary(m.plan) for k, m in run.modules.items()}
+    return result
+
+
+def planned():
+    """plan_pipeline's choice for a model whose head outweighs a block, run."""
+    cfg = get_config("llama3-debug").with_(vocab_size=32768, n_layers=8)
+    shape, names = (2, 2), ("pp", "dp")
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+    model = build_model(cfg, device="meta")
+
+    def inputs(rows):
+        return torch.zeros(rows, SEQ, dtype=torch.long), torch.zeros(rows, SEQ, dtype=torch.long)
+
+    result = plan_pipeline(model, inputs, config_of(shape, names), batch=BATCH, loss_fn=cross_entropy_loss)
+    run = apply_pipeline(model, result, mesh, inputs)
+    out = check(run, cfg, mesh, names)
+    best = result.best
+    out["chosen"] = {"blocks": best.blocks, "schedule": best.schedule.name, "micro_batches": best.micro_batches}
+    out["stages"] = sorted(run.modules)
+    return out
+
+
+def main():
+    dist.init_process_group("gloo")
+    torch.manual_seed(0)
+    result = {name: by_hand(*case) for name, case in CASES.items()}
+    result["planned"] = planned()
+    report_ranks(result)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,110 @@
+"""Running pipeline stages (`autoshard.driver.stages`): a stage's plan sends its output and its
+input's gradient across the boundary, and torch's schedules run the stages exactly as one device
+trains the whole model."""
+
+import pytest
+import torch
+
+from autoshard.driver.api import AutoShard
+from autoshard.driver.config import PlanConfig
+from autoshard.driver.stages import StageSpec, boundary_layout, pipeline_run, plan_stage
+from autoshard.layout import Layout
+from autoshard_models import build_model, get_config
+from autoshard_models.llama import cross_entropy_loss
+from plan_audit import CPU_PRICED, assert_shards
+from torchrun import one_launch_at_a_time, run_ranks
+
+CPU = {"device_profile": CPU_PRICED["device"], "network": CPU_PRICED["network"]}
+
+
+def test_stages_compose_to_the_model():
+    cfg = get_config("llama3-tiny").with_(n_layers=3)
+    model = build_model(cfg, seed=0)
+    tokens = torch.randint(0, cfg.vocab_size, (2, 8))
+    targets = torch.randint(0, cfg.vocab_size, (2, 8))
+    first, middle, last = (model.pipeline_stage(a, b) for a, b in ((0, 1), (1, 2), (2, 3)))
+    assert [n for n, _ in middle.named_parameters()][0] == "layers.1.attention_norm.weight"  # the model's names
+    loss = last(middle(first(tokens)), targets)
+    assert torch.equal(loss, cross_entropy_loss(model(tokens), targets))
+    with pytest.raises(ValueError, match=r"some, unless it is the first or last\), got \[1, 1\)"):
+        model.pipeline_stage(1, 1)
+
+
+def test_a_middle_stage_sends_its_output_and_its_input_gradient_in_the_boundary_layout():
+    cfg = get_config("llama3-tiny").with_(n_layers=3)
+    stage = build_model(cfg, device="meta").pipeline_stage(1, 2)
+    tokens = torch.zeros(4, 8, dtype=torch.long)
+    spec = StageSpec(stage, stage.example_inputs(tokens, tokens, torch.float32), sharded=True)
+    config = PlanConfig(mesh=(2,), mesh_names=("dp",), **CPU)
+    _, plan = plan_stage(spec, config, (2,), micro_batches=2)
+    rows = Layout.parse("S(0)")
+    assert boundary_layout(config) == rows
+    assert plan.input_layouts == [rows] and plan.loss_sink.layout == rows
+    assert {i: s.layout for i, s in plan.input_grad_sinks.items()} == {0: rows}
+    assert tuple(plan.graph.loss.meta["val"].shape) == (4, 8, cfg.dim)  # the hidden states, not a loss
+    assert plan.micro_batches == 2
+    assert_shards(plan)  # sharded: every parameter split over the stage mesh
+
+
+def test_inputs_that_require_a_gradient_need_a_stage_layout():
+    """The last stage returns a loss, but its input's gradient goes back to a previous stage:
+    planned as a model of its own, that gradient would have no layout to land in."""
+    cfg = get_config("llama3-tiny").with_(n_layers=3)
+    stage = build_model(cfg, device="meta").pipeline_stage(2, 3)
+    hidden, targets = torch.zeros(4, 8, cfg.dim, requires_grad=True), torch.zeros(4, 8, dtype=torch.long)
+    auto = AutoShard(stage, lambda: (hidden, targets), (2,), device="cpu", network="cpu-gloo")
+    with pytest.raises(ValueError, match="inputs that require a gradient are a pipeline stage's"):
+        auto.optimize()
+
+
+@pytest.mark.parametrize(
+    "schedule, chunks, message",
+    [
+        ("ZBV", 2, "schedule must be one of GPipe, 1F1B, Interleaved1F1B, got 'ZBV'"),
+        ("1F1B", 4, "1F1B runs one stage per pp rank: 4 stages on 2 pp ranks"),
+        ("Interleaved1F1B", 2, "Interleaved1F1B runs several stages per pp rank: 2 stages on 2 pp ranks"),
+        ("Interleaved1F1B", 3, "Interleaved1F1B runs several stages per pp rank: 3 stages on 2 pp ranks"),
+    ],
+)
+def test_schedule_and_stage_count_must_agree(schedule, chunks, message):
+    config = PlanConfig(mesh=(2, 2), mesh_names=("pp", "dp"))
+    stages = [StageSpec(torch.nn.Linear(2, 2), (torch.zeros(2, 2),))] * chunks
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        pipeline_run(stages, config, None, schedule=schedule, micro_batches=2)
+
+
+@pytest.mark.slow
+@pytest.mark.replicated_plan  # pp4's stage meshes are one device each; the other cases assert their sharding
+def test_pipelines_train_as_one_device_does():
+    """4 gloo ranks: pp2 x dp2 under 1F1B with a 4/2 cut, pp2 x tp2 under GPipe with a 2/4 cut
+    (every stage's parameters sharded, collectives on every stage mesh dim), pp4 under
+    Interleaved1F1B (8 chunks of one block, each rank holding 2), and the pipeline
+    plan_pipeline chose for a model with a large head: the loss and every gradient are one
+    device's."""
+    with one_launch_at_a_time():
+        ranks = run_ranks("dist_pipeline.py", timeout=900)
+    for name, (stages_of, batch_split) in {
+        "pp2xdp2 1F1B uneven": ({0: [0], 1: [1]}, True),
+        "pp2xtp2 GPipe uneven": ({0: [0], 1: [1]}, False),
+        "pp4 interleaved": ({r: [r, r + 4] for r in range(4)}, None),
+    }.items():
+        pp_of = {0: 0, 1: 0, 2: 1, 3: 1} if len(stages_of) == 2 else {r: r for r in range(4)}
+        last = max(s for stages in stages_of.values() for s in stages)
+        for rank, result in enumerate(ranks):
+            case = result[name]
+            assert case["worst_grad"] < 1e-5, (name, rank, case)
+            assert sorted(map(int, case["plans"])) == stages_of[pp_of[rank]]
+            if last in stages_of[pp_of[rank]]:
+                assert case["loss"] == pytest.approx(case["expected"], rel=1e-5)
+            else:
+                assert case["loss"] is None
+            if batch_split is not None:  # the stage mesh is one device under pp4
+                for facts in case["plans"].values():
+                    assert_shards(facts, batch_split=batch_split)
+    for rank, result in enumerate(ranks):
+        case = result["planned"]
+        assert case["worst_grad"] < 1e-5 and case["chosen"] == ranks[0]["planned"]["chosen"]
+        assert sum(case["chosen"]["blocks"]) == 8
+        if case["loss"] is not None:
+            assert case["loss"] == pytest.approx(case["expected"], rel=1e-5)
+    assert sum(r["planned"]["loss"] is not None for r in ranks) == 2  # the two ranks of the last stage
