@@ -53,6 +53,9 @@ OTHER_TOOLS = {
     "--big",
     "--parts",
     "--profile",  # benchmarks.gpu.check
+    "--trainers",
+    "--vocab",
+    "--dp",  # benchmarks.training.pipeline
     "--no-index",
     "--no-deps",
     "--target",
