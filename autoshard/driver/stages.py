@@ -79,7 +79,7 @@ class PipelineRun:
         """Each of this rank's stages takes its shard of the whole model's values, one full tensor
         at a time (an init that yields each, `model.initial_values(seed)`): names no stage here
         holds are skipped; KeyError when a stage's parameter or buffer never comes."""
-        left = {k: set(m.program.param_names) | set(m.program.buffer_names) for k, m in self.modules.items()}
+        left = {k: {n for n, _ in (*m.named_parameters(), *m.named_buffers())} for k, m in self.modules.items()}
         for fqn, full in values:
             for k, module in self.modules.items():
                 if fqn in left[k]:
@@ -203,7 +203,9 @@ def pipeline_run(
     stage_mesh = mesh[names[1:]] if len(names) > 2 else mesh[names[1]]
     stage_config = config.stage_config()
     layout = boundary_layout(stage_config)
-    plans, modules, pipes = [], {}, []
+    plans: list[Plan] = []
+    modules: dict[int, ParallelModule] = {}
+    pipes: list[Any] = []
     for k, spec in enumerate(stages):
         auto, plan = plan_stage(spec, stage_config, stage_mesh, micro_batches=micro_batches, stages=ranks)
         plans.append(plan)
@@ -225,6 +227,7 @@ def pipeline_run(
                 group=mesh.get_group(0),
             )
         )
+    runner: Any
     if looped:
         runner = schedules.ScheduleInterleaved1F1B(pipes, micro_batches, loss_fn=_stage_loss)
     else:
