@@ -2,7 +2,8 @@
 the stages of llama3-debug (every stage's parameters fully sharded over its stage mesh, so
 every mesh dim runs collectives), runs one step of 8 rows and reports the loss on the last
 stage's ranks, the largest relative gradient error of this rank's parameters (gathered whole)
-and the summary of each of its stages' plans. The last case runs what `plan_pipeline` chose."""
+and the summary of each of its stages' plans. Then a Hugging Face Llama cut by `DecoderStages`,
+and what `plan_pipeline` chose."""
 
 import os
 import sys
@@ -77,6 +78,53 @@ def by_hand(shape, names, schedule, blocks, micro_batches):
     return result
 
 
+def hf_by_hand():
+    """A Hugging Face Llama cut 3/1 (`DecoderStages`) on pp2 x dp2 under 1F1B, sharded."""
+    import transformers
+
+    from autoshard.workloads import hf
+    from autoshard.workloads.hf_stages import DecoderStages
+
+    config = hf.training_config(
+        transformers.LlamaConfig(
+            vocab_size=256,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+        )
+    )
+    shape, names, micro_batches = (2, 2), ("pp", "dp"), 2
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+    stages = DecoderStages(hf.build(config, "meta"))
+    tokens = torch.zeros(BATCH // micro_batches, SEQ, dtype=torch.long)
+    specs = []
+    for start, stop in ((0, 3), (3, 4)):
+        stage = stages.pipeline_stage(start, stop)
+        specs.append(StageSpec(stage, stage.example_inputs(tokens, tokens, torch.float32), sharded=True))
+    run = pipeline_run(specs, config_of(shape, names), mesh, schedule="1F1B", micro_batches=micro_batches)
+    reference = hf.build(config, "cpu", seed=0)
+    run.load_full(dict(reference.named_parameters()) | dict(reference.named_buffers()))
+    g = torch.Generator().manual_seed(1)
+    tokens, targets = (torch.randint(0, config.vocab_size, (BATCH, SEQ), generator=g) for _ in range(2))
+    at = mesh.get_local_rank(1) * (BATCH // 2)
+    loss = run.step(tokens[at : at + BATCH // 2], targets[at : at + BATCH // 2])
+    expected = hf.logits_loss(reference(input_ids=tokens), targets)
+    expected.backward()
+    grads = {name: p.grad for name, p in reference.named_parameters()}
+    worst = max(
+        ((p.grad.full_tensor() - grads[name]).abs().max() / grads[name].abs().max()).item()
+        for name, p in run.named_parameters()
+    )
+    return {
+        "loss": None if loss is None else loss.item(),
+        "expected": expected.item(),
+        "worst_grad": worst,
+        "plans": {k: summary(m.plan) for k, m in run.modules.items()},
+    }
+
+
 def planned():
     """plan_pipeline's choice for a model whose head outweighs a block, run."""
     cfg = get_config("llama3-debug").with_(vocab_size=32768, n_layers=8)
@@ -100,6 +148,7 @@ def main():
     dist.init_process_group("gloo")
     torch.manual_seed(0)
     result = {name: by_hand(*case) for name, case in CASES.items()}
+    result["hf llama"] = hf_by_hand()
     result["planned"] = planned()
     report_ranks(result)
 

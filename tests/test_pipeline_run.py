@@ -30,6 +30,39 @@ def test_stages_compose_to_the_model():
         model.pipeline_stage(1, 1)
 
 
+def hf_llama(**changes):
+    import transformers
+
+    from autoshard.workloads import hf
+
+    small = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4)
+    return hf.build(hf.training_config(transformers.LlamaConfig(**(small | changes))), "cpu", seed=0)
+
+
+def test_a_hugging_face_decoder_splits_into_stages_that_compose_to_it():
+    from autoshard.workloads import hf
+    from autoshard.workloads.hf_stages import DecoderStages
+
+    model = hf_llama()
+    stages = DecoderStages(model)
+    tokens, targets = torch.randint(0, 128, (2, 8)), torch.randint(0, 128, (2, 8))
+    first, middle, last = (stages.pipeline_stage(a, b) for a, b in ((0, 1), (1, 2), (2, 3)))
+    assert {n for n, _ in last.named_parameters()} == {n for n, _ in model.named_parameters() if ".2." in n} | {
+        "model.norm.weight",
+        "lm_head.weight",
+    }
+    loss = last(middle(first(tokens)), targets)
+    assert torch.equal(loss, hf.logits_loss(model(input_ids=tokens), targets))
+    with pytest.raises(ValueError, match="head is tied to its embedding"):
+        DecoderStages(hf_llama(tie_word_embeddings=True))
+    eager = hf_llama()
+    eager.config._attn_implementation = "eager"
+    with pytest.raises(ValueError, match="the model runs 'eager' attention"):
+        DecoderStages(eager)
+    with pytest.raises(ValueError, match="not a decoder of Llama's layout"):
+        DecoderStages(torch.nn.Linear(2, 2))
+
+
 def test_a_middle_stage_sends_its_output_and_its_input_gradient_in_the_boundary_layout():
     cfg = get_config("llama3-tiny").with_(n_layers=3)
     stage = build_model(cfg, device="meta").pipeline_stage(1, 2)
@@ -78,15 +111,16 @@ def test_schedule_and_stage_count_must_agree(schedule, chunks, message):
 def test_pipelines_train_as_one_device_does():
     """4 gloo ranks: pp2 x dp2 under 1F1B with a 4/2 cut, pp2 x tp2 under GPipe with a 2/4 cut
     (every stage's parameters sharded, collectives on every stage mesh dim), pp4 under
-    Interleaved1F1B (8 chunks of one block, each rank holding 2), and the pipeline
-    plan_pipeline chose for a model with a large head: the loss and every gradient are one
-    device's."""
+    Interleaved1F1B (8 chunks of one block, each rank holding 2), a Hugging Face Llama cut 3/1
+    on pp2 x dp2 (sharded), and the pipeline plan_pipeline chose for a model with a large head:
+    the loss and every gradient are one device's."""
     with one_launch_at_a_time():
         ranks = run_ranks("dist_pipeline.py", timeout=900)
     for name, (stages_of, batch_split) in {
         "pp2xdp2 1F1B uneven": ({0: [0], 1: [1]}, True),
         "pp2xtp2 GPipe uneven": ({0: [0], 1: [1]}, False),
         "pp4 interleaved": ({r: [r, r + 4] for r in range(4)}, None),
+        "hf llama": ({0: [0], 1: [1]}, True),
     }.items():
         pp_of = {0: 0, 1: 0, 2: 1, 3: 1} if len(stages_of) == 2 else {r: r for r in range(4)}
         last = max(s for stages in stages_of.values() for s in stages)
