@@ -52,6 +52,11 @@ def check(run, cfg, mesh, names):
         at = mesh.get_local_rank(names.index("dp")) * share
         rows = slice(at, at + share)
     loss = run.step(tokens[rows], targets[rows])
+    first = {name: p.grad.to_local().clone() for name, p in run.named_parameters()}
+    for p in run.parameters():
+        p.grad = None
+    run.step(tokens[rows], targets[rows])  # a second step holds and reduces afresh: the same gradients
+    again = all(torch.equal(p.grad.to_local(), first[name]) for name, p in run.named_parameters())
     expected = cross_entropy_loss(reference(tokens), targets)
     expected.backward()
     grads = {name: p.grad for name, p in reference.named_parameters()}
@@ -59,7 +64,12 @@ def check(run, cfg, mesh, names):
         ((p.grad.full_tensor() - grads[name]).abs().max() / grads[name].abs().max()).item()
         for name, p in run.named_parameters()
     )
-    return {"loss": None if loss is None else loss.item(), "expected": expected.item(), "worst_grad": worst}
+    return {
+        "loss": None if loss is None else loss.item(),
+        "expected": expected.item(),
+        "worst_grad": worst,
+        "again": again,
+    }
 
 
 def by_hand(shape, names, schedule, blocks, micro_batches):

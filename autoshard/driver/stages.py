@@ -66,6 +66,7 @@ class PipelineRun:
     schedule: Any = field(repr=False)  # torch.distributed.pipelining's schedule object
     micro_batches: int = 1
     last_stage: int = 0
+    stages: list[_Stage] = field(default_factory=list, repr=False)  # what torch's stages call, this rank's
 
     def parameters(self) -> Iterable[nn.Parameter]:
         for module in self.modules.values():
@@ -99,6 +100,8 @@ class PipelineRun:
         micro-batches); gradients land in `.grad`. The mean loss on the rank that runs the last
         stage, None on the others."""
         losses: list[torch.Tensor] = []
+        for stage in self.stages:  # a step starts at micro-batch 0, whatever the last one did
+            stage.calls = 0
         runs_first = 0 in self.modules
         args = (tokens,) if runs_first else ()
         self.schedule.step(*args, target=targets, losses=losses, return_outputs=False, targets=targets)
@@ -206,6 +209,7 @@ def pipeline_run(
     plans: list[Plan] = []
     modules: dict[int, ParallelModule] = {}
     pipes: list[Any] = []
+    calls: list[_Stage] = []
     for k, spec in enumerate(stages):
         auto, plan = plan_stage(spec, stage_config, stage_mesh, micro_batches=micro_batches, stages=ranks)
         plans.append(plan)
@@ -216,9 +220,10 @@ def pipeline_run(
         local = tuple(_local_example(x, layout, stage_config) for x in spec.inputs)
         last = k == len(stages) - 1
         out = _output_example(plan, layout, stage_config)
+        calls.append(_Stage(module, last, micro_batches))
         pipes.append(
             PipelineStage(
-                _Stage(module, last, micro_batches),
+                calls[-1],
                 k,
                 len(stages),
                 _device(mesh.device_type),
@@ -233,7 +238,7 @@ def pipeline_run(
     else:
         cls = schedules.ScheduleGPipe if schedule == "GPipe" else schedules.Schedule1F1B
         runner = cls(pipes[0], micro_batches, loss_fn=_stage_loss)
-    return PipelineRun(modules, plans, runner, micro_batches, len(stages) - 1)
+    return PipelineRun(modules, plans, runner, micro_batches, len(stages) - 1, calls)
 
 
 def apply_pipeline(
