@@ -234,16 +234,16 @@ class TransformerStage(nn.Module):
     def first(self) -> bool:
         return self.start == 0
 
+    @property
+    def last(self) -> bool:
+        return self.stop == self.cfg.n_layers
+
     def example_inputs(self, tokens: torch.Tensor, targets: torch.Tensor, dtype: torch.dtype) -> tuple:
         """What this stage takes for a micro-batch of `tokens` and `targets` (shapes are what
         matter): the tokens, or the hidden states in `dtype` (requiring a gradient, which goes
         back to the previous stage); and the targets when it is the last."""
         x = tokens if self.first else torch.empty(*tokens.shape, self.cfg.dim, dtype=dtype, requires_grad=True)
         return (x, targets) if self.last else (x,)
-
-    @property
-    def last(self) -> bool:
-        return self.stop == self.cfg.n_layers
 
     def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         h = self.tok_embeddings(x) if self.first else x

@@ -187,7 +187,7 @@ class AutoShard:
         self.spec.output_layouts = {i: _as_layout(lay) for i, lay in enumerate(layouts) if lay is not None}
 
     def pipeline_stage(self, layout: Layout | str) -> None:
-        """Plan the model as one pipeline stage (`autoshard.pipeline_stages`): what it returns is
+        """Plan the model as one pipeline stage (`autoshard.pipeline_run`): what it returns is
         sent to the next stage, not a loss (unless it is a scalar: the last stage's loss), and it
         and the gradients of the inputs that require one (the activations the previous stage
         sent) are in `layout`, as every stage's boundary is."""
@@ -226,8 +226,9 @@ class AutoShard:
 
     # ------------------------------------------------------------------ planning
     def _step(self, model: nn.Module, *inputs: Any) -> torch.Tensor:
-        if self.spec.stage_layout is not None:  # a pipeline stage returns what it sends on
-            return self._with_casts(model)(*inputs)
+        if self.spec.stage_layout is not None:  # a pipeline stage returns what it sends on, uncast
+            p = self.precision
+            return model(*cast_floating(inputs, p.param_dtype if p.cast_forward_inputs else None))
         how = (self._input_names, self.n_model_inputs, self._mark_outputs, self.loss_output)
         return run_step(self._with_casts(model), self.loss_fn, inputs, *how)
 
