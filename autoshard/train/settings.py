@@ -259,7 +259,8 @@ class Settings(PlanConfig):
         if self.pipeline_ranks is not None:
             raise ValueError(
                 "train does not run pipeline stages yet: `python -m autoshard plan` with a pp dim chooses "
-                "them (stage cuts, schedule, micro-batches); train on a mesh without pp"
+                "them (stage cuts, schedule, micro-batches) and autoshard.apply_pipeline runs them from "
+                "Python; train on a mesh without pp"
             )
         if self.recipe is not None:
             recipe_pins(self.recipe, len(self.mesh))  # fsdp-tp names the mesh it needs
