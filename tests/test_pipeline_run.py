@@ -127,7 +127,7 @@ def test_pipelines_train_as_one_device_does():
         for rank, result in enumerate(ranks):
             case = result[name]
             assert case["worst_grad"] < 1e-5, (name, rank, case)
-            assert case.get("again", True), (name, rank)  # a second step's gradients are the first's
+            assert name == "hf llama" or case["again"], (name, rank)  # a second step's gradients are the first's
             assert sorted(map(int, case["plans"])) == stages_of[pp_of[rank]]
             if last in stages_of[pp_of[rank]]:
                 assert case["loss"] == pytest.approx(case["expected"], rel=1e-5)
@@ -138,7 +138,7 @@ def test_pipelines_train_as_one_device_does():
                     assert_shards(facts, batch_split=batch_split)
     for rank, result in enumerate(ranks):
         case = result["planned"]
-        assert case["worst_grad"] < 1e-5 and case["chosen"] == ranks[0]["planned"]["chosen"]
+        assert case["worst_grad"] < 1e-5 and case["again"] and case["chosen"] == ranks[0]["planned"]["chosen"]
         assert sum(case["chosen"]["blocks"]) == 8
         if case["loss"] is not None:
             assert case["loss"] == pytest.approx(case["expected"], rel=1e-5)
