@@ -35,17 +35,12 @@ def config_of(shape, names):
     return PlanConfig(mesh=shape, mesh_names=names, device_profile=CPU_PRICED["device"], network=CPU_PRICED["network"])
 
 
-def batch(cfg):
+def check(run, reference, loss_of, vocab, mesh, names):
+    """One step of the run (its weights `reference`'s) against `loss_of(reference, tokens,
+    targets)` on one device: the loss, the worst relative gradient error, and whether a second
+    step on the same rows gives the first one's gradients."""
     g = torch.Generator().manual_seed(1)
-    tokens = torch.randint(0, cfg.vocab_size, (BATCH, SEQ), generator=g)
-    return tokens, torch.randint(0, cfg.vocab_size, (BATCH, SEQ), generator=g)
-
-
-def check(run, cfg, mesh, names):
-    """One step of the run against one device: (loss, worst relative gradient error)."""
-    reference = build_model(cfg, seed=0)
-    run.init_weights(reference.initial_values(0))
-    tokens, targets = batch(cfg)
+    tokens, targets = (torch.randint(0, vocab, (BATCH, SEQ), generator=g) for _ in range(2))
     rows = slice(None)
     if "dp" in names and mesh.shape[names.index("dp")] > 1:
         share = BATCH // mesh.shape[names.index("dp")]
@@ -57,7 +52,7 @@ def check(run, cfg, mesh, names):
         p.grad = None
     run.step(tokens[rows], targets[rows])  # a second step holds and reduces afresh: the same gradients
     again = all(torch.equal(p.grad.to_local(), first[name]) for name, p in run.named_parameters())
-    expected = cross_entropy_loss(reference(tokens), targets)
+    expected = loss_of(reference, tokens, targets)
     expected.backward()
     grads = {name: p.grad for name, p in reference.named_parameters()}
     worst = max(
@@ -69,7 +64,15 @@ def check(run, cfg, mesh, names):
         "expected": expected.item(),
         "worst_grad": worst,
         "again": again,
+        "plans": {k: summary(m.plan) for k, m in run.modules.items()},
     }
+
+
+def llama_check(run, cfg, mesh, names):
+    """`check` of a run of our llama, its weights `init_weights(0)`'s."""
+    reference = build_model(cfg, seed=0)
+    run.init_weights(reference.initial_values(0))
+    return check(run, reference, lambda m, t, y: cross_entropy_loss(m(t), y), cfg.vocab_size, mesh, names)
 
 
 def by_hand(shape, names, schedule, blocks, micro_batches):
@@ -83,9 +86,7 @@ def by_hand(shape, names, schedule, blocks, micro_batches):
         specs.append(StageSpec(stage, stage.example_inputs(tokens, targets, torch.float32), sharded=True))
         start += n
     run = pipeline_run(specs, config_of(shape, names), mesh, schedule=schedule, micro_batches=micro_batches)
-    result = check(run, cfg, mesh, names)
-    result["plans"] = {k: summary(m.plan) for k, m in run.modules.items()}
-    return result
+    return llama_check(run, cfg, mesh, names)
 
 
 def hf_by_hand():
@@ -116,23 +117,7 @@ def hf_by_hand():
     run = pipeline_run(specs, config_of(shape, names), mesh, schedule="1F1B", micro_batches=micro_batches)
     reference = hf.build(config, "cpu", seed=0)
     run.load_full(dict(reference.named_parameters()) | dict(reference.named_buffers()))
-    g = torch.Generator().manual_seed(1)
-    tokens, targets = (torch.randint(0, config.vocab_size, (BATCH, SEQ), generator=g) for _ in range(2))
-    at = mesh.get_local_rank(1) * (BATCH // 2)
-    loss = run.step(tokens[at : at + BATCH // 2], targets[at : at + BATCH // 2])
-    expected = hf.logits_loss(reference(input_ids=tokens), targets)
-    expected.backward()
-    grads = {name: p.grad for name, p in reference.named_parameters()}
-    worst = max(
-        ((p.grad.full_tensor() - grads[name]).abs().max() / grads[name].abs().max()).item()
-        for name, p in run.named_parameters()
-    )
-    return {
-        "loss": None if loss is None else loss.item(),
-        "expected": expected.item(),
-        "worst_grad": worst,
-        "plans": {k: summary(m.plan) for k, m in run.modules.items()},
-    }
+    return check(run, reference, lambda m, t, y: hf.logits_loss(m(input_ids=t), y), config.vocab_size, mesh, names)
 
 
 def planned():
@@ -147,7 +132,7 @@ def planned():
 
     result = plan_pipeline(model, inputs, config_of(shape, names), batch=BATCH, loss_fn=cross_entropy_loss)
     run = apply_pipeline(model, result, mesh, inputs)
-    out = check(run, cfg, mesh, names)
+    out = llama_check(run, cfg, mesh, names)
     best = result.best
     out["chosen"] = {"blocks": best.blocks, "schedule": best.schedule.name, "micro_batches": best.micro_batches}
     out["stages"] = sorted(run.modules)

@@ -127,7 +127,7 @@ def test_pipelines_train_as_one_device_does():
         for rank, result in enumerate(ranks):
             case = result[name]
             assert case["worst_grad"] < 1e-5, (name, rank, case)
-            assert name == "hf llama" or case["again"], (name, rank)  # a second step's gradients are the first's
+            assert case["again"], (name, rank)  # a second step's gradients are the first's
             assert sorted(map(int, case["plans"])) == stages_of[pp_of[rank]]
             if last in stages_of[pp_of[rank]]:
                 assert case["loss"] == pytest.approx(case["expected"], rel=1e-5)
