@@ -69,9 +69,9 @@ def check(run, reference, loss_of, vocab, mesh, names):
 
 
 def llama_check(run, cfg, mesh, names):
-    """`check` of a run of our llama, its weights `init_weights(0)`'s."""
+    """`check` of a run of our llama, its weights `initial_values(0)`'s."""
     reference = build_model(cfg, seed=0)
-    run.init_weights(reference.initial_values(0))
+    run.load_each(reference.initial_values(0))
     return check(run, reference, lambda m, t, y: cross_entropy_loss(m(t), y), cfg.vocab_size, mesh, names)
 
 

@@ -98,7 +98,7 @@ def test_resume_refuses_a_crafted_value_in_a_data_file_and_runs_nothing(tmp_path
     dcp_to_torch_save(str(run / STEP), str(tmp_path / "whole.pt"))  # the genuine one, read by torch
     state = torch.load(tmp_path / "whole.pt", weights_only=True)
     payload(marker)
-    state["optim"]["param_groups"][0]["lr"] = Payload(marker)
+    state["optim"]["param_groups.tok_embeddings.weight.lr"] = Payload(marker)  # groups keyed by parameter
     shutil.rmtree(tmp_path / "re", ignore_errors=True)
     dcp.save(state, checkpoint_id=str(tmp_path / "re"), no_dist=True)
     for part in (tmp_path / "re").iterdir():

@@ -165,7 +165,7 @@ def test_mesh_roles_are_checked_with_one_error_line(capsys):
             ["plan", *base, "--mesh", "2x2", "--mesh-names", "pp,dp", "--explain", "output.weight"],
             "--explain plans one",
         ),
-        (["train", *base, "--mesh", "2x2", "--mesh-names", "pp,dp"], "train does not run pipeline stages yet"),
+        (["train", *base, "--mesh", "2x2", "--mesh-names", "pp,dp", "--compile"], "does not take --compile yet"),
         (
             ["plan", *base, "--mesh", "2x2", "--mesh-names", "pp,dp", "--compare", "manual"],
             "--compare manual plans one",

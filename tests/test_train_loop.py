@@ -318,7 +318,7 @@ def test_mfu_counts_the_traced_steps_flops():
     with AutoShard(model, example, (1,), loss_fn=cross_entropy_loss) as auto:
         plan = auto.optimize(dry_run=False)
     device = DeviceProfile(peak_flops=1e12, mem_bw=1e9)
-    figures = Throughput(128, plan, device, torch.float32)
+    figures = Throughput.of_plan(128, plan, device, torch.float32)
     matmul = sum(p.numel() for n, p in model.named_parameters() if p.ndim >= 2 and "tok_embeddings" not in n)
     attention = 2 * 3 * cfg.n_layers * 2 * 8 * 16 * 16 * cfg.dim  # QK^T and AV, forward + 2x backward
     assert figures.flops == pytest.approx(6 * matmul * 128 + attention, rel=0.02)

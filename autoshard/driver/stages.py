@@ -3,7 +3,7 @@ drives them.
 
     run = pipeline_run([StageSpec(stage_module, example_inputs), ...], config, mesh,
                        schedule="1F1B", micro_batches=4)
-    run.init_weights(model.initial_values(seed))          # or run.load_full(state_dict)
+    run.load_each(model.initial_values(seed))             # or run.load_full(state_dict)
     loss = run.step(tokens, targets)                      # this rank's rows; the loss on the last stage
     optimizer = torch.optim.AdamW(run.parameters())       # this rank's stages' DTensor parameters
 
@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -76,20 +76,27 @@ class PipelineRun:
         for module in self.modules.values():
             yield from module.named_parameters()
 
-    def init_weights(self, values: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def named_buffers(self) -> Iterable[tuple[str, torch.Tensor]]:
+        for module in self.modules.values():
+            yield from module.named_buffers()
+
+    def load_each(self, values: Iterable[tuple[str, torch.Tensor]], *, exclude: Collection[str] = ()) -> None:
         """Each of this rank's stages takes its shard of the whole model's values, one full tensor
         at a time (an init that yields each, `model.initial_values(seed)`): names no stage here
-        holds are skipped; KeyError when a stage's parameter or buffer never comes."""
-        left = {k: {n for n, _ in (*m.named_parameters(), *m.named_buffers())} for k, m in self.modules.items()}
+        holds are skipped; KeyError when a parameter or buffer not in `exclude` never comes."""
+        left = {n for n, _ in (*self.named_parameters(), *self.named_buffers()) if n not in exclude}
         for fqn, full in values:
-            for k, module in self.modules.items():
-                if fqn in left[k]:
-                    module.load_full({fqn: full}, strict=False)
-                    left[k].discard(fqn)
-            del full
-        missing = sorted(fqn for names in left.values() for fqn in names)
-        if missing:
-            raise KeyError(f"the values lack {len(missing)} parameters or buffers, e.g. {missing[:3]}")
+            if fqn not in exclude and any([module.take(fqn, full) for module in self.modules.values()]):
+                left.discard(fqn)
+            del full  # before the next one is made
+        if left:
+            raise KeyError(f"the values lack {len(left)} parameters or buffers, e.g. {sorted(left)[:3]}")
+
+    def load_slices(self, read: Any, names: Collection[str] | None = None) -> None:
+        """Every parameter of this rank's stages (those in `names`, None: all) read by slices,
+        each rank reading only its shards (`ParallelModule.load_slices`)."""
+        for module in self.modules.values():
+            module.load_slices(read, names)
 
     def load_full(self, values: Mapping[str, torch.Tensor]) -> None:
         for module in self.modules.values():
@@ -99,15 +106,18 @@ class PipelineRun:
         """One training step's forward and backward over this rank's rows (split into the
         micro-batches); gradients land in `.grad`. The mean loss on the rank that runs the last
         stage, None on the others."""
+        losses = self.micro_losses(tokens, targets)
+        return torch.stack(losses).mean() if losses else None
+
+    def micro_losses(self, tokens: torch.Tensor, targets: torch.Tensor) -> list[torch.Tensor]:
+        """`step`, returning each micro-batch's loss (detached) on the rank that runs the last
+        stage, none on the others."""
         losses: list[torch.Tensor] = []
         for stage in self.stages:  # a step starts at micro-batch 0, whatever the last one did
             stage.calls = 0
-        runs_first = 0 in self.modules
-        args = (tokens,) if runs_first else ()
+        args = (tokens,) if 0 in self.modules else ()
         self.schedule.step(*args, target=targets, losses=losses, return_outputs=False, targets=targets)
-        if self.last_stage not in self.modules:
-            return None
-        return torch.stack([loss.detach() for loss in losses]).mean()
+        return [loss.detach() for loss in losses] if self.last_stage in self.modules else []
 
 
 class _Stage(nn.Module):

@@ -195,8 +195,7 @@ class ParallelModule(nn.Module):
                 break
             fqn, full = item
             del item
-            if fqn in self._owners and fqn not in exclude:
-                self._take(fqn, full, by_box=True)
+            if fqn not in exclude and self.take(fqn, full):
                 left.discard(fqn)
             del full  # before the next one is made
         if left:
@@ -215,6 +214,15 @@ class ParallelModule(nn.Module):
             local = target.to_local()
             layout = self.plan.param_layouts[fqn]
             local.copy_(read_local(read, fqn, layout, tuple(target.shape), self.mesh, local))
+
+    @torch.no_grad()
+    def take(self, fqn: str, full: torch.Tensor) -> bool:
+        """This rank's shard of `full`, the whole value of parameter or buffer `fqn`, copied from
+        its box; False (nothing taken) when the module has no `fqn`."""
+        if fqn not in self._owners:
+            return False
+        self._take(fqn, full, by_box=True)
+        return True
 
     def _take(self, fqn: str, full: torch.Tensor, *, by_box: bool = False) -> None:
         """This rank's shard of `full`, the whole value of `fqn`, into its local tensor; `by_box`:

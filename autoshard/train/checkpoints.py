@@ -71,11 +71,25 @@ def latest_checkpoint(out: Path) -> Checkpoint | None:
     return found[0] if found else None
 
 
-def _state(pmodel, optim) -> dict:
+def _options(flat: bool):
+    """The optimizer's param groups keyed by parameter name (`optim.param_groups.<fqn>.lr`), not by
+    group index: a pipeline's ranks hold different groups under the same index, which DCP would
+    keep one of. Checkpoints written before this keep the index form (`flat=False` reads them)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(flatten_optimizer_state_dict=flat)
+
+
+def _state(pmodel, optim, flat: bool = True) -> dict:
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    model_state, optim_state = get_state_dict(pmodel, optim)
+    model_state, optim_state = get_state_dict(pmodel, optim, options=_options(flat))
     return {"model": model_state, "optim": optim_state}
+
+
+def _indexed_groups(metadata) -> bool:
+    """Whether a checkpoint keeps its param groups by index (`optim.param_groups.0.params`)."""
+    return any(k.startswith("optim.param_groups.") and k.endswith(".params") for k in metadata.state_dict_metadata)
 
 
 def load_checkpoint(path: Path, pmodel, optim) -> None:
@@ -89,14 +103,17 @@ def load_checkpoint(path: Path, pmodel, optim) -> None:
     from autoshard import _torch_compat as tc
     from autoshard.train.safe_metadata import load_value, read_metadata
 
-    state = _state(pmodel, optim)
     metadata = read_metadata(path)
+    flat = not _indexed_groups(metadata)
+    state = _state(pmodel, optim, flat)
     dcp.load(
         state,
         storage_reader=tc.dcp_reader(path, metadata),
         planner=tc.dcp_planner(lambda value, file: load_value(value, str(path / file))),
     )
-    set_state_dict(pmodel, optim, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    set_state_dict(
+        pmodel, optim, model_state_dict=state["model"], optim_state_dict=state["optim"], options=_options(flat)
+    )
 
 
 def resume_newest(out: Path, pmodel, optim) -> Checkpoint | None:

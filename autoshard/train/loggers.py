@@ -209,10 +209,14 @@ class Throughput:
     recomputed forward not counted, as MFU does not) over the step time and the world's peak
     flop/s in the dtype the matmuls run in (the device profile's rate). No MFU without flops."""
 
-    def __init__(self, tokens: int, plan: Plan, device: DeviceProfile, compute_dtype: torch.dtype | None):
-        self.tokens, self.world = tokens, math.prod(plan.mesh_shape)
-        self.flops = graph_work(plan.graph.gm.graph).flops * plan.micro_batches  # the graph is one micro-batch
-        self.peak = device.peak_for(compute_dtype) * self.world
+    def __init__(self, tokens: int, flops: float, world: int, peak: float):
+        self.tokens, self.flops, self.world, self.peak = tokens, flops, world, peak
+
+    @classmethod
+    def of_plan(cls, tokens: int, plan: Plan, device: DeviceProfile, compute_dtype: torch.dtype | None) -> Throughput:
+        world = math.prod(plan.mesh_shape)
+        flops = graph_work(plan.graph.gm.graph).flops * plan.micro_batches  # the graph is one micro-batch
+        return cls(tokens, flops, world, device.peak_for(compute_dtype) * world)
 
     def row(self, step_s: float) -> dict[str, float]:
         row = {"tokens_per_s": self.tokens / step_s, "tokens_per_s_per_device": self.tokens / step_s / self.world}

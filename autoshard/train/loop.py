@@ -20,7 +20,6 @@ import logging
 import math
 import os
 from dataclasses import asdict
-from pathlib import Path
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
@@ -29,12 +28,12 @@ from autoshard import _torch_compat as tc
 from autoshard.driver.processes import start_process_group
 from autoshard.fileio import read_json
 from autoshard.options import UsageError
-from autoshard.report.files import JSON_NAME, load_metrics, write_html, write_report
-from autoshard.report.text import summary_lines
+from autoshard.report.files import JSON_NAME, load_metrics, write_html
 from autoshard.train.export import keep_tokenizer
 from autoshard.train.loggers import close_all
 from autoshard.train.metrics import MetricsFile, step_time_line
 from autoshard.train.parts import Parts, build_feed, build_optimizer, build_steps, restore
+from autoshard.train.pipelined import PlannedPipeline, plan_pipelined
 from autoshard.train.planning import PlannedRun, plan_run
 from autoshard.train.run import ResolvedRun, resolve
 from autoshard.train.rundir import run_directory
@@ -44,6 +43,8 @@ from autoshard.train.steps import run_steps
 from autoshard.train.supervision import AgentWatch
 
 log = logging.getLogger("autoshard")
+
+Planned = PlannedRun | PlannedPipeline  # what planning gives the steps: one stage mesh, or a pipeline of them
 
 
 def train(settings: Settings, parts: Parts | None = None) -> list[float]:
@@ -58,14 +59,21 @@ def train(settings: Settings, parts: Parts | None = None) -> list[float]:
         settings = resolved.settings
         mesh, device = _start(settings)
         held.enter_context(run_directory(resolved.out, resolved.overwrite))  # this run's alone until it ends
-        planned = plan_run(settings.with_default_profiles(device), resolved.workload, mesh, resolved.plan_file)
+        profiled = settings.with_default_profiles(device)
+        if settings.pipeline_ranks is not None:
+            _check_pipelined(resolved)
+            planned: Planned = plan_pipelined(profiled, resolved.workload, mesh, resolved.plan_file)
+        else:
+            planned = plan_run(profiled, resolved.workload, mesh, resolved.plan_file)
         signals.arm()  # planned: a signal before this stopped the run at once, from here on it checkpoints
         if dist.get_rank() == 0:
             keep_tokenizer(resolved.out, settings.tokenizer)  # what export ships, whatever happens to the path
-            _write_report(settings.replace(grad_accum=planned.plan.micro_batches), planned, resolved.data_fingerprint)
+            recorded = asdict(settings.replace(grad_accum=planned.micro_batches))
+            extra = {"fingerprint": planned.fingerprint, "settings": recorded}
+            planned.write_report(extra | {"data_fingerprint": resolved.data_fingerprint}, resolved.out)
         release_free_heap()  # what planning freed, before the weights and the step need memory
         resolved.initial.load_into(planned.pmodel)  # one tensor, or one rank's slices, at a time
-        feed = build_feed(resolved, parts, planned.pmodel, planned.plan.micro_batches)
+        feed = build_feed(resolved, parts, planned.pmodel, planned.feed_micro_batches)
         optim = build_optimizer(resolved, parts, planned.pmodel)
         start, changes = restore(resolved, parts, planned.pmodel, optim, feed)
         metrics = MetricsFile(resolved.out, start or None)  # a resumed run keeps its rows up to `start`
@@ -121,42 +129,27 @@ def release_free_heap() -> None:
     trim(0)
 
 
-def _write_report(settings: Settings, run: PlannedRun, data: dict) -> None:
-    """Rank 0: sharding.log, plan.json (with what `--plan-file` needs) and report.html."""
-    paths = write_report(
-        run.plan,
-        Path(settings.out),
-        program=run.pmodel.program,
-        dry_run=run.memory,
-        memory_fit=run.auto.fit,
-        device=run.auto.device,
-        timings=run.auto.timings,
-        mesh_names=settings.mesh_names,
-        extra={
-            "fingerprint": run.fingerprint,
-            "solution": run.plan.solution.to_json(),
-            "settings": asdict(settings),
-            "data_fingerprint": data,
-        },
-    )
-    for line in summary_lines(read_json(paths[1])):
-        log.info("  %s", line)
-    log.info("autoshard train: sharding log %s", paths[0])
+def _check_pipelined(resolved: ResolvedRun) -> None:
+    """What a pipelined run does not take yet, known once the data is open."""
+    from autoshard.data import Instructions
+
+    if isinstance(resolved.data, Instructions):
+        raise UsageError("instruction data (packed or padded examples) does not run on a pp mesh dim yet")
 
 
-def _finish(resolved: ResolvedRun, run: PlannedRun, metrics: MetricsFile, trained: bool) -> None:
+def _finish(resolved: ResolvedRun, run: Planned, metrics: MetricsFile, trained: bool) -> None:
     """Rank 0, after the last step: modeled vs measured step time, report.html with the curves."""
     out, settings = resolved.out, resolved.settings
     if trained:
-        profiles = f"{run.auto.config.network}/{run.auto.config.device_profile}"
-        line = step_time_line(run.plan.step_time_s, load_metrics(metrics.path))
-        log.info("autoshard train: %s (profiles %s)", line, profiles)
-        log.info(
-            "autoshard train: modeled step with the program's overlap %.1f ms (prefetch %d; no overlap %.1f ms)",
-            run.pmodel.program.step_s(run.plan.micro_batches) * 1e3,
-            settings.prefetch,
-            run.plan.step_time_s * 1e3,
-        )
+        line = step_time_line(run.modeled_step_s, load_metrics(metrics.path))
+        log.info("autoshard train: %s (profiles %s)", line, run.profiles)
+        if run.modeled_overlapped_s is not None:
+            log.info(
+                "autoshard train: modeled step with the program's overlap %.1f ms (prefetch %d; no overlap %.1f ms)",
+                run.modeled_overlapped_s * 1e3,
+                settings.prefetch,
+                run.modeled_step_s * 1e3,
+            )
     html_path = write_html(read_json(out / JSON_NAME), out, load_metrics(metrics.path))
     log.info(
         "autoshard train: done; metrics %s, sharding log %s, report %s", metrics.path, out / "sharding.log", html_path

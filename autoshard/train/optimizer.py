@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.optim import lr_scheduler as sched
 
@@ -178,15 +179,24 @@ class ScheduledOptimizer:
 class GradClip:
     """The global L2 norm of every gradient, and with `max_norm` the clipping to it: torch's own
     `clip_grad_norm_` (or `get_total_norm`, nothing scaled), whose per-tensor norms of DTensor
-    gradients are partial over the mesh dims that shard them and reduced once for all. The norm
+    gradients are partial over the mesh dims that shard them and reduced once for all. With
+    `stages`, the pp process group of a pipeline, each rank holds only its stages' gradients:
+    their squared norms are summed over that group before clipping, as torchtitan does. The norm
     stays a tensor on the device: the step reads it back only when it logs."""
 
-    def __init__(self, max_norm: float | None):
-        self.max_norm = max_norm
+    def __init__(self, max_norm: float | None, stages: Any = None):
+        self.max_norm, self.stages = max_norm, stages
 
     def __call__(self, params: Sequence[torch.Tensor]) -> torch.Tensor:
-        if self.max_norm is not None:
+        if self.stages is None and self.max_norm is not None:
             norm = torch.nn.utils.clip_grad_norm_(params, self.max_norm)
         else:
             norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
-        return norm.full_tensor() if isinstance(norm, DTensor) else norm
+        norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
+        if self.stages is not None:
+            squared = norm.pow(2)
+            dist.all_reduce(squared, group=self.stages)
+            norm = squared.sqrt()
+            if self.max_norm is not None:
+                torch.nn.utils.clip_grads_with_norm_(params, self.max_norm, norm)
+        return norm

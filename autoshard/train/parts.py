@@ -19,13 +19,13 @@ from torch.optim import lr_scheduler as sched
 from autoshard.data import BatchesFeed, Feed
 from autoshard.options import UsageError
 from autoshard.train.checkpoints import Checkpoint, Checkpointer, resume_newest
-from autoshard.train.loggers import Logger, Throughput, make_loggers
+from autoshard.train.loggers import Logger, make_loggers
 from autoshard.train.metrics import MetricsFile
 from autoshard.train.optimizer import GradClip, OptimizerConfig, ScheduleConfig, ScheduledOptimizer, at_step
 from autoshard.train.resume import apply_optimizer_settings
 from autoshard.train.run import ResolvedRun
 from autoshard.train.signals import StopSignals
-from autoshard.train.steps import LoopConfig, Steps, step_schedule
+from autoshard.train.steps import LoopConfig, Steps
 
 log = logging.getLogger("autoshard")
 
@@ -96,7 +96,7 @@ def restore(
 def build_steps(
     resolved: ResolvedRun,
     parts: Parts,
-    planned: Any,
+    planned: Any,  # train.planning.PlannedRun or train.pipelined.PlannedPipeline
     pieces: tuple[Feed, torch.optim.Optimizer, MetricsFile],  # built before the checkpoint loads
     start: int,
     signals: StopSignals,
@@ -104,27 +104,27 @@ def build_steps(
 ) -> Steps:
     """The loop's parts for a run that continues after step `start` (0: a fresh one)."""
     settings, (feed, optim, metrics) = resolved.settings, pieces
-    pmodel, plan = planned.pmodel, planned.plan
+    pmodel = planned.pmodel
     if parts.lr_schedule is not None:
         schedule = at_step(parts.lr_schedule(optim), start)
     else:
         schedule = at_step(ScheduleConfig.from_settings(settings).build(optim), start)
     dtype = settings.precision.param_dtype or next(pmodel.parameters()).dtype  # what the matmuls run in
-    profiles = f"{planned.auto.config.network}/{planned.auto.config.device_profile}"
-    loggers = make_loggers(settings, resolved.out, metrics, start or None, profiles) + list(parts.loggers)
+    loggers = make_loggers(settings, resolved.out, metrics, start or None, planned.profiles) + list(parts.loggers)
     writes = settings.checkpoint_writes
     asynchronous = writes == "async" or (writes == "auto" and device == "cuda")
     return Steps(
         LoopConfig.from_settings(settings),
         pmodel,
         feed,
-        step_schedule(plan.micro_batches),
+        planned.schedule,
         ScheduledOptimizer(optim, schedule),
-        GradClip(settings.grad_clip),
+        GradClip(settings.grad_clip, planned.stages),
         loggers,
-        Throughput(settings.batch * settings.seq, plan, planned.auto.device, dtype),
+        planned.throughput(settings.batch * settings.seq, dtype),
         Checkpointer(resolved.out, settings.keep_checkpoints, asynchronous),
         signals,
-        plan.step_time_s,
+        planned.modeled_step_s,
+        planned.modeled_overlapped_s,
         planned.memory,
     )

@@ -14,16 +14,24 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from pathlib import Path
+
+import torch
 
 from autoshard.driver.api import AutoShard
 from autoshard.driver.fit import MemoryLimitError
 from autoshard.driver.ranks import RankZeroPlanning, SavedSolution
+from autoshard.fileio import read_json
 from autoshard.options import UsageError
 from autoshard.problem.plan import Plan
+from autoshard.report.files import write_report
+from autoshard.report.text import summary_lines
 from autoshard.runtime.dryrun import DryRunResult
 from autoshard.runtime.module import ParallelModule
+from autoshard.train.loggers import Throughput
 from autoshard.train.planfile import PlanFile
 from autoshard.train.settings import Settings
+from autoshard.train.steps import StepSchedule, step_schedule
 from autoshard.workloads import Workload
 
 log = logging.getLogger("autoshard")
@@ -32,13 +40,59 @@ log = logging.getLogger("autoshard")
 @dataclass
 class PlannedRun:
     """What planning gave a run: the plan, its parallel module, the AutoShard that made it, the
-    fingerprint of the problem it solves, and its dry run."""
+    fingerprint of the problem it solves, and its dry run. What the trainer reads of it, a
+    pipelined run's `train.pipelined.PlannedPipeline` gives too."""
 
     plan: Plan
     pmodel: ParallelModule
     auto: AutoShard
     fingerprint: str
     memory: DryRunResult
+    stages = None  # no pp process group: clipping needs no sum over stages
+
+    @property
+    def micro_batches(self) -> int:
+        return self.plan.micro_batches
+
+    @property
+    def feed_micro_batches(self) -> int:
+        return self.plan.micro_batches
+
+    @property
+    def schedule(self) -> StepSchedule:
+        return step_schedule(self.plan.micro_batches)
+
+    @property
+    def modeled_step_s(self) -> float:
+        return self.plan.step_time_s
+
+    @property
+    def modeled_overlapped_s(self) -> float:
+        return self.pmodel.program.step_s(self.plan.micro_batches)
+
+    @property
+    def profiles(self) -> str:
+        return f"{self.auto.config.network}/{self.auto.config.device_profile}"
+
+    def throughput(self, tokens: int, dtype: torch.dtype | None) -> Throughput:
+        return Throughput.of_plan(tokens, self.plan, self.auto.device, dtype)
+
+    def write_report(self, extra: dict, out: Path) -> None:
+        """Rank 0: sharding.log, plan.json (`extra` beside the plan and its solution) and report.html."""
+        paths = write_report(
+            self.plan,
+            out,
+            program=self.pmodel.program,
+            dry_run=self.memory,
+            memory_fit=self.auto.fit,
+            device=self.auto.device,
+            timings=self.auto.timings,
+            mesh_names=self.auto.config.mesh_names,
+            extra=extra | {"solution": self.plan.solution.to_json()},
+        )
+        for line in summary_lines(read_json(paths[1])):
+            log.info("  %s", line)
+        log.info("autoshard train: sharding log %s", paths[0])
 
 
 @dataclass

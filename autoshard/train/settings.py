@@ -6,7 +6,7 @@ from __future__ import annotations
 import importlib.util
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from autoshard.data.files import DTYPES as DATA_DTYPES
 from autoshard.driver.config import PlanConfig
@@ -17,6 +17,23 @@ from autoshard.workloads.finetune import FineTune
 
 RESUME_MODES = ("auto", "yes", "no", "force")
 CHECKPOINT_WRITES = ("auto", "async", "sync")
+# what a run on a pp mesh dim does not take: the search chooses the stages' layouts, and the stages
+# run uncompiled, unmetered, with no validation pass
+PIPELINE_REFUSES = (
+    "compile",
+    "plan_file",
+    "recipe",
+    "lora",
+    "freeze",
+    "eval_every",
+    "wire_step",
+    "memory_step",
+    "recompute",
+    "reshard_after_forward",
+    "memory_budget",
+    "prefetch",
+    "bucket_cap_mb",
+)
 
 
 def parse_betas(text: str) -> tuple[float, float]:
@@ -257,16 +274,24 @@ class Settings(PlanConfig):
         self._check_optimizer()
         self._check_data()
         if self.pipeline_ranks is not None:
-            raise ValueError(
-                "train does not run pipeline stages yet: `python -m autoshard plan` with a pp dim chooses "
-                "them (stage cuts, schedule, micro-batches) and autoshard.apply_pipeline runs them from "
-                "Python; train on a mesh without pp"
-            )
+            self._check_pipeline()
         if self.recipe is not None:
             recipe_pins(self.recipe, len(self.mesh))  # fsdp-tp names the mesh it needs
         if self.freeze is not None:  # argparse appends to a list
             object.__setattr__(self, "freeze", tuple(self.freeze))
         self.fine_tune  # noqa: B018 (a bad --lora names itself now)
+
+    def _check_pipeline(self) -> None:
+        """A pp dim: the pipeline search chooses each stage's layouts, recomputation and sharding,
+        and the stages run uncompiled; the flags that would set those are refused, not ignored."""
+        defaults = {f.name: f.default for f in fields(Settings)}
+        taken = [name for name in PIPELINE_REFUSES if getattr(self, name) != defaults[name]]
+        if taken:
+            flags = ", ".join("--" + name.replace("_", "-") for name in taken)
+            raise ValueError(
+                f"a mesh with a pp dim does not take {flags} yet: the pipeline search chooses each stage's "
+                "layouts, sharding and recomputation, and the stages run uncompiled, unmetered, with no validation"
+            )
 
     @property
     def fine_tune(self) -> FineTune:

@@ -5,7 +5,8 @@ gather, a row goes to every logger, and a checkpoint is written when one is due.
 between logged ones never wait on the device. A non-finite loss or a scheduler's signal stops it.
 
 The step schedule is the seam a pipeline plugs into: `PlainStep` runs one micro-batch,
-`Accumulation` K of them, reducing held gradients on the last (`ParallelModule.no_sync`).
+`Accumulation` K of them, reducing held gradients on the last (`ParallelModule.no_sync`), and
+`train.pipelined.PipelineStep` one step of torch's pipeline schedule over this rank's stages.
 """
 
 from __future__ import annotations
@@ -37,9 +38,11 @@ log = logging.getLogger("autoshard")
 
 class StepSchedule(Protocol):
     """How one step's forward and backward run over its micro-batches: returns each micro-batch's
-    loss as a detached tensor, never read on the host here."""
+    loss as a detached tensor, never read on the host here; the losses of rank `loss_rank` are
+    the ones logged."""
 
     micro_batches: int
+    loss_rank: int
 
     def run(self, pmodel: ParallelModule, feed: Feed, step: int) -> list[torch.Tensor]: ...
 
@@ -48,6 +51,7 @@ class PlainStep:
     """One forward and backward of the whole batch."""
 
     micro_batches = 1
+    loss_rank = 0
 
     def run(self, pmodel: ParallelModule, feed: Feed, step: int) -> list[torch.Tensor]:
         loss = pmodel(*feed.inputs(step, 0))
@@ -60,6 +64,7 @@ class Accumulation:
     """K micro-batches, each loss scaled by 1/K; gradient reductions held (`no_sync`) until the last."""
 
     micro_batches: int
+    loss_rank = 0
 
     def run(self, pmodel: ParallelModule, feed: Feed, step: int) -> list[torch.Tensor]:
         losses, k = [], self.micro_batches
@@ -113,6 +118,7 @@ class Steps:
     checkpointer: Checkpointer
     signals: StopSignals
     modeled_step_s: float
+    modeled_overlapped_s: float | None  # the program's own overlap priced (None: not modeled apart)
     memory: Any = None  # the dry run, beside the tracked memory of --memory-step
     reported: set[str] = field(default_factory=set)  # program phases whose compile time is logged
 
@@ -136,7 +142,7 @@ def run_steps(s: Steps, start: int) -> list[float]:
         if not logged:
             continue
         t1 = time.perf_counter()
-        loss, grad_norm, peaks, stop = _read_back(micro_losses, norm, s.signals)  # the step's one host sync
+        loss, grad_norm, peaks, stop = _read_back(micro_losses, norm, s.signals, s.schedule.loss_rank)  # one sync
         spent, elapsed, since = 0.0, (spent + time.perf_counter() - t1) / since, 0
         logged_losses.append((step, loss))
         if not math.isfinite(loss):  # the same loss on every rank: all stop here, nothing saved
@@ -144,7 +150,8 @@ def run_steps(s: Steps, start: int) -> list[float]:
         row = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "step_s": elapsed}
         row |= s.throughput.row(elapsed) | {"peak_rss_mb_per_rank": peaks}
         row |= {"modeled_step_s": s.modeled_step_s, "modeled_over_measured": s.modeled_step_s / elapsed}
-        row |= {"modeled_overlapped_step_s": s.pmodel.program.step_s(s.schedule.micro_batches)}
+        if s.modeled_overlapped_s is not None:
+            row["modeled_overlapped_step_s"] = s.modeled_overlapped_s
         row |= _probe_rows(s, probes) | _compile_entry(s.pmodel, s.reported, step) | s.feed.evaluate(step)
         if s.config.checkpoint_every and step % s.config.checkpoint_every == 0:
             row["checkpoint_s"] = _checkpoint(s, step, logged_losses)  # what the loop waited (async: the staging)
@@ -156,9 +163,10 @@ def run_steps(s: Steps, start: int) -> list[float]:
     return [loss for _, loss in logged_losses]
 
 
-def _read_back(losses: list[torch.Tensor], norm: torch.Tensor | None, signals: StopSignals) -> tuple:
+def _read_back(losses: list[torch.Tensor], norm: torch.Tensor | None, signals: StopSignals, loss_rank: int) -> tuple:
     """(loss, grad norm, peak RSS per rank, the strongest stop signal of any rank) in one gather
-    and one device-to-host copy; the loss is the mean of the micro-batches' as float64 sums them."""
+    and one device-to-host copy; the loss is the mean of `loss_rank`'s micro-batches' as float64
+    sums them."""
     device = losses[0].device
     mine = torch.stack([x.double() for x in losses])
     norm = norm if norm is not None else torch.tensor(math.nan, device=device)
@@ -168,7 +176,7 @@ def _read_back(losses: list[torch.Tensor], norm: torch.Tensor | None, signals: S
     dist.all_gather(gathered, mine)
     table = torch.stack(gathered).tolist()
     loss = 0.0
-    for value in table[0][: len(losses)]:
+    for value in table[loss_rank][: len(losses)]:
         loss += value / len(losses)
     return loss, table[0][len(losses)], [round(r[-2], 1) for r in table], int(max(r[-1] for r in table))
 

@@ -146,7 +146,7 @@ def _autoshard(cfg, mesh, args, which: str):
     ranked = [result.best, *result.others]
     chosen = {"": result.best, "even": result.even}.get(which) or next(p for p in ranked if p.schedule.name == which)
     run = apply_pipeline(model, result, mesh, inputs, pipeline=chosen)
-    run.init_weights(build_model(cfg, seed=0).initial_values(0))
+    run.load_each(build_model(cfg, seed=0).initial_values(0))
 
     def step(tokens, targets):
         loss = run.step(tokens, targets)
