@@ -1,10 +1,12 @@
 """`train` on a mesh with a pp dim: the pipeline the search chose trains the losses a run without
 pp trains (clipping over every stage's gradients), its checkpoints hold the whole model under its
-own names (`export --hf`, a resume after SIGKILL exact), and what it does not take is one line."""
+own names (`export --hf`, a resume on a mesh without pp, a resume after SIGKILL exact), and what
+it does not take is one line."""
 
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -21,26 +23,29 @@ DEBUG = ["--model", "llama3-debug", "--batch", "8", "--seq", "32", "--steps", "4
 @pytest.mark.slow
 @pytest.mark.ranks
 def test_a_pipeline_trains_what_one_stage_mesh_trains_and_exports_the_whole_model(tmp_path):
-    """pp2 x dp2 against dp4, llama3-debug, 4 steps clipped to a norm under the gradients' (so the
-    norm over every stage decides the update): every step's loss agrees to 1e-5, the gradient norm
-    to fp32's summation error;
-    plan.json names the stages, each pp rank running some of the 6 blocks; `export --hf` of both
-    runs gives the same tensors under the same names."""
+    """llama3-debug on pp2 x dp2, 4 steps clipped to a norm under the gradients' (so the norm over
+    every stage decides the update), checkpoints at steps 2 and 4; its step-2 checkpoint resumed
+    on dp4 (no pp) trains steps 3 and 4 with the pipeline's losses (1e-5) and gradient norms (to
+    fp32's summation error); plan.json names the stages, each pp rank running some of the 6
+    blocks; `export --hf` of both runs gives the same tensors under the same names."""
     pp, dp = tmp_path / "pp", tmp_path / "dp"
-    out = torchrun(*DEBUG, "--mesh", "2x2", "--mesh-names", "pp,dp", "--checkpoint-every", "4", "--out", str(pp))
-    torchrun(*DEBUG, "--mesh", "4", "--checkpoint-every", "4", "--out", str(dp))
+    out = torchrun(*DEBUG, "--mesh", "2x2", "--mesh-names", "pp,dp", "--checkpoint-every", "2", "--out", str(pp))
     assert "autoshard train: pipeline " in out.stderr + out.stdout
+    shutil.copytree(pp, dp)
+    shutil.rmtree(dp / "checkpoints" / "step-000004")
+    out = torchrun(*DEBUG, "--mesh", "4", "--checkpoint-every", "2", "--out", str(dp))
+    assert f"resumed from {dp / 'checkpoints' / 'step-000002'} (step 2)" in out.stderr + out.stdout
     rows, reference = metrics(pp), metrics(dp)
-    assert [r["step"] for r in rows] == [1, 2, 3, 4]
-    for row, ref in zip(rows, reference):
+    assert [r["step"] for r in rows] == [r["step"] for r in reference] == [1, 2, 3, 4]
+    for row, ref in zip(rows[2:], reference[2:]):
         assert row["grad_norm"] > 0.5  # clipped
         assert row["loss"] == pytest.approx(ref["loss"], rel=1e-5)
         # torch's fp32 norm of a whole tensor and the norms of its shards summed differ by ~1e-4
         assert row["grad_norm"] == pytest.approx(ref["grad_norm"], rel=2e-4)
-    pipeline = json.loads((pp / "plan.json").read_text())["pipeline"]
-    stages = pipeline["stages"]
+    plan = json.loads((pp / "plan.json").read_text())
+    stages = plan["pipeline"]["stages"]
     assert sum(s["n_blocks"] for s in stages) == 6 and {s["rank"] for s in stages} == {0, 1}
-    assert json.loads((pp / "plan.json").read_text())["settings"]["grad_accum"] == pipeline["micro_batches"]
+    assert plan["settings"]["grad_accum"] == plan["pipeline"]["micro_batches"]
     exported = {}
     for run in (pp, dp):
         assert autoshard_main(["export", str(run), "--hf", str(run / "hf")]) == 0
