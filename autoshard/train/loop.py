@@ -57,11 +57,12 @@ def train(settings: Settings, parts: Parts | None = None) -> list[float]:
         held.enter_context(AgentWatch())  # and a worker whose torchrun agent died stops too
         resolved = resolve(settings, own_data=parts.data is not None)  # may tokenize for minutes
         settings = resolved.settings
+        if settings.pipeline_ranks is not None:
+            _check_pipelined(resolved)
         mesh, device = _start(settings)
         held.enter_context(run_directory(resolved.out, resolved.overwrite))  # this run's alone until it ends
         profiled = settings.with_default_profiles(device)
         if settings.pipeline_ranks is not None:
-            _check_pipelined(resolved)
             planned: Planned = plan_pipelined(profiled, resolved.workload, mesh, resolved.plan_file)
         else:
             planned = plan_run(profiled, resolved.workload, mesh, resolved.plan_file)
