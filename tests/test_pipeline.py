@@ -16,6 +16,8 @@ from autoshard.pipeline.search import Link, Run, best_cut, even_cut, search
 from autoshard.pipeline.segments import Segment, Segments, plan_segments
 from autoshard.problem.memory import modeled_bytes, peak_memory_table
 from autoshard.profiles.network import NetworkProfile
+from autoshard.report.pipeline import pipeline_summary
+from autoshard.report.units import human_bytes
 from autoshard_models import build_model, cross_entropy_loss, get_config
 
 CPU = {"network": "cpu-gloo", "device_profile": "cpu"}  # PlanConfig's names
@@ -173,7 +175,20 @@ def test_plan_on_a_pp_mesh_writes_the_stages(tmp_path, capsys):
     log = (out / "sharding.log").read_text()
     assert log.startswith("autoshard sharding log: mesh (2, 2) = pp 2 x dp 2")
     assert "== pipeline (modeled, per rank of a stage) ==" in log and "runners-up" in log
-    assert "stages not dry-run" in log and "== layouts of the first stage's family" in log
+    assert "== layouts of the first stage's family" in log
+    # each distinct stage dry-run once (twins share it), a rank's peak from its stages' dry runs
+    assert 1 <= entry["dry_run_programs"] <= len(entry["stages"]) and "dry-run peak" in console
+    assert entry["dry_run_peak_bytes"] == max(entry["rank_dry_run_bytes"]) and "dry run, held" in log
+    for rank, measured in enumerate(entry["rank_dry_run_bytes"]):
+        held = [s["dry_run_held_bytes"] for s in entry["stages"] if s["rank"] == rank]
+        assert sum(held) < measured <= sum(held) + max(s["dry_run_bytes"] for s in entry["stages"])
+        assert 0.5 < measured / entry["rank_bytes"][rank] < 2  # the linear model is near what runs
+    assert not any(line.startswith("warning:") for line in pipeline_summary(entry))
+    limit = entry["memory_limit_bytes"] = entry["dry_run_peak_bytes"] - 1  # as if the device were smaller
+    over = [r for r, b in enumerate(entry["rank_dry_run_bytes"]) if b > limit]
+    assert [line for line in pipeline_summary(entry) if line.startswith("warning:")] == [
+        f"warning: the dry runs exceed the memory limit {human_bytes(limit)} on pp ranks {over}"
+    ]
     assert 'id="pipeline"' in (out / "report.html").read_text()
 
 

@@ -303,11 +303,13 @@ def _run_pipeline(workload, config: PlanConfig, args, out: Path, extra: dict) ->
     from autoshard.report.text import summary_lines
 
     log.info("planning a pipeline: %s on mesh %s, batch %d, seq %d", workload.name, config.mesh, args.batch, args.seq)
+    model = workload.build("meta")
+    inputs = lambda rows: workload.example_inputs(rows, args.seq, "meta")  # noqa: E731
     with _process_group(math.prod(config.mesh[1:])):
         try:
             result = plan_pipeline(
-                workload.build("meta"),
-                lambda rows: workload.example_inputs(rows, args.seq, "meta"),
+                model,
+                inputs,
                 config,
                 batch=args.batch,
                 loss_fn=workload.loss_fn,
@@ -315,7 +317,10 @@ def _run_pipeline(workload, config: PlanConfig, args, out: Path, extra: dict) ->
             )
         except ValueError as err:
             fail(f"planning the pipeline failed: {err}")
-    entry = pipeline_entry(result, args.batch * args.seq)
+        memory = _dry_run_stages(model, result, inputs) if args.dry_run else None
+    if memory is not None:
+        result.timings["dry run"] = memory.seconds
+    entry = pipeline_entry(result, args.batch * args.seq, memory)
     if args.compare == NO_PP:
         entry["without_pp"] = _without_pp(workload, result.config.without_pipeline(), args)
         result.timings["without pp"] = entry["without_pp"]["seconds"]
@@ -335,6 +340,25 @@ def _run_pipeline(workload, config: PlanConfig, args, out: Path, extra: dict) ->
         _say(line)
     _say(f"wrote {log_path}, {json_path} and {log_path.with_name(HTML_NAME)}")
     return 0
+
+
+def _dry_run_stages(model, result, inputs):
+    """Each distinct stage of the chosen pipeline planned and dry-run (`driver.stage_memory`);
+    None, with a line saying why, for a model that cannot be cut into stages to run."""
+    from autoshard.driver.stage_memory import dry_run_stages
+    from autoshard.runtime.dryrun import DryRunError
+    from autoshard.workloads.hf_stages import splittable
+
+    try:
+        splits = splittable(model)
+    except ValueError as err:
+        log.info("stages not dry-run (memory modeled only): %s", err)
+        return None
+    log.info("dry run: each distinct stage's rank-0 program on fake tensors")
+    try:
+        return dry_run_stages(splits, result, inputs)
+    except DryRunError as err:
+        fail(f"a planned stage cannot run: {err.line}")
 
 
 def _without_pp(workload, config: PlanConfig, args) -> dict:

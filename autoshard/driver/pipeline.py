@@ -12,7 +12,7 @@ sharded parameters, keeping or recomputing activations, priced for gradient accu
 the micro-batches (held reductions once a step). Each solved plan splits into per-block segments
 (`pipeline.segments`), and a dynamic program over cut points (`pipeline.search`) prices every
 cut from those sums, so no cut needs an ILP of its own. Stage memory is the modeled (linear)
-peak: no stage program is dry-run yet.
+peak; `driver.stage_memory` dry-runs the chosen pipeline's stages afterwards.
 """
 
 from __future__ import annotations

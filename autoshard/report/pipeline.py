@@ -31,9 +31,10 @@ def pipeline_figures(p: Pipeline) -> dict[str, Any]:
     }
 
 
-def pipeline_entry(result: Any, tokens_per_step: int | None = None) -> dict[str, Any]:
+def pipeline_entry(result: Any, tokens_per_step: int | None = None, memory: Any = None) -> dict[str, Any]:
     """plan.json's "pipeline" for a `driver.pipeline.PipelinePlan`; `tokens_per_step` adds the
-    modeled tokens per second per device."""
+    modeled tokens per second per device, `memory` (`driver.stage_memory.StageMemory`) each
+    stage's and each pp rank's dry-run memory."""
     best, config = result.best, result.config
     names = list(config.mesh_names)
     entry: dict[str, Any] = {
@@ -69,6 +70,16 @@ def pipeline_entry(result: Any, tokens_per_step: int | None = None) -> dict[str,
     }
     if tokens_per_step:
         entry["tokens_per_s_per_device"] = tokens_per_step / best.step_time_s / math.prod(config.mesh)
+    if memory is not None:
+        for stage, run in zip(entry["stages"], memory.stages):
+            stage["dry_run_bytes"] = run.estimate.peak_bytes  # one micro-batch
+            stage["dry_run_held_bytes"] = run.held_bytes
+        entry["rank_dry_run_bytes"] = [memory.rank_bytes(r) for r in range(best.ranks)]
+        entry["memory_limit_bytes"] = config.memory_limit_bytes(config.device_profile)
+        entry["dry_run_peak_bytes"] = memory.peak_bytes
+        entry["dry_run_seconds"] = memory.seconds
+        entry["dry_run_programs"] = memory.plans
+        entry["memory_checked"] = "modeled (parameters, gradients, AdamW states, in-flight activations)"
     return entry
 
 
@@ -108,6 +119,18 @@ def pipeline_summary(entry: dict) -> list[str]:
     ]
     if "tokens_per_s_per_device" in entry:
         lines[1] += f"; {entry['tokens_per_s_per_device']:,.1f} tokens/s per device"
+    if "dry_run_peak_bytes" in entry:
+        per_rank = ", ".join(human_bytes(b) for b in entry["rank_dry_run_bytes"])
+        lines.insert(
+            2,
+            f"dry-run peak {human_bytes(entry['dry_run_peak_bytes'])} per rank (pp ranks: {per_rank}; each distinct "
+            f"stage's program run on one micro-batch, {entry['dry_run_programs']} programs, plus the saved values of "
+            "its other micro-batches in flight)",
+        )
+        limit = entry.get("memory_limit_bytes")
+        over = [r for r, b in enumerate(entry["rank_dry_run_bytes"]) if limit is not None and b > limit]
+        if over:
+            lines.insert(3, f"warning: the dry runs exceed the memory limit {human_bytes(limit)} on pp ranks {over}")
     even = entry.get("even_split")
     if even is not None:
         ratio = even["step_time_s"] / entry["step_time_s"]
@@ -128,7 +151,7 @@ def pipeline_summary(entry: dict) -> list[str]:
     return lines
 
 
-COLUMNS = ("stage", "pp rank", "holds", "layout family", "per micro-batch", "in flight", "memory")
+COLUMNS = ("stage", "pp rank", "holds", "layout family", "per micro-batch", "in flight", "memory", "dry run, held")
 
 
 def _row(s: dict) -> tuple[str, ...]:
@@ -141,6 +164,7 @@ def _row(s: dict) -> tuple[str, ...]:
         human_time(s["micro_s"]),
         str(s["in_flight"]),
         human_bytes(s["memory_bytes"]),
+        human_bytes(s["dry_run_held_bytes"]) if "dry_run_held_bytes" in s else "-",
     )
 
 

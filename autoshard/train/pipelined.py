@@ -40,6 +40,7 @@ from autoshard.train.loggers import Throughput
 from autoshard.train.planfile import PlanFile
 from autoshard.train.settings import Settings
 from autoshard.workloads import Workload
+from autoshard.workloads.hf_stages import splittable
 
 log = logging.getLogger("autoshard")
 
@@ -212,6 +213,10 @@ def plan_pipelined(settings: Settings, workload: Workload, mesh: Any, plan_file:
     model = workload.build("meta")
     inputs = lambda rows: workload.example_inputs(rows, settings.seq, "meta")  # noqa: E731
     try:
+        splits = splittable(model)  # before the search: a model that cannot split fails at once
+    except ValueError as err:
+        raise UsageError(f"a pp mesh dim: {err}") from None
+    try:
         result = plan_pipeline(
             model,
             inputs,
@@ -232,22 +237,10 @@ def plan_pipelined(settings: Settings, workload: Workload, mesh: Any, plan_file:
         best.blocks,
         best.step_time_s * 1e3,
     )
-    run = apply_pipeline(_splittable(model), result, mesh, inputs, seed=settings.seed)
+    run = apply_pipeline(splits, result, mesh, inputs, seed=settings.seed)
     names = mesh.mesh_dim_names
     stage_mesh = mesh[names[1:]] if len(names) > 2 else mesh[names[1]]
     pmodel = StagedModel(run, stage_mesh, result.config.stage_config(), settings.batch)
     last = mesh.mesh[run.last_stage % mesh.shape[0]].flatten()[0].item()  # pp rank of the last stage
     step = PipelineStep(run, int(last))
     return PlannedPipeline(result, run, pmodel, step, mesh.get_group(0), settings.batch * settings.seq)
-
-
-def _splittable(model: nn.Module) -> Any:
-    """`model`, or a Hugging Face decoder of Llama's layout cut by `DecoderStages`."""
-    if hasattr(model, "pipeline_stage"):
-        return model
-    from autoshard.workloads.hf_stages import DecoderStages
-
-    try:
-        return DecoderStages(model)
-    except ValueError as err:
-        raise UsageError(f"a pp mesh dim: {err}") from None

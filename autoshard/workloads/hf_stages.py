@@ -26,6 +26,12 @@ from autoshard.workloads.hf import CAUSAL_SDPA, full_causal_attention
 LAYOUT = ("embed_tokens", "layers", "norm", "rotary_emb")
 
 
+def splittable(model: nn.Module) -> Any:
+    """`model` when it splits itself into stages (`pipeline_stage(start, stop)`, our llama), else
+    a Hugging Face decoder of Llama's layout cut by `DecoderStages`; ValueError otherwise."""
+    return model if hasattr(model, "pipeline_stage") else DecoderStages(model)
+
+
 class DecoderStages:
     """`hf_model` with `pipeline_stage(start, stop)`, what `apply_pipeline` splits a model by;
     ValueError when the model cannot be split this way."""
