@@ -162,8 +162,8 @@ def test_mesh_roles_are_checked_with_one_error_line(capsys):
         (["plan", *base, "--mesh", "2x2x2", "--mesh-names", "dp,tp,dp_shard"], "role dp_shard is given twice"),
         (["plan", *base, "--mesh", "2x2x2", "--mesh-names", "dp,tp,pp"], "pp must name the first (outermost) mesh dim"),
         (
-            ["plan", *base, "--mesh", "2x2", "--mesh-names", "pp,dp", "--explain", "output.weight"],
-            "--explain plans one",
+            ["plan", *base, "--mesh", "2x2", "--mesh-names", "pp,dp", "--explain", "output.wieght"],
+            "--explain 'output.wieght' matches no parameter; close matches: output.weight",
         ),
         (["train", *base, "--mesh", "2x2", "--mesh-names", "pp,dp", "--compile"], "does not take --compile yet"),
         (

@@ -158,7 +158,8 @@ def test_plan_on_a_pp_mesh_writes_the_stages(tmp_path, capsys):
 
     out = tmp_path / "plan"
     argv = ["plan", "--model", "llama3-debug", "--mesh", "2x2", "--mesh-names", "pp,dp", "--batch", "4", "--seq", "64"]
-    assert main([*argv, "--network", "cpu-gloo", "--device", "cpu", "--out", str(out), "--compare", "no-pp"]) == 0
+    argv += ["--network", "cpu-gloo", "--device", "cpu", "--out", str(out), "--compare", "no-pp"]
+    assert main([*argv, "--explain", "layers.3.attention.wq.weight"]) == 0
     console = capsys.readouterr().out
     assert "pipeline over pp 2 x dp 2:" in console and "blocks per stage:" in console
     entry = json.loads((out / "plan.json").read_text())["pipeline"]
@@ -190,6 +191,14 @@ def test_plan_on_a_pp_mesh_writes_the_stages(tmp_path, capsys):
         f"warning: the dry runs exceed the memory limit {human_bytes(limit)} on pp ranks {over}"
     ]
     assert 'id="pipeline"' in (out / "report.html").read_text()
+    # --explain: the runners-up against the chosen pipeline, then the parameter in its own stage
+    explain = console[console.index("explain pipeline:") :].splitlines()
+    assert explain[1].startswith(f"  chosen: {entry['schedule']}") and len(entry["runners_up"]) >= 1
+    assert explain[2].endswith(f"({entry['runners_up'][0]['step_time_s'] / entry['step_time_s']:.3f}x)")
+    first, *last = map(int, entry["stages"][entry["explain"]["stage"]]["blocks"].split("-"))
+    assert first <= 3 <= (last[0] if last else first)  # the stage that holds block 3
+    assert entry["explain"]["params"][0] == "layers.3.attention.wq.weight" and entry["explain"]["alternatives"]
+    assert f"explain layers.3.attention.wq.weight (stage {entry['explain']['stage']} on pp rank " in console
 
 
 def test_a_stage_that_gathers_once_a_step_pays_its_gathers_once_and_holds_them():

@@ -61,7 +61,8 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="FQN",
         help="after planning, show the chosen layout of this parameter (FQN or pattern) and the "
         "next best layouts, each re-solved with it pinned, with their step-time difference "
-        "and the redistributions that change",
+        "and the redistributions that change (with a pp dim: in the stage that holds it, after "
+        "the pipeline's runners-up)",
     )
     add_option(
         parser,
@@ -113,8 +114,8 @@ def _check(args: argparse.Namespace):
         )
     except ValueError as err:
         fail(str(err))
-    if config.pipeline_ranks is not None and (args.compare in COMPARE or args.explain):
-        fail(f"--{'compare ' + args.compare if args.compare else 'explain'} plans one stage mesh: not with a pp dim")
+    if config.pipeline_ranks is not None and args.compare in COMPARE:
+        fail(f"--compare {args.compare} plans one stage mesh: not with a pp dim")
     if args.compare == NO_PP and config.pipeline_ranks is None:
         fail(f"--compare {NO_PP} needs a mesh with a pp dim (--mesh-names pp,...)")
     if args.compare in COMPARE and len(config.mesh) != 2:
@@ -297,14 +298,21 @@ def _run_pipeline(workload, config: PlanConfig, args, out: Path, extra: dict) ->
     """`plan` on a mesh with a pp dim: the pipeline search (`driver.pipeline`), then the report of
     the search and of the first stage's layout family."""
     from autoshard.driver.pipeline import plan_pipeline
-    from autoshard.report.build import plan_report
+    from autoshard.report.build import explain_entry, plan_report
     from autoshard.report.files import HTML_NAME, write_report_files
-    from autoshard.report.pipeline import pipeline_entry
-    from autoshard.report.text import summary_lines
+    from autoshard.report.pipeline import pipeline_entry, pipeline_explain_lines
+    from autoshard.report.text import explain_lines, summary_lines
 
     log.info("planning a pipeline: %s on mesh %s, batch %d, seq %d", workload.name, config.mesh, args.batch, args.seq)
     model = workload.build("meta")
     inputs = lambda rows: workload.example_inputs(rows, args.seq, "meta")  # noqa: E731
+    if args.explain is not None:  # a name no stage holds fails now, not after the search
+        from autoshard.problem.explain import ExplainError, match_params
+
+        try:
+            match_params(args.explain, [name for name, _ in model.named_parameters()])
+        except ExplainError as err:
+            fail(f"--explain {err}")
     with _process_group(math.prod(config.mesh[1:])):
         try:
             result = plan_pipeline(
@@ -318,9 +326,14 @@ def _run_pipeline(workload, config: PlanConfig, args, out: Path, extra: dict) ->
         except ValueError as err:
             fail(f"planning the pipeline failed: {err}")
         memory = _dry_run_stages(model, result, inputs) if args.dry_run else None
+        explained = _explain_stage(model, result, inputs, args) if args.explain is not None else None
     if memory is not None:
         result.timings["dry run"] = memory.seconds
     entry = pipeline_entry(result, args.batch * args.seq, memory)
+    if explained is not None:
+        chunk, explanation = explained
+        result.timings["explain"] = explanation.seconds
+        entry["explain"] = {"stage": chunk, "rank": result.best.stages[chunk].rank} | explain_entry(explanation)
     if args.compare == NO_PP:
         entry["without_pp"] = _without_pp(workload, result.config.without_pipeline(), args)
         result.timings["without pp"] = entry["without_pp"]["seconds"]
@@ -338,8 +351,46 @@ def _run_pipeline(workload, config: PlanConfig, args, out: Path, extra: dict) ->
         fail(f"cannot write the report to {out}: {err}")
     for line in summary_lines(report):
         _say(line)
+    if explained is not None:
+        for line in ["explain pipeline:"] + pipeline_explain_lines(entry):
+            _say(line)
+        where = f"stage {entry['explain']['stage']} on pp rank {entry['explain']['rank']}"
+        for line in [f"explain {args.explain} ({where}):"] + explain_lines(entry["explain"]):
+            _say(line)
     _say(f"wrote {log_path}, {json_path} and {log_path.with_name(HTML_NAME)}")
     return 0
+
+
+def _explain_stage(model, result, inputs, args):
+    """`--explain` on a pp mesh: the stage of the chosen pipeline that holds the parameter, planned
+    as `train` plans it, re-solved with the parameter pinned to each other layout. (stage, explanation)."""
+    from autoshard.driver.stages import plan_stage, stage_specs
+    from autoshard.problem.explain import ExplainError, match_params
+    from autoshard.workloads.hf_stages import splittable
+
+    best = result.best
+    try:
+        splits = splittable(model)
+    except ValueError as err:
+        fail(f"--explain on a pp mesh plans the stage that holds {args.explain}: {err}")
+    tokens, targets = inputs(best.rows)
+    dtype = result.config.precision.param_dtype or next(model.parameters()).dtype
+    specs = stage_specs(splits, best, tokens, targets, dtype)
+
+    def holds(module) -> bool:
+        try:
+            return bool(match_params(args.explain, [name for name, _ in module.named_parameters()]))
+        except ExplainError:
+            return False
+
+    chunk = next((k for k, spec in enumerate(specs) if holds(spec.module)), 0)  # none: the first names close ones
+    stage = result.config.stage_config()
+    log.info("explaining %s in stage %d: re-solving with each other layout pinned", args.explain, chunk)
+    auto, _ = plan_stage(specs[chunk], stage, stage.mesh, micro_batches=best.micro_batches, stages=best.ranks)
+    try:
+        return chunk, auto.explain(args.explain, top=args.explain_top)
+    except ExplainError as err:
+        fail(f"--explain {err}")
 
 
 def _dry_run_stages(model, result, inputs):

@@ -168,6 +168,19 @@ def _row(s: dict) -> tuple[str, ...]:
     )
 
 
+def pipeline_explain_lines(entry: dict) -> list[str]:
+    """`plan --explain` on a pp mesh: the chosen pipeline, then the runners-up and torchtitan's even
+    split, each with its modeled step and how much slower than the chosen one it is."""
+    chosen = entry["step_time_s"]
+    lines = [f"  chosen: {_one_line(entry)}"]
+    for p in entry["runners_up"]:
+        lines.append(f"  {_one_line(p)} ({p['step_time_s'] / chosen:.3f}x)")
+    even = entry.get("even_split")
+    if even is not None:
+        lines.append(f"  even split: {_one_line(even)} ({even['step_time_s'] / chosen:.3f}x)")
+    return lines
+
+
 def pipeline_lines(entry: dict) -> list[str]:
     """The log's section: the summary, one row per stage, the runners-up."""
     out = ["", "== pipeline (modeled, per rank of a stage) =="] + pipeline_summary(entry) + [""]
