@@ -55,6 +55,8 @@ OTHER_TOOLS = {
     "--profile",  # benchmarks.gpu.check
     "--trainers",
     "--vocab",
+    "--layers",
+    "--micro-batches",
     "--dp",  # benchmarks.training.pipeline
     "--no-index",
     "--no-deps",
