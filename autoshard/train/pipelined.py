@@ -77,7 +77,7 @@ class StagedModel(nn.Module):
                 owner.register_parameter(leaf, param)
             for fqn, buffer in module.named_buffers():
                 owner, leaf = self._owner(fqn)
-                if leaf in owner._buffers:  # a constant every stage computes (rotary tables)
+                if leaf in dict(owner.named_buffers(recurse=False)):  # a constant every stage computes (rotary)
                     if fqn in persistent:
                         raise ValueError(f"buffer {fqn} is state of two stages: a pipeline cannot checkpoint it")
                     continue
