@@ -128,7 +128,7 @@ class PlanConfig:
         type=name_list,
         help="mesh dim roles, one per dim: pp (first), dp_replicate, dp_shard (or dp), tp, cp, each at most "
         "once (default: dp; dp,tp; dp_replicate,dp_shard,tp for 1, 2, 3 dims); parameters are replicated "
-        "over dp_replicate, the batch splits over both dp dims, and `plan` cuts the model into pipeline "
+        "over dp_replicate, the batch splits over both dp dims, and `plan` and `train` cut the model into pipeline "
         "stages over pp",
     )
     network: NetworkProfile | str | None = setting(
