@@ -325,8 +325,9 @@ def _run_pipeline(workload, config: PlanConfig, args, out: Path, extra: dict) ->
             )
         except ValueError as err:
             fail(f"planning the pipeline failed: {err}")
-        memory = _dry_run_stages(model, result, inputs) if args.dry_run else None
-        explained = _explain_stage(model, result, inputs, args) if args.explain is not None else None
+        chosen = _chosen_stages(model, result, inputs, args.explain)
+        memory = _dry_run_stages(chosen) if args.dry_run and chosen is not None else None
+        explained = _explain_stage(chosen, args) if args.explain is not None else None
     if memory is not None:
         result.timings["dry run"] = memory.seconds
     entry = pipeline_entry(result, args.batch * args.seq, memory)
@@ -361,21 +362,26 @@ def _run_pipeline(workload, config: PlanConfig, args, out: Path, extra: dict) ->
     return 0
 
 
-def _explain_stage(model, result, inputs, args):
-    """`--explain` on a pp mesh: the stage of the chosen pipeline that holds the parameter, planned
-    as `train` plans it, re-solved with the parameter pinned to each other layout. (stage, explanation)."""
-    from autoshard.driver.stages import plan_stage, stage_specs
-    from autoshard.problem.explain import ExplainError, match_params
+def _chosen_stages(model, result, inputs, explain: str | None):
+    """The chosen pipeline's stages to plan one by one (`driver.stage_memory.ChosenStages`). A
+    model that cannot be cut into stages to run: None, with a line saying its stages are not
+    dry-run, or with `--explain` one error line."""
+    from autoshard.driver.stage_memory import ChosenStages
     from autoshard.workloads.hf_stages import splittable
 
-    best = result.best
     try:
-        splits = splittable(model)
+        return ChosenStages(splittable(model), result, inputs, result.best)
     except ValueError as err:
-        fail(f"--explain on a pp mesh plans the stage that holds {args.explain}: {err}")
-    tokens, targets = inputs(best.rows)
-    dtype = result.config.precision.param_dtype or next(model.parameters()).dtype
-    specs = stage_specs(splits, best, tokens, targets, dtype)
+        if explain is not None:
+            fail(f"--explain on a pp mesh plans the stage that holds {explain}: {err}")
+        log.info("stages not dry-run (memory modeled only): %s", err)
+        return None
+
+
+def _explain_stage(chosen, args):
+    """`--explain` on a pp mesh: the stage of the chosen pipeline that holds the parameter, planned
+    as `train` plans it, re-solved with the parameter pinned to each other layout. (stage, explanation)."""
+    from autoshard.problem.explain import ExplainError, match_params
 
     def holds(module) -> bool:
         try:
@@ -383,31 +389,24 @@ def _explain_stage(model, result, inputs, args):
         except ExplainError:
             return False
 
-    chunk = next((k for k, spec in enumerate(specs) if holds(spec.module)), 0)  # none: the first names close ones
-    stage = result.config.stage_config()
+    holding = (k for k, spec in enumerate(chosen.specs) if holds(spec.module))
+    chunk = next(holding, 0)  # none holds it: the first stage's explain names close ones
     log.info("explaining %s in stage %d: re-solving with each other layout pinned", args.explain, chunk)
-    auto, _ = plan_stage(specs[chunk], stage, stage.mesh, micro_batches=best.micro_batches, stages=best.ranks)
+    auto, _ = chosen.planned(chunk)
     try:
         return chunk, auto.explain(args.explain, top=args.explain_top)
     except ExplainError as err:
         fail(f"--explain {err}")
 
 
-def _dry_run_stages(model, result, inputs):
-    """Each distinct stage of the chosen pipeline planned and dry-run (`driver.stage_memory`);
-    None, with a line saying why, for a model that cannot be cut into stages to run."""
+def _dry_run_stages(chosen):
+    """Each distinct stage of the chosen pipeline dry-run (`driver.stage_memory`)."""
     from autoshard.driver.stage_memory import dry_run_stages
     from autoshard.runtime.dryrun import DryRunError
-    from autoshard.workloads.hf_stages import splittable
 
-    try:
-        splits = splittable(model)
-    except ValueError as err:
-        log.info("stages not dry-run (memory modeled only): %s", err)
-        return None
     log.info("dry run: each distinct stage's rank-0 program on fake tensors")
     try:
-        return dry_run_stages(splits, result, inputs)
+        return dry_run_stages(chosen)
     except DryRunError as err:
         fail(f"a planned stage cannot run: {err.line}")
 

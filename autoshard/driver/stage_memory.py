@@ -20,9 +20,11 @@ from typing import Any, Callable
 
 from torch import nn
 
+from autoshard.driver.api import AutoShard
 from autoshard.driver.pipeline import PipelinePlan
 from autoshard.driver.stages import plan_stage, stage_specs
 from autoshard.pipeline.search import Pipeline
+from autoshard.problem.plan import Plan
 from autoshard.runtime.dryrun import MemoryEstimate, dry_run
 
 
@@ -59,25 +61,37 @@ class StageMemory:
         return max(self.rank_bytes(r) for r in {s.rank for s in self.stages})
 
 
-def dry_run_stages(
-    model: nn.Module, result: PipelinePlan, input_fn: Callable[[int], Any], *, pipeline: Pipeline | None = None
-) -> StageMemory:
-    """Plan and dry-run the chunks of `result.best` (or `pipeline`) of `model`, one that splits
-    itself (`pipeline_stage(start, stop)`); `input_fn(rows)` as `plan_pipeline` takes it. Runs
-    where planning does (no process group, or a fake one of the stage mesh's size)."""
+class ChosenStages:
+    """The chunks of a pipeline of `model` (one that splits itself), each planned on demand as
+    `apply_pipeline` plans it, and once: the dry runs and `--explain` share the solves."""
+
+    def __init__(self, model: nn.Module, result: PipelinePlan, input_fn: Callable[[int], Any], pipeline: Pipeline):
+        self.pipeline = pipeline
+        self.specs = stage_specs(model, result, input_fn, pipeline)
+        self.stage = result.config.stage_config()
+        self._planned: dict[int, tuple[AutoShard, Plan]] = {}
+
+    def planned(self, chunk: int) -> tuple[AutoShard, Plan]:
+        if chunk not in self._planned:
+            assert self.stage.mesh is not None
+            p = self.pipeline
+            self._planned[chunk] = plan_stage(
+                self.specs[chunk], self.stage, self.stage.mesh, micro_batches=p.micro_batches, stages=p.ranks
+            )
+        return self._planned[chunk]
+
+
+def dry_run_stages(stages: ChosenStages) -> StageMemory:
+    """Dry-run the distinct chunks of `stages` (twins: the same number of blocks, layout family
+    and ends), each one's rank-0 program. Runs where planning does (no process group, or a fake
+    one of the stage mesh's size)."""
     start = time.perf_counter()
-    best = pipeline if pipeline is not None else result.best
-    tokens, targets = input_fn(best.rows)
-    dtype = result.config.precision.param_dtype or next(model.parameters()).dtype
-    specs = stage_specs(model, best, tokens, targets, dtype)
-    stage = result.config.stage_config()
-    assert stage.mesh is not None
     found: dict[tuple, MemoryEstimate] = {}
-    stages = []
-    for chunk, spec in zip(best.stages, specs):
+    runs = []
+    for chunk in stages.pipeline.stages:
         key = (chunk.n_blocks, chunk.family, chunk.before, chunk.after)
         if key not in found:
-            _, plan = plan_stage(spec, stage, stage.mesh, micro_batches=best.micro_batches, stages=best.ranks)
-            found[key] = dry_run(plan, mesh_dim_names=stage.mesh_names).ranks[0]
-        stages.append(StageDryRun(chunk.chunk, chunk.rank, chunk.in_flight, found[key]))
-    return StageMemory(stages, time.perf_counter() - start, len(found))
+            _, plan = stages.planned(chunk.chunk)
+            found[key] = dry_run(plan, mesh_dim_names=stages.stage.mesh_names).ranks[0]
+        runs.append(StageDryRun(chunk.chunk, chunk.rank, chunk.in_flight, found[key]))
+    return StageMemory(runs, time.perf_counter() - start, len(found))

@@ -143,11 +143,14 @@ class _Stage(nn.Module):
 
 
 def stage_specs(
-    model: nn.Module, pipeline: Pipeline, tokens: torch.Tensor, targets: torch.Tensor, dtype: torch.dtype
+    model: nn.Module, result: PipelinePlan, input_fn: Callable[[int], tuple], pipeline: Pipeline
 ) -> list[StageSpec]:
-    """The stages of `pipeline` (a `PipelinePlan.best`: its cuts and each chunk's layout family)
-    for a model that splits itself (`model.pipeline_stage(start, stop)`, our llama's); `tokens`
-    and `targets` are one micro-batch's (global shapes), `dtype` the hidden states' between stages."""
+    """The stages of `pipeline` (one of `result`'s: its cuts and each chunk's layout family) for
+    a model that splits itself (`model.pipeline_stage(start, stop)`, our llama's); each takes one
+    micro-batch of `input_fn(rows)` (tokens, targets: the planning's), the hidden states between
+    stages in the planned compute dtype."""
+    tokens, targets = input_fn(pipeline.rows)
+    dtype = result.config.precision.param_dtype or next(model.parameters()).dtype
     split = getattr(model, "pipeline_stage", None)
     if split is None:
         raise TypeError(f"{type(model).__name__} has no pipeline_stage(start, stop): build its StageSpecs by hand")
@@ -267,9 +270,7 @@ def apply_pipeline(
     best = pipeline if pipeline is not None else result.best
     if in_process_group():
         best = broadcast(best)
-    tokens, targets = input_fn(best.rows)
-    dtype = result.config.precision.param_dtype or next(model.parameters()).dtype
-    specs = stage_specs(model, best, tokens, targets, dtype)
+    specs = stage_specs(model, result, input_fn, best)
     return pipeline_run(
         specs, result.config, mesh, schedule=best.schedule.name, micro_batches=best.micro_batches, seed=seed
     )

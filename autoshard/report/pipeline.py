@@ -66,7 +66,8 @@ def pipeline_entry(result: Any, tokens_per_step: int | None = None, memory: Any 
         "runners_up": [pipeline_figures(p) for p in result.others],
         "even_split": None if result.even is None else pipeline_figures(result.even),
         "families": result.family_steps(),
-        "memory_checked": "modeled (parameters, gradients, AdamW states, in-flight activations); stages not dry-run",
+        "memory_checked": "modeled (parameters, gradients, AdamW states, in-flight activations)"
+        + ("" if memory is not None else "; stages not dry-run"),
     }
     if tokens_per_step:
         entry["tokens_per_s_per_device"] = tokens_per_step / best.step_time_s / math.prod(config.mesh)
@@ -79,7 +80,6 @@ def pipeline_entry(result: Any, tokens_per_step: int | None = None, memory: Any 
         entry["dry_run_peak_bytes"] = memory.peak_bytes
         entry["dry_run_seconds"] = memory.seconds
         entry["dry_run_programs"] = memory.plans
-        entry["memory_checked"] = "modeled (parameters, gradients, AdamW states, in-flight activations)"
     return entry
 
 

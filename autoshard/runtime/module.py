@@ -96,6 +96,20 @@ class CompileStats:
     graph_breaks: int
 
 
+def owner_of(root: nn.Module, fqn: str) -> tuple[nn.Module, str]:
+    """The module under `root` that holds `fqn` (its path made of empty modules where missing),
+    and the attribute's name: where a tensor of that name is registered."""
+    *path, leaf = fqn.split(".")
+    module = root
+    for part in path:
+        child = dict(module.named_children()).get(part)
+        if child is None:
+            child = nn.Module()
+            module.add_module(part, child)
+        module = child
+    return module, leaf
+
+
 class ParallelModule(nn.Module):
     """Runs one training step's forward (returning the loss) on this rank's shards; `backward()`
     of the loss fills `.grad` of every DTensor parameter in its planned layout."""
@@ -131,24 +145,13 @@ class ParallelModule(nn.Module):
             self._empty(fqn, shapes[fqn], layout, parameter=False, persistent=fqn not in non_persistent)
 
     # ------------------------------------------------------------------ structure
-    def _owner(self, fqn: str) -> tuple[nn.Module, str]:
-        *path, leaf = fqn.split(".")
-        module: nn.Module = self
-        for part in path:
-            child = dict(module.named_children()).get(part)
-            if child is None:
-                child = nn.Module()
-                module.add_module(part, child)
-            module = child
-        return module, leaf
-
     def _empty(self, fqn: str, like: torch.Tensor, layout: Layout, *, parameter: bool, persistent: bool = True) -> None:
         """Register an uninitialized DTensor in `layout` (values come from `load_full` / `init_weights`)."""
         local = torch.empty(
             layout.local_shape(tuple(like.shape), self.plan.mesh_shape), dtype=like.dtype, device=self.mesh.device_type
         )
         value = tc.dtensor_from_local(local, self.mesh, layout.to_torch_placements(self.mesh), tuple(like.shape))
-        owner, leaf = self._owner(fqn)
+        owner, leaf = owner_of(self, fqn)
         self._owners[fqn] = (owner, leaf)
         if parameter:
             owner.register_parameter(leaf, nn.Parameter(value, requires_grad=like.requires_grad))
@@ -156,7 +159,7 @@ class ParallelModule(nn.Module):
             owner.register_buffer(leaf, value, persistent=persistent)
 
     def _tensor(self, fqn: str) -> torch.Tensor:
-        owner, leaf = self._owners.get(fqn) or self._owner(fqn)
+        owner, leaf = self._owners.get(fqn) or owner_of(self, fqn)
         return getattr(owner, leaf)
 
     # ------------------------------------------------------------------ values

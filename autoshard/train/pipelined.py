@@ -36,6 +36,7 @@ from autoshard.report.build import plan_report
 from autoshard.report.files import write_report_files
 from autoshard.report.pipeline import pipeline_entry
 from autoshard.report.text import summary_lines
+from autoshard.runtime.module import owner_of
 from autoshard.train.loggers import Throughput
 from autoshard.train.planfile import PlanFile
 from autoshard.train.settings import Settings
@@ -73,10 +74,10 @@ class StagedModel(nn.Module):
         for module in run.modules.values():
             persistent = set(module.state_dict())
             for fqn, param in module.named_parameters():
-                owner, leaf = self._owner(fqn)
+                owner, leaf = owner_of(self, fqn)
                 owner.register_parameter(leaf, param)
             for fqn, buffer in module.named_buffers():
-                owner, leaf = self._owner(fqn)
+                owner, leaf = owner_of(self, fqn)
                 if leaf in dict(owner.named_buffers(recurse=False)):  # a constant every stage computes (rotary)
                     if fqn in persistent:
                         raise ValueError(f"buffer {fqn} is state of two stages: a pipeline cannot checkpoint it")
@@ -86,15 +87,6 @@ class StagedModel(nn.Module):
         index = torch.arange(batch, device=stage_mesh.device_type)
         self.batch, self.device = batch, stage_mesh.device_type
         self.rows = tc.distribute_local(index, stage_mesh, placements).cpu()
-
-    def _owner(self, fqn: str) -> tuple[nn.Module, str]:
-        *path, leaf = fqn.split(".")
-        module: nn.Module = self
-        for part in path:
-            if not hasattr(module, part):
-                module.add_module(part, nn.Module())
-            module = getattr(module, part)
-        return module, leaf
 
     @property
     def random(self) -> _RandomSteps:
