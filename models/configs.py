@@ -19,9 +19,10 @@ class LlamaConfig:
     rope_theta: float = 500000.0
     norm_eps: float = 1e-5
     max_seq_len: int = 8192
+    head_size: int = 0  # 0: dim // n_heads (Qwen3's heads are wider than dim / n_heads)
 
     def __post_init__(self) -> None:
-        if self.dim % self.n_heads:
+        if self.dim % self.n_heads and not self.head_size:
             raise ValueError(f"{self.name}: dim {self.dim} is not divisible by n_heads {self.n_heads}")
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"{self.name}: n_heads {self.n_heads} is not divisible by n_kv_heads {self.n_kv_heads}")
@@ -30,7 +31,7 @@ class LlamaConfig:
 
     @property
     def head_dim(self) -> int:
-        return self.dim // self.n_heads
+        return self.head_size or self.dim // self.n_heads
 
     def with_(self, **changes) -> "LlamaConfig":
         """A copy with some fields changed (e.g. a shorter max_seq_len for tests)."""
@@ -73,6 +74,46 @@ CONFIGS: dict[str, LlamaConfig] = {
         ),
     )
 }
+
+
+@dataclass(frozen=True)
+class MoEConfig(LlamaConfig):
+    """A llama3-style decoder whose feed-forward is `n_experts` routed SwiGLU experts of width
+    `expert_ffn`, each token sent to its router's `top_k` (plus a dense `shared_ffn` every token
+    goes through, 0: none); `aux_loss_coef` weighs the load-balancing loss (Switch's)."""
+
+    n_experts: int = 8
+    top_k: int = 2
+    expert_ffn: int = 0
+    shared_ffn: int = 0
+    aux_loss_coef: float = 0.001
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not 0 < self.top_k <= self.n_experts:
+            raise ValueError(f"{self.name}: top_k {self.top_k} must be in 1..n_experts ({self.n_experts})")
+        if self.expert_ffn <= 0:
+            raise ValueError(f"{self.name}: expert_ffn must be positive, got {self.expert_ffn}")
+
+
+def _qwen3_moe(name: str, **shape) -> MoEConfig:
+    """Qwen3-MoE's shapes (no q/k norms here: a few thousand weights of a 30B model)."""
+    return MoEConfig(name, vocab_size=151936, head_size=128, rope_theta=1e6, norm_eps=1e-6, **shape)
+
+
+MOE_CONFIGS: dict[str, MoEConfig] = {
+    c.name: c
+    for c in (
+        MoEConfig("moe-tiny", dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=256, ffn_hidden=0,
+                  n_experts=8, top_k=2, expert_ffn=32, max_seq_len=256),
+        MoEConfig("moe-debug", dim=256, n_layers=4, n_heads=8, n_kv_heads=8, vocab_size=2048, ffn_hidden=0,
+                  n_experts=16, top_k=2, expert_ffn=384, max_seq_len=2048),
+        _qwen3_moe("qwen3-30b-a3b", dim=2048, n_layers=48, n_heads=32, n_kv_heads=4, ffn_hidden=0,
+                   n_experts=128, top_k=8, expert_ffn=768),
+        _qwen3_moe("qwen3-235b-a22b", dim=4096, n_layers=94, n_heads=64, n_kv_heads=4, ffn_hidden=0,
+                   n_experts=128, top_k=8, expert_ffn=1536),
+    )
+}  # fmt: skip
 
 
 def get_config(name: str) -> LlamaConfig:

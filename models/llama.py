@@ -133,11 +133,13 @@ class Transformer(nn.Module):
     token's position in its document, 0 where one starts) several documents share a row, each
     attending only to itself and rotated from its own start, as if it were alone."""
 
+    block: type[nn.Module] = TransformerBlock  # what each of `layers` is
+
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
         self.cfg = cfg
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.layers = nn.ModuleList(TransformerBlock(cfg) for _ in range(cfg.n_layers))
+        self.layers = nn.ModuleList(self.block(cfg) for _ in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
@@ -146,6 +148,13 @@ class Transformer(nn.Module):
         self.register_buffer("rope_sin", sin, persistent=False)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        h, cos, sin, mask = self.embed(tokens, positions)
+        for layer in self.layers:
+            h = layer(h, cos, sin, mask)
+        return self.output(self.norm(h))
+
+    def embed(self, tokens: torch.Tensor, positions: torch.Tensor | None) -> tuple:
+        """(embedded tokens, rope cos and sin, attention mask or None): what every block takes."""
         seq_len = tokens.shape[1]
         if seq_len > self.cfg.max_seq_len:
             raise ValueError(f"sequence length {seq_len} exceeds max_seq_len {self.cfg.max_seq_len}")
@@ -158,9 +167,7 @@ class Transformer(nn.Module):
             cos = F.embedding(positions, self.rope_cos).to(h.dtype)
             sin = F.embedding(positions, self.rope_sin).to(h.dtype)
             mask = document_mask(positions)
-        for layer in self.layers:
-            h = layer(h, cos, sin, mask)
-        return self.output(self.norm(h))
+        return h, cos, sin, mask
 
     def pipeline_stage(self, start: int, stop: int) -> "TransformerStage":
         """Blocks [start, stop) as one pipeline stage (`TransformerStage`), sharing this model's modules."""
@@ -195,7 +202,7 @@ class Transformer(nn.Module):
                     std = 1.0
                 elif name == "output.weight":
                     std = self.cfg.dim**-0.5
-                elif name.endswith(("wo.weight", "w2.weight")):
+                elif name.endswith(("wo.weight", "w2.weight", "feed_forward.w2")):  # into the residual
                     std = residual_std
                 else:
                     std = 0.02
@@ -263,10 +270,12 @@ def cross_entropy_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Ten
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
 
-def build_model(cfg: LlamaConfig, device: str | torch.device = "cpu", seed: int | None = 0) -> Transformer:
-    """Build a model on `device`; on a real device, initialize it from `seed` (None: leave as built)."""
+def build_model(
+    cfg: LlamaConfig, device: str | torch.device = "cpu", seed: int | None = 0, cls: type[Transformer] = Transformer
+) -> Transformer:
+    """Build a `cls` on `device`; on a real device, initialize it from `seed` (None: leave as built)."""
     with torch.device(device):
-        model = Transformer(cfg)
+        model = cls(cfg)
     if torch.device(device).type != "meta" and seed is not None:
         model.init_weights(seed)
     return model

@@ -34,15 +34,15 @@ ALLOWED: dict[str, set[str]] = {
     "layout": {"_torch_compat"},
     "profiles": {"_torch_compat", "fileio"},
     "capture": {"_torch_compat", "layout"},
-    "strategies": {"_torch_compat", "layout"},
+    "strategies": {"_torch_compat", "layout", "models"},  # models: the ops a model family defines
     "pricing": {"_torch_compat", "layout", "profiles", "strategies"},
     "problem": {"_torch_compat", "layout", "profiles", "capture", "strategies", "pricing", "solver"},
     "pipeline": {"capture", "problem"},
-    "program": {"_torch_compat", "layout", "profiles", "capture", "strategies", "pricing", "problem"},
+    "program": {"_torch_compat", "layout", "profiles", "capture", "strategies", "pricing", "problem", "models"},
     "runtime": {"_torch_compat", "layout", "profiles", "capture", "pricing", "problem", "program"},
     "report": {
         *("_torch_compat", "fileio", "layout", "profiles", "capture", "pricing", "problem", "pipeline"),
-        *("program", "runtime"),
+        *("program", "runtime", "strategies"),
     },
     "workloads": {"_torch_compat", "fileio", "models", "options"},
     "data": {"options", "fileio"},

@@ -36,7 +36,8 @@ def test_unknown_workload_names_the_known_ones():
         get_workload("nope", seq=16)
     with pytest.raises(ValueError) as want:
         get_config("nope")
-    assert str(err.value) == str(want.value) + ", hf:PATH (a local transformers config.json or model directory)"
+    moe = ", moe-tiny, moe-debug, qwen3-30b-a3b, qwen3-235b-a22b"  # our mixture-of-experts family
+    assert str(err.value) == str(want.value) + moe + ", hf:PATH (a local transformers config.json or model directory)"
 
 
 def test_mesh_names():

@@ -20,7 +20,9 @@ from torch import fx
 from torch.utils.flop_counter import flop_registry
 
 from autoshard import _torch_compat as cs
+from autoshard.pricing.experts import exchange_s
 from autoshard.profiles.device import DeviceProfile
+from autoshard.profiles.network import NetworkProfile
 from autoshard.strategies.call import OpCall, signature
 from autoshard.strategies.strategy import Layouts, Strategy
 
@@ -97,9 +99,10 @@ class ComputePricer:
     `mesh_shape`. Cached per op signature in this object: the identical layers of a transformer
     are priced once."""
 
-    def __init__(self, device: DeviceProfile, mesh_shape: Sequence[int]):
+    def __init__(self, device: DeviceProfile, mesh_shape: Sequence[int], network: NetworkProfile | None = None):
         self.device = device
         self.mesh_shape = tuple(mesh_shape)
+        self.network = network  # prices the exchanges inside an op (expert parallelism); None: not
         self._by_signature: dict[tuple, tuple[Sequence[Strategy], tuple[float, ...]]] = {}
         # The tuple a StrategyCatalog returns is the same object for every node of one signature:
         # by its identity, a repeated node skips computing its signature. Entries keep the tuple
@@ -123,7 +126,12 @@ class ComputePricer:
                 call = OpCall(node, self.mesh_shape)
                 flops = global_flops(call)
                 overhead = self.device.op_overhead_s
-                costs = tuple(overhead + roofline_s(call, s.outputs, s.inputs, flops, self.device) for s in strategies)
+                costs = tuple(
+                    overhead
+                    + roofline_s(call, s.outputs, s.inputs, flops, self.device)
+                    + (0.0 if self.network is None else exchange_s(call, s.inputs, self.network))
+                    for s in strategies
+                )
             self._by_signature[key] = (strategies, costs)
         if isinstance(strategies, tuple):  # immutable: safe to recognize by identity
             self._by_tuple[id(strategies)] = (strategies, costs)

@@ -146,7 +146,7 @@ def build_problem(
     catalog = catalog if catalog is not None else StrategyCatalog(mesh_shape)
     if catalog.mesh_shape != mesh_shape:
         raise ValueError(f"catalog (mesh {catalog.mesh_shape}) must be for the problem's mesh {mesh_shape}")
-    pricer = ComputePricer(device, mesh_shape)
+    pricer = ComputePricer(device, mesh_shape, planner.profile)
     choices = Choices()
     collect_choices(choices, graph, catalog, pricer, spec, mesh_shape)
     add_sinks(choices, graph, mesh_shape, spec.stage_layout)

@@ -5,7 +5,9 @@ Each op of the joint graph runs unchanged on this rank's shard; the only rewrite
   plan (the one the ILP paid for) with our executor, and
 - size arguments of view/expand/factory ops become the output's local shape, and
 - devices (casts, factory ops: the trace ran on CPU) become the mesh's device, and on a GPU mesh
-  the trace's CPU-only attention ops become the device's own (`attention.py`).
+  the trace's CPU-only attention ops become the device's own (`attention.py`), and
+- the routed-experts ops become this rank's form of the chosen strategy, all-to-alls included
+  under expert parallelism (`experts.py`).
 
 A block's parameter gathers (gradient reduce-scatters) become one `Bucket` each, gradient all-reduces
 size-capped buckets in the backward's order (`buckets.py`). The joint graph is
@@ -35,10 +37,12 @@ from autoshard.program.accumulate import Accumulator, hold_reductions
 from autoshard.program.attention import ON_DEVICE
 from autoshard.program.buckets import DEFAULT_BUCKET_BYTES, bucket
 from autoshard.program.collectives import dim_order, prepare_groups
+from autoshard.program.experts import REGIONS, prepare_expert_groups
 from autoshard.program.modules import AWAIT, LOCAL_SHAPE, Redistribute
 from autoshard.program.random import RandomStream, SeededOp, draws, shard_key
 from autoshard.program.schedule import StepModel, model_step
 from autoshard.program.split import split
+from autoshard.strategies.call import OpCall
 
 aten = torch.ops.aten
 
@@ -149,6 +153,7 @@ def lower(
             "with mesh_dim_names (init_device_mesh(..., mesh_dim_names=('dp', 'tp')))"
         )
     prepare_groups([r.plan for r in plan.redistributions], mesh)
+    prepare_expert_groups(plan, mesh)
     stream = RandomStream()
     joint, modules = _local_joint_graph(plan, mesh, stream)
     held = hold_reductions(plan, joint, modules) if accumulate else None
@@ -228,6 +233,8 @@ def _local_joint_graph(plan: Plan, mesh: Any, stream: RandomStream) -> tuple[fx.
                 i = _SIZE_ARG[node.target]
                 args = args[:i] + (list(shapes),) + args[i + 1 :]
             target = node.target
+            if target in REGIONS:  # an op that runs its own collectives under some strategies
+                target = REGIONS[target](target, strategy.inputs, OpCall(node, ms).in_vals, mesh)
             if mesh.device_type != "cpu":  # CPU-only ops of the trace (attention): the device's own
                 target = ON_DEVICE.get(target, target)
             if draws(node):  # drawn as DTensor would: the same on every rank holding its shard

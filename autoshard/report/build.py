@@ -23,6 +23,7 @@ from autoshard.problem.memory import MemoryFit
 from autoshard.problem.plan import Plan, Redistribution, Sink
 from autoshard.profiles.device import DeviceProfile
 from autoshard.program.lower import Program
+from autoshard.report.experts import experts_entry
 from autoshard.runtime.dryrun import DryRunResult
 
 # Top-level keys `plan_report` produces; anything else came in through `extra`.
@@ -44,6 +45,7 @@ OWN_KEYS = (
     "compare",
     "explain",
     "pipeline",
+    "experts",
 )
 EXPLAIN_CHANGES = 10  # redistribution changes listed per alternative (the rest counted)
 
@@ -113,6 +115,9 @@ def plan_report(
         host = host_entry(dry_run, device, device_step, plan.micro_batches)
         if host is not None:
             report["host"] = host
+    experts = experts_entry(plan, list(mesh_names) if mesh_names else None)
+    if experts is not None:
+        report["experts"] = experts
     if memory_fit is not None:
         report["memory_fit"] = _memory_fit_entry(memory_fit)
     if timings:

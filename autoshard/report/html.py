@@ -36,6 +36,7 @@ from autoshard.report.charts import (
 from autoshard.report.charts import (
     mesh_dim_label as _md,
 )
+from autoshard.report.experts import experts_line
 from autoshard.report.pipeline import pipeline_section
 from autoshard.report.text import STAGE_PLAN, host_line, human_bytes, human_time
 
@@ -315,6 +316,8 @@ _RUN_KEYS = ("model", "batch", "seq", "steps", "network", "device", "device_prof
 
 def summary_section(report: dict, names: Sequence[str], colors: dict[str, str]) -> str:
     host = [("host", _e(host_line(report["host"]).removeprefix("host: ")))] if report.get("host") else []
+    if report.get("experts"):
+        host.append(("experts", _e(experts_line(report["experts"]).removeprefix("experts: "))))
     items = [*_run_items(report, names), *_step_items(report["totals"], colors), *host, *_plan_items(report)]
     dl = '<dl class="kv">' + "".join(f"<dt>{_e(k)}</dt><dd>{v}</dd>" for k, v in items) + "</dl>"
     return f'<section id="summary"><h2>Summary</h2>{dl}{memory_block(report.get("memory"))}</section>'

@@ -6,6 +6,7 @@ import json
 import math
 
 from autoshard.report.build import OWN_KEYS
+from autoshard.report.experts import experts_line
 from autoshard.report.pipeline import pipeline_lines, pipeline_summary
 from autoshard.report.units import human_bytes, human_time
 
@@ -183,6 +184,8 @@ def _totals_lines(report: dict) -> list[str]:
         )
     if report.get("host"):
         out.append(host_line(report["host"]))
+    if report.get("experts"):
+        out.append(experts_line(report["experts"]))
     kinds = sorted(set(t["count_by_collective"]) | set(t["bytes_by_collective"]))
     if kinds:
         out += [f"collectives per rank{' and micro-batch (held all-reduces: once a step)' if k > 1 else ''}:"]
@@ -293,6 +296,8 @@ def summary_lines(report: dict) -> list[str]:
     if "program_count_by_collective" in t:
         comm += f"; run as {_counts(t['program_count_by_collective'])}"
     lines.append(f"comm per rank: {no_collectives(report) or comm}")
+    if report.get("experts"):
+        lines.append(experts_line(report["experts"]))
     precision = report.get("precision")
     if precision and (precision["param_dtype"] != "param" or precision["reduce_dtype"] != "param"):
         lines.append(f"mixed precision: {precision['summary']}")

@@ -91,6 +91,22 @@ def initial_stream(
             yield name, value
 
 
+def sized_config(configs: dict[str, Any], name: str, seq: int) -> Any:
+    """Config `name` of a family's `configs` (None when it has none of that name), its rope
+    tables long enough for sequences of `seq`."""
+    cfg = configs.get(name)
+    if cfg is not None and seq > cfg.max_seq_len:
+        cfg = cfg.with_(max_seq_len=seq)
+    return cfg
+
+
+def meta_values(model: Any, seed: int, want: Collection[str] | None) -> Iterator[tuple[str, torch.Tensor]]:
+    """`model.initial_values(seed)` (a model of ours, on meta), only those named in `want` (None: all)."""
+    for name, value in model.initial_values(seed):
+        if want is None or name in want:
+            yield name, value
+
+
 def full_state(model: nn.Module) -> dict[str, torch.Tensor]:
     """Every parameter (tied ones once) and buffer of a model, by FQN."""
     return dict(model.named_parameters()) | dict(model.named_buffers())

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import copy
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,7 @@ from torch import nn
 from autoshard.fileio import read_json
 from autoshard.workloads import hf_init
 from autoshard.workloads.base import HFFormat, Workload, full_state, token_batches, token_inputs
+from autoshard.workloads.hf_experts import routed_experts_implementation
 
 ORDER = 10  # asked after the plain model names
 PREFIX = "hf:"
@@ -107,14 +109,23 @@ def _check_sizes(data: dict, config_class: Any, file: Path) -> None:
 
 
 def training_config(config: Any) -> Any:
-    """A copy of a transformers config set up for a training step: no KV cache, and for models
-    of full causal attention the `causal_sdpa` implementation (no [b, 1, s, s] mask in the graph)."""
+    """A copy of a transformers config set up for a training step: no KV cache, for models of
+    full causal attention the `causal_sdpa` implementation (no [b, 1, s, s] mask in the graph),
+    and for models with experts autoshard's routed-experts op (`hf_experts`)."""
     config = copy.deepcopy(config)
     config.use_cache = False
     cls = model_class(config)
     if full_causal_attention(config) and runs_attention(cls) and not is_seq2seq(cls):
         config._attn_implementation = causal_sdpa()
+    if has_experts(cls):
+        config._experts_implementation = routed_experts_implementation()
     return config
+
+
+def has_experts(cls: type[nn.Module]) -> bool:
+    """Whether a model class runs its experts through transformers' experts interface."""
+    source = sys.modules.get(cls.__module__)
+    return source is not None and "use_experts_implementation" in vars(source)
 
 
 CAUSAL_SDPA = "autoshard_causal_sdpa"

@@ -10,10 +10,17 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
 from typing import Any
 
-from autoshard.workloads.base import HFFormat, Workload, full_state, token_batches, token_inputs
+from autoshard.workloads.base import (
+    HFFormat,
+    Workload,
+    full_state,
+    meta_values,
+    sized_config,
+    token_batches,
+    token_inputs,
+)
 
 ORDER = 0  # asked first: plain model names
 
@@ -29,12 +36,8 @@ def resolve(name: str, seq: int) -> Workload | None:
     `name` is not one of ours."""
     from autoshard_models import CONFIGS
 
-    cfg = CONFIGS.get(name)
-    if cfg is None:
-        return None
-    if seq > cfg.max_seq_len:  # rope tables long enough for the asked sequence
-        cfg = cfg.with_(max_seq_len=seq)
-    return _workload(name, cfg)
+    cfg = sized_config(CONFIGS, name, seq)
+    return None if cfg is None else _workload(name, cfg)
 
 
 def _workload(name: str, cfg: Any) -> Workload:
@@ -48,21 +51,12 @@ def _workload(name: str, cfg: Any) -> Workload:
         loss_fn=cross_entropy_loss,
         data=lambda seed: token_batches(cfg.vocab_size, seed),
         initial_state=lambda seed: full_state(build_model(cfg, device="cpu", seed=seed)),
-        initial_values=lambda seed, want=None: _initial_values(cfg, seed, want),
+        initial_values=lambda seed, want=None: meta_values(build_model(cfg, device="meta"), seed, want),
         adapt_state_dict=from_hf_names,
         hf_format=lambda: HFFormat({"config.json": json.dumps(hf_config(cfg), indent=2) + "\n"}, hf_name),
         vocab_size=cfg.vocab_size,
         resize_vocab=lambda n: _workload(name, cfg.with_(vocab_size=n)),
     )
-
-
-def _initial_values(cfg: Any, seed: int, want: Any) -> Iterator[tuple[str, Any]]:
-    """`build_model(cfg, seed=seed)`'s values one tensor at a time, drawn from a model on meta."""
-    from autoshard_models import build_model
-
-    for name, value in build_model(cfg, device="meta").initial_values(seed):
-        if want is None or name in want:
-            yield name, value
 
 
 _TOP = {

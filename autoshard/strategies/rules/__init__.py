@@ -5,10 +5,10 @@ or handle too narrowly. Add a family: a module whose functions carry `@rule(op, 
 
 from __future__ import annotations
 
-from autoshard.strategies.rules import attention, factories, loss, pointwise
+from autoshard.strategies.rules import attention, experts, factories, loss, pointwise
 from autoshard.strategies.rules.base import RuleFn, collect, rule
 
-_MODULES = (attention, factories, loss, pointwise)
+_MODULES = (attention, experts, factories, loss, pointwise)
 
 RULES = collect(_MODULES)
 
