@@ -147,8 +147,8 @@ def from_values(cls: type, values: dict[str, Any], **changes: Any) -> Any:
 # The options several commands share: same flag, same meaning.
 MODEL = option(
     "--model",
-    help="model name, e.g. llama3-tiny, llama3-debug, llama3-8b (autoshard.workloads), or "
-    "hf:PATH, a local Hugging Face config.json or model directory",
+    help="model name, e.g. llama3-tiny, llama3-debug, llama3-8b, moe-debug, qwen3-30b-a3b (autoshard.workloads), "
+    "or hf:PATH, a local Hugging Face config.json or model directory",
 )
 INIT_FROM = option(
     "--init-from",

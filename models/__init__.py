@@ -3,7 +3,7 @@
 from .configs import CONFIGS, MOE_CONFIGS, LlamaConfig, MoEConfig, get_config
 from .data import Batch, MarkovTokens
 from .llama import Transformer, build_model, cross_entropy_loss
-from .moe import MoETransformer, build_moe_model, moe_loss
+from .moe import MoETransformer, build_any, build_moe_model, moe_loss, named_config, training_loss
 
 __all__ = [
     "CONFIGS",
@@ -19,4 +19,7 @@ __all__ = [
     "MoETransformer",
     "build_moe_model",
     "moe_loss",
+    "named_config",
+    "build_any",
+    "training_loss",
 ]

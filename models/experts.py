@@ -18,9 +18,32 @@ rank receiving tokens from others does.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 from torch.utils.flop_counter import register_flop_formula
+
+
+class Grouped(NamedTuple):
+    """Matmuls over rows sorted into groups, one group per expert (`counts` rows each):
+    `mm(x, w, counts)` stacks `x_e @ w[e]`; `outer(x, y, counts)` is `[x_e.T @ y_e for each e]`,
+    the weight gradients. `LOOP` runs one matmul per expert; a grouped GEMM kernel can stand in."""
+
+    mm: Callable[[torch.Tensor, torch.Tensor, list[int]], torch.Tensor]
+    outer: Callable[[torch.Tensor, torch.Tensor, list[int]], torch.Tensor]
+
+
+def _loop_mm(x: torch.Tensor, w: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    return torch.cat([x_e @ w[e] for e, x_e in enumerate(torch.split(x, counts))])
+
+
+def _loop_outer(x: torch.Tensor, y: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    return torch.stack([x_e.T @ y_e for x_e, y_e in zip(torch.split(x, counts), torch.split(y, counts))])
+
+
+LOOP = Grouped(_loop_mm, _loop_outer)
 
 
 def _by_expert(ids: torch.Tensor, first: int, n_local: int) -> tuple[torch.Tensor, list[int]]:
@@ -30,38 +53,34 @@ def _by_expert(ids: torch.Tensor, first: int, n_local: int) -> tuple[torch.Tenso
     return order, counts
 
 
-def rows_forward(rows: torch.Tensor, ids: torch.Tensor, w1, w3, w2, first: int = 0) -> torch.Tensor:
+def rows_forward(rows: torch.Tensor, ids: torch.Tensor, w1, w3, w2, first: int = 0, grouped: Grouped = LOOP):
     """ffn_{ids[i]}(rows[i]) for rows whose expert ids all lie in [first, first + len(w1))."""
     order, counts = _by_expert(ids, first, w1.shape[0])
+    h = rows[order]
+    m = F.silu(grouped.mm(h, w1.mT, counts)) * grouped.mm(h, w3.mT, counts)
     out = rows.new_empty(rows.shape[0], w2.shape[1])
-    for e, chunk in zip(range(w1.shape[0]), torch.split(order, counts)):
-        if chunk.numel():
-            h = rows[chunk]
-            out[chunk] = (F.silu(h @ w1[e].T) * (h @ w3[e].T)) @ w2[e].T
+    out[order] = grouped.mm(m, w2.mT, counts)
     return out
 
 
-def rows_backward(grad: torch.Tensor, rows: torch.Tensor, ids: torch.Tensor, w1, w3, w2, first: int = 0):
+def rows_backward(
+    grad: torch.Tensor, rows: torch.Tensor, ids: torch.Tensor, w1, w3, w2, first: int = 0, grouped: Grouped = LOOP
+):
     """(grad of rows, of w1, w3, w2, and the forward's output rows) of `rows_forward`, given the
     gradient of its output rows."""
     order, counts = _by_expert(ids, first, w1.shape[0])
-    grad_rows, out = torch.zeros_like(rows), rows.new_empty(rows.shape[0], w2.shape[1])
-    g1, g3, g2 = torch.zeros_like(w1), torch.zeros_like(w3), torch.zeros_like(w2)
-    for e, chunk in zip(range(w1.shape[0]), torch.split(order, counts)):
-        if not chunk.numel():
-            continue
-        h, g = rows[chunk], grad[chunk]
-        a, b = h @ w1[e].T, h @ w3[e].T
-        sig = torch.sigmoid(a)
-        s = a * sig
-        m = s * b
-        out[chunk] = m @ w2[e].T
-        g2[e] = g.T @ m
-        gm = g @ w2[e]
-        ga = gm * b * (sig * (1 + a * (1 - sig)))
-        gb = gm * s
-        g1[e], g3[e] = ga.T @ h, gb.T @ h
-        grad_rows[chunk] = ga @ w1[e] + gb @ w3[e]
+    h, g = rows[order], grad[order]
+    a, b = grouped.mm(h, w1.mT, counts), grouped.mm(h, w3.mT, counts)
+    sig = torch.sigmoid(a)
+    s = a * sig
+    m = s * b
+    gm = grouped.mm(g, w2, counts)
+    ga = gm * b * (sig * (1 + a * (1 - sig)))
+    gb = gm * s
+    grad_rows, out = torch.empty_like(rows), rows.new_empty(rows.shape[0], w2.shape[1])
+    grad_rows[order] = grouped.mm(ga, w1, counts) + grouped.mm(gb, w3, counts)
+    out[order] = grouped.mm(m, w2.mT, counts)
+    g1, g3, g2 = grouped.outer(ga, h, counts), grouped.outer(gb, h, counts), grouped.outer(g, m, counts)
     return grad_rows, g1, g3, g2, out
 
 
@@ -71,17 +90,17 @@ def _local_pairs(experts: torch.Tensor, first: int, n_local: int) -> torch.Tenso
     return torch.nonzero((flat >= first) & (flat < first + n_local)).squeeze(1)
 
 
-def experts_forward(x, weights, experts, w1, w3, w2, first: int = 0) -> torch.Tensor:
+def experts_forward(x, weights, experts, w1, w3, w2, first: int = 0, grouped: Grouped = LOOP) -> torch.Tensor:
     """The op's value, over the pairs routed to experts [first, first + len(w1))."""
     k = experts.shape[1]
     pairs = _local_pairs(experts, first, w1.shape[0])
     tokens = pairs // k
-    out = rows_forward(x[tokens], experts.reshape(-1)[pairs], w1, w3, w2, first)
+    out = rows_forward(x[tokens], experts.reshape(-1)[pairs], w1, w3, w2, first, grouped)
     scaled = out * weights.reshape(-1)[pairs, None].to(out.dtype)
     return torch.zeros_like(x).index_add_(0, tokens, scaled)
 
 
-def experts_backward(grad, x, weights, experts, w1, w3, w2, first: int = 0):
+def experts_backward(grad, x, weights, experts, w1, w3, w2, first: int = 0, grouped: Grouped = LOOP):
     """(grad of x, weights, w1, w3, w2) of `experts_forward` given the gradient of its output."""
     k = experts.shape[1]
     pairs = _local_pairs(experts, first, w1.shape[0])
@@ -89,7 +108,7 @@ def experts_backward(grad, x, weights, experts, w1, w3, w2, first: int = 0):
     g_tok = grad[tokens]
     pair_weights = weights.reshape(-1)[pairs, None].to(grad.dtype)
     g_rows, g1, g3, g2, out = rows_backward(
-        g_tok * pair_weights, x[tokens], experts.reshape(-1)[pairs], w1, w3, w2, first
+        g_tok * pair_weights, x[tokens], experts.reshape(-1)[pairs], w1, w3, w2, first, grouped
     )
     grad_x = torch.zeros_like(x).index_add_(0, tokens, g_rows)
     grad_w = torch.zeros(weights.numel(), dtype=weights.dtype, device=weights.device)

@@ -10,11 +10,14 @@ and run by one op (`experts.routed_experts`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import partial
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .configs import MoEConfig
+from .configs import CONFIGS, MOE_CONFIGS, LlamaConfig, MoEConfig, get_config
 from .experts import routed_experts
 from .llama import Attention, FeedForward, RMSNorm, Transformer, build_model, cross_entropy_loss
 
@@ -93,3 +96,23 @@ def moe_loss(outputs: tuple[torch.Tensor, torch.Tensor], targets: torch.Tensor, 
 def build_moe_model(cfg: MoEConfig, device: str | torch.device = "cpu", seed: int | None = 0) -> Transformer:
     """Build on `device`; on a real device, initialize it from `seed` (None: leave as built)."""
     return build_model(cfg, device, seed, MoETransformer)
+
+
+def named_config(name: str) -> LlamaConfig:
+    """A dense or mixture-of-experts config by name; unknown names raise ValueError listing both."""
+    if name in MOE_CONFIGS:
+        return MOE_CONFIGS[name]
+    try:
+        return get_config(name)
+    except ValueError:
+        raise ValueError(f"unknown model config {name!r}; valid names: {', '.join([*CONFIGS, *MOE_CONFIGS])}") from None
+
+
+def build_any(cfg: LlamaConfig, device: str | torch.device = "cpu", seed: int | None = 0) -> Transformer:
+    """`build_moe_model` for a mixture-of-experts config, `build_model` for a dense one."""
+    return build_moe_model(cfg, device, seed) if isinstance(cfg, MoEConfig) else build_model(cfg, device, seed)
+
+
+def training_loss(cfg: LlamaConfig) -> Callable[..., torch.Tensor]:
+    """The loss of (model outputs, targets) a model of `cfg` trains on."""
+    return partial(moe_loss, aux_loss_coef=cfg.aux_loss_coef) if isinstance(cfg, MoEConfig) else cross_entropy_loss

@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import argparse
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
-from .configs import get_config
 from .data import MarkovTokens
-from .llama import build_model, cross_entropy_loss
+from .llama import cross_entropy_loss
+from .moe import build_any, named_config, training_loss
 
 
 @dataclass
@@ -51,6 +52,7 @@ def step_loss(
     targets: torch.Tensor,
     param_dtype: torch.dtype | None = None,
     reduce_dtype: torch.dtype | None = None,
+    loss_fn: Callable[..., torch.Tensor] = cross_entropy_loss,
 ) -> torch.Tensor:
     """Forward and backward of one step; `.grad` of every parameter filled in its own dtype.
 
@@ -58,12 +60,12 @@ def step_loss(
     copies of the parameters cast to `param_dtype` (the parameters stay fp32 master weights), and
     each gradient passes through `reduce_dtype` before it lands in the parameter's dtype."""
     if param_dtype is None:
-        loss = cross_entropy_loss(model(inputs), targets)
+        loss = loss_fn(model(inputs), targets)
         loss.backward()
         return loss
     masters = dict(model.named_parameters())
     compute = {name: p.detach().to(param_dtype).requires_grad_() for name, p in masters.items()}
-    loss = cross_entropy_loss(torch.func.functional_call(model, compute, (inputs,)), targets)
+    loss = loss_fn(torch.func.functional_call(model, compute, (inputs,)), targets)
     loss.backward()
     for name, p in masters.items():
         grad = compute[name].grad.to(reduce_dtype or param_dtype).to(p.dtype)
@@ -73,17 +75,19 @@ def step_loss(
 
 def train_single(settings: TrainSettings, log=None) -> TrainResult:
     """Train `settings.model` on one device; returns the per-step losses."""
-    cfg = get_config(settings.model)
+    cfg = named_config(settings.model)
     if settings.seq > cfg.max_seq_len:
         cfg = cfg.with_(max_seq_len=settings.seq)
-    model = build_model(cfg, seed=settings.seed)
+    model = build_any(cfg, seed=settings.seed)
     optim = make_optimizer(model.parameters(), settings)
     data = MarkovTokens(cfg.vocab_size, seed=settings.data_seed)
     result = TrainResult()
     start = time.perf_counter()
     for step in range(settings.steps):
         batch = data.batch(step, settings.batch, settings.seq)
-        loss = step_loss(model, batch.inputs, batch.targets, settings.param_dtype, settings.reduce_dtype)
+        loss = step_loss(
+            model, batch.inputs, batch.targets, settings.param_dtype, settings.reduce_dtype, training_loss(cfg)
+        )
         optim.step()
         optim.zero_grad(set_to_none=True)
         result.losses.append(loss.item())
@@ -108,7 +112,7 @@ def main(argv: list[str] | None = None) -> None:
         model=args.model, steps=args.steps, batch=args.batch, seq=args.seq, lr=args.lr, seed=args.seed
     )
     try:
-        get_config(settings.model)
+        named_config(settings.model)
     except ValueError as err:
         parser.exit(2, f"error: {err}\n")
     result = train_single(settings, log=print)

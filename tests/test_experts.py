@@ -63,6 +63,30 @@ def test_the_op_and_its_gradients_equal_each_pair_computed_alone():
         torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize(
+    "dtype, dim, grouped", [(torch.float32, 8, True), (torch.float32, 6, False), (torch.float64, 8, False)]
+)
+def test_ranks_run_their_experts_as_grouped_gemms_where_the_kernel_takes_them(dtype, dim, grouped):
+    """The rank's row functions with torch's grouped GEMM equal one matmul per expert; operands the
+    kernel refuses (fp64, rows not 16-byte aligned) take the loop."""
+    from autoshard import _torch_compat as tc
+    from autoshard.program.experts import GROUPED
+    from autoshard_models.experts import LOOP, rows_backward, rows_forward
+
+    gen = torch.Generator().manual_seed(0)
+    make = lambda *shape: torch.randn(*shape, generator=gen).to(dtype)  # noqa: E731
+    rows, grad, w1, w3, w2 = make(20, dim), make(20, dim), make(4, 8, dim), make(4, 8, dim), make(4, dim, 8)
+    ids = torch.tensor([5, 2, 2, 3] * 5)  # experts 2..5 held here (first=2); expert 4 gets nothing
+    assert tc.grouped_mm_fits(rows, w1.mT) is grouped
+    torch.testing.assert_close(
+        rows_forward(rows, ids, w1, w3, w2, 2, GROUPED), rows_forward(rows, ids, w1, w3, w2, 2, LOOP)
+    )
+    for got, want in zip(
+        rows_backward(grad, rows, ids, w1, w3, w2, 2, GROUPED), rows_backward(grad, rows, ids, w1, w3, w2, 2, LOOP)
+    ):
+        torch.testing.assert_close(got, want)
+
+
 def test_the_model_returns_logits_and_a_balance_loss_the_loss_weighs():
     cfg = MOE_CONFIGS["moe-tiny"]
     model = build_moe_model(cfg, seed=0)

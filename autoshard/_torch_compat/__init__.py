@@ -152,6 +152,15 @@ from autoshard._torch_compat.ops import (
     call_arguments as call_arguments,
 )
 from autoshard._torch_compat.ops import (
+    grouped_mm as grouped_mm,
+)
+from autoshard._torch_compat.ops import (
+    grouped_mm_fits as grouped_mm_fits,
+)
+from autoshard._torch_compat.ops import (
+    grouped_outer as grouped_outer,
+)
+from autoshard._torch_compat.ops import (
     is_op_overload as is_op_overload,
 )
 from autoshard._torch_compat.ops import (

@@ -37,7 +37,8 @@ def group_names(plan: RedistributePlan, mesh: Any) -> tuple[str | None, ...]:
     """The process group each step of `plan` runs on, by name (None for a local step): resolved
     once, where the plan is lowered, not per call (nor inside compiled code, which cannot)."""
     return tuple(
-        tc.group_name(_group(mesh, group_dims(step))) if step.kind in COLLECTIVE_KINDS else None for step in plan.steps
+        tc.group_name(mesh_group(mesh, group_dims(step))) if step.kind in COLLECTIVE_KINDS else None
+        for step in plan.steps
     )
 
 
@@ -213,7 +214,8 @@ def _dense_in(x: torch.Tensor, order: Sequence[int]) -> bool:
 
 
 # ---------------------------------------------------------------------------- helpers
-def _group(mesh: Any, dims: tuple[int, ...]) -> Any:
+def mesh_group(mesh: Any, dims: tuple[int, ...]) -> Any:
+    """The group over mesh `dims` as functional collectives take it: (mesh, dim), or the flattened mesh."""
     return (mesh, dims[0]) if len(dims) == 1 else tc.flattened_mesh(mesh, dims)
 
 
@@ -239,7 +241,7 @@ def prepare_groups(plans: Sequence[RedistributePlan], mesh: Any) -> None:
         if step.kind in COLLECTIVE_KINDS and len(step.mesh_dims) > 1
     }
     for dims in sorted(needed):
-        _group(mesh, dims)
+        mesh_group(mesh, dims)
 
 
 def _reordered(chunks: list[torch.Tensor], mesh_shape: Sequence[int], src: Sequence[int], dst: Sequence[int]) -> list:

@@ -1,5 +1,8 @@
 """The experts ops (`autoshard_models.experts`) on one rank, under the strategy the plan chose.
 
+Each rank's experts run as grouped GEMMs (torch's private kernel, through `_torch_compat`) where
+this torch's kernel takes the operands, else one matmul per expert.
+
 Without expert parallelism a rank runs the op's own math on its local tensors: its tokens, its
 experts (`first` says which), its slice of their hidden width; what it leaves out is someone
 else's partial sum. With it (experts and tokens split on the same mesh dims) a rank sends each
@@ -8,8 +11,9 @@ exchanged first: one host read of the split sizes per op), runs the pairs it rec
 the results back. The backward sends the token and gradient rows again rather than keeping the
 forward's received rows: less memory held between the passes, one more exchange.
 
-Under a dry run's fake tensors nothing is routed: the outputs, and the received rows of a
-balanced routing as transient memory, have the shapes the real op would give.
+Under a dry run's fake tensors nothing is routed: the outputs have the shapes the real op
+gives, and the pair rows it holds at once under a balanced routing are allocated and dropped, so
+the dry run counts them as transient memory.
 """
 
 from __future__ import annotations
@@ -21,10 +25,22 @@ import torch
 
 from autoshard import _torch_compat as tc
 from autoshard.layout import Layout
-from autoshard.program.collectives import _group
+from autoshard.program.collectives import mesh_group
 from autoshard.strategies.call import OpCall
 from autoshard.strategies.rules.experts import EXPERTS, EXPERTS_BACKWARD, SLOTS, ExpertSplit, split_of
-from autoshard_models.experts import experts_backward, experts_forward, rows_backward, rows_forward
+from autoshard_models.experts import LOOP, Grouped, experts_backward, experts_forward, rows_backward, rows_forward
+
+
+def _mm(x: torch.Tensor, w: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    return tc.grouped_mm(x, w, counts) if tc.grouped_mm_fits(x, w) else LOOP.mm(x, w, counts)
+
+
+def _outer(x: torch.Tensor, y: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    return tc.grouped_outer(x, y, counts) if tc.grouped_mm_fits(x, y) else LOOP.outer(x, y, counts)
+
+
+# the experts' matmuls: one grouped GEMM each where this torch's kernel takes the operands
+GROUPED = Grouped(_mm, _outer)
 
 
 def local_experts(op: Any, inputs: Sequence[Layout | None], vals: Sequence[Any], mesh: Any) -> Any:
@@ -67,7 +83,7 @@ class LocalExperts:
         self.name: str | None = None
         self.firsts: list[int] = []
         if split.parallel_dims:
-            self.name = tc.group_name(_group(mesh, split.parallel_dims))
+            self.name = tc.group_name(mesh_group(mesh, split.parallel_dims))
             self.firsts = split.group_firsts(coord)
         self.n_experts = n_experts
         self._owner: torch.Tensor | None = None
@@ -87,21 +103,24 @@ class LocalExperts:
 
     def __call__(self, x, weights, experts, w1, w3, w2):
         if tc.fake_mode_of(x) is not None:
-            self._transient(x, experts)
+            self._transient(x, experts, rows_held=3)
             return torch.empty_like(x)
         if self.name is None:
-            return experts_forward(x, weights, experts, w1, w3, w2, self.first)
+            return experts_forward(x, weights, experts, w1, w3, w2, self.first, GROUPED)
         r = self.routing(experts)
-        got = rows_forward(r.out(x[r.tokens]), r.out(r.ids), w1, w3, w2, self.first)
+        got = rows_forward(r.out(x[r.tokens]), r.out(r.ids), w1, w3, w2, self.first, GROUPED)
         back = r.back(got)
         scaled = back * weights.reshape(-1)[r.pairs, None].to(back.dtype)
         return torch.zeros_like(x).index_add_(0, r.tokens, scaled)
 
-    def _transient(self, x: torch.Tensor, experts: torch.Tensor) -> None:
-        """The rows a balanced routing would receive and compute, allocated and dropped."""
-        if self.name is not None:
-            rows = x.new_empty(experts.numel(), x.shape[1])
-            del rows
+    def _transient(self, x: torch.Tensor, experts: torch.Tensor, rows_held: int) -> None:
+        """The pair rows the op holds at once under a balanced routing (gathered or sent, received,
+        computed: `rows_held` buffers of this rank's pairs), allocated and dropped."""
+        pairs = experts.numel()
+        if self.name is None:  # no exchange: only the pairs routed to this rank's experts
+            pairs = pairs * self.split.local // self.n_experts
+        held = x.new_empty(rows_held, pairs, x.shape[1])
+        del held
 
 
 class LocalExpertsBackward(LocalExperts):
@@ -109,17 +128,17 @@ class LocalExpertsBackward(LocalExperts):
 
     def __call__(self, grad, x, weights, experts, w1, w3, w2):  # type: ignore[override]
         if tc.fake_mode_of(x) is not None:
-            self._transient(x, experts)
+            self._transient(x, experts, rows_held=6)
             return tuple(torch.empty_like(t) for t in (x, weights, w1, w3, w2))
         if self.name is None:
-            return experts_backward(grad, x, weights, experts, w1, w3, w2, self.first)
+            return experts_backward(grad, x, weights, experts, w1, w3, w2, self.first, GROUPED)
         r = self.routing(experts)
         dim = x.shape[1]
         rows = r.out(torch.cat([x[r.tokens], grad[r.tokens]], dim=1))
         ids, pair_weights = r.out(r.ids), r.out(weights.reshape(-1)[r.pairs])
         got_x, got_grad = rows[:, :dim], rows[:, dim:]
         g_rows, g1, g3, g2, out = rows_backward(
-            got_grad * pair_weights[:, None].to(got_grad.dtype), got_x, ids, w1, w3, w2, self.first
+            got_grad * pair_weights[:, None].to(got_grad.dtype), got_x, ids, w1, w3, w2, self.first, GROUPED
         )
         g_x = r.back(g_rows)
         g_pair = r.back((out * got_grad).sum(-1).to(weights.dtype))
@@ -143,4 +162,4 @@ def prepare_expert_groups(plan: Any, mesh: Any) -> None:
             if len(dims) > 1:
                 needed.add(dims)
     for dims in sorted(needed):
-        _group(mesh, dims)
+        mesh_group(mesh, dims)

@@ -41,7 +41,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from autoshard.driver.config import mp_policy
 from autoshard.runtime.wire import WireMeter, wire_row
-from autoshard_models import MarkovTokens, build_model, cross_entropy_loss, get_config
+from autoshard_models import MarkovTokens, build_any, named_config, training_loss
 from autoshard_models.train_single import TrainSettings, make_optimizer
 
 
@@ -128,10 +128,11 @@ def train(args) -> None:
     if args.batch % dp:
         raise SystemExit(f"error: --batch {args.batch} is not divisible by dp {dp}")
 
-    cfg = get_config(args.model)
+    cfg = named_config(args.model)
     if args.seq > cfg.max_seq_len:
         cfg = cfg.with_(max_seq_len=args.seq)
-    model = build_model(cfg, seed=args.seed)  # full weights on every rank, equal to single-device
+    model = build_any(cfg, seed=args.seed)  # full weights on every rank, equal to single-device
+    loss_fn = training_loss(cfg)  # a mixture of experts adds its load-balancing loss
     if args.lora:
         model = lora_model(model, args.model, args.lora, args.seed, args.seq)
     tp = mesh_shape[1] > 1
@@ -160,7 +161,7 @@ def train(args) -> None:
         targets = batch.targets[dp_rank * local : (dp_rank + 1) * local]
         meter = WireMeter() if step == args.wire_step else None
         with contextlib.nullcontext() if meter is None else meter, loss_parallel() if tp else contextlib.nullcontext():
-            loss = cross_entropy_loss(model(inputs), targets)  # mean over this dp rank's rows
+            loss = loss_fn(model(inputs), targets)  # mean over this dp rank's rows
             loss.backward()
             optim.step()
             optim.zero_grad(set_to_none=True)

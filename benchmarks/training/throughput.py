@@ -31,6 +31,8 @@ each collective it sees (functional or c10d) with the ring model.
                                                            # seq 64
     python -m benchmarks.training.throughput --all         # the three above (make train's, seq 256, wide) in one
                                                            # run (~15 min)
+    python -m benchmarks.training.throughput --moe         # moe-debug 2x2, batch 8, seq 256, 20 steps: against
+                                                           # DDP (experts replicated) and FSDP2 (experts sharded)
 """
 
 from __future__ import annotations
@@ -115,6 +117,8 @@ QUICK = Workload("llama3-tiny", batch=8, seq=32, steps=5)
 MAKE_TRAIN = Workload("llama3-debug", batch=8, seq=64, steps=20)  # what `make train` runs first (there 30 steps)
 # where tensor parallelism should win on paper: wide layers, a small batch of long sequences
 WIDE = Workload("llama3-wide", batch=4, seq=512, steps=8)  # batch: pure FSDP2 splits it over 4 ranks
+# a mixture of experts: against experts replicated (DDP) and experts sharded (FSDP2); no TP recipe for it
+MOE = Workload("moe-debug", batch=8, seq=256, steps=20)
 
 
 @dataclass
@@ -221,7 +225,7 @@ def _trainers(work: Workload, quick: bool, overlap: bool = True) -> list[tuple[s
     every_rank = replace(work, mesh=f"{world}x1")  # no TP: data parallel over every rank
     return [
         ("autoshard", ["-m", "autoshard", "train"], work),
-        *([("recipe", recipe, work)] if tp > 1 else []),
+        *([("recipe", recipe, work)] if tp > 1 and work.model != MOE.model else []),
         ("fsdp2", recipe, every_rank),
         *([("ddp", [*recipe, "--ddp"], every_rank)] if not work.param_dtype else []),
         *(
@@ -241,16 +245,18 @@ def run(
     two_ranks: bool = False,
     make_train: bool = False,
     overlap: bool = True,
+    moe: bool = False,
 ) -> dict:
     """Train the parallel versions `repeats` times each (default 3, 1 with `quick`) and the
     reference once; print and return the comparison. `precision`: (param dtype, reduce dtype) for
     every trainer and the reference, e.g. ("bf16", "fp32"). Raises `LossMismatch` (after printing)
-    when a parallel loss curve leaves the reference. `wide` / `two_ranks` / `make_train`: the WIDE /
-    TWO_RANKS / MAKE_TRAIN workload instead; `overlap=False` leaves autoshard_sync out."""
+    when a parallel loss curve leaves the reference. `wide` / `two_ranks` / `make_train` / `moe`: the
+    WIDE / TWO_RANKS / MAKE_TRAIN / MOE workload instead; `overlap=False` leaves autoshard_sync out."""
     from autoshard.capture.precision import parse_dtype
     from autoshard_models.train_single import TrainSettings, train_single
 
     work = WIDE if wide else TWO_RANKS if two_ranks else MAKE_TRAIN if make_train else QUICK if quick else FULL
+    work = MOE if moe else work
     repeats = repeats or (1 if quick else 3)
     if precision:
         work = replace(work, param_dtype=precision[0], reduce_dtype=precision[1])
@@ -430,6 +436,12 @@ def main(argv: list[str] | None = None) -> int:
         help=f"`make train`'s configuration: {MAKE_TRAIN.model}, mesh 2x2, batch {MAKE_TRAIN.batch}, "
         f"seq {MAKE_TRAIN.seq}, {MAKE_TRAIN.steps} steps",
     )
+    p.add_argument(
+        "--moe",
+        action="store_true",
+        help=f"a mixture of experts: {MOE.model}, mesh 2x2, batch {MOE.batch}, seq {MOE.seq}, {MOE.steps} steps, "
+        "against DDP (experts replicated) and FSDP2 (experts sharded)",
+    )
     p.add_argument("--all", action="store_true", help="make train's configuration, seq 256 and wide in one run")
     a = p.parse_args(argv)
     if a.all:
@@ -443,6 +455,7 @@ def main(argv: list[str] | None = None) -> int:
             wide=a.wide,
             two_ranks=a.two_ranks,
             make_train=a.make_train,
+            moe=a.moe,
             precision=(a.param_dtype, a.reduce_dtype) if a.param_dtype else None,
         )
     except LossMismatch as e:
