@@ -26,7 +26,7 @@ STAMP_NEXT := $(VENV_NEXT)/.autoshard-installed
 # program under torchrun, pipeline stages under torch's schedules (all of them run on 2.13 in `make test`)
 NEXT_TESTS := tests/test_layers.py tests/test_trace.py tests/test_apply.py tests/test_hf.py tests/test_dryrun.py \
 	tests/test_precision.py tests/test_compile.py tests/test_random.py tests/test_strategies.py tests/test_losses.py \
-	tests/test_pipeline_run.py
+	tests/test_pipeline_run.py tests/test_experts.py
 NEXT_SLOW := 'tests/test_hf.py::test_hf_causal_lm_trains_like_single_device[llama-mesh_shape0-False]' \
 	'tests/test_dryrun.py::test_dry_runs_at_scale[llama3-8b-8x8]' \
 	tests/test_precision.py::test_torchrun_bf16_trains_checkpoints_and_resumes \

@@ -81,7 +81,10 @@ class MoETransformer(Transformer):
         aux = torch.zeros((), device=h.device)
         for layer in self.layers:
             h, aux = layer(h, cos, sin, mask, aux)
-        return self.output(self.norm(h)), aux / len(self.layers)
+        # the config's depth, not len(self.layers): planning traces a few blocks and unrolls the rest
+        return self.output(self.norm(h)), aux / self.cfg.n_layers
+
+    pipeline_stages = False  # its blocks return the carried aux loss too: no stages yet
 
     def pipeline_stage(self, start: int, stop: int):
         raise NotImplementedError("pipeline stages of a mixture-of-experts model are not implemented")

@@ -121,6 +121,8 @@ def plan_pipeline(
     ranks = config.pipeline_ranks
     if ranks is None or config.mesh is None:
         raise ValueError("plan_pipeline needs a mesh whose first dim is named pp")
+    if getattr(type(model), "pipeline_stages", True) is False:
+        raise ValueError(f"{type(model).__name__} does not split into pipeline stages yet: plan it without a pp dim")
     config = config.with_default_profiles()
     assert config.mesh is not None and config.network is not None and config.device_profile is not None
     network = network_profile(config.network, config.mesh, config.intra_node_dims)

@@ -105,10 +105,14 @@ class Workload:
             *(["--reduce-dtype", self.reduce_dtype] if self.reduce_dtype else []),
         ]
 
+    routed: bool = False  # a mixture of experts: see loss_rtol
+
     @property
     def loss_rtol(self) -> float:
-        """fp32 runs match the single-device run to ~1e-6; bf16 ones round differently per shard."""
-        return 1e-2 if self.param_dtype else LOSS_RTOL
+        """fp32 runs match the single-device run to ~1e-6; bf16 ones round differently per shard. A
+        mixture of experts' curves part too: the ulps of a batch split move a token's router
+        scores, now and then across a top-k tie, and that token then trains other experts."""
+        return 1e-2 if self.param_dtype or self.routed else LOSS_RTOL
 
 
 FULL = Workload("llama3-debug", batch=8, seq=256, steps=20)
@@ -118,7 +122,7 @@ MAKE_TRAIN = Workload("llama3-debug", batch=8, seq=64, steps=20)  # what `make t
 # where tensor parallelism should win on paper: wide layers, a small batch of long sequences
 WIDE = Workload("llama3-wide", batch=4, seq=512, steps=8)  # batch: pure FSDP2 splits it over 4 ranks
 # a mixture of experts: against experts replicated (DDP) and experts sharded (FSDP2); no TP recipe for it
-MOE = Workload("moe-debug", batch=8, seq=256, steps=20)
+MOE = Workload("moe-debug", batch=8, seq=256, steps=20, routed=True)
 
 
 @dataclass
