@@ -65,6 +65,24 @@ def test_our_llama_exports_as_llama_for_causal_lm_with_the_same_logits(tmp_path,
     assert abs(first - batch_loss(ours, workload, 0)) <= 1e-5 * first
 
 
+@ONE_PROCESS
+def test_our_mixture_of_experts_exports_as_mixtral_with_the_same_logits(tmp_path):
+    """Each layer's w1 and w3 are joined into Mixtral's gate_up_proj, the router becomes its gate."""
+    run, out = tmp_path / "run", tmp_path / "hf"
+    args = ["--model", "moe-tiny", "--batch", "8", "--seq", "16", "--mesh", "1"]
+    assert train_main([*args, "--steps", "2", "--checkpoint-every", "2", "--out", str(run)]) == 0
+    done = export_hf(run, out)
+    assert done.tensors == 3 + 2 * 9  # embedding, norm, head; per layer 4 attention, 2 norms, gate, 2 experts
+    hf_model, info = transformers.AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert type(hf_model) is transformers.MixtralForCausalLM
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    ours = get_workload("moe-tiny", 16).build("cpu")
+    ours.load_state_dict(checkpoint_tensors(run / "checkpoints" / "step-000002"), strict=False)
+    tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(hf_model(tokens).logits, ours(tokens)[0], rtol=1e-5, atol=1e-5)
+
+
 @pytest.fixture(scope="module")
 def one_step_run(tmp_path_factory) -> Path:
     """A one-step training run with its checkpoint, made once; each test copies it."""

@@ -434,6 +434,8 @@ def export_hf(
     texts = tokenizer_files(tokenizer)  # the tokenizer's, or made for it
     if lora is None or merge:  # the whole model, as the base model's own directory
         name = form.name
+        if form.join is not None:
+            tensors, read = form.join(tensors, read)
         if lora is not None:
             tensors, read = adapters.merged(tensors, read, lora.scale)
             name = lambda fqn: form.name(adapters.base_name(fqn))  # noqa: E731

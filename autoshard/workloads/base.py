@@ -38,6 +38,9 @@ class HFFormat:
 
     files: dict[str, str]
     name: Callable[[str], str]
+    # tensors transformers stores as one: (checkpoint tensors: FQN -> DCP metadata, reader) -> the
+    # same with those joined under a name of their own, and a reader that joins them (None: none)
+    join: Callable[[dict[str, Any], Callable], tuple[dict[str, Any], Callable]] | None = None
 
 
 @dataclass(frozen=True)

@@ -1,14 +1,31 @@
 """Our mixture-of-experts family (`models/moe.py`): moe-tiny, moe-debug, and Qwen3-MoE's shapes
 qwen3-30b-a3b and qwen3-235b-a22b. The step's loss is the cross-entropy plus the weighted
-load-balancing loss (`moe_loss`). No Hugging Face form yet: `export --hf` refuses it.
+load-balancing loss (`moe_loss`). Its Hugging Face form is MixtralForCausalLM (the same router,
+experts and attention; `export --hf` joins each layer's `w1` and `w3` into `gate_up_proj`);
+a model with a shared expert has none.
 """
 
 from __future__ import annotations
 
+import json
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
-from autoshard.workloads.base import Workload, full_state, meta_values, sized_config, token_batches, token_inputs
+import torch
+
+from autoshard.workloads.base import (
+    HFFormat,
+    Workload,
+    full_state,
+    meta_values,
+    sized_config,
+    token_batches,
+    token_inputs,
+)
+from autoshard.workloads.llama import hf_config, hf_name
 
 ORDER = 1  # after our llama names; plain model names
 
@@ -39,6 +56,70 @@ def _workload(name: str, cfg: Any) -> Workload:
         data=lambda seed: token_batches(cfg.vocab_size, seed),
         initial_state=lambda seed: full_state(build_moe_model(cfg, device="cpu", seed=seed)),
         initial_values=lambda seed, want=None: meta_values(build_moe_model(cfg, device="meta"), seed, want),
+        hf_format=None
+        if cfg.shared_ffn
+        else lambda: HFFormat({"config.json": mixtral_config(cfg)}, mixtral_name, join),
         vocab_size=cfg.vocab_size,
         resize_vocab=lambda n: _workload(name, cfg.with_(vocab_size=n)),
     )
+
+
+def _mixtral(cfg: Any) -> HFFormat:
+    return HFFormat({"config.json": mixtral_config(cfg)}, mixtral_name, join)
+
+
+def mixtral_name(name: str) -> str:
+    """Our parameter name -> MixtralForCausalLM's (`join`'s `gate_up` included)."""
+    m = re.fullmatch(r"layers\.(\d+)\.feed_forward\.(router\.weight|gate_up|w2)", name)
+    if m is None:
+        return hf_name(name)  # attention, norms, embedding and head: llama's
+    part = {"router.weight": "gate.weight", "gate_up": "experts.gate_up_proj", "w2": "experts.down_proj"}[m.group(2)]
+    return f"model.layers.{m.group(1)}.mlp.{part}"
+
+
+@dataclass(frozen=True)
+class _Joined:
+    """DCP-like metadata of a tensor made of others: its size and the stored dtype."""
+
+    size: torch.Size
+    properties: Any
+
+
+def join(tensors: dict[str, Any], read: Callable) -> tuple[dict[str, Any], Callable]:
+    """Each layer's `w1` [E, F, D] and `w3` as Mixtral's `gate_up_proj` [E, 2F, D] (gate rows
+    first), under the name `layers.N.feed_forward.gate_up`; every other tensor as it is."""
+    parts: dict[str, tuple[str, str]] = {}
+    out: dict[str, Any] = {}
+    for fqn, meta in tensors.items():
+        if fqn.endswith(".feed_forward.w1"):
+            layer = fqn.removesuffix(".w1")
+            parts[f"{layer}.gate_up"] = (fqn, f"{layer}.w3")
+            e, f, d = meta.size
+            out[f"{layer}.gate_up"] = _Joined(torch.Size([e, 2 * f, d]), meta.properties)
+        elif not fqn.endswith(".feed_forward.w3"):
+            out[fqn] = meta
+
+    def read_joined(fqn: str, meta: Any, dtype: torch.dtype) -> torch.Tensor:
+        if fqn not in parts:
+            return read(fqn, meta, dtype)
+        gate, up = parts[fqn]
+        return torch.cat([read(gate, tensors[gate], dtype), read(up, tensors[up], dtype)], dim=1)
+
+    return out, read_joined
+
+
+def mixtral_config(cfg: Any) -> str:
+    """The config.json of MixtralForCausalLM with `cfg`'s shapes: its router and experts are ours
+    (softmax, top-k renormalized, SwiGLU experts), its attention llama's."""
+    config = hf_config(cfg) | {
+        "architectures": ["MixtralForCausalLM"],
+        "model_type": "mixtral",
+        "intermediate_size": cfg.expert_ffn,
+        "num_local_experts": cfg.n_experts,
+        "num_experts_per_tok": cfg.top_k,
+        "router_aux_loss_coef": cfg.aux_loss_coef,
+        "sliding_window": None,
+    }
+    for llama_only in ("attention_bias", "mlp_bias"):
+        config.pop(llama_only)
+    return json.dumps(config, indent=2) + "\n"
