@@ -103,7 +103,33 @@ def sized_config(configs: dict[str, Any], name: str, seq: int) -> Any:
     return cfg
 
 
-def meta_values(model: Any, seed: int, want: Collection[str] | None) -> Iterator[tuple[str, torch.Tensor]]:
+def token_model(
+    name: str,
+    cfg: Any,
+    build: Callable[..., nn.Module],
+    resized: Callable[[str, Any], Workload],
+    loss_fn: Callable[..., torch.Tensor],
+    **family: Any,
+) -> Workload:
+    """The workload of one of our token models (`models/`): config `cfg`, built by
+    `build(cfg, device, seed)`, trained on `loss_fn` over Markov-chain tokens, its initial values
+    drawn one tensor at a time from a model on meta; `resized(name, cfg)` is the workload of
+    another config (another vocabulary); `family`: the Workload fields a family sets itself."""
+    return Workload(
+        name=name,
+        build=lambda device: build(cfg, device=device),
+        example_inputs=token_inputs,
+        loss_fn=loss_fn,
+        data=lambda seed: token_batches(cfg.vocab_size, seed),
+        initial_state=lambda seed: full_state(build(cfg, device="cpu", seed=seed)),
+        initial_values=lambda seed, want=None: _meta_values(build(cfg, device="meta"), seed, want),
+        vocab_size=cfg.vocab_size,
+        resize_vocab=lambda n: resized(name, cfg.with_(vocab_size=n)),
+        **family,
+    )
+
+
+def _meta_values(model: Any, seed: int, want: Collection[str] | None) -> Iterator[tuple[str, torch.Tensor]]:
     """`model.initial_values(seed)` (a model of ours, on meta), only those named in `want` (None: all)."""
     for name, value in model.initial_values(seed):
         if want is None or name in want:

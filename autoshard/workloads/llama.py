@@ -12,15 +12,7 @@ import json
 import re
 from typing import Any
 
-from autoshard.workloads.base import (
-    HFFormat,
-    Workload,
-    full_state,
-    meta_values,
-    sized_config,
-    token_batches,
-    token_inputs,
-)
+from autoshard.workloads.base import HFFormat, Workload, sized_config, token_model
 
 ORDER = 0  # asked first: plain model names
 
@@ -44,18 +36,14 @@ def _workload(name: str, cfg: Any) -> Workload:
     """The workload of config `cfg`; `resize_vocab` gives it another vocabulary (a tokenizer's)."""
     from autoshard_models import build_model, cross_entropy_loss
 
-    return Workload(
-        name=name,
-        build=lambda device: build_model(cfg, device=device),
-        example_inputs=token_inputs,
-        loss_fn=cross_entropy_loss,
-        data=lambda seed: token_batches(cfg.vocab_size, seed),
-        initial_state=lambda seed: full_state(build_model(cfg, device="cpu", seed=seed)),
-        initial_values=lambda seed, want=None: meta_values(build_model(cfg, device="meta"), seed, want),
+    return token_model(
+        name,
+        cfg,
+        build_model,
+        _workload,
+        cross_entropy_loss,
         adapt_state_dict=from_hf_names,
         hf_format=lambda: HFFormat({"config.json": json.dumps(hf_config(cfg), indent=2) + "\n"}, hf_name),
-        vocab_size=cfg.vocab_size,
-        resize_vocab=lambda n: _workload(name, cfg.with_(vocab_size=n)),
     )
 
 

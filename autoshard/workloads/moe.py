@@ -16,15 +16,7 @@ from typing import Any
 
 import torch
 
-from autoshard.workloads.base import (
-    HFFormat,
-    Workload,
-    full_state,
-    meta_values,
-    sized_config,
-    token_batches,
-    token_inputs,
-)
+from autoshard.workloads.base import HFFormat, Workload, sized_config, token_model
 from autoshard.workloads.llama import hf_config, hf_name
 
 ORDER = 1  # after our llama names; plain model names
@@ -48,20 +40,9 @@ def resolve(name: str, seq: int) -> Workload | None:
 def _workload(name: str, cfg: Any) -> Workload:
     from autoshard_models import build_moe_model, moe_loss
 
-    return Workload(
-        name=name,
-        build=lambda device: build_moe_model(cfg, device=device),
-        example_inputs=token_inputs,
-        loss_fn=partial(moe_loss, aux_loss_coef=cfg.aux_loss_coef),
-        data=lambda seed: token_batches(cfg.vocab_size, seed),
-        initial_state=lambda seed: full_state(build_moe_model(cfg, device="cpu", seed=seed)),
-        initial_values=lambda seed, want=None: meta_values(build_moe_model(cfg, device="meta"), seed, want),
-        hf_format=None
-        if cfg.shared_ffn
-        else lambda: HFFormat({"config.json": mixtral_config(cfg)}, mixtral_name, join),
-        vocab_size=cfg.vocab_size,
-        resize_vocab=lambda n: _workload(name, cfg.with_(vocab_size=n)),
-    )
+    loss = partial(moe_loss, aux_loss_coef=cfg.aux_loss_coef)
+    mixtral = None if cfg.shared_ffn else partial(_mixtral, cfg)  # Mixtral has no shared expert
+    return token_model(name, cfg, build_moe_model, _workload, loss, hf_format=mixtral)
 
 
 def _mixtral(cfg: Any) -> HFFormat:
