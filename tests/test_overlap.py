@@ -5,18 +5,23 @@ from __future__ import annotations
 
 import dataclasses
 import operator
+import types
 
 import pytest
 import torch
+from torch import fx
 
 from autoshard import _torch_compat as tc
 from autoshard.capture.precision import gradient_tail
 from autoshard.capture.regions import block_of
 from autoshard.driver.api import AutoShard
+from autoshard.pricing.planner import RedistributePlan, Step
 from autoshard.problem.build import grad_sink
+from autoshard.problem.recipes import FSDP_TP_2D
 from autoshard.profiles.files import network_profile
 from autoshard.program.lower import lower
-from autoshard.program.modules import AWAIT, Bucket
+from autoshard.program.modules import AWAIT, AwaitBucket, Bucket, Redistribute
+from autoshard.program.schedule import model_step
 from autoshard.runtime.dryrun import dry_run
 from autoshard.runtime.module import parallelize
 from autoshard_models import MarkovTokens, build_model, cross_entropy_loss, get_config
@@ -156,6 +161,59 @@ def test_gathers_run_one_block_ahead_and_reductions_in_the_background(plan):
     for phase in ("forward", "backward"):
         assert sorted(program.comm.steps[phase]) == sorted(synchronous.comm.steps[phase])
         assert program.comm.bytes[phase] == synchronous.comm.bytes[phase]
+
+
+def test_a_blocks_gathers_on_two_mesh_dims_prefetch_as_one_unit():
+    """FSDP+TP with the norms sharded over tp only: each block gathers its matrices over dp and its
+    norms over tp, two buckets. Both of block k+1's launch right after block k's first wait (as
+    one FSDP module's gathers), not one bucket ahead, which would leave the dp gather of a block
+    launched just before its own use."""
+    meta = build_model(FOUR, device="meta")
+    example = lambda: (torch.empty(BATCH, SEQ, dtype=torch.int64, device="meta"),) * 2  # noqa: E731
+    with AutoShard(meta, example, (2, 2), loss_fn=cross_entropy_loss, device=idle_core()) as auto:
+        auto.pin({**FSDP_TP_2D, "*norm.weight": "RS(0)"})
+        plan = auto.optimize()
+    with simulated_mesh((2, 2)) as (mesh, _):
+        events = schedule(lower(plan, mesh, prefetch=1).forward, plan)
+    launches = [block for what, kind, block in events if (what, kind) == ("launch", "all_gather")]
+    assert launches == ["root", "0", "0", "1", "1", "2", "2", "3", "3", "root"]  # the root's norm comes last
+    for block in range(3):
+        first_wait = events.index(("wait", "all_gather", str(block)))
+        assert events[first_wait + 1 : first_wait + 3] == [("launch", "all_gather", str(block + 1))] * 2, events
+
+
+def test_each_mesh_dims_collectives_run_on_its_own_link():
+    """A bucketed gather in flight on mesh dim 0 (FSDP over InfiniBand) does not hold up a blocking
+    collective on dim 1 (TP over NVLink: another process group, another stream); one over both
+    dims waits for it. Program: launch the dim-0 bucket (3 s), compute 2 s, a blocking collective
+    (0.5 s), compute 1 s, wait for the bucket."""
+    with simulated_mesh((2, 2)) as (mesh, _):
+
+        def redistribute(mesh_dims, cost):
+            step = Step("all_gather", mesh_dims, None, None, (0,), cost, bytes=1.0)
+            plan = RedistributePlan((step,), cost, 1.0, {"all_gather": 1}, None, None, (4,), 4, (2, 2))
+            return Redistribute(plan, mesh, "x", "y")
+
+        def modeled(blocking_dims):
+            modules = {
+                "bucket": Bucket("bucket", [redistribute((0,), 3.0)], mesh),
+                "blocking": redistribute(blocking_dims, 0.5),
+            }
+            graph = fx.Graph()
+            x = graph.placeholder("x")
+            launch = graph.call_module("bucket", (x,))
+            a = graph.call_function(torch.neg, (x,))
+            b = graph.call_function(torch.neg, (graph.call_module("blocking", (a,)),))
+            graph.output((b, graph.call_module(AWAIT, (launch,))))
+            for node, name in ((a, "a"), (b, "b")):
+                node.meta["autoshard_source"] = types.SimpleNamespace(name=name)
+            plan = types.SimpleNamespace(node_compute_s={"a": 2.0, "b": 1.0}, recomputed=set(), optimizer_s=0.25)
+            return model_step(plan, [fx.GraphModule({**modules, AWAIT: AwaitBucket()}, graph)])
+
+        own, shared = modeled((1,)), modeled((0, 1))
+    assert (own.compute_s, own.comm_s) == (shared.compute_s, shared.comm_s) == (3.0, 3.5)
+    assert own.overlapped_s == pytest.approx(2.0 + 0.5 + 1.0 + 0.25)  # the gather ends at 3.0, hidden
+    assert shared.overlapped_s == pytest.approx(3.0 + 0.5 + 1.0 + 0.25)  # waits for dim 0's link
 
 
 @pytest.mark.slow

@@ -139,6 +139,10 @@ def test_plan_command_writes_log_json_and_comparison(tmp_path, capsys):
     assert report["run"]["model"] == "llama3-tiny" and set(report["timings"]) >= {"trace", "solve"}
     manual = report["compare"]["manual"]
     assert manual["recipe"] == "fsdp-tp" and manual["step_time_s"] > 0 and manual["bytes_by_collective"]
+    # the recipe's program, dry-run as ours is: its overlapped step and peak beside ours
+    assert 0 < manual["overlapped_step_s"] <= 1.1 * manual["step_time_s"] and manual["peak_bytes"] > 0
+    for row in ("overlapped", "peak memory"):
+        assert any(line.startswith(row) for line in printed.splitlines()), row
     log = (out / "sharding.log").read_text(encoding="utf-8")
     assert "== compare" in log and "== parameters (21) ==" in log
     assert "layers.*.attention.wq.weight" in (out / "report.html").read_text(encoding="utf-8")

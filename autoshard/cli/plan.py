@@ -435,7 +435,7 @@ def _compare(workload, config: PlanConfig, args) -> dict:
 
     recipe = COMPARE[args.compare]
     budget = _manual_budget(workload, recipe, config.mesh)
-    manual, manual_timings, _ = _plan_once(
+    manual, manual_timings, manual_auto = _plan_once(
         workload,
         config,
         args,
@@ -443,6 +443,8 @@ def _compare(workload, config: PlanConfig, args) -> dict:
         budget=budget,
         what=f"{args.compare} ({recipe} recipe pinned)",
     )
+    ran = _dry_run(manual, manual_auto) if args.dry_run else None
+    program = {"overlapped_step_s": ran.step.overlapped_s, "peak_bytes": ran.peak_bytes} if ran is not None else {}
     return {
         "label": f"{recipe} pinned",
         "recipe": recipe,
@@ -451,4 +453,5 @@ def _compare(workload, config: PlanConfig, args) -> dict:
         **modeled_figures(manual),
         "non_default_order_params": len(manual.non_default_order_params()),
         "timings": manual_timings,
+        **program,  # as its program runs: collectives overlapped, and its dry-run peak
     }

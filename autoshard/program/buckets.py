@@ -63,12 +63,13 @@ def bucket(
     # bucket joins its members' paths into one collective)
     for key, members in sorted(groups.items(), key=lambda item: item[0][0] == "all_reduce"):
         if members[0] not in grad_kind:
-            _make_bucket(joint, modules, mesh, order, output, members, gradients=False)
+            _make_bucket(joint, modules, mesh, order, output, members, gradients=False, block=key[1])
             continue
         upstream = _reductions_upstream(grad_kind, order)
         cap = cap_bytes if key[0] == "all_reduce" else math.inf
         for chunk in _ready_buckets(members, modules, order, upstream, cap):
-            _make_bucket(joint, modules, mesh, order, output, sorted(chunk, key=order.__getitem__), gradients=True)
+            chunk.sort(key=order.__getitem__)
+            _make_bucket(joint, modules, mesh, order, output, chunk, gradients=True, block=key[1])
 
 
 def _make_bucket(
@@ -79,6 +80,7 @@ def _make_bucket(
     output: fx.Node,
     members: list[fx.Node],
     gradients: bool,
+    block: str | None,
 ) -> None:
     """2+ redistributions (in program order) replaced by one `Bucket` and a getitem per member,
     where `_bucket_site` finds room for it."""
@@ -86,7 +88,7 @@ def _make_bucket(
     if site is None:
         return
     name = f"bucket_{sum(isinstance(m, Bucket) for m in modules.values())}"
-    modules[name] = Bucket(name, [modules[m.target] for m in members], mesh)
+    modules[name] = Bucket(name, [modules[m.target] for m in members], mesh, block)
     with joint.inserting_before(site):
         bucket = joint.call_module(name, tuple(m.args[0] for m in members))
         bucket.meta[LOCAL_SHAPE] = [m.meta[LOCAL_SHAPE] for m in members]
@@ -208,9 +210,10 @@ def _bucket_site(order: _Positions, members: list[fx.Node], output: fx.Node, gra
 def overlap(graph: fx.Graph, modules: dict[str, nn.Module], prefetch: int) -> None:
     """Give every bucket its wait (an `AwaitBucket` node, where the results are first needed) and
     move launches ahead of it, as FSDP2 schedules its collectives:
-    - parameter gathers: gather k launches just after gather k-`prefetch` is waited on, so the
-      rank computes one block while the next blocks' parameters arrive; at most `prefetch`
-      gathers in flight beside the one in use;
+    - parameter gathers, by block (a block's gathers over different mesh dims or in different
+      dtypes are one unit, as one FSDP module's): block k's launch just after block k-`prefetch`'s
+      first gather is waited on, so the rank computes one block while the next blocks' parameters
+      arrive; at most `prefetch` blocks' gathers in flight beside the block in use;
     - gradient reduce-scatters: each launches as soon as its gradients exist and is waited on just
       before reduction k+`prefetch` launches (at most `prefetch` in flight), or where its result
       is first read, if that is earlier;
@@ -230,9 +233,17 @@ def overlap(graph: fx.Graph, modules: dict[str, nn.Module], prefetch: int) -> No
         return
     gathers = [b for b in buckets if modules[b.target].kind == "all_gather"]
     reductions = [b for b in buckets if modules[b.target].kind == "reduce_scatter"]
+    units: list[list[fx.Node]] = []
+    for launch in gathers:
+        block = modules[launch.target].block
+        if not units or block is None or modules[units[-1][0].target].block != block:
+            units.append([])
+        units[-1].append(launch)
     pos = _numbered(graph)
-    for k in range(prefetch, len(gathers)):
-        _launch_early(gathers[k], waits[gathers[k - prefetch]], pos, modules)
+    for k in range(prefetch, len(units)):
+        after = min((waits[g] for g in units[k - prefetch]), key=pos.__getitem__)
+        for launch in units[k]:
+            _launch_early(launch, after, pos, modules)
     for launch in reductions + [b for b in buckets if modules[b.target].kind == "all_reduce"]:
         _launch_early(launch, None, pos, modules)
     pos = _numbered(graph)

@@ -15,7 +15,8 @@ then split in two (`split.py`): `forward` (everything the loss needs, returning 
 values the backward reads) and `backward` (the rest: tangent in, gradients out, each already in its
 parameter's layout). A value computed in the forward is handed over, unless the plan recomputes
 its block (`Plan.recomputed`). Each bucket is launched ahead of its wait (`buckets.overlap`), as
-FSDP2 prefetches, and the program's step is modeled on two streams (`schedule.model_step`).
+FSDP2 prefetches, and the program's step is modeled on streams (`schedule.model_step`: one
+computes, each mesh dim's link communicates).
 The first run of either half can be checked node by node against the local shapes the plan
 implies (`CheckedRun`), so a lowering mistake names its node instead of corrupting numbers.
 """
@@ -110,7 +111,7 @@ class Program:
     buffer_names: list[str]
     input_shapes: list[tuple[tuple[int, ...], Layout]]  # (global shape, layout) per user input
     comm: CommStats
-    step: StepModel  # modeled step time on two streams, as this program overlaps its collectives
+    step: StepModel  # modeled step time on streams, as this program overlaps its collectives
     random: RandomStream = field(default_factory=RandomStream)  # the seed and step its random ops draw from
     device_type: str = "cpu"  # the mesh's: where its values live (a dry run makes its fakes there)
     held: HeldBackward | None = None  # lowered to accumulate gradients over micro-batches
@@ -118,7 +119,7 @@ class Program:
     input_grads: list[int] = field(default_factory=list)  # the inputs whose gradients the backward returns
 
     def step_s(self, micro_batches: int = 1) -> float:
-        """Modeled seconds of an optimizer step of `micro_batches` micro-batches, on two streams:
+        """Modeled seconds of an optimizer step of `micro_batches` micro-batches, on streams:
         all but the last run the held backward, and no optimizer step."""
         if micro_batches == 1:
             return self.step.overlapped_s
@@ -138,7 +139,8 @@ def lower(
     plan: Plan, mesh: Any, prefetch: int = 1, bucket_bytes: float = DEFAULT_BUCKET_BYTES, accumulate: bool = False
 ) -> Program:
     """The per-rank program of `plan` on `mesh` (a DeviceMesh of the plan's mesh shape). Bucketed
-    collectives run `prefetch` buckets ahead of their use (`buckets.overlap`); 0 waits on each at once.
+    collectives run `prefetch` blocks (gathers) or buckets (reductions) ahead of their use
+    (`buckets.overlap`); 0 waits on each at once.
     Gradient all-reduces are bucketed up to `bucket_bytes` each (DDP's bucket_cap_mb).
     `accumulate`: also the backward that holds gradient all-reduces for a later micro-batch."""
     if prefetch < 0:

@@ -57,11 +57,13 @@ class Bucket(nn.Module):
     """Redistributions whose first steps are one kind of collective on one set of mesh dims, run
     with that step as one collective: parameter all-gathers and gradient reduce-scatters, grouped
     per repeated block as FSDP groups them. Calling it launches the collective and returns it in
-    flight; an `AwaitBucket` node later in the program waits and returns one local tensor per member."""
+    flight; an `AwaitBucket` node later in the program waits and returns one local tensor per member.
+    `block`: the repeated block whose parameters it gathers or whose gradients it reduces (None:
+    none, or several), the unit the program prefetches by."""
 
-    def __init__(self, name: str, members: list[Redistribute], mesh: Any):
+    def __init__(self, name: str, members: list[Redistribute], mesh: Any, block: str | None = None):
         super().__init__()
-        self.name, self.members, self.mesh = name, members, mesh
+        self.name, self.members, self.mesh, self.block = name, members, mesh, block
 
     @property
     def kind(self) -> str:

@@ -1,16 +1,20 @@
-"""The modeled step time of a lowered program on two streams: one computes, one communicates.
+"""The modeled step time of a lowered program on streams: one computes, and each mesh dim's link
+communicates.
 
 The plan's step time is compute + communication, each priced once (the ILP's objective, no
 overlap). The program decides what can overlap: a bucket's collective runs from its launch to its
 wait while the rank computes on, paying one launch for all its members (`bucket_cost_s`), after
 the rank has copied them into the bucket's buffer (their copies out of it are priced there too);
-every other redistribution is waited on where it runs. Walking
-the forward then the backward program in order:
-- an op adds its modeled compute to the compute stream;
-- a collective starts when both the rank has reached it and the link is free; the rank goes on at
-  once after a launch, and waits for it at the `AwaitBucket` (or at once, not bucketed).
+every other redistribution is waited on where it runs. Each mesh dim's process group has its own
+link (its own communication stream: on GPUs a NCCL communicator per group, intra-node NVLink beside
+inter-node InfiniBand; on gloo a group's own threads), so a data-parallel gather in flight does not
+hold up a tensor-parallel collective the rank waits on; a collective over several dims holds all
+of their links. Walking the forward then the backward program in order:
+- an op adds its modeled compute to the compute stream, and so does a local step (a chunk);
+- a collective starts when both the rank has reached it and its links are free; the rank goes on
+  at once after a launch, and waits for it at the `AwaitBucket` (or at once, not bucketed).
 Then the optimizer steps on the compute stream, once every gradient has arrived. The step ends
-when both streams are done. With nothing launched ahead (`prefetch=0`) this is the plan's sum,
+when every stream is done. With nothing launched ahead (`prefetch=0`) this is the plan's sum,
 except that the plan shares a bucket's launch evenly among its block's parameters and the
 program pays it once per bucket it forms; the difference is the communication the schedule hides
 behind compute.
@@ -18,10 +22,14 @@ behind compute.
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from torch import fx
 
+from autoshard.pricing.planner import Step
+from autoshard.pricing.ring import COLLECTIVE_KINDS
 from autoshard.problem.plan import Plan
 from autoshard.program.modules import AWAIT, Bucket, Redistribute
 
@@ -32,7 +40,7 @@ class StepModel:
 
     compute_s: float
     comm_s: float
-    overlapped_s: float  # on two streams, as the program schedules its collectives
+    overlapped_s: float  # on streams, as the program schedules its collectives
     optimizer_s: float = 0.0  # after the backward, on the compute stream
 
     @property
@@ -51,15 +59,23 @@ def bucket_cost_s(bucket: Bucket) -> float:
 
 
 def model_step(plan: Plan, graphs: list[fx.GraphModule]) -> StepModel:
-    """Two-stream model of running `graphs` (forward, then backward) in program order."""
-    compute = link = 0.0  # when each stream is next free
+    """Stream model of running `graphs` (forward, then backward) in program order."""
+    compute = 0.0  # when the compute stream is next free
+    links: dict[int, float] = {}  # mesh dim -> when its link is next free
     total_compute = total_comm = 0.0
     in_flight: dict[fx.Node, float] = {}  # bucket launch -> when its collective ends
 
-    def blocking(cost: float) -> None:
-        nonlocal compute, link, total_comm
-        compute = link = max(compute, link) + cost
-        total_comm += cost
+    def on_link(step: Step, ready: float) -> float:
+        """Run `step` on its mesh dims' links from `ready` on; when it ends."""
+        end = max([ready, *(links.get(m, 0.0) for m in step.mesh_dims)]) + step.cost_s
+        links.update(dict.fromkeys(step.mesh_dims, end))
+        return end
+
+    def blocking(steps: Iterable[Step]) -> None:
+        nonlocal compute, total_comm
+        for step in steps:
+            compute = on_link(step, compute) if step.kind in COLLECTIVE_KINDS else compute + step.cost_s
+            total_comm += step.cost_s
 
     for gm in graphs:
         for n in gm.graph.nodes:
@@ -67,18 +83,18 @@ def model_step(plan: Plan, graphs: list[fx.GraphModule]) -> StepModel:
                 launch = n.args[0]
                 compute = max(compute, in_flight.pop(launch))
                 for member in gm.get_submodule(launch.target).members:  # the rest of each plan
-                    blocking(sum(st.cost_s for st in member.plan.steps[1:]))
+                    blocking(member.plan.steps[1:])
             elif n.op == "call_module":
                 module = gm.get_submodule(n.target)
                 if isinstance(module, Bucket):
+                    first = module.members[0].plan.steps[0]
                     cost = bucket_cost_s(module)
                     copies = sum(m.copy_s for m in module.members)
                     compute += copies  # the rank copies the members in (and out) itself
-                    link = max(compute, link) + cost
+                    in_flight[n] = on_link(dataclasses.replace(first, cost_s=cost), compute)
                     total_comm += cost + copies
-                    in_flight[n] = link
                 elif isinstance(module, Redistribute):
-                    blocking(module.plan.cost_s)
+                    blocking(module.plan.steps)
             elif n.op == "call_function" and "autoshard_source" in n.meta:
                 name = n.meta["autoshard_source"].name
                 # a recomputed op's price covers both of its runs
@@ -86,5 +102,5 @@ def model_step(plan: Plan, graphs: list[fx.GraphModule]) -> StepModel:
                 compute += cost
                 total_compute += cost
     assert not in_flight, "a bucket was launched and never waited on"
-    end = max(compute, link) + plan.optimizer_s  # the optimizer reads every gradient
+    end = max([compute, *links.values()]) + plan.optimizer_s  # the optimizer reads every gradient
     return StepModel(total_compute, total_comm, end, plan.optimizer_s)

@@ -179,7 +179,7 @@ def _totals_lines(report: dict) -> list[str]:
     if "overlapped_step_s" in t:
         out.append(
             f"as the program overlaps them (bucketed gathers and gradient reductions launched ahead, "
-            f"compute and comm on two streams): {human_time(t['overlapped_step_s'])}, "
+            f"compute on one stream, each mesh dim's collectives on their own): {human_time(t['overlapped_step_s'])}, "
             f"{human_time(t['step_time_s'] - t['overlapped_step_s'])} of comm hidden"
         )
     if report.get("host"):
@@ -420,13 +420,17 @@ def _counts(counts: dict[str, int]) -> str:
 
 def compare_lines(report: dict) -> list[str]:
     """This plan beside each plan under `report['compare']`, with the ratio ours / theirs."""
-    t = report["totals"]
+    t = dict(report["totals"])
+    if "memory" in report:
+        t["peak_bytes"] = report["memory"]["peak_bytes"]
     rows_of = [
         ("step time", "step_time_s", human_time),
+        ("overlapped", "overlapped_step_s", human_time),
         ("compute", "compute_s", human_time),
         ("comm", "comm_s", human_time),
         ("comm bytes", "comm_bytes", human_bytes),
         ("param bytes/rank", "param_bytes_per_rank", human_bytes),
+        ("peak memory", "peak_bytes", human_bytes),
     ]
     lines = []
     for name, other in report.get("compare", {}).items():
@@ -435,7 +439,7 @@ def compare_lines(report: dict) -> list[str]:
             theirs = other.get(key)
             if key == "comm_bytes" and theirs is None:
                 theirs = sum(other.get("bytes_by_collective", {}).values())
-            if theirs is None:
+            if theirs is None or key not in t:
                 continue
             ratio = f"{t[key] / theirs:.3f}" if theirs else "-"
             rows.append([label, fmt(t[key]), fmt(theirs), ratio])

@@ -184,8 +184,8 @@ class Settings(PlanConfig):
     prefetch: int = setting(
         1,
         type=int,
-        help="launch bucketed parameter gathers and gradient reductions up to N "
-        "buckets ahead of their use, overlapping compute (0: wait on each "
+        help="launch the parameter gathers of up to N blocks ahead of their use, and up to N "
+        "gradient reduction buckets ahead of their waits, overlapping compute (0: wait on each "
         "where it is launched)",
     )
     bucket_cap_mb: float = setting(
