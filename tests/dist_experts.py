@@ -8,7 +8,7 @@ of random scores) and skewed (nearly every token to experts 0 and 1: most ranks 
 some hold experts no token reaches).
 
 Then whole models, planned on the (2, 2) mesh with sharding forced (tests/plan_audit.py) and
-trained 3 AdamW steps beside one device: our moe-tiny and Hugging Face's Qwen3-MoE and Mixtral
+trained 3 AdamW steps beside one device: our moe-tiny and Hugging Face's Qwen3-MoE
 (experts wide enough to be worth splitting), their experts run as autoshard's op (`workloads/hf_experts.py`).
 
 Rank 0 prints one line `RESULT [json per rank]`; tests/test_experts.py asserts on it.
@@ -114,7 +114,7 @@ def main() -> None:
 
 SMALL = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, use_cache=False)  # fmt: skip
-MODELS = ("moe-tiny", "hf-qwen3-moe", "hf-mixtral")
+MODELS = ("moe-tiny", "hf-qwen3-moe")
 BATCH, SEQ = 8, 16
 
 
@@ -124,14 +124,9 @@ def _model(name: str, device: str):
     if name == "moe-tiny":
         cfg = MOE_CONFIGS[name].with_(expert_ffn=256, n_layers=4)  # 4: planned from 3 traced blocks, unrolled
         return build_moe_model(cfg, device), partial(moe_loss, aux_loss_coef=cfg.aux_loss_coef), False
-    config = {
-        "hf-qwen3-moe": lambda: transformers.Qwen3MoeConfig(
-            **SMALL, head_dim=8, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=256
-        ),
-        "hf-mixtral": lambda: transformers.MixtralConfig(
-            **(SMALL | {"intermediate_size": 256}), num_local_experts=4, num_experts_per_tok=2
-        ),
-    }[name]()
+    config = transformers.Qwen3MoeConfig(
+        **SMALL, head_dim=8, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=256
+    )
     return hf.build(config if device == "cpu" else hf.training_config(config), device, seed=0), None, True
 
 

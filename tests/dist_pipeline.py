@@ -2,8 +2,8 @@
 the stages of llama3-debug (every stage's parameters fully sharded over its stage mesh, so
 every mesh dim runs collectives), runs one step of 8 rows and reports the loss on the last
 stage's ranks, the largest relative gradient error of this rank's parameters (gathered whole)
-and the summary of each of its stages' plans. Then a Hugging Face Llama cut by `DecoderStages`,
-and what `plan_pipeline` chose."""
+and the summary of each of its stages' plans (`by-hand`). Or a Hugging Face Llama cut by
+`DecoderStages`, and what `plan_pipeline` chose (`chosen`)."""
 
 import os
 import sys
@@ -140,11 +140,14 @@ def planned():
 
 
 def main():
+    """`by-hand`: the CASES; `chosen`: the Hugging Face Llama, then what plan_pipeline chose."""
+    (part,) = sys.argv[1:]
     dist.init_process_group("gloo")
     torch.manual_seed(0)
-    result = {name: by_hand(*case) for name, case in CASES.items()}
-    result["hf llama"] = hf_by_hand()
-    result["planned"] = planned()
+    if part == "by-hand":
+        result = {name: by_hand(*case) for name, case in CASES.items()}
+    else:
+        result = {"hf llama": hf_by_hand(), "planned": planned()}
     report_ranks(result)
 
 

@@ -161,10 +161,11 @@ def test_a_split_names_its_expert_parallel_group():
 def test_every_strategy_on_four_ranks_equals_the_op_on_whole_tensors_and_models_train_exactly():
     """Expert parallel over one dim and over two, with data parallelism, with tensor-parallel
     experts, beside experts split with tokens replicated; balanced and skewed routing. Then
-    moe-tiny (4 layers: traced as 3 and unrolled), HF Qwen3-MoE and HF Mixtral planned on 2x2,
-    sharding forced, 3 AdamW steps."""
+    moe-tiny (4 layers: traced as 3 and unrolled) and HF Qwen3-MoE planned on 2x2, sharding
+    forced, 3 AdamW steps (HF Mixtral runs the same op: its numbers are checked below, in one
+    process)."""
     ranks = run_ranks("dist_experts.py", timeout=600)
-    models = {name: ranks[0][name] for name in ("moe-tiny", "hf-qwen3-moe", "hf-mixtral")}
+    models = {name: ranks[0][name] for name in ("moe-tiny", "hf-qwen3-moe")}
     for name, got in models.items():
         for rank in ranks:
             assert rank[name]["loss"] <= 1e-6, (name, rank[name])

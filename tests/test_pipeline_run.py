@@ -106,22 +106,10 @@ def test_schedule_and_stage_count_must_agree(schedule, chunks, message):
         pipeline_run(stages, config, None, schedule=schedule, micro_batches=2)
 
 
-@pytest.mark.slow
-@pytest.mark.replicated_plan  # pp4's stage meshes are one device each; the other cases assert their sharding
-def test_pipelines_train_as_one_device_does():
-    """4 gloo ranks: pp2 x dp2 under 1F1B with a 4/2 cut, pp2 x tp2 under GPipe with a 2/4 cut
-    (every stage's parameters sharded, collectives on every stage mesh dim), pp4 under
-    Interleaved1F1B (8 chunks of one block, each rank holding 2), a Hugging Face Llama cut 3/1
-    on pp2 x dp2 (sharded), and the pipeline plan_pipeline chose for a model with a large head:
-    the loss and every gradient are one device's."""
-    with one_launch_at_a_time():
-        ranks = run_ranks("dist_pipeline.py", timeout=900)
-    for name, (stages_of, batch_split) in {
-        "pp2xdp2 1F1B uneven": ({0: [0], 1: [1]}, True),
-        "pp2xtp2 GPipe uneven": ({0: [0], 1: [1]}, False),
-        "pp4 interleaved": ({r: [r, r + 4] for r in range(4)}, None),
-        "hf llama": ({0: [0], 1: [1]}, True),
-    }.items():
+def assert_cases(ranks: list[dict], cases: dict) -> None:
+    """Each case's loss and gradients are one device's on every rank, each rank runs the stages
+    `cases` gives its pp coordinate, and each stage mesh shards where a batch split is named."""
+    for name, (stages_of, batch_split) in cases.items():
         pp_of = {0: 0, 1: 0, 2: 1, 3: 1} if len(stages_of) == 2 else {r: r for r in range(4)}
         last = max(s for stages in stages_of.values() for s in stages)
         for rank, result in enumerate(ranks):
@@ -136,6 +124,35 @@ def test_pipelines_train_as_one_device_does():
             if batch_split is not None:  # the stage mesh is one device under pp4
                 for facts in case["plans"].values():
                     assert_shards(facts, batch_split=batch_split)
+
+
+@pytest.mark.slow
+@pytest.mark.replicated_plan  # pp4's stage meshes are one device each; the other cases assert their sharding
+def test_pipelines_train_as_one_device_does():
+    """4 gloo ranks: pp2 x dp2 under 1F1B with a 4/2 cut, pp2 x tp2 under GPipe with a 2/4 cut
+    (every stage's parameters sharded, collectives on every stage mesh dim), pp4 under
+    Interleaved1F1B (8 chunks of one block, each rank holding 2): the loss and every gradient
+    are one device's."""
+    with one_launch_at_a_time():
+        ranks = run_ranks("dist_pipeline.py", timeout=900, args=["by-hand"])
+    assert_cases(
+        ranks,
+        {
+            "pp2xdp2 1F1B uneven": ({0: [0], 1: [1]}, True),
+            "pp2xtp2 GPipe uneven": ({0: [0], 1: [1]}, False),
+            "pp4 interleaved": ({r: [r, r + 4] for r in range(4)}, None),
+        },
+    )
+
+
+@pytest.mark.slow
+def test_a_hugging_face_pipeline_and_the_chosen_one_train_as_one_device_does():
+    """4 gloo ranks: a Hugging Face Llama cut 3/1 on pp2 x dp2 (sharded), and the pipeline
+    plan_pipeline chose for a model with a large head: the loss and every gradient are one
+    device's."""
+    with one_launch_at_a_time():
+        ranks = run_ranks("dist_pipeline.py", timeout=900, args=["chosen"])
+    assert_cases(ranks, {"hf llama": ({0: [0], 1: [1]}, True)})
     for rank, result in enumerate(ranks):
         case = result["planned"]
         assert case["worst_grad"] < 1e-5 and case["again"] and case["chosen"] == ranks[0]["planned"]["chosen"]

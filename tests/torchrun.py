@@ -9,6 +9,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import NoReturn
 
@@ -40,10 +41,10 @@ def torchrun_command(*args: str, nproc: int = 4) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *args]
 
 
-def run_ranks(script: str, timeout: int, nproc: int = 4) -> list[dict]:
-    """torchrun `tests/<script>` on `nproc` ranks (one thread each); every rank's result dict, in
-    rank order. Fails the test with the tail of both streams when torchrun does."""
-    cmd = torchrun_command(str(ROOT / "tests" / script), nproc=nproc)
+def run_ranks(script: str, timeout: int, nproc: int = 4, args: Sequence[str] = ()) -> list[dict]:
+    """torchrun `tests/<script> args` on `nproc` ranks (one thread each); every rank's result dict,
+    in rank order. Fails the test with the tail of both streams when torchrun does."""
+    cmd = torchrun_command(str(ROOT / "tests" / script), *args, nproc=nproc)
     start = time.time()
     out = subprocess.run(cmd, env=child_env(), capture_output=True, text=True, timeout=timeout)
     assert out.returncode == 0, (
