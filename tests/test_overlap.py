@@ -265,8 +265,8 @@ def test_step_model_hides_communication_behind_compute(plan):
     parameters whose first steps match (here 5 of a block's 9 gather together, 2 reduce-scatter
     together): never less than the plan, a few percent more. Prefetching
     hides part of the communication, never more than the compute it runs beside. (Deeper is not
-    always faster: one link carries everything, so a gather launched far ahead can delay a
-    blocking collective the rank waits on.)"""
+    always faster: on this 1-D mesh one link carries everything, so a gather launched far ahead
+    can delay a blocking collective the rank waits on.)"""
     with simulated_mesh(MESH) as (mesh, _):
         programs = {k: lower(plan, mesh, prefetch=k) for k in (0, 1, 2)}
     steps = {k: p.step for k, p in programs.items()}

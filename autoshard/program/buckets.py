@@ -80,7 +80,7 @@ def _make_bucket(
     output: fx.Node,
     members: list[fx.Node],
     gradients: bool,
-    block: str | None,
+    block: tuple[str, int] | None,
 ) -> None:
     """2+ redistributions (in program order) replaced by one `Bucket` and a getitem per member,
     where `_bucket_site` finds room for it."""

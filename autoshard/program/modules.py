@@ -61,7 +61,7 @@ class Bucket(nn.Module):
     `block`: the repeated block whose parameters it gathers or whose gradients it reduces (None:
     none, or several), the unit the program prefetches by."""
 
-    def __init__(self, name: str, members: list[Redistribute], mesh: Any, block: str | None = None):
+    def __init__(self, name: str, members: list[Redistribute], mesh: Any, block: tuple[str, int] | None = None):
         super().__init__()
         self.name, self.members, self.mesh, self.block = name, members, mesh, block
 
