@@ -141,14 +141,15 @@ def planned():
 
 def main():
     """`by-hand`: the CASES; `chosen`: the Hugging Face Llama, then what plan_pipeline chose."""
+    parts = {
+        "by-hand": lambda: {name: by_hand(*case) for name, case in CASES.items()},
+        "chosen": lambda: {"hf llama": hf_by_hand(), "planned": planned()},
+    }
     (part,) = sys.argv[1:]
+    run = parts[part]  # an unknown part fails before the process group starts
     dist.init_process_group("gloo")
     torch.manual_seed(0)
-    if part == "by-hand":
-        result = {name: by_hand(*case) for name, case in CASES.items()}
-    else:
-        result = {"hf llama": hf_by_hand(), "planned": planned()}
-    report_ranks(result)
+    report_ranks(run())
 
 
 if __name__ == "__main__":
