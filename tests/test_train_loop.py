@@ -354,7 +354,7 @@ def test_what_a_thread_freed_is_handed_back_before_loading():
     """Rank 0 solves on a thread: what that thread allocated and freed stays in its malloc arena,
     resident, until `release_free_heap` (called before the weights load) returns it to the OS
     (blocks it left alive between the freed ones keep the arena from shrinking by itself)."""
-    from autoshard.train.loop import release_free_heap
+    from autoshard.train.host_heap import release_free_heap
 
     def rss() -> int:
         with open("/proc/self/status") as f:
@@ -373,3 +373,36 @@ def test_what_a_thread_freed_is_handed_back_before_loading():
     before = rss()
     release_free_heap()
     assert before - rss() > 16 * 2**20, (before, rss())
+
+
+STEP_FAULTS = """
+import resource, sys, torch
+if sys.argv[1] == "keep":
+    from autoshard.train.host_heap import keep_freed_for_next_step
+    keep_freed_for_next_step()
+faults = []
+for step in range(2):
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    blocks = [torch.ones(2**20 // 4) for _ in range(24)]  # a step's 24 MiB, alive together, then freed
+    del blocks
+    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+print(faults[0], faults[1])
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="page faults from getrusage; glibc's mallopt")
+def test_a_step_reuses_the_memory_the_last_one_freed():
+    """glibc's default hands a step's freed blocks back to the OS (mmap'd, or trimmed off the
+    heap's top), so the next step page-faults them in again; after `keep_freed_for_next_step` (the
+    trainer calls it before its first step) the second step reuses the first's pages."""
+    import subprocess
+
+    def faults(mode: str) -> tuple[int, int]:
+        out = subprocess.run([sys.executable, "-c", STEP_FAULTS, mode], capture_output=True, text=True, check=True)
+        first, second = map(int, out.stdout.split())
+        return first, second
+
+    first, second = faults("default")
+    assert second > 0.5 * first > 2000, (first, second)  # 24 MiB is 6,144 pages
+    first, second = faults("keep")
+    assert first > 2000 and second < 0.1 * first, (first, second)

@@ -15,7 +15,6 @@ every rank alike.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import logging
 import math
 import os
@@ -30,6 +29,7 @@ from autoshard.fileio import read_json
 from autoshard.options import UsageError
 from autoshard.report.files import JSON_NAME, load_metrics, write_html
 from autoshard.train.export import keep_tokenizer
+from autoshard.train.host_heap import keep_freed_for_next_step, release_free_heap
 from autoshard.train.loggers import close_all
 from autoshard.train.metrics import MetricsFile, step_time_line
 from autoshard.train.parts import Parts, build_feed, build_optimizer, build_steps, restore
@@ -77,6 +77,7 @@ def train(settings: Settings, parts: Parts | None = None) -> list[float]:
         feed = build_feed(resolved, parts, planned.pmodel, planned.feed_micro_batches)
         optim = build_optimizer(resolved, parts, planned.pmodel)
         start, changes = restore(resolved, parts, planned.pmodel, optim, feed)
+        keep_freed_for_next_step()  # the steps free and reallocate the same large blocks
         metrics = MetricsFile(resolved.out, start or None)  # a resumed run keeps its rows up to `start`
         if changes:  # on the first row this run writes
             metrics.note_next({"changed_on_resume": changes})
@@ -117,17 +118,6 @@ def _start(settings: Settings):
         profiled.device_profile,
     )
     return mesh, device
-
-
-def release_free_heap() -> None:
-    """Hand the C heap's free pages back to the OS (glibc's `malloc_trim`; nothing elsewhere).
-    Rank 0 solves on a thread, whose malloc arena the main thread's tensors never reuse: what the
-    solver freed there would stay resident through training."""
-    try:
-        trim = ctypes.CDLL(None).malloc_trim
-    except (OSError, AttributeError, TypeError):  # not glibc (Windows: no process handle)
-        return
-    trim(0)
 
 
 def _check_pipelined(resolved: ResolvedRun) -> None:
