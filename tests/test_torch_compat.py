@@ -165,3 +165,53 @@ def per_rank(value) -> list:
     """A DTensor's local values, rank by rank (one where every rank holds the same tensor)."""
     local = value.detach().to_local()
     return list(tc.rank_values(local).values()) if isinstance(local, tc.LocalTensor) else [local]
+
+
+def test_the_norm_and_the_clip_run_on_shards_as_torchs_do_on_dtensors():
+    """On a simulated (2,2) mesh, gradients sharded on either dim, on both (in either device
+    order: one dim's placement is then a `_StridedShard`), replicated and uneven:
+    the trainer's global norm equals torch's `get_total_norm` over the DTensors (to rounding:
+    the squares are summed in another order), clipping scales every shard by torch's factor, and
+    neither dispatches a single op on a DTensor."""
+    import math
+
+    import torch
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    from autoshard.train.optimizer import GradClip
+    from simulation import simulated_mesh
+
+    class NoDTensorOps(tc.TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+            leaves = torch.utils._pytree.tree_leaves((args, kwargs or {}))
+            assert not any(isinstance(x, DTensor) for x in leaves), func
+            return func(*args, **(kwargs or {}))
+
+    g = torch.Generator().manual_seed(0)
+    full = [torch.randn(8, 6, generator=g), torch.randn(6, generator=g), torch.randn(5, 8, generator=g)]
+    full.append(torch.randn(4, 4, generator=g))
+    full.append(torch.randn(4, 8, generator=g))  # its dim 1 split over mesh dim 1 first, then mesh dim 0
+    with simulated_mesh((2, 2)) as (mesh, mode):
+        placements = [(tc.Shard(0), tc.Shard(1)), (tc.Replicate(), tc.Replicate()), (tc.Shard(0), tc.Replicate())]
+        placements.append((tc.Replicate(), tc.Shard(0)))
+        grads = [distribute_tensor(t, mesh, p) for t, p in zip(full, placements)]  # all but the last
+        placements.append(tc.strided_placements(((1, (1, 0)),), (tc.Shard(1), tc.Shard(1)), (2, 2)))
+        grads.append(distribute_tensor(full[-1], mesh, placements[-1], src_data_rank=None))
+        params = [torch.nn.Parameter(torch.empty_like(x)) for x in grads]
+        for p, grad in zip(params, grads):
+            p.grad = grad.clone()
+            if not isinstance(grad.to_local(), tc.LocalTensor):  # a simulated replica: one tensor for all ranks
+                own = tc.LocalTensor({rank: grad.to_local().clone() for rank in range(4)})  # a real rank's own
+                p.grad = DTensor.from_local(own, mesh, grad.placements)
+        theirs = torch.nn.utils.get_total_norm(grads).full_tensor()
+        with NoDTensorOps():
+            ours = GradClip(max_norm=1.0)(params)
+        with mode.disable():
+            norms = list(tc.rank_values(ours).values())  # a plain tensor on every rank, the same
+            assert len(norms) == 4 and all(torch.equal(n, norms[0]) for n in norms)
+            assert math.isclose(norms[0].item(), list(tc.rank_values(theirs).values())[0].item(), rel_tol=1e-6)
+            assert math.isclose(norms[0].item(), math.sqrt(sum(t.pow(2).sum().item() for t in full)), rel_tol=1e-6)
+            factor = 1.0 / (norms[0] + 1e-6)
+            for p, grad in zip(params, grads):
+                for shard, ref in zip(per_rank(p.grad), per_rank(grad)):
+                    assert torch.equal(shard, ref * factor)

@@ -13,7 +13,7 @@ and one module per torch subsystem an upgrade can break:
 - `runtime`: dispatch modes, the dry run's fake tensors and memory tracker, torch.compile's and
   inductor's state, the SDPA kernel choice;
 - `checkpoint`: DCP's reader and planner without their unrestricted unpicklers;
-- `optim`: torch's AdamW stepped on DTensors' local shards;
+- `optim`: torch's AdamW stepped, and gradients clipped, on DTensors' local shards;
 - `legacy`: what torch 2.11 and 2.12 lack, made up for.
 
 The code reads as for torch 2.13 and 2.14; the module that defines a name picks its 2.11/2.12
@@ -174,6 +174,9 @@ from autoshard._torch_compat.ops import (
 )
 from autoshard._torch_compat.optim import (
     ShardwiseAdamW as ShardwiseAdamW,
+)
+from autoshard._torch_compat.optim import (
+    clip_shards_ as clip_shards_,
 )
 from autoshard._torch_compat.runtime import (
     DispatchMode as DispatchMode,

@@ -1,6 +1,7 @@
 """Optimizers stepped on DTensors' local shards: torch's own AdamW (its state, its checkpoints,
 its fused kernel), with the step's lists unwrapped before the kernel runs. Uses the optimizer's
-private `_init_group` (the same signature in torch 2.11 through 2.14)."""
+private `_init_group` (the same signature in torch 2.11 through 2.14), and `_foreach_mul_` to
+clip gradients' shards as `clip_grads_with_norm_` does."""
 
 from __future__ import annotations
 
@@ -57,3 +58,11 @@ class ShardwiseAdamW(torch.optim.AdamW):
                 decoupled_weight_decay=group["decoupled_weight_decay"],
             )
         return None
+
+
+@torch.no_grad()
+def clip_shards_(grads: list[torch.Tensor], max_norm: float, total_norm: torch.Tensor) -> None:
+    """`clip_grads_with_norm_`'s scaling (the same factor, the same kernel) on each DTensor
+    gradient's local shard, without DTensor's dispatch per gradient."""
+    factor = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
+    torch._foreach_mul_(_local(grads), factor)

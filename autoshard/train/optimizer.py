@@ -3,8 +3,8 @@ schedule built from torch's own lr_scheduler classes, and gradient clipping by t
 
 Each is a function of the settings and the step alone, so a resumed run rebuilds them: the
 schedule is replayed to the resumed step (its lrs are those of an uninterrupted run), and the
-norm is torch's `clip_grad_norm_` / `get_total_norm`, which on DTensor gradients of any layout
-(sharded, replicated, partial, uneven) reduces the per-tensor norms over the mesh itself.
+norm is torch's `get_total_norm` and `clip_grad_norm_`'s scaling, run on the DTensor gradients'
+local shards (sharded, replicated or uneven) with the shards' squares summed over the mesh.
 """
 
 from __future__ import annotations
@@ -177,26 +177,48 @@ class ScheduledOptimizer:
 
 
 class GradClip:
-    """The global L2 norm of every gradient, and with `max_norm` the clipping to it: torch's own
-    `clip_grad_norm_` (or `get_total_norm`, nothing scaled), whose per-tensor norms of DTensor
-    gradients are partial over the mesh dims that shard them and reduced once for all. With
-    `stages`, the pp process group of a pipeline, each rank holds only its stages' gradients:
-    their squared norms are summed over that group before clipping, as torchtitan does. The norm
-    stays a tensor on the device: the step reads it back only when it logs."""
+    """The global L2 norm of every gradient (`total_norm`), and with `max_norm` the clipping to
+    it: torch's `clip_grad_norm_` math on each DTensor's local shard. With `stages`, the pp
+    process group of a pipeline, each rank holds only its stages' gradients: their squared norms
+    are summed over that group before clipping, as torchtitan does. The norm stays a tensor on
+    the device: the step reads it back only when it logs."""
 
     def __init__(self, max_norm: float | None, stages: Any = None):
         self.max_norm, self.stages = max_norm, stages
 
     def __call__(self, params: Sequence[torch.Tensor]) -> torch.Tensor:
-        if self.stages is None and self.max_norm is not None:
-            norm = torch.nn.utils.clip_grad_norm_(params, self.max_norm)
-        else:
-            norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
-        norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
+        grads = [p.grad for p in params if p.grad is not None]
+        norm = total_norm(grads)
         if self.stages is not None:
             squared = norm.pow(2)
             dist.all_reduce(squared, group=self.stages)
             norm = squared.sqrt()
-            if self.max_norm is not None:
-                torch.nn.utils.clip_grads_with_norm_(params, self.max_norm, norm)
+        if self.max_norm is not None:
+            tc.clip_shards_(grads, self.max_norm, norm)
         return norm
+
+
+@torch.no_grad()  # a DTensor's to_local is then its shard itself
+def total_norm(grads: Sequence[torch.Tensor]) -> torch.Tensor:
+    """torch's `get_total_norm` (L2) of every gradient together, from each DTensor's local shard:
+    the shards' norms grouped by the mesh dims that shard them, each group's square summed over
+    those dims' process groups (a replicated dim's copies counted once). torch's own dispatches
+    through DTensor per gradient and per per-tensor norm, several times the kernel's host time on
+    a step's many gradients; a partial gradient (a step leaves none) takes torch's."""
+    if not grads or any(isinstance(g, DTensor) and any(p.is_partial() for p in g.placements) for g in grads):
+        norm = torch.nn.utils.get_total_norm(grads)
+        return norm.full_tensor() if isinstance(norm, DTensor) else norm
+    groups: dict[tuple, list[torch.Tensor]] = {}
+    for g in grads:
+        if isinstance(g, DTensor):
+            dims = tuple(i for i, p in enumerate(g.placements) if not p.is_replicate())  # Shard, _StridedShard
+            groups.setdefault((g.device_mesh, dims), []).append(g.to_local())
+        else:
+            groups.setdefault((None, ()), []).append(g)
+    squares = []
+    for (mesh, dims), shards in groups.items():
+        squared = torch.nn.utils.get_total_norm(shards).float().pow(2)  # 16-bit gradients: squares in fp32
+        for dim in dims:
+            dist.all_reduce(squared, group=mesh.get_group(dim))
+        squares.append(squared)
+    return torch.stack(squares).sum().sqrt()
