@@ -119,6 +119,7 @@ def test_quick_training_section(quick):
     assert figures["best_baseline"] == best and math.isclose(
         figures["best_baseline_ratio"], figures["autoshard"]["tokens_per_s"] / figures[best]["tokens_per_s"]
     )
+    assert math.isclose(figures["paired_ratio_median"], figures["best_baseline_ratio"])  # one round
     assert all(v == "Shard(dim=0)" for v in figures["fsdp2"]["layouts"].values())  # fully_shard alone
     assert math.isclose(
         figures["throughput_ratio"], figures["autoshard"]["tokens_per_s"] / figures["recipe"]["tokens_per_s"]
@@ -207,6 +208,15 @@ def test_accuracy_rounds_take_the_median_round():
         "| calibrated | ours | 1100.0 (1100.0 + 0.0 + 0.0) | 1200.0 | 0.92 | 0.67 / 1.00 / 0.92 |"
         in accuracy_markdown(case | {"cases": [case]})
     )
+
+
+def test_throughput_runs_only_the_baselines_named_and_refuses_one_that_does_not_run():
+    """`--baselines` picks among the trainers that run on the workload: on 2 ranks (mesh 2x1) there
+    is no tensor-parallel recipe, and asking for it fails before any process starts."""
+    from benchmarks.training import throughput as training
+
+    with pytest.raises(ValueError, match="--baselines: recipe do not run on this workload"):
+        training.run(two_ranks=True, baselines=["ddp", "recipe"])
 
 
 def test_all_runs_the_three_configurations_and_reports_each_against_its_best(monkeypatch, capsys, tmp_path):
