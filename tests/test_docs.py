@@ -45,6 +45,7 @@ OTHER_TOOLS = {
     "--gap-only",
     "--two-ranks",
     "--make-train",
+    "--baselines",
     "--moe",
     "--all",
     "--ddp",
