@@ -217,7 +217,8 @@ def total_norm(grads: Sequence[torch.Tensor]) -> torch.Tensor:
             groups.setdefault((None, ()), []).append(g)
     squares = []
     for (mesh, dims), shards in groups.items():
-        squared = torch.nn.utils.get_total_norm(shards).float().pow(2)  # 16-bit gradients: squares in fp32
+        norm = torch.nn.utils.get_total_norm(shards)
+        squared = norm.to(torch.promote_types(norm.dtype, torch.float32)).pow(2)  # 16-bit: squared in fp32
         for dim in dims:
             dist.all_reduce(squared, group=mesh.get_group(dim))
         squares.append(squared)
