@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import platform
 import shutil
 import sys
 import threading
@@ -390,7 +391,7 @@ print(faults[0], faults[1])
 """
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="page faults from getrusage; glibc's mallopt")
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's malloc thresholds and mallopt")
 def test_a_step_reuses_the_memory_the_last_one_freed():
     """glibc's default hands a step's freed blocks back to the OS (mmap'd, or trimmed off the
     heap's top), so the next step page-faults them in again; after `keep_freed_for_next_step` (the
