@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from autoshard.driver import ranks
-from autoshard.driver.fit import in_background
+from autoshard.driver.limits import in_background
 from autoshard.train.signals import Interrupted, StopSignals
 from autoshard_models import build_model, get_config
 from plan_audit import budget_bytes

@@ -37,7 +37,8 @@ from autoshard.capture.repeat import trace_step
 from autoshard.capture.trace import JointGraph, mark_outputs
 from autoshard.driver import limits
 from autoshard.driver.config import Mesh, PlanConfig
-from autoshard.driver.fit import FitSteps, fit_memory, solving_here
+from autoshard.driver.fit import FitSteps, fit_memory
+from autoshard.driver.limits import solving_here
 from autoshard.driver.ranks import RankZeroPlanning, in_process_group
 from autoshard.driver.replicas import fix_replicate_dim
 from autoshard.layout import Layout

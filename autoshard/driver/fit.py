@@ -17,7 +17,12 @@ subtracted from the limit. When a plan needs more than the limit:
    go again (by the non-linear part seen, or, from its second miss on, by the slope of its last two
    peaks over their budgets, aiming just under the limit: a tighter budget shards more, and the
    gathers' working set grows back part of what it saves); an option that misses `ROUNDS` times is
-   dropped, so a stronger one gets its turn.
+   dropped, so a stronger one gets its turn;
+4. when no option has a plan under its budget, each budget rises to its option's floor, the least
+   modeled memory its plans hold (`_to_floors`), never below what any plan holds;
+5. when nothing has fit, the strongest option's plans from its floor up (`_least_peak`): the
+   same plans whatever the limit, so the smallest peak the error names is near the least there
+   is, and a limit just above it plans.
 
 A plan whose linear part is under `TRUST` of the limit is not dry-run here: far from binding.
 Without dry runs (`FitSteps.dry_run` None: `plan --no-dry-run`) the linear part alone is held
@@ -37,12 +42,11 @@ decides alike.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
-import threading
+import math
 from dataclasses import dataclass
-from typing import Callable, TypeVar
+from typing import Callable
 
 import torch
 
@@ -54,6 +58,7 @@ from autoshard.problem.memory import (
     MODES,
     MemoryFit,
     PeakTable,
+    least_memory_problem,
     modeled_bytes,
     peak_memory_table,
     size_text,
@@ -64,10 +69,9 @@ from autoshard.runtime.dryrun import DryRunResult, dry_run
 
 log = logging.getLogger("autoshard")
 
-T = TypeVar("T")
-
 TRUST = 0.5  # a plan whose linear part is under this share of the limit fits without a dry run
 ROUNDS = 3  # dry runs over the limit after which an option is given up
+PROBES, PROBE_RATIO = 4, 2**0.5  # plans tried from the least memory up when nothing fits (`_least_peak`)
 
 
 class MemoryLimitError(ValueError):
@@ -84,48 +88,6 @@ class FitSteps:
 
     start: Callable[[solver.Problem, float | None], Callable[[], solver.Solution]]
     dry_run: Callable[[Plan], DryRunResult] | None
-
-
-AT_ONCE = 2  # solves run at once: the asked option's budgeted one and one started ahead
-
-
-def in_background(work: Callable[[], T], gate: threading.Semaphore | None = None) -> Callable[[], T]:
-    """Start `work` on a thread of its own (once `gate` lets it); the call returned waits for it
-    and returns its result or raises its exception. A daemon thread: a solve nobody waits for
-    (the fit failed, a signal stopped the wait: a join is interruptible, a solve in C is not)
-    does not hold the process at exit."""
-    outcome: list = []
-
-    def run() -> None:
-        with gate if gate is not None else contextlib.nullcontext():
-            try:
-                outcome.append((True, work()))
-            except BaseException as err:  # noqa: BLE001 - raised again by the waiter
-                outcome.append((False, err))
-
-    thread = threading.Thread(target=run, name="autoshard-solve", daemon=True)
-    thread.start()
-
-    def wait() -> T:
-        thread.join()
-        ok, value = outcome[0]
-        if not ok:
-            raise value
-        return value
-
-    return wait
-
-
-def solving_here(
-    backend: str = "auto", time_limit: float | None = None
-) -> Callable[..., Callable[[], solver.Solution]]:
-    """`FitSteps.start` for solving in this process: each solve on a thread of its own, `AT_ONCE`
-    at a time (their presolves and model building hold Python's lock: more at once would slow the
-    one the fit waits for first)."""
-    gate = threading.Semaphore(AT_ONCE)
-    return lambda problem, cutoff: in_background(
-        lambda: limits.solve(problem, backend=backend, time_limit=time_limit, diagnose=False, cutoff=cutoff), gate
-    )
 
 
 @dataclass
@@ -156,7 +118,8 @@ def fit_memory(
 ) -> FittedPlan:
     """`plan` if it fits `limit`, else the best plan that does (with the problem it solves);
     MemoryLimitError when none does. `steps` default to solving and dry-running in this process."""
-    fit = _Fit(limit, steps if steps is not None else FitSteps(solving_here(backend, time_limit), dry_run), planner)
+    steps = steps if steps is not None else FitSteps(limits.solving_here(backend, time_limit), dry_run)
+    fit = _Fit(limit, steps, planner)
     table = peak_memory_table(sharding)
     linear = modeled_bytes(table, plan.solution.choice)
     asked = mode_of(spec)
@@ -193,6 +156,18 @@ class _Fit:
         self.tried.append((mode, float(result.peak_bytes)))
         return result
 
+    def logged_dry_run(self, plan: Plan, mode: str, budget: float, linear: float) -> DryRunResult:
+        """`dry_run` of a plan solved under a budget, as a progress line."""
+        result = self.dry_run(plan, mode)
+        log.info(
+            "autoshard: memory fit: the %s plan under a budget of %s: modeled %s, dry-run peak %s",
+            mode,
+            size_text(budget),
+            size_text(linear),
+            size_text(result.peak_bytes),
+        )
+        return result
+
     def fitted(
         self, plan: Plan, sp: ShardingProblem, mode: str, linear: float, result: DryRunResult | None, constrained: bool
     ) -> FittedPlan:
@@ -225,38 +200,39 @@ def _start_options(
 def _fit_options(fit: _Fit, options: list[_Option], smallest: DryRunResult | None) -> FittedPlan:
     """Rounds over the options until the fastest plan under their budgets dry-runs under the limit:
     a miss tightens that option's budget (dropped after `ROUNDS` misses), nothing under the
-    budgets loosens them all. MemoryLimitError naming the smallest peak seen when none fits."""
+    budgets raises them to their floors (`_to_floors`). MemoryLimitError naming the smallest peak
+    seen when none fits."""
     limit, steps = fit.limit, fit.steps
     remedies = _remedies(options[0].sharding)
-    loosened = 0
+    every = list(options)  # the asked option first, the strongest last
     while options:
         best = _best_budgeted(options, steps, fit.planner)
-        if best is None and loosened < ROUNDS and any(option.budget < limit for option in options):
-            loosened += 1
-            _loosen(options, limit)
-            continue
         if best is None:
+            if _to_floors(options, steps, limit):
+                continue
             break
         candidate, option = best
         linear = modeled_bytes(option.table, candidate.solution.choice)
         if steps.dry_run is None:  # its linear part fits the limit: all that is checked
             return fit.fitted(candidate, option.sharding, option.mode, linear, None, True)
-        result = fit.dry_run(candidate, option.mode)
-        log.info(
-            "autoshard: memory fit: the %s plan under a budget of %s: modeled %s, dry-run peak %s",
-            option.mode,
-            size_text(option.budget),
-            size_text(linear),
-            size_text(result.peak_bytes),
-        )
+        result = fit.logged_dry_run(candidate, option.mode, option.budget, linear)
         if smallest is None or result.peak_bytes < smallest.peak_bytes:
             smallest = result
         if result.peak_bytes <= limit:
             return fit.fitted(candidate, option.sharding, option.mode, linear, result, True)
         option.missed.append((option.budget, float(result.peak_bytes)))
-        option.budget = _next_budget(limit, option.budget, result.peak_bytes - linear, option.missed)
-        if len(option.missed) == ROUNDS:  # this option keeps missing: leave it to the others
+        budget = _next_budget(limit, option.budget, result.peak_bytes - linear, option.missed)
+        if option.floor is not None:
+            budget = max(budget, option.floor)  # no plan of this option holds less
+        if len(option.missed) == ROUNDS or budget >= option.budget:  # it keeps missing, or can hold no less
             options.remove(option)
+        else:
+            option.budget = budget
+    if steps.dry_run is not None:  # nothing fits: the strongest option's least-memory plans
+        found = _least_peak(fit, every[-1], smallest)
+        if isinstance(found, FittedPlan):
+            return found
+        smallest = found
     if smallest is None:
         raise MemoryLimitError(
             f"no plan fits {size_text(limit)} per rank: even with every option (resharding, "
@@ -265,17 +241,78 @@ def _fit_options(fit: _Fit, options: list[_Option], smallest: DryRunResult | Non
     raise MemoryLimitError(_no_fit_message(limit, smallest, remedies))
 
 
-def _loosen(options: list[_Option], limit: float) -> None:
-    """Nothing fits the budgets: their non-linear part was the unconstrained plan's, and a plan
-    sharded enough to fit may hold less (smaller activations, transients): halve it."""
-    low = min(option.budget for option in options)
-    for option in options:
-        option.budget = limit - 0.5 * (limit - option.budget)
+def _to_floors(options: list[_Option], steps: FitSteps, limit: float) -> bool:
+    """No option has a plan under its budget: raise each budget to the least modeled memory any
+    plan of that option holds (its floor, solved for once), the tightest budget that has a plan;
+    drop the options with no plan at all or a floor over the limit. False when nothing changed:
+    every budget is at its floor already."""
+    changed = False
+    for option in list(options):
+        if option.floor is None and option.solved is not None and option.solved.plan is None:
+            option.floor = _floor(option, steps)
+        if option.floor is None or option.floor > limit:
+            options.remove(option)
+            changed = True
+        elif option.budget < option.floor:
+            log.info(
+                "autoshard: memory fit: no %s plan fits a budget of %s; the least memory one holds %s (modeled)",
+                option.mode,
+                size_text(option.budget),
+                size_text(option.floor),
+            )
+            option.budget, changed = option.floor, True
+    return changed
+
+
+def _least_peak(fit: _Fit, option: _Option, smallest: DryRunResult | None) -> FittedPlan | DryRunResult | None:
+    """Nothing fits: the strongest option's plan holding the least modeled memory, then plans
+    holding more (budgets rising by `PROBE_RATIO`: the least-memory plan's working set, its
+    gathers and recomputed activations, may be what a plan holding more leaves out), while under
+    the smallest peak seen (a plan holding that much cannot peak lower) and while the peaks fall,
+    at most `PROBES` plans. The same plans whatever the limit, so the smallest peak the error names
+    does not depend on how far the limit was missed. Returns the plan that fits, if one does,
+    else the smallest dry run."""
+    if option.floor is None:
+        option.floor = _floor(option, fit.steps)
+    if option.floor is None or (smallest is not None and option.floor >= smallest.peak_bytes):
+        return smallest
+    budget, last = option.floor, math.inf
     log.info(
-        "autoshard: memory fit: no plan fits a budget of %s; trying %s",
-        size_text(low),
-        size_text(min(option.budget for option in options)),
+        "autoshard: memory fit: nothing fits; the %s plans holding the least memory, from %s (modeled) up",
+        option.mode,
+        size_text(budget),
     )
+    for _ in range(PROBES):
+        if smallest is not None and budget >= smallest.peak_bytes:
+            break
+        peak = dict(option.missed).get(budget)  # dry-run in the rounds already: counted in `smallest`
+        if peak is None:
+            try:
+                solution = fit.steps.start(with_peak_budget(option.sharding, option.table, budget), None)()
+            except solver.InfeasibleError:  # the floor, within the solver's tolerance
+                break
+            candidate = decode(option.sharding, solution, fit.planner)
+            linear = modeled_bytes(option.table, candidate.solution.choice)
+            result = fit.logged_dry_run(candidate, option.mode, budget, linear)
+            if result.peak_bytes <= fit.limit:
+                return fit.fitted(candidate, option.sharding, option.mode, linear, result, True)
+            if smallest is None or result.peak_bytes < smallest.peak_bytes:
+                smallest = result
+            peak = float(result.peak_bytes)
+        if peak >= last:
+            break
+        budget, last = budget * PROBE_RATIO, peak
+    return smallest
+
+
+def _floor(option: _Option, steps: FitSteps) -> float | None:
+    """The least modeled memory of the option's plans (a hair above it, for the solver's
+    tolerance on the budget's row), or None when it has no plan at all."""
+    try:
+        least = steps.start(least_memory_problem(option.sharding, option.table), None)()
+    except solver.InfeasibleError:
+        return None
+    return modeled_bytes(option.table, least.choice) * (1 + 1e-6)
 
 
 @dataclass(frozen=True)
@@ -318,6 +355,7 @@ class _Option:
     table: PeakTable
     budget: float
     missed: list[tuple[float, float]] = dataclasses.field(default_factory=list)
+    floor: float | None = None  # the least modeled memory of its plans, once a budget under it had none
     solved: _Solved | None = None
     unbudgeted: _Unbudgeted | None = None
     ahead: Callable[[], solver.Solution] | None = None

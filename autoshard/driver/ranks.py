@@ -27,7 +27,8 @@ import torch.distributed as dist
 
 import autoshard_solver as solver
 from autoshard.driver import limits
-from autoshard.driver.fit import AT_ONCE, FitSteps, in_background
+from autoshard.driver.fit import FitSteps
+from autoshard.driver.limits import AT_ONCE, in_background
 from autoshard.options import UsageError
 from autoshard.problem.build import ShardingProblem
 from autoshard.problem.plan import Plan

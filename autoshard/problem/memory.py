@@ -28,6 +28,8 @@ from autoshard.capture.trace import JointGraph
 from autoshard.problem.build import ShardingProblem
 from autoshard.problem.plan import Plan
 
+GIB = 2**30
+
 ADAMW_STATE_BYTES = 8  # AdamW keeps two fp32 states per parameter element
 MODES = ("keep", "reshard", "recompute")  # what the backward gets from the forward, most kept first
 
@@ -220,3 +222,45 @@ def with_peak_budget(sp: ShardingProblem, table: PeakTable, limit: float) -> sol
         list(table.nodes), limit, name="modeled peak bytes per rank", memory=table.nodes, edges=table.edges
     )
     return extended
+
+
+def least_memory_problem(sp: ShardingProblem, table: PeakTable) -> solver.Problem:
+    """The problem with the table's bytes (in GiB) as its objective in place of the step time, the
+    same choices forbidden and the same constraints: its optimum is the least modeled memory any
+    plan reaches, the lowest budget that is not infeasible. Repeated blocks keep sharing their
+    rows and matrices (converted once each, as in the problem itself)."""
+    problem = sp.problem
+    out = solver.Problem(constraints=list(problem.constraints), regions=list(problem.regions))
+    rows: dict[tuple, list[solver.Choice]] = {}
+    for node in problem.nodes:
+        row = table.nodes.get(node.name)
+        key = (id(node.choices), None if row is None else tuple(row))
+        if key not in rows:
+            rows[key] = [
+                solver.Choice(c.label, math.inf if c.cost == math.inf else (row[i] if row else 0.0) / GIB)
+                for i, c in enumerate(node.choices)
+            ]
+        out.add_node(node.name, rows[key])
+    matrices: dict[tuple[int, int], list[list[float]]] = {}
+
+    def in_gib(cost: list[list[float]] | None, memory: list[list[float]] | None, shape: tuple[int, int]) -> list:
+        key = (id(cost), id(memory))
+        if key not in matrices:
+            matrices[key] = [
+                [
+                    math.inf if cost is not None and cost[i][j] == math.inf else (memory[i][j] / GIB if memory else 0.0)
+                    for j in range(shape[1])
+                ]
+                for i in range(shape[0])
+            ]
+        return matrices[key]
+
+    seen = set()
+    for edge in problem.edges:
+        memory = table.edges.get((edge.src, edge.dst))
+        seen.add((edge.src, edge.dst))
+        out.add_edge(edge.src, edge.dst, in_gib(edge.cost, memory, (len(edge.cost), len(edge.cost[0]))))
+    for (src, dst), memory in table.edges.items():
+        if (src, dst) not in seen:
+            out.add_edge(src, dst, in_gib(None, memory, (len(memory), len(memory[0]))))
+    return out
