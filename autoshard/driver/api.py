@@ -38,7 +38,6 @@ from autoshard.capture.trace import JointGraph, mark_outputs
 from autoshard.driver import limits
 from autoshard.driver.config import Mesh, PlanConfig
 from autoshard.driver.fit import FitSteps, fit_memory
-from autoshard.driver.limits import solving_here
 from autoshard.driver.ranks import RankZeroPlanning, in_process_group
 from autoshard.driver.replicas import fix_replicate_dim
 from autoshard.layout import Layout
@@ -370,7 +369,7 @@ class AutoShard:
         start = time.perf_counter()
         steps = planning.fit_steps(dry_run) if planning is not None else None  # None: solve and dry-run here
         if steps is None and not dry_run:
-            steps = FitSteps(solving_here(self.config.backend, self.config.time_limit), None)
+            steps = FitSteps(limits.solving_here(self.config.backend, self.config.time_limit), None)
         with tc.no_dispatch_modes():  # the dry run makes its own fake mode
             fitted = fit_memory(
                 plan,

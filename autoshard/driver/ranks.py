@@ -28,7 +28,6 @@ import torch.distributed as dist
 import autoshard_solver as solver
 from autoshard.driver import limits
 from autoshard.driver.fit import FitSteps
-from autoshard.driver.limits import AT_ONCE, in_background
 from autoshard.options import UsageError
 from autoshard.problem.build import ShardingProblem
 from autoshard.problem.plan import Plan
@@ -148,7 +147,7 @@ class RankZeroPlanning:
                 log.info("autoshard: reusing the solution in %s", saved.source)
                 return ("ok", saved.solution)
             try:  # on a thread: rank 0 waits for it where a signal can interrupt it
-                return ("ok", in_background(lambda: self._solve(sharding.problem))().to_json())
+                return ("ok", limits.in_background(lambda: self._solve(sharding.problem))().to_json())
             except ValueError as e:  # infeasible constraints: a usage error on every rank
                 return ("error", str(e))
 
@@ -176,7 +175,7 @@ class RankZeroPlanning:
         """`solve_problem`, with rank 0 solving beside the caller (once `gate` lets it): every rank
         calls what this returns, in the same order as the other ranks, for rank 0's answer."""
         if dist.get_rank() == 0:
-            outcome = in_background(lambda: self._outcome(problem, cutoff, diagnose), gate)
+            outcome = limits.in_background(lambda: self._outcome(problem, cutoff, diagnose), gate)
         else:
 
             def outcome() -> tuple[str, str, float | None]:
@@ -212,7 +211,7 @@ class RankZeroPlanning:
         each budgeted problem beside the fit and broadcasts the solution (or that none fits);
         every rank lowers a candidate (lowering may create flattened groups, a collective) and gets
         rank 0's dry run. `dry_runs=False`: none (the fit checks the modeled peak alone)."""
-        gate = threading.Semaphore(AT_ONCE)
+        gate = threading.Semaphore(limits.AT_ONCE)
 
         def start(problem: solver.Problem, cutoff: float | None) -> Callable[[], solver.Solution]:
             return self.start_problem(problem, cutoff, diagnose=False, gate=gate)

@@ -243,24 +243,26 @@ def least_memory_problem(sp: ShardingProblem, table: PeakTable) -> solver.Proble
         out.add_node(node.name, rows[key])
     matrices: dict[tuple[int, int], list[list[float]]] = {}
 
-    def in_gib(cost: list[list[float]] | None, memory: list[list[float]] | None, shape: tuple[int, int]) -> list:
+    def in_gib(cost: list[list[float]] | None, memory: list[list[float]] | None) -> list:
+        """The edge's memory in GiB (none: 0) where its cost allows the pair, else inf."""
         key = (id(cost), id(memory))
         if key not in matrices:
+            rows = cost if cost is not None else memory
+            assert rows is not None
             matrices[key] = [
                 [
                     math.inf if cost is not None and cost[i][j] == math.inf else (memory[i][j] / GIB if memory else 0.0)
-                    for j in range(shape[1])
+                    for j in range(len(rows[0]))
                 ]
-                for i in range(shape[0])
+                for i in range(len(rows))
             ]
         return matrices[key]
 
     seen = set()
     for edge in problem.edges:
-        memory = table.edges.get((edge.src, edge.dst))
         seen.add((edge.src, edge.dst))
-        out.add_edge(edge.src, edge.dst, in_gib(edge.cost, memory, (len(edge.cost), len(edge.cost[0]))))
+        out.add_edge(edge.src, edge.dst, in_gib(edge.cost, table.edges.get((edge.src, edge.dst))))
     for (src, dst), memory in table.edges.items():
         if (src, dst) not in seen:
-            out.add_edge(src, dst, in_gib(None, memory, (len(memory), len(memory[0]))))
+            out.add_edge(src, dst, in_gib(None, memory))
     return out
