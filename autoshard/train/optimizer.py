@@ -4,11 +4,13 @@ schedule built from torch's own lr_scheduler classes, and gradient clipping by t
 Each is a function of the settings and the step alone, so a resumed run rebuilds them: the
 schedule is replayed to the resumed step (its lrs are those of an uninterrupted run), and the
 norm is torch's `get_total_norm` and `clip_grad_norm_`'s scaling, run on the DTensor gradients'
-local shards (sharded, replicated or uneven) with the shards' squares summed over the mesh.
+local shards (sharded, replicated or uneven) with the shards' squares summed over the mesh, each
+replicated shard counted by one of its replicas.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 from collections.abc import Iterable, Sequence
@@ -176,26 +178,102 @@ class ScheduledOptimizer:
         return lr
 
 
+@dataclass(frozen=True)
+class GradNorm:
+    """A step's global gradient norm as the device holds it: `value` is the norm itself on every
+    rank, or, with `shared`, this rank's share of its square, which the read-back sums over the
+    world (the step then spends no collective on a norm it only logs)."""
+
+    value: torch.Tensor
+    shared: bool = False
+
+
 class GradClip:
-    """The global L2 norm of every gradient (`total_norm`), and with `max_norm` the clipping to
-    it: torch's `clip_grad_norm_` math on each DTensor's local shard. With `stages`, the pp
-    process group of a pipeline, each rank holds only its stages' gradients: their squared norms
-    are summed over that group before clipping, as torchtitan does. The norm stays a tensor on
-    the device: the step reads it back only when it logs."""
+    """The global L2 norm of every gradient, and with `max_norm` the clipping to it: torch's
+    `clip_grad_norm_` math on each DTensor's local shard. The ranks share the work: each shard
+    is counted by one of its replicas (`counted_here`), so DDP's layouts compute each gradient's
+    norm once in the world, not once per rank. With `stages`, the pp process group of a
+    pipeline, each rank holds only its stages' gradients, summed over every stage as torchtitan
+    does. The norm stays a tensor on the device: the step reads it back only when it logs."""
 
     def __init__(self, max_norm: float | None, stages: Any = None):
         self.max_norm, self.stages = max_norm, stages
+        # the parameters with gradients -> which of their shards this rank counts (None: the norm
+        # is not split); a parameter's gradient keeps its layout from step to step
+        self._counted: dict[tuple[int, ...], list[bool] | None] = {}
 
-    def __call__(self, params: Sequence[torch.Tensor]) -> torch.Tensor:
-        grads = [p.grad for p in params if p.grad is not None]
-        norm = total_norm(grads)
-        if self.stages is not None:
-            squared = norm.pow(2)
-            dist.all_reduce(squared, group=self.stages)
-            norm = squared.sqrt()
+    def __call__(self, params: Sequence[torch.Tensor]) -> GradNorm:
+        held = [p for p in params if p.grad is not None]
+        grads = [p.grad for p in held]
+        key = tuple(map(id, held))
+        if key not in self._counted:
+            split = _splits(grads, self.stages)
+            self._counted[key] = counted_here(grads, grads[0].device_mesh.get_coordinate()) if split else None
+        counted = self._counted[key]
+        if counted is not None:
+            share = squared_share(grads, counted)
+            if self.max_norm is None:
+                return GradNorm(share, shared=True)
+            dist.all_reduce(share)  # every rank needs the whole norm before it clips
+            norm = share.sqrt()
+        else:
+            norm = total_norm(grads)
+            if self.stages is not None:
+                squared = norm.pow(2)
+                dist.all_reduce(squared, group=self.stages)
+                norm = squared.sqrt()
         if self.max_norm is not None:
             tc.clip_shards_(grads, self.max_norm, norm)
-        return norm
+        return GradNorm(norm)
+
+
+def _splits(grads: Sequence[torch.Tensor], stages: Any) -> bool:
+    """Whether the ranks can share the norm's work (`counted_here`): every gradient a DTensor with
+    no partial placement on a mesh of real ranks (not a simulated one), one mesh per rank that,
+    with the pp group's other stages, makes up the world."""
+    if not grads or not dist.is_initialized() or not all(isinstance(g, DTensor) for g in grads):
+        return False
+    mesh = grads[0].device_mesh
+    if any(g.device_mesh != mesh or any(p.is_partial() for p in g.placements) for g in grads):
+        return False
+    if isinstance(grads[0].to_local(), tc.LocalTensor):  # every rank in this process: one control flow
+        return False
+    stage_count = dist.get_world_size(stages) if stages is not None else 1
+    return mesh.size() * stage_count == dist.get_world_size()
+
+
+def counted_here(grads: Sequence[DTensor], coordinate: Sequence[int]) -> list[bool]:
+    """Which gradients' local shards the rank at `coordinate` of their mesh counts in the norm:
+    each shard once in the world.
+    A shard replicated over some mesh dims goes to one rank of its replicas, the largest shards
+    first to the least loaded (the same choice on every rank: by global sizes), so that the
+    replicas share the work that each would otherwise repeat."""
+    order = sorted(range(len(grads)), key=lambda i: (-grads[i].numel(), i))
+    loads: dict[tuple[int, ...], list[int]] = {}  # replicated dims -> elements given to each replica
+    counted = [False] * len(grads)
+    for i in order:
+        mesh, placements = grads[i].device_mesh, grads[i].placements
+        dims = tuple(d for d, p in enumerate(placements) if p.is_replicate())
+        sizes = [mesh.size(d) for d in dims]
+        load = loads.setdefault(dims, [0] * math.prod(sizes))
+        owner = min(range(len(load)), key=lambda k: (load[k], k))
+        load[owner] += grads[i].numel()
+        here = 0
+        for d, size in zip(dims, sizes):
+            here = here * size + coordinate[d]
+        counted[i] = here == owner
+    return counted
+
+
+@torch.no_grad()
+def squared_share(grads: Sequence[DTensor], counted: Sequence[bool]) -> torch.Tensor:
+    """The square of torch's `get_total_norm` of the shards this rank counts (`counted_here`):
+    summed over the world, the square of the global norm."""
+    dtype = functools.reduce(torch.promote_types, (g.dtype for g in grads), torch.float32)  # 16-bit: fp32
+    mine = [g.to_local() for g, here in zip(grads, counted) if here]
+    if not mine:  # the same dtype as the other ranks' shares: they are summed
+        return torch.zeros((), dtype=dtype, device=grads[0].to_local().device)
+    return torch.nn.utils.get_total_norm(mine).to(dtype).pow(2)
 
 
 @torch.no_grad()  # a DTensor's to_local is then its shard itself

@@ -30,7 +30,7 @@ from autoshard.runtime.wire import WireMeter, wire_row
 from autoshard.train.checkpoints import Checkpointer
 from autoshard.train.loggers import Logger, Throughput
 from autoshard.train.metrics import memory_row, memory_tracker, peak_rss_mb
-from autoshard.train.optimizer import GradClip, ScheduledOptimizer
+from autoshard.train.optimizer import GradClip, GradNorm, ScheduledOptimizer
 from autoshard.train.signals import Preempted, StopSignals
 
 log = logging.getLogger("autoshard")
@@ -163,22 +163,25 @@ def run_steps(s: Steps, start: int) -> list[float]:
     return [loss for _, loss in logged_losses]
 
 
-def _read_back(losses: list[torch.Tensor], norm: torch.Tensor | None, signals: StopSignals, loss_rank: int) -> tuple:
+def _read_back(losses: list[torch.Tensor], norm: GradNorm | None, signals: StopSignals, loss_rank: int) -> tuple:
     """(loss, grad norm, peak RSS per rank, the strongest stop signal of any rank) in one gather
     and one device-to-host copy; the loss is the mean of `loss_rank`'s micro-batches' as float64
-    sums them."""
+    sums them, the norm rank 0's or the root of every rank's share summed."""
     device = losses[0].device
     mine = torch.stack([x.double() for x in losses])
-    norm = norm if norm is not None else torch.tensor(math.nan, device=device)
+    value = norm.value if norm is not None else torch.tensor(math.nan, device=device)
     host = torch.tensor([peak_rss_mb(), float(signals.received)], dtype=torch.float64)
-    mine = torch.cat([mine, norm.detach().double().reshape(1).to(device), host.to(device)])
+    mine = torch.cat([mine, value.detach().double().reshape(1).to(device), host.to(device)])
     gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, mine)
     table = torch.stack(gathered).tolist()
     loss = 0.0
-    for value in table[loss_rank][: len(losses)]:
-        loss += value / len(losses)
-    return loss, table[0][len(losses)], [round(r[-2], 1) for r in table], int(max(r[-1] for r in table))
+    for x in table[loss_rank][: len(losses)]:
+        loss += x / len(losses)
+    grad_norm = table[0][len(losses)]
+    if norm is not None and norm.shared:
+        grad_norm = math.sqrt(sum(row[len(losses)] for row in table))
+    return loss, grad_norm, [round(r[-2], 1) for r in table], int(max(r[-1] for r in table))
 
 
 @contextlib.contextmanager
