@@ -157,6 +157,28 @@ def test_blocks_that_do_not_repeat_are_traced_in_full(case, reason, caplog):
     assert canonical(graph) == canonical(traced(model, (x,), step=sum_step, unrolled=False))
 
 
+def test_a_step_that_reads_the_number_of_blocks_is_traced_in_full(caplog):
+    """A llama whose step scales the loss by 1/sqrt(len(layers)): the cut list's length (3) is
+    not the model's (4), so the step is traced in full and its graph holds the true scale. The
+    plain step, which only iterates the blocks, still unrolls."""
+    model = tiny(4)
+    tokens = torch.zeros(2, 16, dtype=torch.int64)
+
+    def scaled_step(model, tokens, targets):
+        return llama_step(model, tokens, targets) / len(model.layers) ** 0.5
+
+    with caplog.at_level(logging.INFO, logger=LOG):
+        graph = traced(model, (tokens, tokens), step=scaled_step)
+    assert "tracing all 4 blocks of layers: " in caplog.text
+    assert "the step reads the number of blocks (len of layers)" in caplog.text
+    assert canonical(graph) == canonical(traced(model, (tokens, tokens), step=scaled_step, unrolled=False))
+    assert type(model.layers) is nn.ModuleList
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger=LOG):
+        traced(model, (tokens, tokens))
+    assert "traced 3 of the 4 blocks of layers" in caplog.text
+
+
 def test_which_lists_unroll():
     assert repeated_block_list(tiny(4))[0] == "layers"
     assert repeated_block_list(tiny(3)) is None  # three blocks: nothing to save

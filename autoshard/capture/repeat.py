@@ -11,16 +11,18 @@ shapes, constants, wiring one block further on), nothing outside the blocks read
 the graph order lets every copy be placed. Where block 0 alone differs (no gradient flows into it
 when what precedes it is frozen: a LoRA model's embedding), four blocks are traced and blocks
 1-3 are the pattern. If the checks fail, or the cut model does not trace, the whole model is
-traced. Assumed, and not checkable from three blocks: the step's code neither branches on a
-block's depth past block 2 nor reads the number of blocks (e.g. a residual scaled by
-1/sqrt(len(layers)) would be traced for three); such models pass `unroll=False` to `AutoShard`.
+traced, as it is when the step reads the list's length (`len(layers)`, which the cut changes:
+a residual scaled by 1/sqrt(len(layers)) would be traced for three). Assumed, and not checkable
+from three blocks: the step's code does not branch on a block's depth past block 2, nor take the
+number of blocks from elsewhere than the list; such models pass `unroll=False` to `AutoShard`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Any, Callable, Sequence
+import sys
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from torch import fx, nn
@@ -65,7 +67,7 @@ def trace_step(
             traced = first + TRACED_BLOCKS
             cut_stack = contextlib.ExitStack()  # the cut trace's fake mode; closed if we fall back
             try:
-                with tc.truncated_module_list(blocks, traced):
+                with tc.truncated_module_list(blocks, traced), length_guarded(blocks, prefix):
                     short = trace_joint(model, step_fn, example_args, cut_stack, precision, stage)
                 graph = unroll_blocks(short, prefix, len(blocks), first)
             except NotRepeating as err:
@@ -81,6 +83,40 @@ def trace_step(
             return graph
         log.info("autoshard: tracing all %d blocks of %s: %s", len(blocks), prefix, why)
     return trace_joint(model, step_fn, example_args, stack, precision, stage)
+
+
+class LengthRead(RuntimeError):
+    """The step read the length of a cut block list (`length_guarded`)."""
+
+
+@contextlib.contextmanager
+def length_guarded(blocks: nn.ModuleList, prefix: str) -> Iterator[None]:
+    """While inside, the step reading the length of `blocks` raises `LengthRead` (an exception,
+    which dynamo's capture cannot trace past: a note in a list would be traced as a side effect
+    and lost): `len(blocks)`, `reversed(blocks)`, `list(blocks)`. Its own indexing's bounds
+    checks and autoshard's code read it freely. Its class is a subclass of its own for that
+    while, restored after."""
+    own = type(blocks)
+    indexing = [False]
+
+    def __len__(self: nn.ModuleList) -> int:
+        caller = sys._getframe(1).f_globals.get("__name__", "")
+        if not indexing[0] and not caller.startswith("autoshard."):
+            raise LengthRead(f"the step reads the number of blocks (len of {prefix}), which the cut changes")
+        return own.__len__(self)
+
+    def __getitem__(self: nn.ModuleList, idx: Any) -> Any:
+        indexing[0] = True
+        try:
+            return own.__getitem__(self, idx)
+        finally:
+            indexing[0] = False
+
+    blocks.__class__ = type(own.__name__, (own,), {"__len__": __len__, "__getitem__": __getitem__})
+    try:
+        yield
+    finally:
+        blocks.__class__ = own
 
 
 # ------------------------------------------------------------------------------ finding blocks
