@@ -13,8 +13,8 @@ when what precedes it is frozen: a LoRA model's embedding), four blocks are trac
 1-3 are the pattern. If the checks fail, or the cut model does not trace, the whole model is
 traced, as it is when the step reads the list's length (`len(layers)`, which the cut changes:
 a residual scaled by 1/sqrt(len(layers)) would be traced for three). Assumed, and not checkable
-from three blocks: the step's code does not branch on a block's depth past block 2, nor take the
-number of blocks from elsewhere than the list; such models pass `unroll=False` to `AutoShard`.
+from three blocks: the step's code does not branch on a block's depth past block 2 (`if i ==
+n_layers - 1` with the count taken from a config); such models pass `unroll=False` to `AutoShard`.
 """
 
 from __future__ import annotations
