@@ -21,7 +21,8 @@ from dataclasses import replace
 from pathlib import Path
 
 from benchmarks.launch import ROOT
-from benchmarks.training.throughput import FULL, RunFigures, _figures, _launch, _median_run
+from benchmarks.training.runs import RunFigures, launch, median_run, read_figures
+from benchmarks.training.throughput import FULL
 
 LORA = "8,targets=wq,wk,wv,wo,w1,w2,w3"
 WORK = replace(FULL, mesh="4x1")  # data parallel over 4 ranks: DDP's shape
@@ -42,8 +43,8 @@ def run(repeats: int = 3, spec: str = LORA, out_dir: Path = ROOT / "runs" / "ben
     for repeat in range(repeats):
         for name, target in trainers(spec):
             run_dir = out_dir / name / f"run{repeat + 1}"
-            runs[name].append(_figures(name, run_dir, WORK, _launch(name, target, WORK, run_dir)))
-    chosen = {name: _median_run(r) for name, r in runs.items()}
+            runs[name].append(read_figures(name, run_dir, WORK, launch(name, target, WORK, run_dir)))
+    chosen = {name: median_run(r) for name, r in runs.items()}
     reference = chosen["ddp"].losses
     deviation = max(abs(a - b) / abs(b) for every in runs["autoshard"] for a, b in zip(every.losses, reference))
     best = max((chosen[n] for n in ("ddp", "fsdp2")), key=lambda r: r.tokens_per_s)
