@@ -85,7 +85,7 @@ class RunFigures:
     wall_s: float = 0.0  # the whole torchrun, start-up and planning included
     run_dir: str = ""
     runs_tokens_per_s: list[float] = field(default_factory=list)  # each repeat's tokens/s (this is the median run)
-    layouts: dict[str, str] = field(default_factory=dict)  # SHOWN parameters
+    layouts: dict[str, str] = field(default_factory=dict)  # the parameters a comparison shows
 
     @property
     def peak_rss_mb(self) -> float:
