@@ -325,3 +325,18 @@ def test_op_counts_files_rank_0_s_ops_by_where_and_kind(tmp_path, capsys):
     assert awaits["split_with_sizes_copy"] == ops["bucket launches"]["all_gather_into_tensor"] > 0
     assert "clone" not in awaits and "slice" not in awaits
     assert "| bucket awaits |" in capsys.readouterr().out
+
+
+def test_paired_summary_is_the_median_of_each_steps_ratio_past_the_warm_up():
+    """benchmarks.training.paired: the ratio is taken step by step (DDP's time over autoshard's of
+    the same step), the first steps left out, and the losses of every step compared."""
+    from benchmarks.training.paired import WARMUP, summarize
+
+    warm = [{"autoshard_s": 9.0, "ddp_s": 1.0, "autoshard_loss": 2.0, "ddp_loss": 2.0}] * WARMUP
+    timed = [(1.0, 1.1), (2.0, 1.8), (1.0, 1.0), (0.5, 0.6), (1.5, 1.5)]  # (autoshard, ddp): slow spells
+    rows = warm + [{"autoshard_s": a, "ddp_s": d, "autoshard_loss": 3.0, "ddp_loss": 3.0} for a, d in timed]
+    rows[-1] = rows[-1] | {"autoshard_loss": 3.0003}
+    s = summarize(rows)
+    assert s["steps_timed"] == 5 and s["ddp_over_autoshard_median"] == 1.0  # of 1.1, 0.9, 1.0, 1.2, 1.0
+    assert s["autoshard_step_s_median"] == 1.0 and s["ddp_step_s_median"] == 1.1
+    assert s["max_rel_loss_dev"] == pytest.approx(1e-4)
