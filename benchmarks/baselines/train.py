@@ -104,6 +104,16 @@ def lora_model(model, name: str, spec: str, seed: int, seq: int):
     return wrapped
 
 
+def baseline_model(name: str, seq: int, seed: int, lora: str | None):
+    """(config, model): the named model with full weights from `seed` as the single-device trainer
+    builds them (its rope table long enough for `seq`), under peft's LoRA when `lora` is a spec."""
+    cfg = named_config(name)
+    if seq > cfg.max_seq_len:
+        cfg = cfg.with_(max_seq_len=seq)
+    model = build_any(cfg, seed=seed)
+    return cfg, lora_model(model, name, lora, seed, seq) if lora else model
+
+
 def layouts(model) -> dict[str, str]:
     """Parameter FQN -> its placements on (dp, tp), for the log (DDP: replicated everywhere)."""
     if isinstance(model, DistributedDataParallel):
@@ -128,13 +138,8 @@ def train(args) -> None:
     if args.batch % dp:
         raise SystemExit(f"error: --batch {args.batch} is not divisible by dp {dp}")
 
-    cfg = named_config(args.model)
-    if args.seq > cfg.max_seq_len:
-        cfg = cfg.with_(max_seq_len=args.seq)
-    model = build_any(cfg, seed=args.seed)  # full weights on every rank, equal to single-device
+    cfg, model = baseline_model(args.model, args.seq, args.seed, args.lora)  # every rank: one device's weights
     loss_fn = training_loss(cfg)  # a mixture of experts adds its load-balancing loss
-    if args.lora:
-        model = lora_model(model, args.model, args.lora, args.seed, args.seq)
     tp = mesh_shape[1] > 1
     if args.ddp:
         if tp or args.param_dtype:

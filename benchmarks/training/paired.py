@@ -22,12 +22,12 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-from benchmarks.launch import ROOT, rank_env, torchrun
+from benchmarks.launch import ROOT
+from benchmarks.training.runs import Workload, launch
 
 WARMUP = 3  # steps left out of the medians (allocations, first calls)
 LOSS_RTOL = 1e-4
@@ -43,17 +43,12 @@ class DdpAlongside:
         import torch.distributed as dist
         from torch.nn.parallel import DistributedDataParallel
 
-        from autoshard_models import MarkovTokens, build_any, named_config, training_loss
+        from autoshard_models import MarkovTokens, training_loss
         from autoshard_models.train_single import TrainSettings, make_optimizer
-        from benchmarks.baselines.train import lora_model
+        from benchmarks.baselines.train import baseline_model
 
         a = self.args
-        cfg = named_config(a.model)
-        if a.seq > cfg.max_seq_len:
-            cfg = cfg.with_(max_seq_len=a.seq)
-        model = build_any(cfg, seed=a.seed)
-        if a.lora:
-            model = lora_model(model, a.model, a.lora, a.seed, a.seq)
+        cfg, model = baseline_model(a.model, a.seq, a.seed, a.lora)
         self.ddp = DistributedDataParallel(model)
         self.optim = make_optimizer([p for p in model.parameters() if p.requires_grad], TrainSettings(lr=a.lr))
         self.loss_fn, self.data = training_loss(cfg), MarkovTokens(cfg.vocab_size, seed=a.data_seed)
@@ -109,6 +104,7 @@ def worker(args: argparse.Namespace) -> None:
         seed=args.seed,
         data_seed=args.data_seed,
         lora=args.lora,
+        wire_step=args.wire_step,
         out=args.out,
         overwrite=True,
     )
@@ -143,27 +139,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=str(ROOT / "runs" / "bench-paired"))
     p.add_argument("--json", default=None, help="write the summary here")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--wire-step", type=int, default=0, help=argparse.SUPPRESS)  # launch's: 0, no metered step
     args = p.parse_args(argv)
     if args.worker:
         worker(args)
         return 0
     if args.steps <= WARMUP + 4:
         p.error(f"--steps must be above {WARMUP + 4}: the first {WARMUP} are left out of the medians")
-    world = 1
-    for size in args.mesh.split("x"):
-        world *= int(size)
-    skip = ("json", "worker")
-    passed = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items() if k not in skip and v is not None]
-    cmd = [*torchrun(), "--standalone", f"--nproc_per_node={world}", "-m", "benchmarks.training.paired", "--worker"]
-    Path(args.out).mkdir(parents=True, exist_ok=True)
-    print(f"[paired] {' '.join(cmd + passed)}", flush=True)
-    with (Path(args.out) / "console.txt").open("w") as console:
-        done = subprocess.run(
-            cmd + passed, env=rank_env(), cwd=ROOT, stdout=console, stderr=subprocess.STDOUT, timeout=3600
-        )
-    if done.returncode != 0:
-        print((Path(args.out) / "console.txt").read_text()[-4000:], file=sys.stderr)
-        print(f"error: the paired run failed (exit {done.returncode})", file=sys.stderr)
+    work = Workload(
+        args.model, args.batch, args.seq, args.steps, args.mesh, args.lr, args.seed, args.data_seed, wire_step=0
+    )
+    target = ["-m", "benchmarks.training.paired", "--worker", *(["--lora", args.lora] if args.lora else [])]
+    try:
+        launch("paired", target, work, Path(args.out))
+    except RuntimeError as failed:  # the ranks' console tail is in the message
+        print(failed, file=sys.stderr)
+        print("error: the paired run failed", file=sys.stderr)
         return 1
     rows = [json.loads(line) for line in (Path(args.out) / "paired.jsonl").read_text().splitlines()]
     summary = {"workload": {k: getattr(args, k) for k in ("model", "mesh", "batch", "seq", "steps", "lora")}}
