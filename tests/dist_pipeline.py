@@ -23,11 +23,12 @@ from plan_audit import CPU_PRICED, summary  # noqa: E402
 from torchrun import report_ranks  # noqa: E402
 
 BATCH, SEQ = 8, 32
-# name: (mesh, mesh names, schedule, blocks per stage, micro-batches)
+# name: (mesh, mesh names, schedule, blocks per stage, micro-batches, parameters sharded)
 CASES = {
-    "pp2xdp2 1F1B uneven": ((2, 2), ("pp", "dp"), "1F1B", (4, 2), 4),
-    "pp2xtp2 GPipe uneven": ((2, 2), ("pp", "tp"), "GPipe", (2, 4), 2),
-    "pp4 interleaved": ((4, 1), ("pp", "dp"), "Interleaved1F1B", (1,) * 8, 4),
+    "pp2xdp2 1F1B uneven": ((2, 2), ("pp", "dp"), "1F1B", (4, 2), 4, True),
+    "pp2xtp2 GPipe uneven": ((2, 2), ("pp", "tp"), "GPipe", (2, 4), 2, True),
+    "pp4 interleaved": ((4, 1), ("pp", "dp"), "Interleaved1F1B", (1,) * 8, 4, True),
+    "pp2xdp2 zero-bubble": ((2, 2), ("pp", "dp"), "InterleavedZeroBubble", (2, 1, 2, 1), 4, False),
 }
 
 
@@ -75,7 +76,7 @@ def llama_check(run, cfg, mesh, names):
     return check(run, reference, lambda m, t, y: cross_entropy_loss(m(t), y), cfg.vocab_size, mesh, names)
 
 
-def by_hand(shape, names, schedule, blocks, micro_batches):
+def by_hand(shape, names, schedule, blocks, micro_batches, sharded):
     cfg = get_config("llama3-debug").with_(n_layers=sum(blocks))
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
     model = build_model(cfg, device="meta")
@@ -83,10 +84,34 @@ def by_hand(shape, names, schedule, blocks, micro_batches):
     specs, start = [], 0
     for n in blocks:
         stage = model.pipeline_stage(start, start + n)
-        specs.append(StageSpec(stage, stage.example_inputs(tokens, targets, torch.float32), sharded=True))
+        specs.append(StageSpec(stage, stage.example_inputs(tokens, targets, torch.float32), sharded=sharded))
         start += n
     run = pipeline_run(specs, config_of(shape, names), mesh, schedule=schedule, micro_batches=micro_batches)
-    return llama_check(run, cfg, mesh, names)
+    phases = count_phases(run)
+    out = llama_check(run, cfg, mesh, names)
+    if schedule == "InterleavedZeroBubble":
+        assert phases["backward"] == phases["backward_held"] == 0, phases  # never the whole backward
+        out["apart"] = {
+            "weight halves": phases["backward_weight"] + phases["backward_weight_held"],
+            "reduced": phases["backward_weight"],
+        }
+    return out
+
+
+def count_phases(run):
+    """Per program phase, how many times this rank's stages run it from now on."""
+    counts = dict.fromkeys(
+        ("backward", "backward_held", "backward_input", "backward_weight", "backward_weight_held"), 0
+    )
+    for module in run.modules.values():
+        inner = module._run
+
+        def counted(phase, args, inner=inner):
+            counts[phase] = counts.get(phase, 0) + 1
+            return inner(phase, args)
+
+        module._run = counted
+    return counts
 
 
 def hf_by_hand():

@@ -12,7 +12,7 @@ import torch
 from autoshard import AutoShard, PlanConfig, plan_pipeline
 from autoshard._torch_compat import fake_process_group
 from autoshard.pipeline.schedules import Schedule, schedules
-from autoshard.pipeline.search import Link, Run, best_cut, even_cut, search
+from autoshard.pipeline.search import Link, Run, Stage, best_cut, even_cut, search
 from autoshard.pipeline.segments import Segment, Segments, plan_segments
 from autoshard.problem.memory import modeled_bytes, peak_memory_table
 from autoshard.profiles.network import NetworkProfile
@@ -47,7 +47,30 @@ def test_the_schedules_model_torchs_bubbles_and_in_flight_micro_batches():
     # what torch refuses
     assert "at least as many micro-batches as stages" in one_f_one_b.refuses(4, 2)
     assert interleaved.refuses(4, 9) is not None and interleaved.refuses(4, 10) is None  # rounds of 2
-    assert [s.torch_class for s in schedules(4)] == ["Schedule1F1B", "ScheduleInterleaved1F1B", "ScheduleGPipe"]
+    assert [(s.torch_class, s.virtual) for s in schedules(4)] == [
+        ("Schedule1F1B", 1),
+        ("ScheduleInterleaved1F1B", 2),
+        *(("ScheduleInterleavedZeroBubble", v) for v in (1, 2)),
+        ("ScheduleGPipe", 1),
+    ]
+
+
+def test_the_zero_bubble_schedule_fills_the_bubble_with_the_weights_backward():
+    """Even stages of F = B = W = 1 (forward, the backward the stage before waits for, the
+    weights' own): 1F1B idles (P - 1)(F + B + W), ZB-H1 (P - 1)(F + B - W), holding what 1F1B
+    holds; a stage whose weights' part outweighs the rest still adds its forward (the fill)."""
+    ranks, m = 4, 8
+    zb, zb2 = Schedule("InterleavedZeroBubble"), Schedule("InterleavedZeroBubble", 2)
+    even = Stage(0, 0, 0, 1, False, False, "f", 3.0, 0.0, 0.0, 0.0, 1, 0.0, input_s=1.0, weight_s=1.0)
+    assert even.deferred_s == 2.0
+    assert zb.step_s([3.0] * ranks, ranks, m, [2.0] * ranks) == m * 3 + (ranks - 1) * 1
+    assert Schedule("1F1B").step_s([3.0] * ranks, ranks, m, [2.0] * ranks) == m * 3 + (ranks - 1) * 3
+    assert zb2.step_s([1.5] * 2 * ranks, ranks, m, [1.0] * 2 * ranks) == m * 3 + (ranks - 1) * 1 / 2
+    first = Stage(0, 0, 0, 1, True, False, "f", 3.0, 0.0, 0.0, 0.0, 1, 0.0, input_s=0.0, weight_s=2.0)
+    assert first.deferred_s == 2.0  # F = 1 left: its backward is all the weights'
+    assert [zb.in_flight(r, ranks, m) for r in range(ranks)] == [[4], [3], [2], [1]]
+    assert zb2.in_flight(0, ranks, m) == [4, 4]  # a warm-up of P - 1 - rank past the first round
+    assert zb2.refuses(4, 9) is not None and zb2.refuses(4, 10) is None
 
 
 def test_a_heavy_head_gets_a_short_last_stage_and_beats_the_even_split():
@@ -110,6 +133,10 @@ def test_a_plan_read_as_segments_adds_up_to_the_plan():
     # a block sends its output, [8, 64, 256] fp32 over 4 ranks at most and the whole at least
     assert 8 * 64 * 256 * 4 / 4 <= blocks[2].out_bytes <= 8 * 64 * 256 * 4
     assert segs.items[-1].out_bytes == 0 and segs.items[-1].state_bytes > 0  # the head's weight
+    # the backward split as a zero-bubble schedule runs it: the embedding's is its weight's
+    # gradient alone; a block's and the head's also pass a gradient on, and their forward remains
+    assert segs.items[0].input_s == 0 < segs.items[0].weight_s
+    assert all(0 < s.weight_s and 0 < s.input_s and s.input_s + s.weight_s < s.micro_s for s in segs.items[1:])
 
 
 def test_the_planner_cuts_a_model_with_a_large_head_unevenly():
@@ -126,7 +153,9 @@ def test_the_planner_cuts_a_model_with_a_large_head_unevenly():
             micro_batches=[4],
         )
     best, even = result.best, result.even
-    assert best.schedule.name == "1F1B" and best.micro_batches == 4 and best.rows == 2
+    assert best.schedule == Schedule("InterleavedZeroBubble") and best.micro_batches == 4 and best.rows == 2
+    one_f_one_b = next(p for p in result.others if p.schedule.name == "1F1B")
+    assert best.blocks == one_f_one_b.blocks and best.bubble_s < one_f_one_b.bubble_s  # the weights' halves fill it
     assert sum(best.blocks) == 8 and best.blocks[-1] < 4 and even.blocks == [4, 4]
     assert best.step_time_s < even.step_time_s
     assert all(best.step_time_s <= other.step_time_s for other in result.others)

@@ -93,7 +93,8 @@ def test_inputs_that_require_a_gradient_need_a_stage_layout():
 @pytest.mark.parametrize(
     "schedule, chunks, message",
     [
-        ("ZBV", 2, "schedule must be one of GPipe, 1F1B, Interleaved1F1B, got 'ZBV'"),
+        ("ZBV", 2, "schedule must be one of GPipe, 1F1B, Interleaved1F1B, InterleavedZeroBubble, got 'ZBV'"),
+        ("InterleavedZeroBubble", 3, "InterleavedZeroBubble runs one or more stages per pp rank: 3 stages on 2"),
         ("1F1B", 4, "1F1B runs one stage per pp rank: 4 stages on 2 pp ranks"),
         ("Interleaved1F1B", 2, "Interleaved1F1B runs several stages per pp rank: 2 stages on 2 pp ranks"),
         ("Interleaved1F1B", 3, "Interleaved1F1B runs several stages per pp rank: 3 stages on 2 pp ranks"),
@@ -108,8 +109,9 @@ def test_schedule_and_stage_count_must_agree(schedule, chunks, message):
 
 def assert_cases(ranks: list[dict], cases: dict) -> None:
     """Each case's loss and gradients are one device's on every rank, each rank runs the stages
-    `cases` gives its pp coordinate, and each stage mesh shards where a batch split is named."""
-    for name, (stages_of, batch_split) in cases.items():
+    `cases` gives its pp coordinate, and each stage mesh shards where a batch split is named
+    (its parameters too, unless a third item says they are replicated)."""
+    for name, (stages_of, batch_split, *replicated) in cases.items():
         pp_of = {0: 0, 1: 0, 2: 1, 3: 1} if len(stages_of) == 2 else {r: r for r in range(4)}
         last = max(s for stages in stages_of.values() for s in stages)
         for rank, result in enumerate(ranks):
@@ -123,7 +125,7 @@ def assert_cases(ranks: list[dict], cases: dict) -> None:
                 assert case["loss"] is None
             if batch_split is not None:  # the stage mesh is one device under pp4
                 for facts in case["plans"].values():
-                    assert_shards(facts, batch_split=batch_split)
+                    assert_shards(facts, batch_split=batch_split, params_sharded=not replicated)
 
 
 @pytest.mark.slow
@@ -131,8 +133,10 @@ def assert_cases(ranks: list[dict], cases: dict) -> None:
 def test_pipelines_train_as_one_device_does():
     """4 gloo ranks: pp2 x dp2 under 1F1B with a 4/2 cut, pp2 x tp2 under GPipe with a 2/4 cut
     (every stage's parameters sharded, collectives on every stage mesh dim), pp4 under
-    Interleaved1F1B (8 chunks of one block, each rank holding 2): the loss and every gradient
-    are one device's."""
+    Interleaved1F1B (8 chunks of one block, each rank holding 2), pp2 x dp2 under
+    InterleavedZeroBubble (2/1/2/1, parameters replicated: each backward's weight half runs
+    apart, holding the all-reduces to the step's last): the loss and every gradient are one
+    device's."""
     with one_launch_at_a_time():
         ranks = run_ranks("dist_pipeline.py", timeout=900, args=["by-hand"])
     assert_cases(
@@ -141,8 +145,11 @@ def test_pipelines_train_as_one_device_does():
             "pp2xdp2 1F1B uneven": ({0: [0], 1: [1]}, True),
             "pp2xtp2 GPipe uneven": ({0: [0], 1: [1]}, False),
             "pp4 interleaved": ({r: [r, r + 4] for r in range(4)}, None),
+            "pp2xdp2 zero-bubble": ({0: [0, 2], 1: [1, 3]}, True, "replicated"),
         },
     )
+    for result in ranks:  # the weight halves ran apart, replicated gradients reduced once a step
+        assert result["pp2xdp2 zero-bubble"]["apart"] == {"weight halves": 16, "reduced": 4}, result
 
 
 @pytest.mark.slow

@@ -421,13 +421,15 @@ class AutoShard:
         bucket_bytes: float = DEFAULT_BUCKET_BYTES,
         seed: int = 0,
         accumulate: bool | None = None,
+        apart: bool = False,
     ) -> ParallelModule:
         """The parallel module of `plan` (default: the last `optimize()` result) on this mesh.
         Bucketed gathers and gradient reductions run up to `prefetch` buckets ahead (0: none);
         gradient all-reduces run in buckets of at most `bucket_bytes` (DDP's bucket_cap_mb).
         Its random ops (dropout) draw from `seed`: the same values on every rank holding a value.
         `accumulate` (default: when the plan is for micro-batches, `spec.micro_batches` > 1): its
-        `no_sync()` holds gradient all-reduces for the last micro-batch."""
+        `no_sync()` holds gradient all-reduces for the last micro-batch. `apart`: its backward
+        runs in an input and a weight half (a pipeline stage under a zero-bubble schedule)."""
         plan = plan if plan is not None else self.plan
         if plan is None:
             raise ValueError("nothing to apply: call optimize() first or pass a plan")
@@ -447,6 +449,7 @@ class AutoShard:
                 compile=self.compile,
                 seed=seed,
                 accumulate=plan.micro_batches > 1 if accumulate is None else accumulate,
+                apart=apart,
             )
 
     def dry_run(self, plan: Plan | None = None) -> DryRunResult:

@@ -14,9 +14,10 @@ stage sends its local shard to the same coordinate of the next stage's mesh. Eve
 every stage in the same order (rank 0 solves each for all, as `AutoShard.optimize` does in a
 process group) and keeps the programs of the stages it runs: stage `k` runs on pp rank
 `k % pp`, as torch's looped schedules place them. Torch's `PipelineStage` sends the activations
-and gradients and its schedule (GPipe, 1F1B, Interleaved1F1B) orders the micro-batches; the
-loss of each micro-batch is its mean, so gradients are averaged over the micro-batches as the
-schedule scales them.
+and gradients and its schedule (GPipe, 1F1B, Interleaved1F1B, InterleavedZeroBubble) orders the
+micro-batches; under the zero-bubble one each stage's backward runs in halves (`program.weights`),
+the weights' where the schedule fills a bubble with it. The loss of each micro-batch is its mean,
+so gradients are averaged over the micro-batches as the schedule scales them.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from autoshard.pipeline.search import Pipeline
 from autoshard.problem.plan import Plan
 from autoshard.runtime.module import ParallelModule
 
-SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B")
+SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble")
 
 
 @dataclass
@@ -208,12 +209,10 @@ def pipeline_run(
         raise ValueError("a pipeline needs a mesh whose first dim is named pp")
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
-    looped = schedule == "Interleaved1F1B"
-    if len(stages) % ranks or (len(stages) != ranks and not looped) or (looped and len(stages) == ranks):
-        raise ValueError(
-            f"{schedule} runs {'several stages' if looped else 'one stage'} per pp rank: "
-            f"{len(stages)} stages on {ranks} pp ranks"
-        )
+    looped, zero_bubble = schedule.startswith("Interleaved"), schedule == "InterleavedZeroBubble"
+    if len(stages) % ranks or (len(stages) != ranks and not looped) or (len(stages) == ranks and looped > zero_bubble):
+        runs = "one or more stages" if zero_bubble else "several stages" if looped else "one stage"
+        raise ValueError(f"{schedule} runs {runs} per pp rank: {len(stages)} stages on {ranks} pp ranks")
     names = mesh.mesh_dim_names
     pp_rank = mesh.get_local_rank(0)
     stage_mesh = mesh[names[1:]] if len(names) > 2 else mesh[names[1]]
@@ -228,7 +227,7 @@ def pipeline_run(
         plans.append(plan)
         if k % ranks != pp_rank:
             continue
-        module = auto.apply(plan, seed=seed)
+        module = auto.apply(plan, seed=seed, apart=zero_bubble)
         modules[k] = module
         local = tuple(_local_example(x, layout, stage_config) for x in spec.inputs)
         last = k == len(stages) - 1
@@ -243,14 +242,11 @@ def pipeline_run(
                 input_args=local[:1],
                 output_args=out,
                 group=mesh.get_group(0),
+                dw_builder=module.deferred_weights if zero_bubble else None,
             )
         )
-    runner: Any
-    if looped:
-        runner = schedules.ScheduleInterleaved1F1B(pipes, micro_batches, loss_fn=_stage_loss)
-    else:
-        cls = schedules.ScheduleGPipe if schedule == "GPipe" else schedules.Schedule1F1B
-        runner = cls(pipes[0], micro_batches, loss_fn=_stage_loss)
+    cls: Any = getattr(schedules, f"Schedule{schedule}")  # a looped one takes every stage of this rank
+    runner = cls(pipes if looped else pipes[0], micro_batches, loss_fn=_stage_loss)
     return PipelineRun(modules, plans, runner, micro_batches, len(stages) - 1, calls)
 
 

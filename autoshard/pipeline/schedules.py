@@ -7,6 +7,12 @@ m * max(T_r) + (sum(t_j) - max(T_r)) / v: for v = 1, Alpa's sum(t) + (m - 1) * m
 1F1B alike; for even stages (P - 1) * t of bubble, or (P - 1) * t / v interleaved. What differs
 between GPipe and 1F1B is memory: GPipe holds every micro-batch's activations at once, 1F1B
 P - r on rank r, Interleaved 1F1B its warm-up's forwards (torch's `_get_warmup_ops`).
+The zero-bubble schedule (torch's InterleavedZeroBubble, the paper's ZB-H1 for v = 1) runs the
+part of each backward that only the weights' gradients need (W) where 1F1B idles: each chunk
+adds t_j - d_j to the bubble, d_j = W + min(W, B) (`search.Stage.deferred_s`; B, the part the
+chunk before waits for), so (P - 1)(F + B - W) for even stages against 1F1B's (P - 1)(F + B +
+W), and never less than the forward that fills the pipeline; it holds no more activations than
+1F1B (a warm-up of P - 1 - r).
 """
 
 from __future__ import annotations
@@ -18,21 +24,25 @@ from dataclasses import dataclass
 class Schedule:
     """One of torch's schedules with `virtual` chunks per rank."""
 
-    name: str  # GPipe, 1F1B, Interleaved1F1B: torch's class is `Schedule` + name
+    name: str  # GPipe, 1F1B, Interleaved1F1B, InterleavedZeroBubble: torch's class is `Schedule` + name
     virtual: int = 1
 
     @property
     def torch_class(self) -> str:
         return f"Schedule{self.name}"
 
+    @property
+    def zero_bubble(self) -> bool:
+        return self.name == "InterleavedZeroBubble"
+
     def refuses(self, ranks: int, micro_batches: int) -> str | None:
         """Why torch's schedule would not run `micro_batches` over `ranks` pp ranks (None: it does)."""
         if self.name == "1F1B" and micro_batches < ranks:
             return f"1F1B needs at least as many micro-batches as stages ({ranks})"
-        if self.name == "Interleaved1F1B":
+        if self.name.startswith("Interleaved"):
             rounds = max(1, micro_batches // ranks)
             if micro_batches % rounds:
-                return f"Interleaved1F1B needs the micro-batches to be a multiple of its rounds ({rounds})"
+                return f"{self.name} needs the micro-batches to be a multiple of its rounds ({rounds})"
         return None
 
     def in_flight(self, rank: int, ranks: int, micro_batches: int) -> list[int]:
@@ -44,21 +54,33 @@ class Schedule:
         if self.name == "1F1B":
             return [min(m, ranks - rank)]
         per_round = m // max(1, m // ranks)
-        warmup = min((v - 1) * per_round + 2 * (ranks - 1 - rank), m * v)
+        factor = 1 if self.zero_bubble else 2
+        warmup = min((v - 1) * per_round + factor * (ranks - 1 - rank), m * v)
         held = [0] * v
         for k in range(min(warmup + 1, m * v)):
             held[(k // per_round) % v] += 1
         return held
 
-    def step_s(self, chunk_s: list[float], ranks: int, micro_batches: int) -> float:
-        """The step's time (no once-a-step work) for these chunk times, chunk j on rank j mod P."""
+    def step_s(
+        self, chunk_s: list[float], ranks: int, micro_batches: int, deferred_s: list[float] | None = None
+    ) -> float:
+        """The step's time (no once-a-step work) for these chunk times, chunk j on rank j mod P;
+        `deferred_s`, of each chunk's time, what the zero-bubble schedule takes off the bubble."""
+        share = list(chunk_s)
+        if self.zero_bubble and deferred_s is not None:
+            share = [t - d for t, d in zip(chunk_s, deferred_s)]
         per_rank = [sum(chunk_s[r::ranks]) for r in range(ranks)]
-        slowest = max(per_rank)
-        return micro_batches * slowest + (sum(chunk_s) - slowest) / self.virtual
+        slowest = max(range(ranks), key=per_rank.__getitem__)
+        bubble = sum(share) - sum(share[slowest::ranks])
+        return micro_batches * per_rank[slowest] + bubble / self.virtual
 
 
 def schedules(ranks: int, max_virtual: int = 2) -> list[Schedule]:
     """The schedules the search weighs: 1F1B, Interleaved1F1B with 2..max_virtual chunks per
-    rank (none on one rank), and GPipe, in the order ties go (1F1B holds no more than GPipe)."""
-    interleaved = [Schedule("Interleaved1F1B", v) for v in range(2, max_virtual + 1)] if ranks > 1 else []
-    return [Schedule("1F1B"), *interleaved, Schedule("GPipe")]
+    rank, InterleavedZeroBubble with 1..max_virtual (none of these on one rank), and GPipe, in
+    the order ties go (1F1B holds no more than GPipe)."""
+    if ranks == 1:
+        return [Schedule("1F1B"), Schedule("GPipe")]
+    interleaved = [Schedule("Interleaved1F1B", v) for v in range(2, max_virtual + 1)]
+    zero_bubble = [Schedule("InterleavedZeroBubble", v) for v in range(1, max_virtual + 1)]
+    return [Schedule("1F1B"), *interleaved, *zero_bubble, Schedule("GPipe")]

@@ -52,6 +52,16 @@ class Stage:
     act_bytes: float  # one micro-batch's handed-over values
     in_flight: int  # micro-batches whose activations it holds at its rank's peak
     send_bytes: float  # sent forward per micro-batch (and as much back)
+    input_s: float = 0.0  # of micro_s, the backward the chunk before waits for
+    weight_s: float = 0.0  # of micro_s, the backward a zero-bubble schedule runs apart (the
+    # weights' gradients; for the first chunk, which sends no gradient back, its whole backward)
+
+    @property
+    def deferred_s(self) -> float:
+        """How much less than micro_s the chunk adds to a zero-bubble schedule's bubble: the
+        weights' part of its drain, and as much of its input part as that part covers (never
+        below its forward: the fill waits for it)."""
+        return self.weight_s + min(self.weight_s, self.input_s)
 
     @property
     def memory_bytes(self) -> float:
@@ -74,7 +84,8 @@ class Pipeline:
 
     @property
     def pipelined_s(self) -> float:
-        return self.schedule.step_s([s.micro_s for s in self.stages], self.ranks, self.micro_batches)
+        micro, deferred = [s.micro_s for s in self.stages], [s.deferred_s for s in self.stages]
+        return self.schedule.step_s(micro, self.ranks, self.micro_batches, deferred)
 
     @property
     def once_s(self) -> float:
@@ -115,7 +126,7 @@ class _Prices:
             if segs.n_blocks != self.n:
                 raise ValueError(f"family {name}: {segs.n_blocks} blocks, others {self.n}")
             table = []
-            for field in ("micro_s", "step_s", "state_bytes", "act_bytes"):
+            for field in ("micro_s", "step_s", "state_bytes", "act_bytes", "input_s", "weight_s"):
                 acc = [0.0]
                 for seg in segs.items[1:-1]:
                     acc.append(acc[-1] + getattr(seg, field))
@@ -123,15 +134,19 @@ class _Prices:
             self.sums[name] = table
 
     def chunk(self, family: str, start: int, stop: int, before: bool, after: bool) -> tuple[float, ...]:
-        """(micro_s, step_s, state, act, send bytes) of blocks [start, stop) in `family`."""
+        """(micro_s, step_s, state, act, send bytes, input_s, weight_s) of blocks [start, stop) in
+        `family`."""
         segs, sums = self.families[family].items, self.sums[family]
-        micro, step, state, act = (acc[stop] - acc[start] for acc in sums)
+        micro, step, state, act, inputs, weight = (acc[stop] - acc[start] for acc in sums)
         for seg, holds in ((segs[0], before), (segs[-1], after)):
             if holds:
                 micro, step = micro + seg.micro_s, step + seg.step_s
                 state, act = state + seg.state_bytes, act + seg.act_bytes
+                inputs, weight = inputs + seg.input_s, weight + seg.weight_s
+        if before:  # the first chunk sends no gradient back: all its backward can wait
+            inputs, weight = 0.0, weight + inputs
         send = 0.0 if after else segs[stop].out_bytes  # block stop-1 is segment `stop`
-        return micro + 2 * self.link.send_s(send), step, state, act, send
+        return micro + 2 * self.link.send_s(send), step, state, act, send, inputs, weight
 
     def options(self, start: int, stop: int, before: bool, after: bool) -> list[tuple[str, tuple[float, ...]]]:
         """Every family's chunk prices for these blocks, fastest first."""
@@ -146,7 +161,7 @@ class _Prices:
 
     def stage(self, chunk: int, ranks: int, held: int, start: int, stop: int, last: int, limit: float) -> Stage | None:
         """The fastest family's Stage for this chunk that fits `limit` (None: none fits)."""
-        for family, (micro, step, state, act, send) in self.options(start, stop, chunk == 0, chunk == last):
+        for family, (micro, step, state, act, send, *halves) in self.options(start, stop, chunk == 0, chunk == last):
             if state + held * act <= limit:
                 before, after = chunk == 0, chunk == last
                 return Stage(
@@ -163,6 +178,7 @@ class _Prices:
                     act,
                     held,
                     send,
+                    *halves,
                 )
         return None
 
@@ -215,31 +231,36 @@ class _Cuts:
             return None
         longest = min(n - chunks + 1, 2 * math.ceil(n / chunks) + 2)
         m, v = self.run.micro_batches, self.schedule.virtual
-        # per chunk count: blocks covered -> (value, slowest, total, the previous cover, the stage)
-        layers: list[dict[int, tuple[float, float, float, int, Stage]]] = []
-        best: dict[int, tuple[float, float, float]] = {0: (0.0, 0.0, 0.0)}
+        # per chunk count: blocks covered -> (value, slowest, its bubble share, the bubble
+        # shares' total, the previous cover, the stage); a chunk's bubble share is its time, less
+        # what a zero-bubble schedule defers (`Schedule.step_s`)
+        layers: list[dict[int, tuple[float, float, float, float, int, Stage]]] = []
+        best: dict[int, tuple[float, float, float, float]] = {0: (0.0, 0.0, 0.0, 0.0)}
+        deferring = self.schedule.zero_bubble
         for j in range(chunks):
-            grown: dict[int, tuple[float, float, float, int, Stage]] = {}
+            grown: dict[int, tuple[float, float, float, float, int, Stage]] = {}
             high = n - (chunks - 1 - j)  # leave a block for every chunk after this one
-            for start, (_, slowest, total) in best.items():
+            for start, (_, slowest, slowest_share, total) in best.items():
                 stops = [n] if j == chunks - 1 else range(start + 1, min(high, start + longest) + 1)
                 for stop in stops:
                     stage = self.stage(j, start, stop) if stop - start <= longest else None
                     if stage is None:
                         continue
-                    s, t = max(slowest, stage.micro_s), total + stage.micro_s
-                    key = m * s + (t - s) / v
+                    share = stage.micro_s - (stage.deferred_s if deferring else 0.0)
+                    s, s_share = (stage.micro_s, share) if stage.micro_s > slowest else (slowest, slowest_share)
+                    t = total + share
+                    key = m * s + (t - s_share) / v
                     if stop not in grown or key < grown[stop][0]:
-                        grown[stop] = (key, s, t, start, stage)
+                        grown[stop] = (key, s, s_share, t, start, stage)
             layers.append(grown)
-            best = {stop: entry[:3] for stop, entry in grown.items()}
+            best = {stop: entry[:4] for stop, entry in grown.items()}
         if n not in best:
             return None
         stages, stop = [], n
         for grown in reversed(layers):
             entry = grown[stop]
-            stages.append(entry[4])
-            stop = entry[3]
+            stages.append(entry[5])
+            stop = entry[4]
         return self.improved(self.pipeline(stages[::-1]))
 
     def improved(self, pipeline: Pipeline) -> Pipeline:

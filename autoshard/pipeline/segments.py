@@ -36,6 +36,8 @@ class Segment:
     state_bytes: float  # parameters, gradients and AdamW states
     act_bytes: float  # what one micro-batch's forward hands to its backward
     out_bytes: float  # sent to the next segment per micro-batch (0 for the last)
+    input_s: float = 0.0  # of micro_s, the backward the segment before it waits for
+    weight_s: float = 0.0  # of micro_s, the backward only the weights' gradients wait for
 
 
 @dataclass(frozen=True)
@@ -80,10 +82,20 @@ def plan_segments(
     found = segment_map if segment_map is not None else segments_of(sp)
     where, prefix, n = found.where, found.prefix, found.n
     of = lambda name: where[name]  # noqa: E731
-    micro, step, state, act = Counter(), Counter(), Counter(), Counter()
+    micro, step, state, act, inputs, weights = Counter(), Counter(), Counter(), Counter(), Counter(), Counter()
+    backward = {n.name for n in graph.nodes if n.op == "call_function" and graph.is_backward(n)}
+    deferrable = _deferrable(sp, where)
+
+    def per_micro(name: str, seconds: float) -> None:
+        micro[of(name)] += seconds
+        if name in deferrable or name.startswith("sink:grad:"):
+            weights[of(name)] += seconds
+        elif name in backward:
+            inputs[of(name)] += seconds
+
     for name, seconds in plan.node_compute_s.items():
         if name != LOSS_SINK:
-            micro[of(name)] += seconds
+            per_micro(name, seconds)
     from_params = {node.name for node in graph.from_params} | {node.name for node in graph.params.values()}
     held_copies: set[tuple[str, object]] = set()  # (producer, layout): one held copy each
     for r in plan.redistributions:
@@ -101,9 +113,9 @@ def plan_segments(
             )
         elif r.held:
             step[of(r.consumer)] += r.cost_s
-            micro[of(r.consumer)] += (runs - 1) * r.cost_s
+            per_micro(r.consumer, (runs - 1) * r.cost_s)
         else:
-            micro[of(r.consumer)] += runs * r.cost_s
+            per_micro(r.consumer, runs * r.cost_s)
     choice = plan.solution.choice
     for name, row in sp.optimizer_s.items():
         step[of(name)] += row[choice[name]]
@@ -122,10 +134,31 @@ def plan_segments(
             state[i],
             act[i],
             sent.get(i, 0.0),
+            inputs[i],
+            weights[i],
         )
         for i in range(n + 2)
     )
     return Segments(prefix, items)
+
+
+def _deferrable(sp: ShardingProblem, where: dict[str, int]) -> set[str]:
+    """The backward nodes from which no path leads to the backward of an earlier segment: the
+    work of a segment's backward that no earlier stage waits for (its weights' gradients), what
+    a zero-bubble schedule runs apart (`program.weights`)."""
+    graph = sp.graph
+    earliest: dict[fx.Node, float] = {}  # per node, the earliest segment of a backward node it reaches
+    found: set[str] = set()
+    for n in reversed(graph.nodes):
+        reach = math.inf
+        for u in n.users:
+            reach = min(reach, earliest.get(u, math.inf))
+            if u.op == "call_function" and graph.is_backward(u) and u.name in where:
+                reach = min(reach, where[u.name])
+        earliest[n] = reach
+        if n.op == "call_function" and graph.is_backward(n) and n.name in where and reach >= where[n.name]:
+            found.add(n.name)
+    return found
 
 
 def _local_bytes(layout, shape, mesh_shape, itemsize: int) -> float:

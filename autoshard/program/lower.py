@@ -43,6 +43,7 @@ from autoshard.program.modules import AWAIT, LOCAL_SHAPE, Redistribute
 from autoshard.program.random import RandomStream, SeededOp, draws, shard_key
 from autoshard.program.schedule import StepModel, model_step
 from autoshard.program.split import split
+from autoshard.program.weights import Halves
 from autoshard.strategies.call import OpCall
 
 aten = torch.ops.aten
@@ -117,6 +118,7 @@ class Program:
     held: HeldBackward | None = None  # lowered to accumulate gradients over micro-batches
     grad_names: list[str] = field(default_factory=list)  # the trained parameters, in `param_names` order
     input_grads: list[int] = field(default_factory=list)  # the inputs whose gradients the backward returns
+    halves: Halves | None = None  # lowered for a zero-bubble schedule: the backward's input and weight halves
 
     def step_s(self, micro_batches: int = 1) -> float:
         """Modeled seconds of an optimizer step of `micro_batches` micro-batches, on streams:
@@ -134,15 +136,43 @@ class Program:
             raise ValueError("the program was not lowered to accumulate gradients (accumulate=True)")
         return self.held.graph
 
+    @property
+    def backward_input(self) -> fx.GraphModule:
+        return self._halves.input
+
+    @property
+    def backward_weight(self) -> fx.GraphModule:
+        return self._halves.weight
+
+    @property
+    def backward_weight_held(self) -> fx.GraphModule:
+        held = self._halves.weight_held
+        if held is None:
+            raise ValueError("the program was not lowered to accumulate gradients (accumulate=True)")
+        return held
+
+    @property
+    def _halves(self) -> Halves:
+        if self.halves is None:
+            raise ValueError("the program was not lowered with its backward in halves (apart=True)")
+        return self.halves
+
 
 def lower(
-    plan: Plan, mesh: Any, prefetch: int = 1, bucket_bytes: float = DEFAULT_BUCKET_BYTES, accumulate: bool = False
+    plan: Plan,
+    mesh: Any,
+    prefetch: int = 1,
+    bucket_bytes: float = DEFAULT_BUCKET_BYTES,
+    accumulate: bool = False,
+    apart: bool = False,
 ) -> Program:
     """The per-rank program of `plan` on `mesh` (a DeviceMesh of the plan's mesh shape). Bucketed
     collectives run `prefetch` blocks (gathers) or buckets (reductions) ahead of their use
     (`buckets.overlap`); 0 waits on each at once.
     Gradient all-reduces are bucketed up to `bucket_bytes` each (DDP's bucket_cap_mb).
-    `accumulate`: also the backward that holds gradient all-reduces for a later micro-batch."""
+    `accumulate`: also the backward that holds gradient all-reduces for a later micro-batch.
+    `apart`: also the backward in an input and a weight half (`weights.py`), for a pipeline stage
+    under a zero-bubble schedule."""
     if prefetch < 0:
         raise ValueError(f"prefetch must be >= 0, got {prefetch}")
     if not bucket_bytes > 0:
@@ -160,7 +190,7 @@ def lower(
     joint, modules = _local_joint_graph(plan, mesh, stream)
     held = hold_reductions(plan, joint, modules) if accumulate else None
     bucket(plan, joint, modules, mesh, bucket_bytes)
-    forward, backward, backward_held = split(plan, joint, modules, prefetch, held)
+    forward, backward, backward_held, halves = split(plan, joint, modules, prefetch, held, apart)
     graph = plan.graph
     inputs = [(tuple(n.meta["val"].shape), lay) for n, lay in zip(graph.inputs, plan.input_layouts)]
     held_backward = None
@@ -185,6 +215,7 @@ def lower(
         held_backward,
         graph.trained,
         list(graph.input_grads),
+        halves,
     )
 
 

@@ -18,16 +18,23 @@ from autoshard.problem.plan import Plan
 from autoshard.program.accumulate import ACCUMULATOR, HeldReductions, held_outputs, prune
 from autoshard.program.buckets import overlap
 from autoshard.program.modules import AWAIT, LOCAL_SHAPE, AwaitBucket, Bucket
+from autoshard.program.weights import Halves, halves, subgraph
 
 
 def split(
-    plan: Plan, joint: fx.Graph, modules: dict[str, nn.Module], prefetch: int, held: HeldReductions | None = None
-) -> tuple[fx.GraphModule, fx.GraphModule, fx.GraphModule | None]:
-    """(forward, backward, and with `held` reductions the backward that returns their sums
-    instead, else None): forward = the loss and everything it depends on; backward = every other
-    node. Values of a recomputed block (`plan.recompute_blocks`) that the backward reads are not
-    handed over but computed again in the backward, from the block's inputs, just before their
-    first use there. Each bucket is launched `prefetch` buckets ahead of its wait."""
+    plan: Plan,
+    joint: fx.Graph,
+    modules: dict[str, nn.Module],
+    prefetch: int,
+    held: HeldReductions | None = None,
+    apart: bool = False,
+) -> tuple[fx.GraphModule, fx.GraphModule, fx.GraphModule | None, Halves | None]:
+    """(forward, backward, with `held` reductions the backward that returns their sums instead,
+    with `apart` the backward's input and weight halves (`weights.py`)): forward = the loss and
+    everything it depends on; backward = every other node. Values of a recomputed block
+    (`plan.recompute_blocks`) that the backward reads are not handed over but computed again in
+    the backward, from the block's inputs, just before their first use there. Each bucket is
+    launched `prefetch` buckets ahead of its wait."""
     output = next(iter(reversed(joint.nodes)))
     loss, *grads = output.args[0]
     tangents = set(plan.graph.tangents)
@@ -42,7 +49,7 @@ def split(
     saved_set = _handed_over(needed, recomputed, [*(a for n in backward_nodes for a in n.all_input_nodes), *grads])
     saved = [n for n in primal_inputs + forward_nodes if n in saved_set]
 
-    fwd = _subgraph(primal_inputs, forward_nodes, [loss, *saved])
+    fwd = subgraph(primal_inputs, forward_nodes, [loss, *saved])
     bwd = _backward_graph(saved, tangent_inputs, backward_nodes, grads, recomputed, modules, plan.recomputed)
     graphs = [fwd, bwd]
     if held is not None:
@@ -51,14 +58,33 @@ def split(
             _backward_graph(saved, tangent_inputs, backward_nodes, outputs, recomputed, modules, plan.recomputed)
         )
         prune(graphs[-1])
+    names = ["AutoshardForward", "AutoshardBackward"] + ["AutoshardHeldBackward"] * (held is not None)
+    handed = 0
+    if apart:
+        trained = plan.graph.trained
+        whole = _backward_graph(
+            saved,
+            tangent_inputs,
+            backward_nodes,
+            grads + (held.sums if held else []),
+            recomputed,
+            modules,
+            plan.recomputed,
+        )
+        positions = None if held is None else [i for i, fqn in enumerate(trained) if fqn in held.params]
+        cut = halves(whole, len(trained), len(grads) - len(trained), positions)
+        graphs += cut
+        names += ["AutoshardInputBackward", "AutoshardWeightBackward", "AutoshardHeldWeightBackward"][: len(cut)]
+        handed = len(next(iter(reversed(cut[0].nodes))).args[0]) - (len(grads) - len(trained))
     modules[AWAIT] = AwaitBucket()
     for g in graphs:
         overlap(g, modules, prefetch)
-    forward, backward, *rest = (
-        tc.lazy_graph_module({k: modules[k] for k in _used_modules(g)}, g, name)
-        for g, name in zip(graphs, ("AutoshardForward", "AutoshardBackward", "AutoshardHeldBackward"))
-    )
-    return forward, backward, rest[0] if rest else None
+    made = [tc.lazy_graph_module({k: modules[k] for k in _used_modules(g)}, g, n) for g, n in zip(graphs, names)]
+    forward, backward = made[:2]
+    backward_held = made[2] if held is not None else None
+    parts = made[3:] if held is not None else made[2:]
+    both = Halves(parts[0], parts[1], parts[2] if len(parts) > 2 else None, handed) if apart else None
+    return forward, backward, backward_held, both
 
 
 def _forward_values(loss: fx.Node, modules: dict[str, nn.Module]) -> set[fx.Node]:
@@ -185,16 +211,3 @@ def _backward_graph(
 
 def _used_modules(graph: fx.Graph) -> list[str]:
     return list(dict.fromkeys(n.target for n in graph.find_nodes(op="call_module")))
-
-
-def _subgraph(inputs: list[fx.Node], nodes: list[fx.Node], outputs: list[fx.Node]) -> fx.Graph:
-    g = fx.Graph()
-    env: dict[fx.Node, fx.Node] = {}
-    for n in inputs:
-        env[n] = g.placeholder(n.name)
-        env[n].meta.update(n.meta)
-    for n in nodes:
-        env[n] = g.node_copy(n, env.__getitem__)
-    g.output(tuple(env[n] for n in outputs))
-    g.lint()
-    return g

@@ -32,7 +32,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import time
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -87,6 +87,18 @@ class _JointStep(torch.autograd.Function):
         )
 
 
+_PHASES = ("forward", "backward", "backward_held", "backward_input", "backward_weight", "backward_weight_held")
+
+
+@dataclass
+class _Deferred:
+    """A weight half waiting to run: what its input half handed over, its forward in `no_sync()`?"""
+
+    handed: list[torch.Tensor]
+    holding: bool
+    device: torch.device
+
+
 @dataclass
 class CompileStats:
     """One phase's first compiled run, which traces and compiles it, then runs it once."""
@@ -128,9 +140,10 @@ class ParallelModule(nn.Module):
         object.__setattr__(self, "_template", template)  # kept out of the module tree
         object.__setattr__(self, "program", program)
         program.random.seed = seed
-        self._checked = {"forward": False, "backward": False, "backward_held": False}
+        self._checked = dict.fromkeys(_PHASES, False)
         self._holding = False  # inside `no_sync()`
         self._accumulated: list[torch.Tensor] | None = None  # the held reductions' sums so far
+        self._deferred: list[_Deferred] = []  # weight halves not yet run (a zero-bubble stage's)
         self.compiled = compile  # (`compile` is nn.Module's method)
         self.compile_stats: dict[str, CompileStats] = {}
         object.__setattr__(self, "_compiled", {})  # phase -> torch.compile'd program half
@@ -353,30 +366,61 @@ class ParallelModule(nn.Module):
     def _backward(
         self, saved: list, grad_loss: torch.Tensor, holding: bool
     ) -> tuple[list[torch.Tensor | None], list[torch.Tensor]]:
-        """One backward: a gradient per parameter in `param_names` order, None for a frozen one;
-        `holding` (its forward ran inside `no_sync()`), the held ones are None too (their sums
-        stay here). Then the gradients of the inputs in `program.input_grads` (a pipeline stage's)."""
+        """One backward: a gradient per parameter (`param_names` order; None: frozen, or held when
+        `holding`), then those of the inputs in `program.input_grads` (a pipeline stage's). A
+        program in halves runs its input half: no gradient until `deferred_weights()` runs."""
+        if self.program.halves is not None:
+            out = self._run("backward_input", (*saved, grad_loss))
+            n_inputs = len(self.program.input_grads)
+            self._deferred.append(_Deferred(list(out[n_inputs:]), holding, grad_loss.device))
+            return [None] * len(self.program.param_names), list(out[:n_inputs])
+        return self._reduced("backward", "backward_held", (*saved, grad_loss), holding, grad_loss.device)
+
+    def deferred_weights(self) -> Callable[[], None]:
+        """The newest backward's weight half (adding into `.grad`), to run when a zero-bubble
+        schedule says: torch `PipelineStage`'s `dw_builder`."""
+        work = self._deferred[-1]
+        return lambda: self._weights(work)
+
+    @torch.no_grad()
+    def _weights(self, work: _Deferred) -> None:
+        self._deferred.remove(work)
+        if not work.holding and any(w.holding for w in self._deferred):
+            raise RuntimeError("autoshard: a weight half reduced the gradients before a held one ran")
+        grads, _ = self._reduced(
+            "backward_weight", "backward_weight_held", tuple(work.handed), work.holding, work.device
+        )
+        for fqn, g in zip(self.program.param_names, grads):
+            if g is None:
+                continue
+            if (p := self._tensor(fqn)).grad is None:
+                p.grad = tc.dtensor_like(p, g)
+            else:
+                tc.local_of(p.grad).add_(g)
+
+    def _reduced(
+        self, phase: str, held_phase: str, args: tuple, holding: bool, device: torch.device
+    ) -> tuple[list[torch.Tensor | None], list[torch.Tensor]]:
+        """`phase` (or, `holding`, `held_phase`) on `args` and the held reductions' sums: the
+        parameters' gradients (None for frozen and held ones), then what else it returns."""
         held = self.program.held
         n_grads = len(self.program.grad_names)
         if held is None:
-            out = self._run("backward", (*saved, grad_loss))
+            out = self._run(phase, args)
             return self._by_param(out[:n_grads]), list(out[n_grads:])
         sums = self._accumulated
         if sums is None:
-            sums = [a.zeros(grad_loss.device) for a in held.accumulators]
+            sums = [a.zeros(device) for a in held.accumulators]
         if not holding:
             self._accumulated = None
-            out = self._run("backward", (*saved, grad_loss, *sums))
+            out = self._run(phase, (*args, *sums))
             return self._by_param(out[:n_grads]), list(out[n_grads:])
-        out = self._run("backward_held", (*saved, grad_loss, *sums))
+        out = self._run(held_phase, (*args, *sums))
         kept = len(out) - len(sums)
         self._accumulated = list(out[kept:])
-        grads: list[torch.Tensor | None] = [None] * n_grads
         skip = set(held.params)
         others = iter(out[: n_grads - len(skip)])
-        for i in range(len(grads)):
-            if i not in skip:
-                grads[i] = next(others)
+        grads = [None if i in skip else next(others) for i in range(n_grads)]
         return self._by_param(grads), list(out[n_grads - len(skip) : kept])
 
     def _by_param(self, grads) -> list[torch.Tensor | None]:
@@ -436,14 +480,17 @@ def parallelize(
     compile: bool = False,
     seed: int = 0,
     accumulate: bool = False,
+    apart: bool = False,
 ) -> ParallelModule:
     """The parallel module of `plan` on `mesh`; values are copied from `model` unless it is on meta.
     Bucketed collectives run up to `prefetch` buckets ahead (0: each waited on where it is launched);
     gradient all-reduces run in buckets of at most `bucket_bytes`. `accumulate=True`: its
     `no_sync()` holds gradient all-reduces for the last of several micro-batches.
     `compile=True`: its program runs through torch.compile from the second step on. `seed`: what
-    its random ops (dropout) draw from, the same on every rank (`autoshard.program.random`)."""
-    program = lower(plan, mesh, prefetch, bucket_bytes, accumulate)
+    its random ops (dropout) draw from, the same on every rank (`autoshard.program.random`).
+    `apart`: its backward runs in two halves, the weights' when `deferred_weights()` says (a
+    pipeline stage under a zero-bubble schedule)."""
+    program = lower(plan, mesh, prefetch, bucket_bytes, accumulate, apart)
     pmodel = ParallelModule(plan, mesh, model, program, compile=compile, seed=seed)
     params = dict(model.named_parameters()) | dict(model.named_buffers())
     if not any(t.is_meta for t in params.values()):
