@@ -7,8 +7,9 @@ Same model (llama3-debug with 8 blocks), init, data, micro-batches and AdamW set
 times (3) interleaved round by round, a trainer's figure that of its median run (tokens/s over
 the steps after the first 3). autoshard's modeled step (the cpu and cpu-gloo presets) is set
 beside its measured one. Trainers: `autoshard` (the planner's choice), `autoshard-1F1B` (the
-best 1F1B pipeline the search priced), `autoshard-even` (torchtitan's even cut under the chosen
-schedule, planned and run by autoshard) and `torch`; each is set beside the last named.
+best 1F1B pipeline the search priced; likewise `autoshard-InterleavedZeroBubble`, and with
+`x1` appended its best with one stage per rank), `autoshard-even` (torchtitan's even cut under
+the chosen schedule, planned and run by autoshard) and `torch`; each is set beside the last named.
 `--vocab 32768` gives the model a head that outweighs a block, where the planner's cut should
 beat the even one. `--dp 1` runs pp 2 alone on 2 processes, a core each.
 
@@ -31,6 +32,14 @@ from pathlib import Path
 from benchmarks.launch import ROOT, rank_env, torchrun
 
 TRAINERS = ("autoshard", "torch")
+WORKERS = (
+    "autoshard",
+    "autoshard-even",
+    "autoshard-1F1B",
+    "autoshard-InterleavedZeroBubble",
+    "autoshard-InterleavedZeroBubblex1",
+    "torch",
+)
 WARMUP = 3
 
 
@@ -125,7 +134,8 @@ def _by_hand(cfg, mesh, args):
 
 def _autoshard(cfg, mesh, args, which: str):
     """`which`: "" the planner's choice, "even" torchtitan's even cut under the same schedule,
-    "1F1B" the best 1F1B pipeline the search priced."""
+    a schedule's name ("1F1B", "InterleavedZeroBubble", or "InterleavedZeroBubblex1" with that
+    many stages per rank) the best pipeline the search priced under it."""
     import torch
 
     from autoshard.driver.config import PlanConfig
@@ -144,7 +154,10 @@ def _autoshard(cfg, mesh, args, which: str):
         model, inputs, config, batch=args.batch, loss_fn=cross_entropy_loss, micro_batches=[args.micro_batches]
     )
     ranked = [result.best, *result.others]
-    chosen = {"": result.best, "even": result.even}.get(which) or next(p for p in ranked if p.schedule.name == which)
+    name, _, virtual = which.partition("x")  # e.g. InterleavedZeroBubblex1: that schedule with 1 stage per rank
+    chosen = {"": result.best, "even": result.even}.get(which) or next(
+        p for p in ranked if p.schedule.name == name and (not virtual or p.schedule.virtual == int(virtual))
+    )
     run = apply_pipeline(model, result, mesh, inputs, pipeline=chosen)
     run.load_each(build_model(cfg, seed=0).initial_values(0))
 
@@ -162,6 +175,9 @@ def _autoshard(cfg, mesh, args, which: str):
 
 def run(args: argparse.Namespace) -> dict:
     trainers = args.trainers.split(",")
+    unknown = [t for t in trainers if t not in WORKERS]
+    if unknown or len(trainers) < 2:
+        sys.exit(f"error: --trainers takes two or more of {', '.join(WORKERS)}, got {args.trainers}")
     runs: dict[str, list[dict]] = {t: [] for t in trainers}
     passed = ["--layers", str(args.layers), "--vocab", str(args.vocab), "--batch", str(args.batch)]
     passed += [
@@ -213,13 +229,9 @@ def run(args: argparse.Namespace) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument(
-        "--worker", choices=("autoshard", "autoshard-even", "autoshard-1F1B", "torch"), help=argparse.SUPPRESS
-    )
+    parser.add_argument("--worker", choices=WORKERS, help=argparse.SUPPRESS)
     parser.add_argument("--out", help="the JSON result (default: print it)")
-    parser.add_argument(
-        "--trainers", default=",".join(TRAINERS), help="two of autoshard, autoshard-even, autoshard-1F1B, torch"
-    )
+    parser.add_argument("--trainers", default=",".join(TRAINERS), help=f"two or more of {', '.join(WORKERS)}")
     parser.add_argument("--dp", type=int, default=2, help="the dp dim's size: the mesh is (pp 2, dp DP)")
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--vocab", type=int, default=2048)
