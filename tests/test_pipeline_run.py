@@ -167,3 +167,14 @@ def test_a_hugging_face_pipeline_and_the_chosen_one_train_as_one_device_does():
         if case["loss"] is not None:
             assert case["loss"] == pytest.approx(case["expected"], rel=1e-5)
     assert sum(r["planned"]["loss"] is not None for r in ranks) == 2  # the two ranks of the last stage
+
+
+def test_a_pending_weight_half_is_found_by_identity():
+    """A zero-bubble schedule may run the weight halves in another order than their backwards:
+    finding one among the pending compares nothing but identity (not the tensors it holds)."""
+    from autoshard.runtime.module import _Deferred
+
+    first, second = (_Deferred([torch.ones(3)], True, torch.device("cpu")) for _ in range(2))
+    pending = [first, second]
+    pending.remove(second)
+    assert pending[0] is first and len(pending) == 1
