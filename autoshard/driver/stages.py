@@ -210,7 +210,8 @@ def pipeline_run(
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
     looped, zero_bubble = schedule.startswith("Interleaved"), schedule == "InterleavedZeroBubble"
-    if len(stages) % ranks or (len(stages) != ranks and not looped) or (len(stages) == ranks and looped > zero_bubble):
+    one_each = len(stages) == ranks
+    if len(stages) % ranks or (not one_each and not looped) or (one_each and looped and not zero_bubble):
         runs = "one or more stages" if zero_bubble else "several stages" if looped else "one stage"
         raise ValueError(f"{schedule} runs {runs} per pp rank: {len(stages)} stages on {ranks} pp ranks")
     names = mesh.mesh_dim_names

@@ -60,6 +60,8 @@ class SegmentMap:
     where: dict[str, int]
     prefix: str  # the cut block list's, e.g. "layers"
     n: int  # its blocks
+    backward: frozenset[str]  # the backward's ops
+    deferrable: frozenset[str]  # of them, those only the weights' gradients wait for (`_deferrable`)
 
 
 def plan_segments(
@@ -83,14 +85,12 @@ def plan_segments(
     where, prefix, n = found.where, found.prefix, found.n
     of = lambda name: where[name]  # noqa: E731
     micro, step, state, act, inputs, weights = Counter(), Counter(), Counter(), Counter(), Counter(), Counter()
-    backward = {n.name for n in graph.nodes if n.op == "call_function" and graph.is_backward(n)}
-    deferrable = _deferrable(sp, where)
 
     def per_micro(name: str, seconds: float) -> None:
         micro[of(name)] += seconds
-        if name in deferrable or name.startswith("sink:grad:"):
+        if name in found.deferrable or name.startswith("sink:grad:"):
             weights[of(name)] += seconds
-        elif name in backward:
+        elif name in found.backward:
             inputs[of(name)] += seconds
 
     for name, seconds in plan.node_compute_s.items():
@@ -142,7 +142,7 @@ def plan_segments(
     return Segments(prefix, items)
 
 
-def _deferrable(sp: ShardingProblem, where: dict[str, int]) -> set[str]:
+def _deferrable(sp: ShardingProblem, where: dict[str, int]) -> frozenset[str]:
     """The backward nodes from which no path leads to the backward of an earlier segment: the
     work of a segment's backward that no earlier stage waits for (its weights' gradients), what
     a zero-bubble schedule runs apart (`program.weights`)."""
@@ -158,7 +158,7 @@ def _deferrable(sp: ShardingProblem, where: dict[str, int]) -> set[str]:
         earliest[n] = reach
         if n.op == "call_function" and graph.is_backward(n) and n.name in where and reach >= where[n.name]:
             found.add(n.name)
-    return found
+    return frozenset(found)
 
 
 def _local_bytes(layout, shape, mesh_shape, itemsize: int) -> float:
@@ -220,7 +220,8 @@ def segments_of(sp: ShardingProblem) -> SegmentMap:
     for fqn, node in graph.params.items():
         if grad_sink(fqn) in sp.fx_nodes:
             where[grad_sink(fqn)] = where[node.name]
-    return SegmentMap(where, prefix, n)
+    backward = frozenset(node.name for node in nodes if node.op == "call_function" and graph.is_backward(node))
+    return SegmentMap(where, prefix, n, backward, _deferrable(sp, where))
 
 
 def _boundary_bytes(plan: Plan, sp: ShardingProblem, where: dict[str, int]) -> dict[int, float]:

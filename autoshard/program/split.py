@@ -58,8 +58,7 @@ def split(
             _backward_graph(saved, tangent_inputs, backward_nodes, outputs, recomputed, modules, plan.recomputed)
         )
         prune(graphs[-1])
-    names = ["AutoshardForward", "AutoshardBackward"] + ["AutoshardHeldBackward"] * (held is not None)
-    handed = 0
+    cut: list[fx.Graph] = []
     if apart:
         trained = plan.graph.trained
         whole = _backward_graph(
@@ -73,17 +72,19 @@ def split(
         )
         positions = None if held is None else [i for i, fqn in enumerate(trained) if fqn in held.params]
         cut = halves(whole, len(trained), len(grads) - len(trained), positions)
-        graphs += cut
-        names += ["AutoshardInputBackward", "AutoshardWeightBackward", "AutoshardHeldWeightBackward"][: len(cut)]
-        handed = len(next(iter(reversed(cut[0].nodes))).args[0]) - (len(grads) - len(trained))
     modules[AWAIT] = AwaitBucket()
-    for g in graphs:
+    for g in graphs + cut:
         overlap(g, modules, prefetch)
-    made = [tc.lazy_graph_module({k: modules[k] for k in _used_modules(g)}, g, n) for g, n in zip(graphs, names)]
-    forward, backward = made[:2]
-    backward_held = made[2] if held is not None else None
-    parts = made[3:] if held is not None else made[2:]
-    both = Halves(parts[0], parts[1], parts[2] if len(parts) > 2 else None, handed) if apart else None
+
+    def module(g: fx.Graph, name: str) -> fx.GraphModule:
+        return tc.lazy_graph_module({k: modules[k] for k in _used_modules(g)}, g, name)
+
+    forward, backward = module(graphs[0], "AutoshardForward"), module(graphs[1], "AutoshardBackward")
+    backward_held = module(graphs[2], "AutoshardHeldBackward") if held is not None else None
+    both = None
+    if apart:
+        weight_held = module(cut[2], "AutoshardHeldWeightBackward") if held is not None else None
+        both = Halves(module(cut[0], "AutoshardInputBackward"), module(cut[1], "AutoshardWeightBackward"), weight_held)
     return forward, backward, backward_held, both
 
 

@@ -30,7 +30,6 @@ class Halves:
     input: fx.GraphModule
     weight: fx.GraphModule
     weight_held: fx.GraphModule | None
-    handed: int  # values `input` hands to `weight`
 
 
 def halves(backward: fx.Graph, n_params: int, n_inputs: int, held: list[int] | None) -> list[fx.Graph]:
