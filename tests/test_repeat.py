@@ -111,6 +111,33 @@ def test_with_a_frozen_embedding_blocks_1_to_3_are_the_pattern(n_layers, caplog)
     assert "tok_embeddings.weight" not in unrolled.grads and len(unrolled.grads) == len(unrolled.params) - 1
 
 
+@pytest.mark.parametrize(
+    "start, stop", [pytest.param(0, 5, marks=pytest.mark.slow), (2, 7), pytest.param(3, 9, marks=pytest.mark.slow)]
+)
+def test_a_pipeline_stage_unrolls_its_numbered_blocks(start, stop, caplog):
+    """A stage keeps the whole model's block names (a ModuleDict `layers.2` .. `layers.6`): it is
+    traced from three of its blocks like a whole model, and the graph is its full trace's, input
+    gradient included."""
+    from autoshard.capture.precision import Precision
+
+    stage = tiny(9).pipeline_stage(start, stop)
+    tokens = torch.zeros(2, 16, dtype=torch.int64)
+    args = stage.example_inputs(tokens, tokens, torch.float32)
+    step = lambda module, *xs: module(*xs)  # noqa: E731
+
+    def seen(graph):
+        position = {n: i for i, n in enumerate(graph.nodes)}
+        return canonical(graph), {k: position[n] for k, n in graph.input_grads.items()}, list(graph.params)
+
+    with caplog.at_level(logging.INFO, logger=LOG), contextlib.ExitStack() as stack:
+        unrolled = seen(trace_step(stage, step, args, stack, stage=True))
+    assert f"traced 3 of the {stop - start} blocks of layers" in caplog.text
+    with contextlib.ExitStack() as stack:
+        assert unrolled == seen(trace_joint(stage, step, args, stack, Precision(), True))
+    assert unrolled[2] == [name for name, _ in stage.named_parameters()]
+    assert bool(unrolled[1]) == (start > 0)  # a later stage sends its input's gradient back
+
+
 class Scaled(nn.Module):
     """A block whose constant depends on its depth: not a repeat of its neighbours."""
 
@@ -186,6 +213,10 @@ def test_which_lists_unroll():
     assert repeated_block_list(mixed) is None
     shared = nn.Linear(8, 8)
     assert repeated_block_list(Stack([nn.Sequential(shared, nn.ReLU()) for _ in range(5)])) is None
+    stage = tiny(9).pipeline_stage(2, 7)
+    assert repeated_block_list(stage)[::2] == ("layers", 2)  # numbered from its first block
+    stage.layers = nn.ModuleDict({k: stage.layers[k] for k in ("2", "3", "5", "6")})  # a gap
+    assert repeated_block_list(stage) is None
 
 
 @pytest.mark.slow

@@ -138,8 +138,9 @@ def non_persistent_buffer_names(module: torch.nn.Module) -> set[str]:
 
 
 @contextlib.contextmanager
-def truncated_module_list(blocks: torch.nn.ModuleList, keep: int) -> Iterator[None]:
-    """Temporarily keep only the first `keep` entries of `blocks`, the same objects (no copies)."""
+def truncated_module_list(blocks: torch.nn.Module, keep: int) -> Iterator[None]:
+    """Temporarily keep only the first `keep` entries of `blocks` (a ModuleList or ModuleDict),
+    the same objects (no copies)."""
     saved = blocks._modules
     blocks._modules = dict(list(saved.items())[:keep])
     try:

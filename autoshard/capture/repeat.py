@@ -2,7 +2,8 @@
 
 Tracing costs about 1-2 ms per op on fake tensors, and llama3-8b's 32 identical blocks make 7,400
 ops: most of planning time. So the step is traced with the model's longest list of identical
-blocks cut to its first three. Block 1 then has a block on both sides, so its ops (forward and
+blocks cut to its first three (a `ModuleList`, or a `ModuleDict` numbered in order from any
+block: a pipeline stage's `layers.40` .. `layers.47`). Block 1 then has a block on both sides, so its ops (forward and
 backward) show how one middle block connects to its neighbours; copies of block 1 are spliced in
 as blocks 2..N-2 and traced block 2 becomes block N-1. The result is the graph a full trace gives.
 
@@ -57,7 +58,7 @@ def trace_step(
     stage's step (`trace_joint`)."""
     found = repeated_block_list(model) if unroll else None
     if found is not None:
-        prefix, blocks = found
+        prefix, blocks, start = found
         # Block 0 may differ from the rest (a frozen embedding before it: no gradient flows into
         # it), so when the first three do not repeat, blocks 1-3 are tried as the pattern.
         why = None
@@ -69,7 +70,7 @@ def trace_step(
             try:
                 with tc.truncated_module_list(blocks, traced), length_guarded(blocks, prefix):
                     short = trace_joint(model, step_fn, example_args, cut_stack, precision, stage)
-                graph = unroll_blocks(short, prefix, len(blocks), first)
+                graph = unroll_blocks(short, prefix, start + len(blocks), start + first)
             except NotRepeating as err:
                 cut_stack.close()
                 why = why or str(err)
@@ -120,14 +121,18 @@ def length_guarded(blocks: nn.ModuleList, prefix: str) -> Iterator[None]:
 
 
 # ------------------------------------------------------------------------------ finding blocks
-def repeated_block_list(model: nn.Module) -> tuple[str, nn.ModuleList] | None:
-    """The `ModuleList` of >= 4 structurally identical, buffer-free blocks holding the most
-    parameters, with its module path; None if there is none."""
-    best, best_size = None, 0
+def repeated_block_list(model: nn.Module) -> tuple[str, nn.Module, int] | None:
+    """The list of >= 4 structurally identical, buffer-free blocks holding the most parameters,
+    with its module path and its first block's number; None if there is none. A list is a
+    `ModuleList`, or a `ModuleDict` whose keys number its blocks in order from any start (a
+    pipeline stage keeping the whole model's names: `layers.40` .. `layers.47`)."""
+    best: tuple[str, nn.Module, int] | None = None
+    best_size = 0
     for path, module in model.named_modules():
-        if not path or not isinstance(module, nn.ModuleList) or len(module) < MIN_BLOCKS:
+        start = _first_number(module)
+        if not path or start is None or len(module) < MIN_BLOCKS:
             continue
-        children = list(module)
+        children = list(module.children())
         if len({_structure(child) for child in children}) != 1 or any(True for c in children for _ in c.buffers()):
             continue
         ids = [id(p) for child in children for p in child.parameters()]
@@ -135,7 +140,7 @@ def repeated_block_list(model: nn.Module) -> tuple[str, nn.ModuleList] | None:
             continue
         size = sum(p.numel() for child in children for p in child.parameters())
         if best is None or size > best_size:
-            best, best_size = (path, module), size
+            best, best_size = (path, module, start), size
     if best is not None:
         inside = {id(p) for p in best[1].parameters()}
         outside = [
@@ -146,6 +151,17 @@ def repeated_block_list(model: nn.Module) -> tuple[str, nn.ModuleList] | None:
         if outside:  # tied to a parameter outside the list
             return None
     return best
+
+
+def _first_number(module: nn.Module) -> int | None:
+    """0 for a `ModuleList`; for a `ModuleDict` keyed by consecutive numbers, the first; else None."""
+    if isinstance(module, nn.ModuleList):
+        return 0
+    if not isinstance(module, nn.ModuleDict) or not module or not all(k.isdecimal() for k in module.keys()):
+        return None
+    keys = list(module.keys())
+    start = int(keys[0])
+    return start if keys == [str(n) for n in range(start, start + len(keys))] else None
 
 
 def _structure(block: nn.Module) -> tuple:
