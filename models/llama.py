@@ -249,7 +249,9 @@ class TransformerStage(nn.Module):
         """What this stage takes for a micro-batch of `tokens` and `targets` (shapes are what
         matter): the tokens, or the hidden states in `dtype` (requiring a gradient, which goes
         back to the previous stage); and the targets when it is the last."""
-        x = tokens if self.first else torch.empty(*tokens.shape, self.cfg.dim, dtype=dtype, requires_grad=True)
+        x = tokens
+        if not self.first:
+            x = torch.empty(*tokens.shape, self.cfg.dim, dtype=dtype, device=tokens.device, requires_grad=True)
         return (x, targets) if self.last else (x,)
 
     def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:

@@ -264,3 +264,33 @@ def test_free_parameters_that_overfill_a_stage_skip_their_recomputed_solve():
     free = (None, _segments(8, state=10.0))  # an even share of 2 stages: 4 blocks, 40 bytes of state
     assert _holds_too_much(free, 2, 39.0) and not _holds_too_much(free, 2, 40.0)
     assert not _holds_too_much(None, 2, 0.0)  # no free plan: nothing to judge by
+
+
+def test_stage_dry_runs_in_worker_processes_measure_what_one_process_does(monkeypatch):
+    """`plan`'s stage dry runs run side by side in forkserver workers: each distinct stage's
+    estimate is the one its planning and dry run give in this process."""
+    from autoshard.driver import stage_memory
+
+    model = build_model(get_config("llama3-debug"), device="meta")
+    inputs = lambda rows: (torch.zeros(rows, 64, dtype=torch.int64, device="meta"),) * 2  # noqa: E731
+    config = PlanConfig(mesh=(2, 2), mesh_names=("pp", "dp"), device_profile="cpu", network="cpu-gloo")
+    with fake_process_group(2):
+        result = plan_pipeline(model, inputs, config, batch=4, loss_fn=cross_entropy_loss)
+        stage_memory.start_workers()
+        chosen = stage_memory.ChosenStages(model, result, inputs, result.best)
+        monkeypatch.setattr(stage_memory, "_cores", lambda: 2)
+        apart = stage_memory.dry_run_stages(chosen)
+        assert not chosen._planned  # planned in the workers, not here
+        monkeypatch.setattr(stage_memory, "_cores", lambda: 1)
+        here = stage_memory.dry_run_stages(chosen)
+    assert apart.plans == here.plans >= 2  # the embedding's stage and the head's differ
+    assert [s.estimate for s in apart.stages] == [s.estimate for s in here.stages]
+    assert all(s.estimate.peak_bytes > 0 for s in here.stages)
+
+
+def test_a_later_stage_takes_hidden_states_on_the_tokens_device():
+    """Meta tokens give meta hidden states: a 405B stage's example input is never allocated."""
+    stage = build_model(get_config("llama3-405b"), device="meta").pipeline_stage(40, 48)
+    tokens = torch.zeros(16, 8192, dtype=torch.int64, device="meta")
+    (hidden,) = stage.example_inputs(tokens, tokens, torch.bfloat16)
+    assert hidden.device.type == "meta" and hidden.shape == (16, 8192, 16384) and hidden.requires_grad

@@ -304,6 +304,10 @@ def _run_pipeline(workload, config: PlanConfig, args, out: Path, extra: dict) ->
     from autoshard.report.text import explain_lines, summary_lines
 
     log.info("planning a pipeline: %s on mesh %s, batch %d, seq %d", workload.name, config.mesh, args.batch, args.seq)
+    if args.dry_run:
+        from autoshard.driver.stage_memory import start_workers
+
+        start_workers()  # the stages' dry runs fork from it later: it imports while the search runs
     model = workload.build("meta")
     inputs = lambda rows: workload.example_inputs(rows, args.seq, "meta")  # noqa: E731
     if args.explain is not None:  # a name no stage holds fails now, not after the search

@@ -95,7 +95,9 @@ class DecoderStage(nn.Module):
 
     def example_inputs(self, tokens: torch.Tensor, targets: torch.Tensor, dtype: torch.dtype) -> tuple:
         """What this stage takes for a micro-batch (`Transformer`'s stages take the same)."""
-        x = tokens if self.first else torch.empty(*tokens.shape, self.dim, dtype=dtype, requires_grad=True)
+        x = tokens
+        if not self.first:
+            x = torch.empty(*tokens.shape, self.dim, dtype=dtype, device=tokens.device, requires_grad=True)
         return (x, targets) if self.last else (x,)
 
     def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> Any:
