@@ -178,6 +178,12 @@ from autoshard._torch_compat.optim import (
 from autoshard._torch_compat.optim import (
     clip_shards_ as clip_shards_,
 )
+from autoshard._torch_compat.pipelining import (
+    Order as Order,
+)
+from autoshard._torch_compat.pipelining import (
+    schedule_order as schedule_order,
+)
 from autoshard._torch_compat.runtime import (
     DispatchMode as DispatchMode,
 )

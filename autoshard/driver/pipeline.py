@@ -18,6 +18,7 @@ peak; `driver.stage_memory` dry-runs the chosen pipeline's stages afterwards.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 import time
@@ -29,6 +30,7 @@ import torch
 from torch import nn
 
 import autoshard_solver as solver
+from autoshard import _torch_compat as tc
 from autoshard.driver import limits
 from autoshard.driver.api import AutoShard
 from autoshard.driver.config import PlanConfig
@@ -151,7 +153,8 @@ def plan_pipeline(
     timings = {"stages": time.perf_counter() - start}
     start = time.perf_counter()
     by_count = {m: (batch // m, {f: s for (c, f), s in segments.items() if c == m}) for m in counts}
-    ranked = search(by_count, schedules(ranks), ranks, link, bound)
+    orders = functools.cache(_torch_order)
+    ranked = search(by_count, schedules(ranks), ranks, link, bound, orders)
     timings["search"] = time.perf_counter() - start
     log.info("autoshard: pipeline search took %.2f s", timings["search"])
     if not ranked:
@@ -162,8 +165,13 @@ def plan_pipeline(
         )
     best = ranked[0]
     rows, families = by_count[best.micro_batches]
-    even = even_cut(families, best.schedule, Run(ranks, best.micro_batches, rows, link, bound))
+    even = even_cut(families, best.schedule, Run(ranks, best.micro_batches, rows, link, bound), orders)
     return PipelinePlan(config, batch, best, _runners_up(ranked), even, plans, segments, timings)
+
+
+def _torch_order(schedule: Schedule, ranks: int, micro_batches: int) -> tc.Order | None:
+    """torch's order of each rank's work under `schedule`, where its class keeps one."""
+    return tc.schedule_order(schedule.torch_class, ranks, schedule.virtual, micro_batches)
 
 
 def _runners_up(ranked: list[Pipeline]) -> list[Pipeline]:

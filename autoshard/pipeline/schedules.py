@@ -13,11 +13,20 @@ adds t_j - d_j to the bubble, d_j = W + min(W, B) (`search.Stage.deferred_s`; B,
 chunk before waits for), so (P - 1)(F + B - W) for even stages against 1F1B's (P - 1)(F + B +
 W), and never less than the forward that fills the pipeline; it holds no more activations than
 1F1B (a warm-up of P - 1 - r).
+
+Those formulas price each cut in the search. The schedules that interleave chunks order each
+rank's work in ways a formula follows only roughly when micro-batches are few (torch's
+InterleavedZeroBubble with 2 chunks per rank and as many micro-batches as ranks runs a rank's
+first chunk's backward last), so a searched pipeline is then priced by `timeline_s`: torch's own
+order of each rank's work, each piece started once the piece it waits for is done.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+
+Action = tuple[str, int, int]  # F, B, I or W (backward halves: input, weights); chunk; micro-batch
 
 
 @dataclass(frozen=True)
@@ -84,3 +93,43 @@ def schedules(ranks: int, max_virtual: int = 2) -> list[Schedule]:
     interleaved = [Schedule("Interleaved1F1B", v) for v in range(2, max_virtual + 1)]
     zero_bubble = [Schedule("InterleavedZeroBubble", v) for v in range(1, max_virtual + 1)]
     return [Schedule("1F1B"), *interleaved, *zero_bubble, Schedule("GPipe")]
+
+
+def timeline_s(
+    order: Sequence[Sequence[Action]], forward_s: Sequence[float], input_s: Sequence[float], weight_s: Sequence[float]
+) -> float:
+    """The step's time when each pp rank runs its actions in `order` one after another, each
+    starting once its rank is free and what it waits for is done: a forward, the chunk before's
+    forward of that micro-batch; a backward or its input half, the chunk's own forward and the
+    next chunk's input half (the gradient it sends back); a weight half, its input half. A full
+    backward takes both halves' time. Per chunk: `forward_s` (its sends included), `input_s`
+    and `weight_s`."""
+    last = len(forward_s) - 1
+    done: dict[tuple[str, int, int], float] = {}
+    clock = [0.0] * len(order)
+    at = [0] * len(order)
+    while True:
+        moved = False
+        for rank, actions in enumerate(order):
+            while at[rank] < len(actions):
+                kind, chunk, micro = actions[at[rank]]
+                if kind == "F":
+                    needs = [("F", chunk - 1, micro)] if chunk > 0 else []
+                    took = forward_s[chunk]
+                elif kind in ("B", "I"):
+                    needs = [("F", chunk, micro)] + ([("I", chunk + 1, micro)] if chunk < last else [])
+                    took = input_s[chunk] + (weight_s[chunk] if kind == "B" else 0.0)
+                else:
+                    needs, took = [("I", chunk, micro)], weight_s[chunk]
+                if any(need not in done for need in needs):
+                    break
+                start = max([clock[rank], *(done[need] for need in needs)])
+                clock[rank] = start + took
+                done[("I" if kind == "B" else kind, chunk, micro)] = clock[rank]
+                at[rank] += 1
+                moved = True
+        if not moved:
+            break
+    if any(a < len(actions) for a, actions in zip(at, order)):
+        raise ValueError("the schedule's order waits on work it never runs")
+    return max(clock)

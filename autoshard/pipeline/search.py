@@ -17,10 +17,10 @@ search fast at 126 blocks and 16 chunks; a cut more uneven than that is not sear
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Callable, Mapping, Sequence
 
-from autoshard.pipeline.schedules import Schedule
+from autoshard.pipeline.schedules import Action, Schedule, timeline_s
 from autoshard.pipeline.segments import Segments
 
 
@@ -77,6 +77,9 @@ class Pipeline:
     micro_batches: int
     rows: int  # rows (sequences) of one micro-batch, over the whole sub-mesh
     stages: tuple[Stage, ...]
+    # torch's order of each rank's work under this schedule (`schedules.timeline_s`), where the
+    # step is priced by it rather than by the schedule's formula
+    order: tuple[tuple[Action, ...], ...] | None = field(default=None, repr=False)
 
     @property
     def rank_micro_s(self) -> list[float]:
@@ -84,6 +87,9 @@ class Pipeline:
 
     @property
     def pipelined_s(self) -> float:
+        if self.order is not None:
+            forward = [s.micro_s - s.input_s - s.weight_s for s in self.stages]
+            return timeline_s(self.order, forward, [s.input_s for s in self.stages], [s.weight_s for s in self.stages])
         micro, deferred = [s.micro_s for s in self.stages], [s.deferred_s for s in self.stages]
         return self.schedule.step_s(micro, self.ranks, self.micro_batches, deferred)
 
@@ -126,10 +132,10 @@ class _Prices:
             if segs.n_blocks != self.n:
                 raise ValueError(f"family {name}: {segs.n_blocks} blocks, others {self.n}")
             table = []
-            for field in ("micro_s", "step_s", "state_bytes", "act_bytes", "input_s", "weight_s"):
+            for column in ("micro_s", "step_s", "state_bytes", "act_bytes", "input_s", "weight_s"):
                 acc = [0.0]
                 for seg in segs.items[1:-1]:
-                    acc.append(acc[-1] + getattr(seg, field))
+                    acc.append(acc[-1] + getattr(seg, column))
                 table.append(acc)
             self.sums[name] = table
 
@@ -297,9 +303,14 @@ def best_cut(families: Mapping[str, Segments], schedule: Schedule, run: Run) -> 
     return _Cuts(_Prices(families, run.link), schedule, run).best()
 
 
-def even_cut(families: Mapping[str, Segments], schedule: Schedule, run: Run) -> Pipeline | None:
+Orders = Callable[[Schedule, int, int], tuple[tuple[Action, ...], ...] | None]  # (schedule, ranks, m) -> order
+
+
+def even_cut(
+    families: Mapping[str, Segments], schedule: Schedule, run: Run, orders: Orders | None = None
+) -> Pipeline | None:
     """torchtitan's even split priced the same way (None when some chunk fits in no family)."""
-    return _Cuts(_Prices(families, run.link), schedule, run).even()
+    return _timed(_Cuts(_Prices(families, run.link), schedule, run).even(), orders)
 
 
 def search(
@@ -308,15 +319,26 @@ def search(
     ranks: int,
     link: Link,
     limit: float,
+    orders: Orders | None = None,
 ) -> list[Pipeline]:
     """Every (micro-batch count, schedule) that torch runs and some cut fits, each with its best
-    cut, fastest first. `by_micro_batches`: micro-batch count -> (rows per micro-batch, families)."""
+    cut, fastest first. `by_micro_batches`: micro-batch count -> (rows per micro-batch, families).
+    `orders(schedule, ranks, m)`: torch's order of each rank's work, where it keeps one; the cut
+    found by the schedule's formula is then priced by that order (`schedules.timeline_s`)."""
     found = []
     for m, (rows, families) in by_micro_batches.items():
         prices = _Prices(families, link)  # shared by the schedules
         for schedule in schedules:
             if schedule.refuses(ranks, m) is None:
-                cut = _Cuts(prices, schedule, Run(ranks, m, rows, link, limit)).best()
+                cut = _timed(_Cuts(prices, schedule, Run(ranks, m, rows, link, limit)).best(), orders)
                 if cut is not None:
                     found.append(cut)
     return sorted(found, key=lambda p: (p.step_time_s, p.peak_bytes))
+
+
+def _timed(pipeline: Pipeline | None, orders: Orders | None) -> Pipeline | None:
+    """`pipeline` priced by torch's order of its schedule, where there is one."""
+    if pipeline is None or orders is None:
+        return pipeline
+    order = orders(pipeline.schedule, pipeline.ranks, pipeline.micro_batches)
+    return pipeline if order is None else replace(pipeline, order=order)
