@@ -3,9 +3,10 @@
 Tracing costs about 1-2 ms per op on fake tensors, and llama3-8b's 32 identical blocks make 7,400
 ops: most of planning time. So the step is traced with the model's longest list of identical
 blocks cut to its first three (a `ModuleList`, or a `ModuleDict` numbered in order from any
-block: a pipeline stage's `layers.40` .. `layers.47`). Block 1 then has a block on both sides, so its ops (forward and
-backward) show how one middle block connects to its neighbours; copies of block 1 are spliced in
-as blocks 2..N-2 and traced block 2 becomes block N-1. The result is the graph a full trace gives.
+block: a pipeline stage's `layers.40` .. `layers.47`). Block 1 then has a block on both sides,
+so its ops (forward and backward) show how one middle block connects to its neighbours; copies
+of block 1 are spliced in as blocks 2..N-2 and traced block 2 becomes block N-1. The result is
+the graph a full trace gives.
 
 Checked before unrolling: block 2 repeats block 1 exactly as block 1 repeats block 0 (same ops,
 shapes, constants, wiring one block further on), nothing outside the blocks reads block 1, and

@@ -10,8 +10,10 @@ whole model on the stage sub-mesh: free, fully sharded, with or without recomput
 the memory limit, so one stage may keep its activations while the first, which holds the most
 micro-batches, recomputes them. The program minimizes the step's value over prefixes of chunks
 (`Schedule.step_s` with each chunk's own time standing in for its rank's), then the chosen cut
-is priced exactly. Chunks hold at most twice the even share of blocks plus two, which keeps the
-search fast at 126 blocks and 16 chunks; a cut more uneven than that is not searched.
+is priced exactly: by the formula, or where torch's schedule keeps an order of every rank's work
+(the interleaved ones), by that order (`schedules.timeline_s`). Chunks hold at most twice the
+even share of blocks plus two, which keeps the search fast at 126 blocks and 16 chunks; a cut
+more uneven than that is not searched.
 """
 
 from __future__ import annotations
