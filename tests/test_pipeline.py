@@ -353,3 +353,31 @@ def test_the_search_prices_the_benchmarks_pipelines_by_torchs_order():
     two = next(p for p in result.others if p.schedule == Schedule("InterleavedZeroBubble", 2))
     formula = dataclasses.replace(two, order=None)
     assert formula.step_time_s < best.step_time_s < two.step_time_s
+
+
+def test_an_hf_decoders_stages_dry_run_in_worker_processes(tmp_path, capsys, caplog, monkeypatch):
+    """The workers are other processes: an HF stage registers there the attention implementation
+    of ours its layers look up (without it the dry run raised a KeyError from transformers)."""
+    import logging
+
+    import transformers
+
+    from autoshard.__main__ import main
+    from autoshard.driver import stage_memory
+
+    transformers.LlamaConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=False,
+    ).save_pretrained(tmp_path / "model")
+    monkeypatch.setattr(stage_memory, "_cores", lambda: 2)
+    argv = ["plan", "--model", f"hf:{tmp_path / 'model'}", "--mesh", "2x2", "--mesh-names", "pp,dp"]
+    with caplog.at_level(logging.INFO, logger="autoshard"):
+        assert main([*argv, "--batch", "4", "--seq", "32", "--out", str(tmp_path / "out")]) == 0
+    assert "at a time in worker processes" in caplog.text and "dry-run peak" in capsys.readouterr().out
+    entry = json.loads((tmp_path / "out" / "plan.json").read_text())["pipeline"]
+    assert entry["dry_run_programs"] >= 2 and all(s["dry_run_bytes"] > 0 for s in entry["stages"])

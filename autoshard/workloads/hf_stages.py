@@ -21,7 +21,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from autoshard.workloads.hf import CAUSAL_SDPA, full_causal_attention
+from autoshard.workloads.hf import CAUSAL_SDPA, causal_sdpa, full_causal_attention
+from autoshard.workloads.hf_experts import ROUTED, routed_experts_implementation
 
 LAYOUT = ("embed_tokens", "layers", "norm", "rotary_emb")
 
@@ -77,6 +78,10 @@ class DecoderStage(nn.Module):
             )
         self.start, self.stop, self.n_layers = start, stop, n
         self.dim = hf_model.config.hidden_size
+        self.implementations = (  # what its layers look up in transformers' registries as they run
+            getattr(hf_model.config, "_attn_implementation", None),
+            getattr(hf_model.config, "_experts_implementation", None),
+        )
         self.model = nn.Module()  # the model's own names: model.layers.5...., lm_head.weight
         if start == 0:
             self.model.embed_tokens = inner.embed_tokens
@@ -84,6 +89,16 @@ class DecoderStage(nn.Module):
         self.model.rotary_emb = inner.rotary_emb
         if stop == n:
             self.model.norm, self.lm_head = inner.norm, hf_model.lm_head
+
+    def __setstate__(self, state: dict) -> None:
+        """Unpickled in another process (`plan`'s dry-run workers), the stage registers there the
+        attention and experts implementations of ours its layers run."""
+        super().__setstate__(state)
+        attention, experts = self.implementations
+        if attention == CAUSAL_SDPA:
+            causal_sdpa()
+        if experts == ROUTED:
+            routed_experts_implementation()
 
     @property
     def first(self) -> bool:
